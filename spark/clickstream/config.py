@@ -1,0 +1,162 @@
+"""The one configuration object, built once at the edge (CLI, DAG task, spark-submit entry point).
+
+Every setting comes from an environment variable (``CLICKSTREAM_*`` and ``KAFKA_BOOTSTRAP_SERVERS``)
+and can be overridden by a CLI flag of the same name. Defaults live here and only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+from clickstream.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VAR = REPO_ROOT / "var"
+
+KafkaSourceKind = Literal["python", "native"]
+DeltaEngineKind = Literal["deltalake", "delta-spark"]
+
+# Environment variable name for each field; one place, used by the CLI and the docs.
+ENV_NAMES: dict[str, str] = {
+    "warehouse": "CLICKSTREAM_WAREHOUSE",
+    "home": "CLICKSTREAM_HOME",
+    "landing": "CLICKSTREAM_LANDING",
+    "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
+    "session_gap_minutes": "CLICKSTREAM_SESSION_GAP",
+    "watermark_delay_minutes": "CLICKSTREAM_WATERMARK_DELAY",
+    "events_topic": "CLICKSTREAM_EVENTS_TOPIC",
+    "sessions_topic": "CLICKSTREAM_SESSIONS_TOPIC",
+    "attributions_topic": "CLICKSTREAM_ATTRIBUTIONS_TOPIC",
+    "kafka_source": "CLICKSTREAM_KAFKA_SOURCE",
+    "delta_engine": "CLICKSTREAM_DELTA_ENGINE",
+    "spark_master": "CLICKSTREAM_SPARK_MASTER",
+    "shuffle_partitions": "CLICKSTREAM_SHUFFLE_PARTITIONS",
+    "max_events_per_trigger": "CLICKSTREAM_MAX_EVENTS_PER_TRIGGER",
+    "trigger_interval_seconds": "CLICKSTREAM_TRIGGER_INTERVAL",
+    "kafka_options": "CLICKSTREAM_KAFKA_OPTIONS",
+}
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
+_UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
+
+
+def parse_minutes(text: str, name: str) -> float:
+    """Parse ``"30"`` (minutes), ``"45s"``, ``"1.5h"``, ``"500ms"`` into minutes."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ConfigError(
+            f"{name}={text!r} is not a duration; use minutes (30) or a unit: 500ms, 45s, 30m, 2h"
+        )
+    minutes = float(match.group(1)) * _UNIT_MINUTES[match.group(2)]
+    if minutes <= 0:
+        raise ConfigError(f"{name}={text!r} must be greater than zero")
+    return minutes
+
+
+def parse_options(text: str, name: str) -> dict[str, str]:
+    """Parse ``"a=1,b=2"`` into a mapping of extra librdkafka settings."""
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{name}: {item!r} is not key=value (example: linger.ms=5,acks=all)")
+        options[key.strip()] = value.strip()
+    return options
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one run. Paths are absolute; durations carry their unit in the name."""
+
+    warehouse: Path = DEFAULT_VAR / "warehouse"
+    home: Path = DEFAULT_VAR / "home"
+    landing: Path = DEFAULT_VAR / "landing"
+    kafka_bootstrap_servers: str = "127.0.0.1:9092"
+    session_gap_minutes: float = 30.0
+    watermark_delay_minutes: float = 10.0
+    events_topic: str = "events"
+    sessions_topic: str = "sessions"
+    attributions_topic: str = "attributions"
+    kafka_source: KafkaSourceKind = "python"
+    delta_engine: DeltaEngineKind = "deltalake"
+    spark_master: str = "local[*]"
+    shuffle_partitions: int = 4
+    max_events_per_trigger: int = 200_000
+    trigger_interval_seconds: float = 2.0
+    kafka_options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
+        _check_choice("delta_engine", self.delta_engine, DeltaEngineKind)
+        for name in ("shuffle_partitions", "max_events_per_trigger"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {getattr(self, name)}")
+        for name in ("warehouse", "home", "landing"):
+            object.__setattr__(self, name, Path(getattr(self, name)).expanduser().resolve())
+
+    @property
+    def session_gap_ms(self) -> int:
+        return round(self.session_gap_minutes * 60_000)
+
+    @property
+    def watermark_delay_ms(self) -> int:
+        return round(self.watermark_delay_minutes * 60_000)
+
+    def table_path(self, table: str) -> Path:
+        """Folder of one Delta table under the warehouse."""
+        return self.warehouse / table
+
+    def checkpoint_path(self, job: str) -> Path:
+        """Spark checkpoint folder of one streaming job under the product's home."""
+        return self.home / "checkpoints" / job
+
+    def replace(self, **changes: object) -> Config:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: object
+    ) -> Config:
+        """Build from ``CLICKSTREAM_*`` variables; non-None ``overrides`` (CLI flags) win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for name, var in ENV_NAMES.items():
+            if var in env and env[var] != "":
+                values[name] = _convert(name, env[var], var)
+        for name, value in overrides.items():
+            if name not in ENV_NAMES:
+                raise ConfigError(f"unknown setting {name!r}; known: {', '.join(ENV_NAMES)}")
+            if value is not None:
+                values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _convert(name: str, raw: object, source: str) -> object:
+    if not isinstance(raw, str):
+        return raw
+    if name in ("session_gap_minutes", "watermark_delay_minutes"):
+        return parse_minutes(raw, source)
+    if name == "trigger_interval_seconds":
+        return parse_minutes(raw if raw.strip()[-1:].isalpha() else raw + "s", source) * 60
+    if name in ("shuffle_partitions", "max_events_per_trigger"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r} is not an integer") from None
+    if name == "kafka_options":
+        return parse_options(raw, source)
+    return raw
+
+
+def _check_choice(name: str, value: str, kind: object) -> None:
+    accepted = get_args(kind)
+    if value not in accepted:
+        raise ConfigError(
+            f"{ENV_NAMES[name]}={value!r} is not accepted; use one of: {', '.join(accepted)}"
+        )

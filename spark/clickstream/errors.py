@@ -1,0 +1,43 @@
+"""Every failure the product raises on purpose.
+
+Messages say what failed, on which object, how many, the first cause, and what a retry does.
+Bad stream records are never exceptions: they become quarantine rows.
+"""
+
+from __future__ import annotations
+
+
+class ClickstreamError(Exception):
+    """Raised for any failure the product detects itself; the CLI prints it as one line."""
+
+
+class ConfigError(ClickstreamError):
+    """Raised when a setting is missing, malformed or outside its accepted values."""
+
+
+class BrokerError(ClickstreamError):
+    """Raised when the embedded broker cannot start, or a topic cannot be created on it."""
+
+
+class BrokerUnavailableError(ClickstreamError):
+    """Raised when Kafka cannot be reached after the configured retries."""
+
+
+class DataLossError(ClickstreamError):
+    """Raised when records the product has not consumed yet are gone from the broker."""
+
+
+class DeliveryError(ClickstreamError):
+    """Raised when records could not be delivered to Kafka after retries."""
+
+
+class CommitConflictError(ClickstreamError):
+    """Raised when a Delta commit still conflicts after every retry."""
+
+
+class BatchRefusedError(ClickstreamError):
+    """Raised when a historical batch is refused as a whole (path, schema or client mismatch)."""
+
+
+class QualityGateFailedError(ClickstreamError):
+    """Raised when a data-quality gate fails and its step must not write anything."""

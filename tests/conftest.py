@@ -1,0 +1,34 @@
+"""Shared fixtures: one SparkSession per test run, a Config rooted in a temp folder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clickstream.config import Config
+
+
+@pytest.fixture(scope="session")
+def spark_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
+    root = tmp_path_factory.mktemp("spark")
+    return Config(home=root / "home", warehouse=root / "warehouse", landing=root / "landing",
+                  spark_master="local[2]", shuffle_partitions=2)
+
+
+@pytest.fixture(scope="session")
+def spark(spark_config: Config) -> Iterator[object]:
+    from clickstream.spark_session import build_spark
+
+    session = build_spark(spark_config, "clickstream-tests")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    """A fresh warehouse/home/landing per test."""
+    return Config(home=tmp_path / "home", warehouse=tmp_path / "warehouse",
+                  landing=tmp_path / "landing", spark_master="local[2]", shuffle_partitions=2,
+                  trigger_interval_seconds=0.5)
