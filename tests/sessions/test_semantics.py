@@ -2,97 +2,112 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
-
-from hypothesis import given
+import pandas as pd
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clickstream.sessions.semantics import (
-    Order,
-    Pageview,
-    add_pageviews,
-    attribute_orders,
+    ORDER_COLUMNS,
+    PAGEVIEW_COLUMNS,
+    closed_sessions,
+    next_wakeup,
     session_id,
     sessionize,
-    split_closed,
-    split_final_orders,
 )
 
 GAP = 30 * 60_000
 
 
-def pv(event_id: str, ts_ms: int, url: str | None = None) -> Pageview:
-    return Pageview(event_id, ts_ms, url or f"/{event_id}")
+def pageviews(*rows: tuple) -> pd.DataFrame:
+    """Rows of (event_id, ts_ms) or (event_id, ts_ms, user_id) for client c."""
+    data = [("c", r[2] if len(r) > 2 else "u", r[0], r[1], f"/{r[0]}") for r in rows]
+    return pd.DataFrame(data, columns=PAGEVIEW_COLUMNS).astype({"ts_ms": "int64"})
 
 
-def spans(sessions) -> list[tuple[int, int, int]]:
-    return [(s.start_ms, s.end_ms, s.pageview_count) for s in sessions]
+def orders(*rows: tuple) -> pd.DataFrame:
+    """Rows of (order_id, ts_ms, amount_e4)."""
+    data = [("c", "u", r[0], r[1], r[2], "EUR") for r in rows]
+    return pd.DataFrame(data, columns=ORDER_COLUMNS).astype({"ts_ms": "int64",
+                                                             "amount_e4": "int64"})
+
+
+NO_ORDERS = orders()
+
+
+def spans(result) -> list[tuple[int, int, int]]:
+    frame = result.sessions.sort_values(["user_id", "start_ms"])
+    return list(zip(frame.start_ms, frame.end_ms, frame.pageview_count, strict=True))
 
 
 def test_gap_exactly_starts_a_new_session() -> None:
-    sessions = add_pageviews([], [pv("a", 0), pv("b", GAP)], GAP)
-    assert spans(sessions) == [(0, 0, 1), (GAP, GAP, 1)]
+    assert spans(sessionize(pageviews(("a", 0), ("b", GAP)), NO_ORDERS, GAP)) == [
+        (0, 0, 1), (GAP, GAP, 1)]
 
 
 def test_gap_minus_one_ms_extends_the_session() -> None:
-    sessions = add_pageviews([], [pv("a", 0), pv("b", GAP - 1)], GAP)
-    assert spans(sessions) == [(0, GAP - 1, 2)]
+    assert spans(sessionize(pageviews(("a", 0), ("b", GAP - 1)), NO_ORDERS, GAP)) == [
+        (0, GAP - 1, 2)]
 
 
 def test_backward_extension_moves_start_and_id() -> None:
-    first = add_pageviews([], [pv("b", 10 * 60_000)], GAP)
-    extended = add_pageviews(first, [pv("a", 0)], GAP)
-    assert spans(extended) == [(0, 10 * 60_000, 2)]
-    assert extended[0].landing.event_id == "a"
-    assert session_id("c", "u", 0) != session_id("c", "u", 10 * 60_000)
+    before = sessionize(pageviews(("b", 600_000)), NO_ORDERS, GAP)
+    after = sessionize(pageviews(("b", 600_000), ("a", 0)), NO_ORDERS, GAP)
+    assert spans(after) == [(0, 600_000, 2)]
+    assert after.sessions.landing_url[0] == "/a"
+    assert before.sessions.session_id[0] != after.sessions.session_id[0]
+    assert after.sessions.session_id[0] == session_id("c", "u", 0)
 
 
 def test_late_event_merges_two_sessions() -> None:
-    two = add_pageviews([], [pv("a", 0), pv("c", 2 * GAP - 2)], GAP)
-    assert len(two) == 2
-    merged = add_pageviews(two, [pv("b", GAP - 1)], GAP)
+    two = sessionize(pageviews(("a", 0), ("c", 2 * GAP - 2)), NO_ORDERS, GAP)
+    assert len(two.sessions) == 2
+    merged = sessionize(pageviews(("a", 0), ("c", 2 * GAP - 2), ("b", GAP - 1)), NO_ORDERS, GAP)
     assert spans(merged) == [(0, 2 * GAP - 2, 3)]
-    assert (merged[0].landing.url, merged[0].exit.url) == ("/a", "/c")
+    assert (merged.sessions.landing_url[0], merged.sessions.exit_url[0]) == ("/a", "/c")
 
 
 def test_equal_timestamps_order_by_event_id() -> None:
-    sessions = add_pageviews([], [pv("z", 5), pv("m", 5)], GAP)
-    assert (sessions[0].landing.event_id, sessions[0].exit.event_id) == ("m", "z")
+    result = sessionize(pageviews(("z", 5), ("m", 5)), NO_ORDERS, GAP)
+    assert (result.sessions.landing_url[0], result.sessions.exit_url[0]) == ("/m", "/z")
 
 
-def test_duplicate_pageview_changes_nothing() -> None:
-    once = add_pageviews([], [pv("a", 0), pv("b", 60_000)], GAP)
-    again = add_pageviews(once, [pv("a", 0), pv("b", 60_000)], GAP)
-    assert again == once
+def test_duplicates_count_once() -> None:
+    result = sessionize(pageviews(("a", 0), ("a", 0), ("b", 60_000)),
+                        orders(("o", 1, 5), ("o", 1, 5)), GAP)
+    assert spans(result) == [(0, 60_000, 2)]
+    assert result.sessions.order_count[0] == 1
 
 
 def test_order_exactly_at_end_plus_gap_is_unattributed() -> None:
-    sessions = add_pageviews([], [pv("a", 0), pv("b", 60_000)], GAP)
-    inside = Order("o1", 60_000 + GAP - 1, Decimal("10.50"))
-    outside = Order("o2", 60_000 + GAP, Decimal("3"))
-    before = Order("o3", -1, Decimal("1"))
-    attributed, unattributed = attribute_orders(sessions, [inside, outside, before], GAP)
-    assert [o.order_id for o in attributed[0].orders] == ["o1"]
-    assert attributed[0].revenue == Decimal("10.50")
-    assert sorted(o.order_id for o in unattributed) == ["o2", "o3"]
+    result = sessionize(
+        pageviews(("a", 0), ("b", 60_000)),
+        orders(("inside", 60_000 + GAP - 1, 105_000), ("outside", 60_000 + GAP, 30_000),
+               ("before", -1, 10_000)),
+        GAP,
+    )
+    by_order = dict(zip(result.attributions.order_id, result.attributions.session_id,
+                        strict=True))
+    assert by_order["inside"] == result.sessions.session_id[0]
+    assert by_order["outside"] is None and by_order["before"] is None
+    assert (result.sessions.order_count[0], result.sessions.revenue_e4[0]) == (1, 105_000)
 
 
 def test_orders_do_not_move_boundaries() -> None:
-    sessions, _ = sessionize([pv("a", 0)], [Order("o", 60_000, Decimal("1"))], GAP)
-    assert spans(sessions) == [(0, 0, 1)]
-    assert sessions[0].order_count == 1
+    result = sessionize(pageviews(("a", 0)), orders(("o", 60_000, 1)), GAP)
+    assert spans(result) == [(0, 0, 1)]
+    assert result.sessions.order_count[0] == 1
+
+
+def test_orders_of_other_users_are_not_attributed() -> None:
+    result = sessionize(pageviews(("a", 0, "other")), orders(("o", 10, 1)), GAP)
+    assert result.attributions.session_id[0] is None
 
 
 def test_session_closes_when_watermark_reaches_end_plus_gap() -> None:
-    sessions = add_pageviews([], [pv("a", 0)], GAP)
-    assert split_closed(sessions, GAP - 1, GAP) == ([], sessions)
-    assert split_closed(sessions, GAP, GAP) == (sessions, [])
-
-
-def test_pending_order_is_final_once_watermark_passes_it() -> None:
-    order = Order("o", 100, Decimal("1"))
-    assert split_final_orders([order], 99) == ([], [order])
-    assert split_final_orders([order], 100) == ([order], [])
+    sessions = sessionize(pageviews(("a", 0)), NO_ORDERS, GAP).sessions
+    assert not closed_sessions(sessions, GAP - 1, GAP)[0]
+    assert closed_sessions(sessions, GAP, GAP)[0]
+    assert next_wakeup(sessions, orders(("o", 5, 1)), GAP) == 5
 
 
 def test_session_id_is_deterministic_and_distinct_per_user() -> None:
@@ -101,20 +116,38 @@ def test_session_id_is_deterministic_and_distinct_per_user() -> None:
     assert len(session_id("c", "u", 1)) == 32
 
 
-timestamps = st.integers(min_value=0, max_value=6 * GAP)
+def test_pageview_session_is_aligned_to_the_input() -> None:
+    frame = pageviews(("b", GAP * 3), ("a", 0))
+    result = sessionize(frame, NO_ORDERS, GAP)
+    assert list(result.pageview_session) == [session_id("c", "u", GAP * 3),
+                                             session_id("c", "u", 0)]
 
 
-@given(st.lists(timestamps, max_size=30), st.randoms(use_true_random=False))
-def test_incremental_folding_equals_from_scratch(ts_list: list[int], rnd) -> None:
-    """Any split of the pageviews into arrival batches gives the from-scratch sessions."""
-    pageviews = [pv(f"e{i}", ts) for i, ts in enumerate(ts_list)]
-    expected, _ = sessionize(pageviews, [], GAP)
-    shuffled = pageviews + pageviews[: len(pageviews) // 3]  # with duplicates
-    rnd.shuffle(shuffled)
-    sessions: list = []
-    while shuffled:
-        take = rnd.randint(1, len(shuffled))
-        sessions = add_pageviews(sessions, shuffled[:take], GAP)
-        shuffled = shuffled[take:]
-    assert spans(sessions) == spans(expected)
-    assert [(s.landing, s.exit) for s in sessions] == [(s.landing, s.exit) for s in expected]
+def naive_sessions(ts_by_user: dict[str, list[int]]) -> list[tuple[str, int, int, int]]:
+    """Straightforward reference: sort, split on gap."""
+    out = []
+    for user, values in ts_by_user.items():
+        values = sorted(values)
+        start = prev = values[0]
+        count = 1
+        for ts in values[1:]:
+            if ts - prev >= GAP:
+                out.append((user, start, prev, count))
+                start, count = ts, 0
+            prev = ts
+            count += 1
+        out.append((user, start, prev, count))
+    return sorted(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("uvw"), st.integers(0, 8 * GAP)), max_size=40))
+def test_matches_a_straightforward_reference(events: list[tuple[str, int]]) -> None:
+    frame = pageviews(*((f"e{i}", ts, user) for i, (user, ts) in enumerate(events)))
+    result = sessionize(frame, NO_ORDERS, GAP)
+    by_user: dict[str, list[int]] = {}
+    for user, ts in events:
+        by_user.setdefault(user, []).append(ts)
+    got = sorted(zip(result.sessions.user_id, result.sessions.start_ms, result.sessions.end_ms,
+                     result.sessions.pageview_count, strict=True))
+    assert got == (naive_sessions(by_user) if events else [])

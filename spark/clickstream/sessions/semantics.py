@@ -1,210 +1,173 @@
 """Session semantics: the one definition, shared by the stream and the batch recompute.
 
-Pure Python: no pyspark, kafka or deltalake imports. Spark applies these functions through two
-adapters (``stream_adapter`` for the streaming stateful processor, ``batch_adapter`` for the
-recompute); a property test proves both give the same sessions.
+Pure and vectorised (pandas/numpy only; no pyspark, kafka or deltalake imports), so Spark can
+apply it to whole Arrow batches of many users at once. Two adapters use it: the stream's
+stateful processor (``stream_adapter``) and the batch recompute (``batch_adapter``); a
+property test proves they agree.
 
 Rules (../shared/BRIEF.md, "Session semantics"):
   per (client_id, user_id), pageviews ordered by ``ts``; a new session starts when the gap to
   the previous pageview is >= the session gap. An order belongs to the session of the same user
   with ``session_start <= order.ts < session_end + gap``, else it is unattributed.
 
-Known edge cases, cited inline as (E1)..(E6):
-  E1. Pageviews with equal ``ts``: ordered by ``event_id`` so landing/exit URLs are deterministic.
+Known edge cases, cited inline as (E1)..(E7):
+  E1. Pageviews with equal ``ts`` are ordered by ``event_id`` so landing/exit URLs are
+      deterministic.
   E2. A gap of exactly ``gap_ms`` starts a new session; ``gap_ms - 1`` extends the current one.
-  E3. A pageview earlier than a session's start extends it backwards (and changes its id, since
-      the id is derived from the start).
+  E3. A pageview earlier than a session's start extends it backwards; the session id, derived
+      from the start, changes with it.
   E4. A pageview between two sessions closer than ``gap_ms`` to both merges them into one.
   E5. The attribution windows ``[start, end + gap)`` of one user's sessions never overlap
       (consecutive sessions are >= gap apart), so an order has at most one session.
-  E6. A duplicate pageview (same ``event_id``) or order (same ``order_id``) changes nothing;
-      the first one seen wins.
+  E6. Duplicates (same ``event_id`` / ``order_id``) count once; the first occurrence wins.
+  E7. A session is final once the watermark reaches ``end + gap``, and an uncovered order once
+      the watermark reaches its ``ts``: no later on-time pageview (ts > watermark) can touch
+      them. Later changes are the recompute's job.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from decimal import Decimal
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
 
 SESSION_ID_VERSION = "v1"
+AMOUNT_SCALE = 10_000  # amounts travel as exact integers of 1/10000 (DECIMAL(20,4))
 
-
-@dataclass(frozen=True, slots=True)
-class Pageview:
-    """One valid pageview of a user; ``ts_ms`` is the event's own time in epoch milliseconds."""
-
-    event_id: str
-    ts_ms: int
-    url: str | None = None
-
-    @property
-    def sort_key(self) -> tuple[int, str]:
-        return (self.ts_ms, self.event_id)  # (E1)
-
-
-@dataclass(frozen=True, slots=True)
-class Order:
-    """One order of a user; ``amount`` is exact (parsed from a decimal string)."""
-
-    order_id: str
-    ts_ms: int
-    amount: Decimal
-    currency: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Session:
-    """A session under construction or complete; ``event_ids`` let the stream drop duplicates."""
-
-    start_ms: int
-    end_ms: int
-    pageview_count: int
-    landing: Pageview
-    exit: Pageview
-    event_ids: frozenset[str] = field(default_factory=frozenset)
-    orders: tuple[Order, ...] = ()
-
-    @property
-    def order_count(self) -> int:
-        return len(self.orders)
-
-    @property
-    def revenue(self) -> Decimal:
-        return sum((order.amount for order in self.orders), Decimal(0))
-
-    def covers(self, ts_ms: int, gap_ms: int) -> bool:
-        """True when an order at ``ts_ms`` belongs to this session."""
-        return self.start_ms <= ts_ms < self.end_ms + gap_ms
-
-    def closes_at(self, gap_ms: int) -> int:
-        """Watermark at and after which no on-time pageview can change this session."""
-        return self.end_ms + gap_ms
+PAGEVIEW_COLUMNS = ["client_id", "user_id", "event_id", "ts_ms", "url"]
+ORDER_COLUMNS = ["client_id", "user_id", "order_id", "ts_ms", "amount_e4", "currency"]
+SESSION_COLUMNS = [
+    "client_id", "user_id", "session_id", "start_ms", "end_ms", "pageview_count",
+    "landing_url", "exit_url", "order_count", "revenue_e4",
+]
+ATTRIBUTION_COLUMNS = ["client_id", "user_id", "order_id", "ts_ms", "session_id"]
 
 
 def session_id(client_id: str, user_id: str, start_ms: int) -> str:
     """Deterministic id, so reruns and stream vs batch agree on it."""
-    raw = f"{SESSION_ID_VERSION}\x1f{client_id}\x1f{user_id}\x1f{start_ms}".encode()
+    raw = f"{SESSION_ID_VERSION}\x1f{client_id}\x1f{user_id}\x1f{int(start_ms)}".encode()
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-def _single(pageview: Pageview) -> Session:
-    return Session(
-        start_ms=pageview.ts_ms,
-        end_ms=pageview.ts_ms,
-        pageview_count=1,
-        landing=pageview,
-        exit=pageview,
-        event_ids=frozenset((pageview.event_id,)),
-    )
+def empty_pageviews() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="int64" if c == "ts_ms" else object)
+                         for c in PAGEVIEW_COLUMNS})
 
 
-def _combine(first: Session, second: Session) -> Session:
-    return Session(
-        start_ms=min(first.start_ms, second.start_ms),
-        end_ms=max(first.end_ms, second.end_ms),
-        pageview_count=first.pageview_count + second.pageview_count,
-        landing=min(first.landing, second.landing, key=lambda p: p.sort_key),
-        exit=max(first.exit, second.exit, key=lambda p: p.sort_key),
-        event_ids=first.event_ids | second.event_ids,
-        orders=first.orders + second.orders,
-    )
+def empty_orders() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("ts_ms", "amount_e4") else object)
+                         for c in ORDER_COLUMNS})
 
 
-def add_pageviews(
-    sessions: Sequence[Session], pageviews: Iterable[Pageview], gap_ms: int
-) -> list[Session]:
-    """Fold new pageviews into one user's sessions; returns them sorted by start.
+@dataclass(frozen=True)
+class Sessionized:
+    """Result for a set of users: sessions, each pageview's session, each order's session."""
 
-    Treats every session and every new pageview as an interval and merges neighbours closer
-    than the gap. Within a session consecutive pageviews are already < gap apart, so this equals
-    sessionizing all underlying pageviews from scratch (E2, E3, E4).
+    sessions: pd.DataFrame  # SESSION_COLUMNS, one row per session
+    pageview_session: pd.Series  # session_id per input pageview row (aligned to its index)
+    attributions: pd.DataFrame  # ATTRIBUTION_COLUMNS, session_id None when unattributed
+
+
+def dedupe(frame: pd.DataFrame, key: str) -> pd.DataFrame:
+    """First occurrence of each key wins (E6)."""
+    return frame[~frame[key].duplicated(keep="first")]
+
+
+def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Sessionized:
+    """From-scratch sessions of every user present in ``pageviews`` and ``orders``.
+
+    ``pageviews`` has PAGEVIEW_COLUMNS, ``orders`` ORDER_COLUMNS; duplicates are dropped (E6).
     """
-    seen = set().union(*(s.event_ids for s in sessions)) if sessions else set()
-    pieces = list(sessions)
-    for pageview in pageviews:
-        if pageview.event_id in seen:  # (E6)
-            continue
-        seen.add(pageview.event_id)
-        pieces.append(_single(pageview))
-    pieces.sort(key=lambda s: (s.start_ms, s.landing.event_id))
-    merged: list[Session] = []
-    for piece in pieces:
-        if merged and piece.start_ms - merged[-1].end_ms < gap_ms:  # (E2)
-            merged[-1] = _combine(merged[-1], piece)
-        else:
-            merged.append(piece)
-    return merged
+    pageviews = dedupe(pageviews, "event_id")
+    orders = dedupe(orders, "order_id")
+    ordered = pageviews.sort_values(
+        ["client_id", "user_id", "ts_ms", "event_id"], kind="mergesort"
+    )  # (E1)
+    client = ordered["client_id"].to_numpy()
+    user = ordered["user_id"].to_numpy()
+    ts = ordered["ts_ms"].to_numpy(dtype=np.int64)
+    n = len(ordered)
+    new_user = np.ones(n, dtype=bool)
+    if n:
+        new_user[1:] = (client[1:] != client[:-1]) | (user[1:] != user[:-1])
+    gap_before = np.empty(n, dtype=np.int64)
+    if n:
+        gap_before[0] = 0
+        gap_before[1:] = ts[1:] - ts[:-1]
+    starts = new_user | (gap_before >= gap_ms)  # (E2)
+    number = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    last = np.r_[first[1:] - 1, n - 1] if n else first
+    start_ms = ts[first]
+    ids = np.array(
+        [session_id(c, u, s) for c, u, s in zip(client[first], user[first], start_ms,
+                                                 strict=True)],
+        dtype=object,
+    )
+    url = ordered["url"].to_numpy()
+    sessions = pd.DataFrame({
+        "client_id": client[first],
+        "user_id": user[first],
+        "session_id": ids,
+        "start_ms": start_ms,
+        "end_ms": ts[last] if n else ts[first],
+        "pageview_count": (last - first + 1).astype(np.int64),
+        "landing_url": url[first],
+        "exit_url": url[last] if n else url[first],
+    })
+    pageview_session = pd.Series(ids[number] if n else [], index=ordered.index, dtype=object)
+    attributions = attribute(sessions, orders, gap_ms)
+    counts = attributions.dropna(subset=["session_id"]).merge(
+        orders[["order_id", "amount_e4"]], on="order_id", how="left"
+    ).groupby("session_id").agg(order_count=("order_id", "size"), revenue_e4=("amount_e4", "sum"))
+    sessions = sessions.join(counts, on="session_id")
+    sessions["order_count"] = sessions["order_count"].fillna(0).astype(np.int64)
+    sessions["revenue_e4"] = sessions["revenue_e4"].fillna(0).astype(np.int64)
+    return Sessionized(sessions[SESSION_COLUMNS].reset_index(drop=True),
+                       pageview_session.reindex(pageviews.index), attributions)
 
 
-def attribute_orders(
-    sessions: Sequence[Session], orders: Iterable[Order], gap_ms: int
-) -> tuple[list[Session], list[Order]]:
-    """Attach each order to the session covering it (E5); return the ones no session covers."""
-    known = {o.order_id for s in sessions for o in s.orders}
-    attached: dict[int, list[Order]] = {}
-    unattributed: list[Order] = []
-    starts = [s.start_ms for s in sessions]
-    for order in sorted(orders, key=lambda o: (o.ts_ms, o.order_id)):
-        if order.order_id in known:  # (E6)
-            continue
-        known.add(order.order_id)
-        index = _covering_index(sessions, starts, order.ts_ms, gap_ms)
-        if index is None:
-            unattributed.append(order)
-        else:
-            attached.setdefault(index, []).append(order)
-    result = [
-        replace(s, orders=s.orders + tuple(attached[i])) if i in attached else s
-        for i, s in enumerate(sessions)
-    ]
-    return result, unattributed
+def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.DataFrame:
+    """Session of each order: same user, ``start <= ts < end + gap`` (E5), else None."""
+    result = orders[["client_id", "user_id", "order_id", "ts_ms"]].copy()
+    result["session_id"] = None
+    if sessions.empty or orders.empty:
+        return result[ATTRIBUTION_COLUMNS].reset_index(drop=True)
+    key_s = sessions["client_id"].astype(str) + "\x1f" + sessions["user_id"].astype(str)
+    key_o = result["client_id"].astype(str) + "\x1f" + result["user_id"].astype(str)
+    codes, _ = pd.factorize(pd.concat([key_s, key_o], ignore_index=True))
+    code_s, code_o = codes[: len(key_s)].astype(np.int64), codes[len(key_s):].astype(np.int64)
+    order = np.lexsort((sessions["start_ms"].to_numpy(), code_s))
+    by_start = sessions.iloc[order]
+    code_s = code_s[order]
+    # One sortable number per (user, time): the user's code above, the time below.
+    base = int(min(by_start["start_ms"].min(), result["ts_ms"].min()))
+    width = int(max(by_start["end_ms"].max(), result["ts_ms"].max())) - base + 1
+    s_pos = code_s * width + (by_start["start_ms"].to_numpy(dtype=np.int64) - base)
+    o_pos = code_o * width + (result["ts_ms"].to_numpy(dtype=np.int64) - base)
+    index = np.searchsorted(s_pos, o_pos, side="right") - 1
+    valid = index >= 0
+    candidate = np.where(valid, index, 0)
+    same_user = valid & (code_s[candidate] == code_o)
+    ends = by_start["end_ms"].to_numpy()[candidate]
+    covered = same_user & (result["ts_ms"].to_numpy() < ends + gap_ms)
+    ids = by_start["session_id"].to_numpy()[candidate]
+    result["session_id"] = np.where(covered, ids, None)
+    return result[ATTRIBUTION_COLUMNS].reset_index(drop=True)
 
 
-def _covering_index(
-    sessions: Sequence[Session], starts: list[int], ts_ms: int, gap_ms: int
+def closed_sessions(sessions: pd.DataFrame, watermark_ms: int, gap_ms: int) -> np.ndarray:
+    """Mask of sessions no on-time pageview can change any more (E7)."""
+    return (sessions["end_ms"].to_numpy(dtype=np.int64) + gap_ms) <= watermark_ms
+
+
+def next_wakeup(
+    open_sessions: pd.DataFrame, uncovered_orders: pd.DataFrame, gap_ms: int
 ) -> int | None:
-    from bisect import bisect_right
-
-    index = bisect_right(starts, ts_ms) - 1
-    if index >= 0 and sessions[index].covers(ts_ms, gap_ms):
-        return index
-    return None
-
-
-def split_closed(
-    sessions: Sequence[Session], watermark_ms: int, gap_ms: int
-) -> tuple[list[Session], list[Session]]:
-    """Split into (closed, still open): closed once the watermark reaches end + gap."""
-    closed = [s for s in sessions if s.closes_at(gap_ms) <= watermark_ms]
-    still_open = [s for s in sessions if s.closes_at(gap_ms) > watermark_ms]
-    return closed, still_open
-
-
-def split_final_orders(
-    pending: Sequence[Order], watermark_ms: int
-) -> tuple[list[Order], list[Order]]:
-    """Split uncovered orders into (finally unattributed, still pending).
-
-    A session that could still cover an order must start at or before it; sessions that have
-    not started yet start after the watermark, so an uncovered order at or before the watermark
-    stays unattributed for the stream (a later recompute may still attribute it).
-    """
-    final = [o for o in pending if o.ts_ms <= watermark_ms]
-    still_pending = [o for o in pending if o.ts_ms > watermark_ms]
-    return final, still_pending
-
-
-def sessionize(
-    pageviews: Iterable[Pageview], orders: Iterable[Order], gap_ms: int
-) -> tuple[list[Session], list[Order]]:
-    """From-scratch sessions and unattributed orders of one user (the batch recompute's view)."""
-    sessions = add_pageviews([], pageviews, gap_ms)
-    return attribute_orders(sessions, orders, gap_ms)
-
-
-def next_wakeup(sessions: Sequence[Session], pending: Sequence[Order], gap_ms: int) -> int | None:
-    """Earliest watermark at which something of this user can be emitted, or None."""
-    times = [s.closes_at(gap_ms) for s in sessions] + [o.ts_ms for o in pending]
+    """Earliest watermark at which something of these users can be emitted, or None."""
+    times = [int(open_sessions["end_ms"].min()) + gap_ms] if len(open_sessions) else []
+    if len(uncovered_orders):
+        times.append(int(uncovered_orders["ts_ms"].min()))
     return min(times) if times else None

@@ -1,0 +1,187 @@
+"""``clickstream`` command line: parses arguments, builds the Config, calls one library function.
+
+Every command exits 0 on success and non-zero with a one-line reason on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from clickstream.config import ENV_NAMES, Config
+from clickstream.errors import ClickstreamError
+
+Handler = Callable[[argparse.Namespace, Config], int]
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("configuration (flags override environment variables)")
+    for name, help_text in (
+        ("warehouse", "root folder of the Delta tables"),
+        ("home", "checkpoints, reports and local state"),
+        ("landing", "folder historical batches are read from"),
+        ("kafka_bootstrap_servers", "Kafka to use (embedded broker: 127.0.0.1:9092)"),
+        ("session_gap_minutes", "session gap (30, 45s, 1h)"),
+        ("watermark_delay_minutes", "how late an event may be and still join the stream"),
+        ("spark_master", "Spark master URL"),
+    ):
+        flag = "--" + name.removesuffix("_minutes").replace("_", "-")
+        group.add_argument(flag, dest=name, default=None,
+                           help=f"{help_text} [env {ENV_NAMES[name]}]")
+
+
+def _cmd_broker(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.io.kafka_broker import run_broker_forever
+
+    run_broker_forever(port=args.port, host=args.host)
+    return 0
+
+
+def _cmd_sessionize(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.sessionize import run_sessionizer
+
+    overrides = {}
+    if args.max_events_per_trigger:
+        overrides["max_events_per_trigger"] = args.max_events_per_trigger
+    summary = run_sessionizer(config.replace(**overrides), until_caught_up=args.until_caught_up)
+    print(summary.describe())
+    return 0
+
+
+def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.generate import Delivery, Scale, live_records
+
+    scale = Scale(clients=args.clients, users_per_client=args.users, minutes=args.minutes,
+                  start=args.start)
+    delivery = Delivery(late_fraction=args.late_fraction,
+                        duplicate_fraction=args.duplicate_fraction,
+                        bad_fraction=args.bad_fraction)
+    records = live_records(scale, delivery, args.seed)
+    if args.out:
+        import json
+
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as handle:
+            for key, value in records:
+                handle.write(json.dumps({"key": key, "value": value}) + "\n")
+        print(f"wrote {len(records)} records to {path}")
+        return 0
+    from clickstream.io.kafka_clients import produce_records
+
+    sent = produce_records(config, config.events_topic, records, rate_per_second=args.rate)
+    print(f"produced {sent} records to topic {config.events_topic} "
+          f"at {config.kafka_bootstrap_servers}")
+    return 0
+
+
+def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.generate import Scale, simulate, write_table
+
+    scale = Scale(users_per_client=args.users, minutes=args.days * 24 * 60, start=args.start,
+                  sessions_per_user_per_day=args.sessions_per_user_per_day,
+                  order_probability=args.order_probability)
+    pageviews, orders = simulate(scale, args.seed, client=args.client)
+    target = config.landing / args.out
+    for name, table in (("pageviews", pageviews), ("orders", orders)):
+        files = write_table(table, target / name, args.format)
+        print(f"wrote {table.num_rows} {name} of {args.client} to {target / name} "
+              f"({len(files)} {args.format} files)")
+    return 0
+
+
+def _iso_datetime(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ISO-8601 (2026-11-01T00:00Z)") from None
+    if value.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} has no time zone; add Z or +hh:mm")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clickstream",
+        description="Late-data-aware sessionization on Spark, Delta Lake and Kafka.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    broker = commands.add_parser(
+        "broker", help="run the embedded Kafka-protocol broker in the foreground",
+        description="Run the embedded Kafka-protocol broker (librdkafka's mock cluster) until "
+        "SIGTERM. Memory only: its data is gone when it stops.")
+    broker.add_argument("--port", type=int, default=9092, help="fixed port (default 9092)")
+    broker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    broker.set_defaults(handler=_cmd_broker)
+
+    sessionize = commands.add_parser(
+        "sessionize", help="run the streaming sessionizer (Kafka events -> Delta and Kafka)",
+        description="Read the events topic, quarantine bad records, store every pageview and "
+        "order exactly once, and emit sessions as they close to the sessions table and topic.")
+    sessionize.add_argument("--until-caught-up", action="store_true",
+                            help="process everything available now, commit, and stop")
+    sessionize.add_argument("--max-events-per-trigger", type=int, default=None,
+                            help="rate limit per micro-batch")
+    _add_config_flags(sessionize)
+    sessionize.set_defaults(handler=_cmd_sessionize)
+
+    generate = commands.add_parser("generate", help="write realistic synthetic data")
+    kinds = generate.add_subparsers(dest="kind", required=True, metavar="KIND")
+    events = kinds.add_parser(
+        "events", help="live events to Kafka (or a JSON Lines file)",
+        description="Live events with out-of-order delivery, late events, duplicates and bad "
+        "records; produced to the events topic, or written to --out.")
+    events.add_argument("--seed", type=int, default=7)
+    events.add_argument("--clients", type=int, default=3)
+    events.add_argument("--users", type=int, default=50, help="users per client")
+    events.add_argument("--minutes", type=float, default=24 * 60, help="event-time span")
+    events.add_argument("--start", type=_iso_datetime,
+                        default=_iso_datetime("2026-11-01T00:00:00+00:00"))
+    events.add_argument("--late-fraction", type=float, default=0.01)
+    events.add_argument("--duplicate-fraction", type=float, default=0.02)
+    events.add_argument("--bad-fraction", type=float, default=0.01)
+    events.add_argument("--rate", type=float, default=None, help="records per second to Kafka")
+    events.add_argument("--out", default=None, help="write JSON Lines here instead of Kafka")
+    _add_config_flags(events)
+    events.set_defaults(handler=_cmd_generate_events)
+
+    history = kinds.add_parser(
+        "history", help="a historical batch (pageviews and orders) in the landing folder",
+        description="Write DIR/pageviews and DIR/orders for one client under the landing folder.")
+    history.add_argument("--client", required=True)
+    history.add_argument("--days", type=float, default=365)
+    history.add_argument("--users", type=int, default=500)
+    history.add_argument("--sessions-per-user-per-day", type=float, default=1.0)
+    history.add_argument("--order-probability", type=float, default=0.08)
+    history.add_argument("--start", type=_iso_datetime,
+                         default=_iso_datetime("2025-11-01T00:00:00+00:00"))
+    history.add_argument("--seed", type=int, default=11)
+    history.add_argument("--format", choices=("parquet", "csv", "jsonl"), default="parquet")
+    history.add_argument("--out", default="history", help="folder relative to the landing folder")
+    _add_config_flags(history)
+    history.set_defaults(handler=_cmd_generate_history)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        overrides = {name: getattr(args, name, None) for name in ENV_NAMES
+                     if getattr(args, name, None) is not None}
+        config = Config.from_env(**overrides)
+        return args.handler(args, config)
+    except ClickstreamError as error:
+        print(f"clickstream {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"clickstream {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The public contract of input records (pure constants, shared by parsing, backfill and gates)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+PAGEVIEW = "pageview"
+ORDER = "order"
+
+REQUIRED_EVENT_FIELDS = ("event_id", "client_id", "user_id", "event_type", "ts")
+ORDER_FIELDS = ("order_id", "amount", "currency")
+
+# Plausible event-time range: a fixed range (not "now"), so a replay judges a record the same way.
+EARLIEST_TS = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
+
+# ISO-8601 with an explicit zone (Z or +hh:mm / +hhmm / +hh); a bare local time is ambiguous.
+ISO_WITH_ZONE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?([Zz]|[+-]\d{2}(:?\d{2})?)$"
+EPOCH_MILLIS = r"^-?\d{1,15}$"
+# Non-negative decimal string with at most 4 decimals (the tables keep DECIMAL(20,4) exactly).
+AMOUNT = r"^-?\d{1,16}(\.\d{1,4})?$"
+
+# ISO 4217 active codes.
+CURRENCIES = frozenset(
+    """
+    AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BHD BIF BMD BND BOB BRL BSD BTN BWP
+    BYN BZD CAD CDF CHF CLP CNY COP CRC CUP CVE CZK DJF DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP
+    GEL GHS GIP GMD GNF GTQ GYD HKD HNL HTG HUF IDR ILS INR IQD IRR ISK JMD JOD JPY KES KGS KHR
+    KMF KPW KRW KWD KYD KZT LAK LBP LKR LRD LSL LYD MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR MWK
+    MXN MYR MZN NAD NGN NIO NOK NPR NZD OMR PAB PEN PGK PHP PKR PLN PYG QAR RON RSD RUB RWF SAR
+    SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TND TOP TRY TTD TWD TZS
+    UAH UGX USD UYU UZS VES VND VUV WST XAF XCD XCG XOF XPF YER ZAR ZMW ZWG
+    """.split()
+)

@@ -1,0 +1,138 @@
+"""Parse and validate raw Kafka records in Spark: every record comes out, valid or with a reason.
+
+Runs as JVM expressions (no Python UDF) so validation costs little per event. A record is valid
+when ``error`` is null; otherwise ``error`` holds the first rule it broke, which becomes the
+quarantine reason. Time always comes from the event's own ``ts`` (ISO-8601 with a zone, or
+integer epoch milliseconds), normalised to UTC.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from clickstream.events import contract
+from clickstream.tables import AMOUNT_TYPE
+
+PARSED_COLUMNS = (
+    "raw", "source", "event_id", "client_id", "user_id", "event_type", "ts", "url", "referrer",
+    "order_id", "amount", "currency", "error",
+)
+
+
+def _blank(column: Column) -> Column:
+    return column.isNull() | (F.trim(column) == "")
+
+
+def ts_from_text(text: Column) -> Column:
+    """Timestamp of an ISO-8601-with-zone or epoch-millis string; null when it is neither."""
+    return (
+        F.when(text.rlike(contract.EPOCH_MILLIS), F.timestamp_millis(text.cast("bigint")))
+        .when(text.rlike(contract.ISO_WITH_ZONE), text.try_cast("timestamp"))
+    )
+
+
+def ts_error(text: Column, ts: Column) -> Column:
+    """Reason ``ts`` is unusable, or null."""
+    return (
+        F.when(_blank(text), F.lit("missing field ts"))
+        .when(
+            ts.isNull(),
+            F.format_string(
+                "ts '%s' is neither ISO-8601 with a time zone nor epoch milliseconds", text
+            ),
+        )
+        .when(
+            (ts < F.lit(contract.EARLIEST_TS)) | (ts >= F.lit(contract.LATEST_TS)),
+            F.format_string(
+                "ts '%s' is outside the plausible range %s..%s", text,
+                F.lit(contract.EARLIEST_TS.date().isoformat()),
+                F.lit(contract.LATEST_TS.date().isoformat()),
+            ),
+        )
+    )
+
+
+def amount_error(text: Column) -> Column:
+    """Reason an order amount is unusable, or null."""
+    return (
+        F.when(_blank(text), F.lit("missing field amount"))
+        .when(
+            ~text.rlike(contract.AMOUNT),
+            F.format_string("amount '%s' is not a decimal string with at most 4 decimals", text),
+        )
+        .when(text.startswith("-") & (text.cast(AMOUNT_TYPE) != 0),
+              F.format_string("amount '%s' is negative", text))
+    )
+
+
+def currency_error(text: Column) -> Column:
+    return (
+        F.when(_blank(text), F.lit("missing field currency"))
+        .when(
+            ~text.isin(*sorted(contract.CURRENCIES)),
+            F.format_string("currency '%s' is not an ISO 4217 code", text),
+        )
+    )
+
+
+def parse_kafka_records(records: DataFrame) -> DataFrame:
+    """Turn Kafka-layout rows (key, value, topic, partition, offset, ...) into parsed events."""
+    raw = F.col("value").cast("string")
+    key = F.col("key").cast("string")
+    source = F.format_string("kafka:%s/%d/%d", "topic", "partition", "offset")
+    base = records.select(
+        raw.alias("raw"),
+        key.alias("_key"),
+        source.alias("source"),
+        F.try_parse_json(raw).alias("v"),
+    )
+    v = F.col("v")
+    fields = {name: F.try_variant_get(v, f"$.{name}", "string") for name in (
+        *contract.REQUIRED_EVENT_FIELDS, "url", "referrer", *contract.ORDER_FIELDS)}
+    events = base.select("raw", "_key", "source", v, *(c.alias(n) for n, c in fields.items()))
+    events = events.withColumn("ts_value", ts_from_text(F.col("ts"))).withColumnRenamed(
+        "ts", "ts_text"
+    )
+
+    missing = None
+    for name in contract.REQUIRED_EVENT_FIELDS[:-1]:
+        check = F.when(_blank(F.col(name)), F.lit(f"missing field {name}"))
+        missing = check if missing is None else F.coalesce(missing, check)
+
+    is_order = F.col("event_type") == contract.ORDER
+    is_pageview = F.col("event_type") == contract.PAGEVIEW
+    error = F.coalesce(
+        F.when(_blank(F.col("raw")), F.lit("value is empty")),
+        F.when(v.isNull(), F.lit("value is not valid JSON")),
+        F.when(~F.ltrim(F.col("raw")).startswith("{"), F.lit("value is not a JSON object")),
+        missing,
+        ts_error(F.col("ts_text"), F.col("ts_value")),
+        F.when(
+            F.col("_key").isNotNull()
+            & (F.col("_key") != F.concat_ws("/", "client_id", "user_id")),
+            F.format_string(
+                "key '%s' does not match client_id/user_id '%s/%s'",
+                "_key", "client_id", "user_id",
+            ),
+        ),
+        F.when(is_pageview & _blank(F.col("url")), F.lit("pageview without url")),
+        F.when(is_order & _blank(F.col("order_id")), F.lit("missing field order_id")),
+        F.when(is_order, amount_error(F.col("amount"))),
+        F.when(is_order, currency_error(F.col("currency"))),
+    )
+    return events.select(
+        "raw",
+        "source",
+        "event_id",
+        "client_id",
+        "user_id",
+        "event_type",
+        F.col("ts_value").alias("ts"),
+        "url",
+        "referrer",
+        "order_id",
+        F.when(is_order, F.col("amount").try_cast(AMOUNT_TYPE)).alias("amount"),
+        "currency",
+        error.alias("error"),
+    )

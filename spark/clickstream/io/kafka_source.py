@@ -1,0 +1,292 @@
+"""Spark Structured Streaming source for Kafka built on confluent-kafka (Python Data Source API).
+
+Produces Spark's Kafka column layout (key, value, topic, partition, offset, timestamp,
+timestampType, headers), so downstream code is the same as with Spark's native ``kafka``
+source, which ``read_kafka_stream`` selects instead when ``CLICKSTREAM_KAFKA_SOURCE=native``.
+
+Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, kept in Spark's
+checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
+exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
+
+Known edge cases, cited inline as (K1)..(K4):
+  K1. The broker dropped records we have not read (retention, or the embedded broker's
+      per-partition cap): the start offset is below the log start. We stop with
+      DataLossError, like Spark's ``failOnDataLoss=true``, instead of skipping silently.
+  K2. A gap inside a range being read (offsets jump) means records vanished while we read;
+      also DataLossError. Set ``failOnGaps=false`` for topics written by transactional
+      producers on real Kafka, where control records legitimately leave gaps.
+  K3. Partitions added to a topic while the query runs start from their earliest offset.
+  K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
+      their backlog, and every partition with a backlog gets at least one record, so no
+      partition starves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from clickstream.config import Config
+from clickstream.errors import BrokerUnavailableError, DataLossError
+from clickstream.tables import KAFKA_SCHEMA
+
+SOURCE_NAME = "clickstream_kafka"
+
+_ARROW_SCHEMA = pa.schema([
+    pa.field("key", pa.binary()),
+    pa.field("value", pa.binary()),
+    pa.field("topic", pa.string(), nullable=False),
+    pa.field("partition", pa.int32(), nullable=False),
+    pa.field("offset", pa.int64(), nullable=False),
+    pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("timestampType", pa.int32(), nullable=False),
+    pa.field("headers", pa.list_(pa.struct([pa.field("key", pa.string()),
+                                            pa.field("value", pa.binary())]))),
+])
+
+
+class KafkaRange(InputPartition):
+    """Offsets ``[start, end)`` of one topic-partition: one Spark task."""
+
+    def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
+        super().__init__((topic, partition, start, end))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+
+
+def _client_settings(options: Mapping[str, str]) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "bootstrap.servers": options["bootstrap"],
+        "enable.auto.commit": False,
+        "enable.partition.eof": False,
+        "auto.offset.reset": "error",
+        "group.id": options.get("groupId", "clickstream-source"),
+        "session.timeout.ms": 6000,
+        "socket.connection.setup.timeout.ms": 5000,
+        "fetch.max.bytes": 52428800,
+        "max.partition.fetch.bytes": 10485760,
+    }
+    settings.update(json.loads(options.get("kafkaOptions", "{}")))
+    return settings
+
+
+def _watermarks(options: Mapping[str, str], topic: str) -> dict[int, tuple[int, int]]:
+    """(log start, high watermark) per partition; retries, then a clear failure."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    attempts = int(options.get("metadataAttempts", "5"))
+    consumer = Consumer(_client_settings(options))
+    try:
+        last_error: Exception | None = None
+        for _ in range(attempts):
+            try:
+                metadata = consumer.list_topics(topic, timeout=10)
+                topic_meta = metadata.topics.get(topic)
+                if topic_meta is None or topic_meta.error is not None:
+                    raise KafkaException(topic_meta.error if topic_meta else "no metadata")
+                return {
+                    p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                    for p in sorted(topic_meta.partitions)
+                }
+            except KafkaException as error:
+                last_error = error
+        raise BrokerUnavailableError(
+            f"cannot read offsets of topic {topic!r} from Kafka at {options['bootstrap']} after "
+            f"{attempts} attempts (first cause: {last_error}); start the broker "
+            "(`clickstream broker`) or fix KAFKA_BOOTSTRAP_SERVERS, then rerun"
+        )
+    finally:
+        consumer.close()
+
+
+def _data_loss(topic: str, partition: int, wanted: int, available: int) -> DataLossError:
+    return DataLossError(
+        f"topic {topic} partition {partition}: records {wanted}..{available - 1} were dropped by "
+        f"the broker before they were consumed (log start offset is now {available}); the "
+        "sessionizer stopped instead of skipping them. Replay the lost events (e.g. as a "
+        "backfill), then restart with a new checkpoint or raise retention/partitions"
+    )
+
+
+class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Plans per-partition offset ranges on the driver; executors read them with confluent-kafka."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+        self.topic = options["topic"]
+        self.max_rows = int(options.get("maxOffsetsPerTrigger", "0")) or None
+        self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
+        self._target: dict[str, int] | None = None
+
+    def initialOffset(self) -> dict:
+        return {str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.max_rows) if self.max_rows else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {str(p): high for p, (_low, high) in
+                        _watermarks(self.options, self.topic).items()}
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        marks = _watermarks(self.options, self.topic)
+        latest: dict[str, int] = {}
+        for partition, (low, high) in marks.items():
+            key = str(partition)
+            begin = int(start.get(key, low))  # (K3)
+            if begin < low:
+                raise _data_loss(self.topic, partition, begin, low)  # (K1)
+            if self._target is not None:
+                high = min(high, self._target.get(key, begin))
+            latest[key] = max(begin, high)
+        if isinstance(limit, ReadMaxRows):
+            latest = _rate_limit(start, latest, limit.max_rows)
+        return latest
+
+    def reportLatestOffset(self) -> dict | None:
+        return {str(p): high for p, (_low, high) in _watermarks(self.options, self.topic).items()}
+
+    def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
+        ranges = []
+        for key, stop in sorted(end.items(), key=lambda item: int(item[0])):
+            begin = int(start.get(key, stop))
+            if stop > begin:
+                ranges.append(KafkaRange(self.topic, int(key), begin, int(stop)))
+        return ranges
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, KafkaRange)
+        yield from read_range(self.options, partition, self.fail_on_gaps)
+
+    def commit(self, end: dict) -> None:
+        """Nothing to do: offsets live in Spark's checkpoint, not in a consumer group."""
+
+
+def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str, int]:
+    backlog = {k: v - int(start.get(k, v)) for k, v in latest.items()}
+    total = sum(backlog.values())
+    if total <= max_rows:
+        return latest
+    limited = {}
+    for key, stop in latest.items():
+        begin = stop - backlog[key]
+        share = max(1, int(max_rows * backlog[key] / total)) if backlog[key] else 0  # (K4)
+        limited[key] = begin + min(backlog[key], share)
+    return limited
+
+
+def read_range(
+    options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True
+) -> Iterator[pa.RecordBatch]:
+    """Read one offset range as Arrow batches; raises DataLossError on dropped records."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+    consumer = Consumer(_client_settings(options))
+    timeout_s = float(options.get("readTimeoutSeconds", "60"))
+    try:
+        consumer.assign([TopicPartition(kafka_range.topic, kafka_range.partition,
+                                        kafka_range.start)])
+        expected = kafka_range.start
+        idle = 0.0
+        while expected < kafka_range.end:
+            messages = consumer.consume(num_messages=min(20000, kafka_range.end - expected),
+                                        timeout=1.0)
+            if not messages:
+                idle += 1.0
+                if idle >= timeout_s:
+                    raise BrokerUnavailableError(
+                        f"no records from topic {kafka_range.topic} partition "
+                        f"{kafka_range.partition} at offset {expected} for {timeout_s:.0f}s "
+                        f"(wanted up to {kafka_range.end - 1}); is Kafka reachable at "
+                        f"{options['bootstrap']}? The batch will be retried from its offsets"
+                    )
+                continue
+            idle = 0.0
+            columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
+            for message in messages:
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                        low, _high = consumer.get_watermark_offsets(
+                            TopicPartition(kafka_range.topic, kafka_range.partition), timeout=10)
+                        raise _data_loss(kafka_range.topic, kafka_range.partition, expected, low)
+                    raise KafkaException(error)
+                offset = message.offset()
+                if offset >= kafka_range.end:
+                    break
+                if offset < expected:
+                    continue
+                if offset > expected and fail_on_gaps:
+                    raise _data_loss(kafka_range.topic, kafka_range.partition, expected, offset)
+                expected = offset + 1
+                kind, millis = message.timestamp()
+                headers = message.headers()
+                columns["key"].append(message.key())
+                columns["value"].append(message.value())
+                columns["topic"].append(kafka_range.topic)
+                columns["partition"].append(kafka_range.partition)
+                columns["offset"].append(offset)
+                columns["timestamp"].append(datetime.fromtimestamp(millis / 1000, tz=UTC))
+                columns["timestampType"].append(max(kind - 1, 0))
+                columns["headers"].append(
+                    [{"key": k, "value": v} for k, v in headers] if headers else None
+                )
+            if columns["offset"]:
+                yield pa.RecordBatch.from_pydict(columns, schema=_ARROW_SCHEMA)
+    finally:
+        consumer.close()
+
+
+class KafkaDataSource(DataSource):
+    """``spark.readStream.format("clickstream_kafka")``: options bootstrap, topic, ..."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> StructType:
+        return KAFKA_SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return KafkaStreamReader(self.options)
+
+
+def read_kafka_stream(spark: SparkSession, config: Config, topic: str) -> DataFrame:
+    """The events stream in Kafka layout, from the source the configuration selects."""
+    if config.kafka_source == "native":
+        reader = (
+            spark.readStream.format("kafka")
+            .option("kafka.bootstrap.servers", config.kafka_bootstrap_servers)
+            .option("subscribe", topic)
+            .option("startingOffsets", "earliest")
+            .option("failOnDataLoss", "true")
+            .option("includeHeaders", "true")
+            .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
+        )
+        for key, value in config.kafka_options.items():
+            reader = reader.option(f"kafka.{key}", value)
+        return reader.load().select(*KAFKA_SCHEMA.fieldNames())
+    spark.dataSource.register(KafkaDataSource)
+    return (
+        spark.readStream.format(SOURCE_NAME)
+        .option("bootstrap", config.kafka_bootstrap_servers)
+        .option("topic", topic)
+        .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
+        .option("kafkaOptions", json.dumps(dict(config.kafka_options)))
+        .load()
+    )

@@ -1,0 +1,96 @@
+"""Property: the stream's stateful processor emits exactly the batch recompute's sessions.
+
+Drives ``SessionProcessor`` with PySpark's ``TwsTester`` the way Spark does: random arrival
+batches, a watermark that trails the maximum event time, late rows (ts <= previous watermark)
+filtered before the processor. After a final watermark closes everything, the emitted sessions
+and attributions must equal ``sessionize`` over every row the processor was given.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyspark.sql.streaming.tws_tester import TwsTester
+
+from clickstream.sessions.semantics import ORDER_COLUMNS, PAGEVIEW_COLUMNS, sessionize
+from clickstream.sessions.stream_adapter import INPUT_COLUMNS, OUTPUT_COLUMNS, SessionProcessor
+
+GAP = 30 * 60_000
+DELAY = 10 * 60_000
+FAR_FUTURE = 10**13
+
+event = st.tuples(
+    st.sampled_from(["u1", "u2", "u3"]),
+    st.integers(1, 10 * GAP),
+    st.sampled_from(["pageview"] * 4 + ["order"]),
+    st.integers(0, 60),  # id pool small enough to produce duplicates
+)
+
+
+def to_frame(events: list[tuple[str, int, str, int]]) -> pd.DataFrame:
+    rows = []
+    first_ts: dict[tuple[str, str, int], int] = {}
+    for user, ts, kind, ident in events:
+        ts = first_ts.setdefault((user, kind, ident), ts)  # a duplicate repeats its event
+        rows.append({
+            "bucket": 0, "client_id": "c", "user_id": user, "event_type": kind,
+            "event_id": f"{kind}-{user}-{ident}", "ts_ms": ts,
+            "url": f"/{ident}" if kind == "pageview" else None,
+            "order_id": f"o-{user}-{ident}" if kind == "order" else None,
+            "amount_e4": 10_000 * (ident + 1) if kind == "order" else 0,
+            "currency": "EUR" if kind == "order" else None,
+        })
+    return pd.DataFrame(rows, columns=list(INPUT_COLUMNS)).astype(
+        {"ts_ms": "int64", "amount_e4": "int64"})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event, min_size=1, max_size=60), st.lists(st.integers(1, 15), min_size=1))
+def test_stream_sessions_equal_batch_sessions(events, batch_sizes) -> None:
+    frame = to_frame(events)
+    tester = TwsTester(SessionProcessor(GAP), timeMode="EventTime",
+                       eventTimeExtractor=lambda row: int(row["ts_ms"]))
+    watermark, max_ts, start = 0, 0, 0
+    delivered: list[pd.DataFrame] = []
+    emitted: list[pd.DataFrame] = []
+    sizes = iter(batch_sizes * len(events))
+    while start < len(frame):
+        batch = frame.iloc[start: start + next(sizes)]
+        start += len(batch)
+        on_time = batch[batch["ts_ms"] > watermark]  # Spark drops ts <= previous watermark
+        delivered.append(on_time)
+        emitted.append(tester.testInPandas(0, batch.reset_index(drop=True)))
+        max_ts = max(max_ts, int(batch["ts_ms"].max()))
+        if max_ts - DELAY > watermark:
+            watermark = max_ts - DELAY
+            emitted.append(tester.setWatermark(watermark))
+    emitted.append(tester.setWatermark(FAR_FUTURE))
+    parts = [e for e in emitted if e is not None and len(e)]
+    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=OUTPUT_COLUMNS)
+
+    given_rows = pd.concat(delivered, ignore_index=True)
+    is_order = given_rows["event_type"] == "order"
+    expected = sessionize(given_rows.loc[~is_order, PAGEVIEW_COLUMNS],
+                          given_rows.loc[is_order, ORDER_COLUMNS], GAP)
+
+    sessions = out[out["kind"] == "session"]
+    got = sorted(zip(sessions.session_id, sessions.start_ms, sessions.end_ms,
+                     sessions.pageview_count, sessions.order_count, sessions.revenue_e4,
+                     sessions.landing_url, sessions.exit_url, strict=True))
+    want_frame = expected.sessions
+    want = sorted(zip(want_frame.session_id, want_frame.start_ms, want_frame.end_ms,
+                      want_frame.pageview_count, want_frame.order_count, want_frame.revenue_e4,
+                      want_frame.landing_url, want_frame.exit_url, strict=True))
+    assert got == want
+
+    attributions = out[out["kind"] == "attribution"]
+    got_attr = sorted(zip(attributions.record_id, attributions.session_id.fillna(""),
+                          strict=True))
+    want_attr = sorted(zip(expected.attributions.order_id,
+                           expected.attributions.session_id.fillna(""), strict=True))
+    assert got_attr == want_attr
+
+    # Nothing is left in state once the watermark passed everything: state is bounded.
+    assert tester.peekValueState("open_pageviews", 0) is None
+    assert tester.peekValueState("open_orders", 0) is None
