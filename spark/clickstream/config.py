@@ -95,8 +95,9 @@ class Config:
         _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
         _check_choice("delta_engine", self.delta_engine, DeltaEngineKind)
         for name in ("shuffle_partitions", "max_events_per_trigger"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {value}")
         for name in ("warehouse", "home", "landing"):
             object.__setattr__(self, name, Path(getattr(self, name)).expanduser().resolve())
 

@@ -20,6 +20,7 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         SparkSession.builder.appName(app_name)
         .master(config.spark_master)
         .config("spark.ui.enabled", str(ui).lower())
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv with the exact locked dependencies and the clickstream package (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null || {
+  echo "setup: Python 3.11 is required (found: $("$PYTHON" --version 2>&1))" >&2; exit 1; }
+
+if ! command -v java >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing a Java runtime for Spark (openjdk-17-jre-headless)"
+    apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+  else
+    echo "setup: Spark needs Java 17 on PATH; install openjdk-17-jre-headless" >&2; exit 1
+  fi
+fi
+
+stamp=.venv/.clickstream-lock
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+if [ ! -f "$stamp" ] || ! cmp -s requirements.lock "$stamp"; then
+  echo "setup: installing locked dependencies into .venv"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "$(grep '^uv==' requirements.lock)"
+  .venv/bin/uv pip sync --quiet --python .venv/bin/python requirements.lock
+  cp requirements.lock "$stamp"
+fi
+.venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
+echo "setup: ready (.venv/bin/clickstream)"

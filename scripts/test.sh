@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, lint, and run the whole test suite on the embedded profile.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check spark dags plugins tests bench
+exec .venv/bin/python -m pytest "$@"

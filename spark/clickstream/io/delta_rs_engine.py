@@ -1,0 +1,1029 @@
+"""The ``deltalake`` (delta-rs) engine: Spark writes the Parquet files, delta-rs commits them.
+
+How a write works: Spark executors write Parquet files straight into the table folder (unique
+names, Hive-style partition folders, statistics gathered while writing) and return one small
+row per file; the driver turns those rows into Delta ``add`` actions and commits them with
+``DeltaTable.create_write_transaction``, together with an application transaction and commit
+metadata. Upserts collect the (modest) batch to Arrow and use delta-rs ``merge``. Reads go
+through the log's active files, never through a folder listing.
+
+Known edge cases (cited inline as "edge case N"):
+
+1. A crash between writing files and committing leaves unreferenced files. They are invisible
+   (readers only see files named by the log) and :meth:`DeltaRsTables.vacuum` deletes them once
+   older than the retention. Files of a refused or skipped commit are deleted at once.
+2. A replayed step races its original (a zombie task, a retried Airflow task): both write
+   files; the first commit wins; the loser sees ``app_version >= version`` on retry, deletes its
+   files and returns False (nothing is written twice).
+3. delta-rs retries commits internally and would silently rebase a partition overwrite over a
+   concurrent append into the same partition (measured with 1.6.6: both rows survive). Every
+   commit here therefore runs with ``max_commit_retries=0`` and this module owns the retry loop,
+   re-validating idempotency (append), re-running the merge against the new snapshot (upsert),
+   or refusing when the replaced range changed (replace_partitions).
+4. Spark derives partition values from folder names (Hive escaping, ``%XX``), delta-rs from the
+   log. Our writer escapes like Spark; folders written by delta-rs percent-encode more (spaces,
+   non-ASCII) or hold empty values (``k=``). ``read`` checks every file's folder against the log
+   and reads mismatching partitions separately with the log's values as literals.
+5. ``""`` and null partition values are the same partition (Delta, Hive and Spark all store
+   ``""`` as null); an empty-string ``client_id`` reads back as null.
+6. Partition columns may be string, integer, boolean or date. Timestamp, decimal and float
+   partitions are refused (their string forms differ between engines).
+7. Column statistics: ``numRecords`` and ``nullCount`` for every top-level column; exact
+   ``minValues``/``maxValues`` only for integers, dates, timestamps (microseconds, UTC) and
+   strings up to 64 characters. Wrong statistics would make readers skip files that hold
+   matching rows, so anything ambiguous (decimals, floats with NaN, long strings) is left out.
+8. Non-nullable columns are enforced from the written files' null counts: a violation deletes
+   the files and commits nothing.
+9. Tables written by other engines with deletion vectors or column mapping are refused by
+   ``read``: a file-list read cannot apply them.
+10. An empty DataFrame still commits the application transaction (a commit without files), so
+    the step is recorded and versions stay monotonic; the first write to a missing table
+    creates it in its own commit (version 0), even when that write is skipped or empty.
+11. Files are written with the local (or mounted shared) file system; object-store URIs are not
+    supported by this engine.
+12. delta-rs takes ``AddAction``/``RemoveAction`` paths as named on disk and URI-encodes them into
+    the log itself; an already-encoded path double-encodes, and a remove then silently matches
+    no file. ``get_add_actions()`` returns the encoded form, so paths are decoded first.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import logging
+import os
+import random
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.schema import Schema as DeltaSchema
+from deltalake.transaction import AddAction, RemoveAction
+
+from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
+from clickstream.io.delta_tables import (
+    DeltaTables,
+    PartitionFilter,
+    ReplacePredicate,
+    UpsertResult,
+    check_partition_predicate,
+    filter_alternatives,
+    filter_matches,
+    filter_to_sql,
+    partition_string,
+    quote_ident,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+    from clickstream.config import Config
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_SKIPPED = object()  # an attempt's result when the (app_id, version) step was already committed
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+_PARTITION_TYPES = {"string", "integer", "long", "short", "byte", "boolean", "date"}
+_MAX_STAT_STRING = 64
+# Spark's ExternalCatalogUtils.escapePathName set, plus '}' so no folder looks like a glob.
+_ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^")
+_FILE_ROWS = "path string, size long, partition_values string, modification_time long, stats string"
+
+
+@dataclass(frozen=True)
+class _WrittenFile:
+    """One Parquet file an executor wrote; ``path`` is relative to the table root, on disk."""
+
+    path: str
+    size: int
+    partition_values: dict[str, str | None]
+    modification_time: int
+    stats: str
+
+    def add_action(self) -> AddAction:
+        # delta-rs takes the path as named on disk and URI-encodes it into the log itself.
+        return AddAction(
+            self.path, self.size, self.partition_values,
+            self.modification_time, True, self.stats,
+        )
+
+
+@dataclass(frozen=True)
+class _ActiveFile:
+    """One active file: its path as in the log (URI-encoded), on disk, and partition values."""
+
+    log_path: str
+    path: str
+    size: int
+    partition_values: dict[str, str | None]
+
+
+class DeltaRsTables(DeltaTables):
+    """Delta tables written by Spark executors and committed by delta-rs (``deltalake``).
+
+    Args:
+        config: tables live under ``config.warehouse``.
+        spark: session for DataFrame reads and writes.
+        max_commit_attempts: commit attempts before :class:`CommitConflictError`.
+        backoff_seconds: first retry delay; doubles per attempt (with jitter), capped at 5 s.
+        before_commit: called as ``before_commit(table, attempt)`` after the files are written
+            and the snapshot is loaded, right before each commit attempt. A seam for tests and
+            diagnostics (e.g. to inject a concurrent commit); None in production.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        spark: SparkSession | None = None,
+        *,
+        max_commit_attempts: int = 6,
+        backoff_seconds: float = 0.1,
+        before_commit: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if max_commit_attempts < 1:
+            raise ConfigError(f"max_commit_attempts must be at least 1, got {max_commit_attempts}")
+        self._config = config
+        self._spark = spark
+        self._max_attempts = max_commit_attempts
+        self._backoff = backoff_seconds
+        self._before_commit = before_commit
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def table_path(self, name: str) -> str:
+        if not name or "/" in name or name.startswith((".", "_")):
+            raise ConfigError(f"table name {name!r} must be a plain folder name (e.g. 'orders')")
+        return str(self._config.table_path(name))
+
+    def exists(self, name: str) -> bool:
+        return DeltaTable.is_deltatable(self.table_path(name))
+
+    def version(self, name: str) -> int:
+        table = self._load(name)
+        return -1 if table is None else table.version()
+
+    def app_version(self, name: str, app_id: str) -> int | None:
+        table = self._load(name)
+        return None if table is None else table.transaction_version(app_id)
+
+    def history(self, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+        table = self._load(name)
+        return [] if table is None else table.history(limit)
+
+    # -- writers ---------------------------------------------------------------------------
+
+    def append_once(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        app_id: str,
+        version: int,
+        partition_by: Sequence[str],
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """See :meth:`DeltaTables.append_once`. Delivery: exactly once per (app_id, version)."""
+        properties = _commit_properties(metadata, app_id, version, "append_once")
+        table = self._ensure_table(name, df.schema, partition_by, metadata)
+        if _done(table, app_id, version):
+            return False
+        df = _conform(df, table, name)
+        files = self._write_files(name, df, table)
+
+        def attempt(current: DeltaTable) -> object:
+            if _done(current, app_id, version):  # edge case 2
+                return _SKIPPED
+            current.create_write_transaction(
+                [f.add_action() for f in files], mode="append", schema=current.schema(),
+                partition_by=_partition_columns(current), commit_properties=properties,
+            )
+            return True
+
+        outcome = self._commit_files(name, "append", files, attempt)
+        return outcome is not _SKIPPED
+
+    def upsert(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        keys: Sequence[str],
+        partition_by: Sequence[str] | None = None,
+        partition_filter: PartitionFilter | None = None,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> UpsertResult:
+        """See :meth:`DeltaTables.upsert`. Delivery: exactly once per (app_id, version)."""
+        properties = _commit_properties(metadata, app_id, version, "upsert")
+        if not keys or set(keys) - set(df.columns):
+            raise ConfigError(
+                f"upsert into {name!r}: keys {list(keys)} must be non-empty columns of the "
+                f"DataFrame; its columns are {', '.join(df.columns)}"
+            )
+        table = self._ensure_table(name, df.schema, partition_by, metadata)
+        if _done(table, app_id, version):
+            return UpsertResult(0, 0, committed=False)
+        df = _conform(df, table, name)
+        source = _cast_to_table(df.toArrow(), table)
+        _check_keys(source, list(keys), name)
+        types = _delta_types(table)
+        scope = partition_filter
+        if scope is None:  # restrict by the key columns that are partition columns
+            key_parts = [k for k in keys if k in _partition_columns(table)]
+            if key_parts and source.num_rows:
+                values = source.select(key_parts).group_by(key_parts).aggregate([])
+                scope = {k: values.column(k).to_pylist() for k in key_parts}
+        on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
+        if scope is not None:
+            _check_filter_columns(scope, _partition_columns(table), name)
+            on += f" AND ({filter_to_sql(scope, types, alias='t')})"
+
+        def attempt(current: DeltaTable) -> object:
+            if _done(current, app_id, version):
+                return _SKIPPED
+            if source.num_rows == 0:  # edge case 10: record the step all the same
+                current.create_write_transaction(
+                    [], mode="append", schema=current.schema(),
+                    partition_by=_partition_columns(current), commit_properties=properties,
+                )
+                return UpsertResult(0, 0)
+            metrics = (
+                current.merge(
+                    source, predicate=on, source_alias="s", target_alias="t",
+                    commit_properties=properties,
+                )
+                .when_matched_update_all()
+                .when_not_matched_insert_all()
+                .execute()
+            )
+            return UpsertResult(
+                int(metrics.get("num_target_rows_inserted", 0)),
+                int(metrics.get("num_target_rows_updated", 0)),
+            )
+
+        outcome = self._commit_loop(name, "upsert", attempt)
+        if isinstance(outcome, UpsertResult):
+            return outcome
+        return UpsertResult(0, 0, committed=False)  # edge case 2: a racing replay won
+
+    def replace_partitions(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        predicate: ReplacePredicate,
+        partition_by: Sequence[str] | None = None,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """See :meth:`DeltaTables.replace_partitions`. Delivery: exactly once per step."""
+        properties = _commit_properties(metadata, app_id, version, "replace_partitions")
+        table = self._ensure_table(name, df.schema, partition_by, metadata)
+        columns = _partition_columns(table)
+        check_partition_predicate(predicate, columns)
+        if _done(table, app_id, version):
+            return False
+        df = _conform(df, table, name)
+        files = self._write_files(name, df, table)
+        try:
+            self._check_inside(name, files, predicate, table)
+        except BaseException:
+            self._discard(name, files)
+            raise
+        in_range_before = {f.log_path for f in self._files_in(name, table, predicate)}
+
+        def attempt(current: DeltaTable) -> object:
+            if _done(current, app_id, version):
+                return _SKIPPED
+            removed = self._files_in(name, current, predicate)
+            if {f.log_path for f in removed} != in_range_before:
+                raise CommitConflictError(
+                    f"replace_partitions on table {name!r}: a concurrent commit changed files in "
+                    f"the range {predicate!r} (now version {current.version()}); nothing was "
+                    "committed. Recompute the range from the new snapshot, then retry the step."
+                )
+            now = int(time.time() * 1000)
+            removes = [  # decoded path: an encoded one silently matches no file
+                RemoveAction(f.path, True, now, f.size, f.partition_values) for f in removed
+            ]
+            current.create_write_transaction(
+                [*removes, *(f.add_action() for f in files)], mode="append",
+                schema=current.schema(), partition_by=columns, commit_properties=properties,
+            )
+            return True
+
+        outcome = self._commit_files(name, "replace_partitions", files, attempt)
+        return outcome is not _SKIPPED
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def read(
+        self,
+        name: str,
+        columns: Sequence[str] | None = None,
+        partition_filter: PartitionFilter | None = None,
+        *,
+        schema: StructType | None = None,
+        version: int | None = None,
+    ) -> DataFrame:
+        """See :meth:`DeltaTables.read`. Reads exactly the active rows of one snapshot."""
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import StructType
+
+        spark = self._need_spark("read")
+        path = self.table_path(name)
+        table = self._load(name, version)
+        if table is None:
+            if schema is None:
+                raise ClickstreamError(
+                    f"table {name!r} does not exist at {path}; write to it first, or pass "
+                    "schema= to read a missing table as empty"
+                )
+            return _project(spark.createDataFrame([], schema), columns, name)
+        _check_readable(table, name)
+        full = StructType.fromJson(json.loads(table.schema().to_json()))
+        parts = _partition_columns(table)
+        files = self._active_files(table)
+        if partition_filter:
+            _check_filter_columns(partition_filter, parts, name)
+            wanted = filter_alternatives(partition_filter)
+            files = [f for f in files if filter_matches(wanted, f.partition_values)]
+        if not files:
+            return _project(spark.createDataFrame([], full), columns, name)
+        fast: list[str] = []
+        slow: dict[tuple, list[str]] = {}
+        for f in files:
+            if _spark_reads_same(f, parts):
+                fast.append(os.path.join(path, f.path))
+            else:  # edge case 4: partition values as literals from the log
+                key = tuple(f.partition_values.get(c) for c in parts)
+                slow.setdefault(key, []).append(os.path.join(path, f.path))
+        frames = []
+        if fast:  # one scan; Spark takes partition values from the (checked) folder names
+            frames.append(spark.read.schema(full).option("basePath", path).parquet(*fast))
+        data = StructType([field for field in full.fields if field.name not in parts])
+        for key, group in slow.items():
+            scan = spark.read.schema(data).parquet(*group)
+            literals = [
+                F.lit(value).cast(full[c].dataType).alias(c)
+                for c, value in zip(parts, key, strict=True)
+            ]
+            frames.append(scan.select(*data.names, *literals))
+        result = functools.reduce(lambda a, b: a.unionByName(b), frames).select(*full.names)
+        return _project(result, columns, name)
+
+    def read_arrow(
+        self,
+        name: str,
+        partition_filter: PartitionFilter | None = None,
+        columns: Sequence[str] | None = None,
+        *,
+        version: int | None = None,
+    ) -> pa.Table:
+        table = self._load(name, version)
+        if table is None:
+            raise ClickstreamError(
+                f"table {name!r} does not exist at {self.table_path(name)}; nothing to read"
+            )
+        expression = None
+        if partition_filter:
+            _check_filter_columns(partition_filter, _partition_columns(table), name)
+            expression = _arrow_filter(partition_filter)
+        return table.to_pyarrow_table(
+            columns=list(columns) if columns else None, filters=expression
+        )
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    def optimize(
+        self, name: str, partition_filter: PartitionFilter | None = None
+    ) -> dict[str, Any]:
+        table = self._require(name)
+        properties = CommitProperties(custom_metadata={"cause": "maintenance: optimize"})
+        alternatives = [None]
+        if partition_filter:
+            _check_filter_columns(partition_filter, _partition_columns(table), name)
+            alternatives = [
+                [(c, "in", ["" if v is None else v for v in values]) for c, values in alt.items()]
+                for alt in filter_alternatives(partition_filter)
+            ]
+        metrics: dict[str, Any] = {}
+        try:
+            for conjunction in alternatives:
+                metrics = table.optimize.compact(
+                    partition_filters=conjunction, commit_properties=properties
+                )
+                table.update_incremental()
+        except CommitFailedError as exc:
+            raise CommitConflictError(
+                f"optimize on table {name!r} conflicted with a concurrent commit ({exc}); data "
+                "is unchanged. Compaction is idempotent: run it again later."
+            ) from exc
+        return metrics
+
+    def vacuum(
+        self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True
+    ) -> list[str]:
+        if retention_hours < 0:
+            raise ConfigError(f"retention_hours must be >= 0, got {retention_hours}")
+        table = self._require(name)
+        try:
+            return table.vacuum(
+                retention_hours=retention_hours, dry_run=False,
+                enforce_retention_duration=enforce_retention_duration,
+                commit_properties=CommitProperties(
+                    custom_metadata={"cause": "maintenance: vacuum"}
+                ),
+            )
+        except DeltaError as exc:
+            raise ClickstreamError(f"vacuum of table {name!r} refused: {exc}") from exc
+
+    def checkpoint(self, name: str) -> None:
+        self._require(name).create_checkpoint()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _need_spark(self, what: str) -> SparkSession:
+        if self._spark is None:
+            raise ConfigError(f"{what} needs a SparkSession; pass spark= to open_tables()")
+        return self._spark
+
+    def _load(self, name: str, version: int | None = None) -> DeltaTable | None:
+        path = self.table_path(name)
+        try:
+            return DeltaTable(path, version=version)
+        except TableNotFoundError:
+            return None
+        except DeltaError as exc:
+            if version is None or not DeltaTable.is_deltatable(path):
+                raise
+            raise ClickstreamError(
+                f"table {name!r} has no version {version}; latest is {self.version(name)} "
+                "(or the log of that version was cleaned up)"
+            ) from exc
+
+    def _require(self, name: str) -> DeltaTable:
+        table = self._load(name)
+        if table is None:
+            raise ClickstreamError(f"table {name!r} does not exist at {self.table_path(name)}")
+        return table
+
+    def _ensure_table(
+        self,
+        name: str,
+        schema: StructType,
+        partition_by: Sequence[str] | None,
+        metadata: Mapping[str, Any],
+    ) -> DeltaTable:
+        """Load the table, creating it (its own commit, edge case 10) on the first write."""
+        table = self._load(name)
+        if table is None:
+            if partition_by is None:
+                raise ConfigError(
+                    f"table {name!r} does not exist yet; pass partition_by= so it can be created"
+                )
+            _check_partition_types(schema, partition_by, name)
+            try:
+                delta_schema = DeltaSchema.from_json(schema.json())
+            except Exception as exc:  # unsupported Spark type (void, interval, ...)
+                raise ClickstreamError(
+                    f"cannot create table {name!r}: schema not representable in Delta: {exc}"
+                ) from exc
+            try:
+                DeltaTable.create(
+                    self.table_path(name), delta_schema, mode="ignore",
+                    partition_by=list(partition_by),
+                    commit_properties=CommitProperties(
+                        custom_metadata={**metadata, "cause": "create table"}
+                    ),
+                )
+            except DeltaError:
+                if not self.exists(name):  # lost a creation race: the winner's table is fine
+                    raise
+            table = self._require(name)
+        if partition_by is not None and list(partition_by) != _partition_columns(table):
+            raise ClickstreamError(
+                f"table {name!r} is partitioned by {_partition_columns(table)}, "
+                f"not {list(partition_by)}; nothing was written"
+            )
+        return table
+
+    def _write_files(self, name: str, df: DataFrame, table: DeltaTable) -> list[_WrittenFile]:
+        """Executors write Parquet files into the table folder; returns what they wrote."""
+        parts = _partition_columns(table)
+        arrow_schema = pa.schema(table.schema().to_arrow())
+        file_schema = pa.schema(
+            [f.with_nullable(True) for f in arrow_schema if f.name not in parts]
+        )
+        task = functools.partial(
+            _write_task, root=self.table_path(name), partition_by=parts, file_schema=file_schema
+        )
+        spark_df = df.repartition(*parts) if parts else df
+        rows = spark_df.mapInArrow(task, _FILE_ROWS).collect()
+        files = [
+            _WrittenFile(
+                r.path, r.size, json.loads(r.partition_values), r.modification_time, r.stats
+            )
+            for r in rows
+        ]
+        try:
+            _check_not_null(files, table, name)  # edge case 8
+        except BaseException:
+            self._discard(name, files)
+            raise
+        return files
+
+    def _commit_files(
+        self,
+        name: str,
+        operation: str,
+        files: list[_WrittenFile],
+        attempt: Callable[[DeltaTable], object],
+    ) -> object:
+        """Commit loop for written files; deletes them when they end up uncommitted."""
+        try:
+            outcome = self._commit_loop(name, operation, attempt)
+        except BaseException:
+            self._discard(name, files)  # edge case 1
+            raise
+        if outcome is _SKIPPED:
+            self._discard(name, files)  # edge case 2
+        return outcome
+
+    def _commit_loop(
+        self, name: str, operation: str, attempt: Callable[[DeltaTable], _T]
+    ) -> _T:
+        """Run ``attempt`` on a fresh snapshot until it commits (edge case 3)."""
+        first: Exception | None = None
+        for number in range(1, self._max_attempts + 1):
+            table = self._require(name)
+            if self._before_commit is not None:
+                self._before_commit(name, number)
+            try:
+                return attempt(table)
+            except CommitFailedError as exc:
+                first = first or exc
+                log.info("%s on %s: commit attempt %d conflicted: %s", operation, name, number, exc)
+            except DeltaError as exc:  # not a conflict: retrying would fail the same way
+                raise ClickstreamError(
+                    f"{operation} on table {name!r} failed: {exc}; nothing was committed"
+                ) from exc
+            if number < self._max_attempts:
+                delay = min(5.0, self._backoff * 2 ** (number - 1))
+                time.sleep(delay * random.uniform(0.5, 1.0))
+        raise CommitConflictError(
+            f"{operation} on table {name!r} still conflicted after {self._max_attempts} commit "
+            f"attempts; nothing was committed (first cause: {first}). Retrying the step is safe: "
+            "it commits at most once per (app_id, version)."
+        )
+
+    def _discard(self, name: str, files: list[_WrittenFile]) -> None:
+        """Delete written files unless a commit references them (an ambiguous commit)."""
+        if not files:
+            return
+        table = self._load(name)
+        active = {f.path for f in self._active_files(table)} if table is not None else set()
+        root = self.table_path(name)
+        for f in files:
+            if f.path not in active:
+                try:
+                    os.remove(os.path.join(root, f.path))
+                except OSError as exc:  # vacuum removes it later (edge case 1)
+                    log.warning("could not delete uncommitted file %s: %s", f.path, exc)
+
+    def _active_files(self, table: DeltaTable) -> list[_ActiveFile]:
+        actions = pa.table(table.get_add_actions(flatten=True))
+        parts = _partition_columns(table)
+        paths = actions.column("path").to_pylist()
+        sizes = actions.column("size_bytes").to_pylist()
+        values = [actions.column(f"partition.{c}").to_pylist() for c in parts]
+        return [
+            _ActiveFile(
+                log_path, unquote(log_path), size,
+                {c: partition_string(v[i]) for c, v in zip(parts, values, strict=True)},
+            )
+            for i, (log_path, size) in enumerate(zip(paths, sizes, strict=True))
+        ]
+
+    def _files_in(
+        self, name: str, table: DeltaTable, predicate: ReplacePredicate
+    ) -> list[_ActiveFile]:
+        """Active files inside a partition range (exact: the predicate is partition-only)."""
+        files = self._active_files(table)
+        if isinstance(predicate, str):
+            root = self.table_path(name)
+            chosen = {
+                os.path.relpath(uri.removeprefix("file://"), root)
+                for uri in table.file_uris(file_pruning_predicate=predicate)
+            }
+            return [f for f in files if f.path in chosen]
+        alternatives = filter_alternatives(predicate)
+        return [f for f in files if filter_matches(alternatives, f.partition_values)]
+
+    def _check_inside(
+        self,
+        name: str,
+        files: list[_WrittenFile],
+        predicate: ReplacePredicate,
+        table: DeltaTable,
+    ) -> None:
+        """Every new row must lie in the replaced range, or it would duplicate rows outside."""
+        values = {tuple(sorted(f.partition_values.items())) for f in files}
+        if isinstance(predicate, str):
+            outside = self._outside_sql(values, predicate, table)
+        else:
+            alternatives = filter_alternatives(predicate)
+            outside = [v for v in values if not filter_matches(alternatives, dict(v))]
+        if outside:
+            raise ClickstreamError(
+                f"replace_partitions on table {name!r}: {len(outside)} partition(s) of the new "
+                f"rows lie outside the range {predicate!r}, first {dict(sorted(outside)[0])}; "
+                "nothing was committed. Filter the DataFrame to the range or widen the range."
+            )
+
+    def _outside_sql(self, values: set[tuple], predicate: str, table: DeltaTable) -> list[tuple]:
+        if not values:
+            return []
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import StringType, StructField, StructType
+
+        spark = self._need_spark("replace_partitions")
+        parts = _partition_columns(table)
+        types = StructType.fromJson(json.loads(table.schema().to_json()))
+        raw = spark.createDataFrame(
+            [tuple(dict(v).get(c) for c in parts) for v in values],
+            StructType([StructField(c, StringType()) for c in parts]),
+        )
+        typed = raw.select(*(F.col(c).cast(types[c].dataType).alias(c) for c in parts))
+        matched = typed.withColumn("_in", F.coalesce(F.expr(predicate), F.lit(False)))
+        bad = [r for r in matched.collect() if not r["_in"]]
+        return [tuple(sorted((c, partition_string(r[c])) for c in parts)) for r in bad]
+
+
+# ---------------------------------------------------------------------------------------------
+# Executor side: runs inside Spark tasks (mapInArrow), so it imports only pyarrow.
+
+
+class _OpenFile:
+    """A Parquet file being written by one task, with running statistics (edge case 7)."""
+
+    def __init__(self, root: str, rel: str, schema: pa.Schema) -> None:
+        self.rel = rel
+        self.full = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(self.full), exist_ok=True)
+        self.writer = pq.ParquetWriter(self.full, schema, compression="snappy")
+        self.rows = 0
+        self.nulls = dict.fromkeys(schema.names, 0)
+        self.low: dict[str, Any] = {}
+        self.high: dict[str, Any] = {}
+        self.skip: set[str] = set()
+
+    def write(self, table: pa.Table) -> None:
+        self.writer.write_table(table)
+        self.rows += table.num_rows
+        for name in table.column_names:
+            column = table.column(name)
+            self.nulls[name] += column.null_count
+            if name in self.skip or not _has_exact_stats(column.type):
+                continue
+            bounds = pc.min_max(column).as_py()
+            if bounds["min"] is None:
+                continue
+            low, high = bounds["min"], bounds["max"]
+            if isinstance(low, str) and max(len(low), len(high)) > _MAX_STAT_STRING:
+                self.skip.add(name)
+                continue
+            self.low[name] = low if name not in self.low else min(self.low[name], low)
+            self.high[name] = high if name not in self.high else max(self.high[name], high)
+
+    def close(self) -> tuple[int, int, str]:
+        self.writer.close()
+        kept = [n for n in self.low if n not in self.skip]
+        stats = {
+            "numRecords": self.rows,
+            "minValues": {n: _stat_json(self.low[n]) for n in kept},
+            "maxValues": {n: _stat_json(self.high[n]) for n in kept},
+            "nullCount": self.nulls,
+        }
+        info = os.stat(self.full)
+        return info.st_size, int(info.st_mtime * 1000), json.dumps(stats)
+
+
+def _write_task(
+    batches: Iterator[pa.RecordBatch],
+    *,
+    root: str,
+    partition_by: list[str],
+    file_schema: pa.Schema,
+) -> Iterator[pa.RecordBatch]:
+    """Write one Spark partition's rows as one Parquet file per table partition."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    task = context.partitionId() if context is not None else 0
+    files: dict[tuple, _OpenFile] = {}
+    keys: dict[tuple, dict[str, str | None]] = {}
+    try:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            table = pa.Table.from_batches([batch])
+            groups = (
+                table.select(partition_by).group_by(partition_by).aggregate([]).to_pylist()
+                if partition_by else [{}]
+            )
+            for group in groups:
+                values = {c: partition_string(group[c]) for c in partition_by}
+                key = tuple(values.values())
+                if key not in files:
+                    folder = "/".join(
+                        f"{_hive_escape(c)}={HIVE_NULL if v is None else _hive_escape(v)}"
+                        for c, v in values.items()
+                    )
+                    name = f"part-{task:05d}-{uuid.uuid4()}.c000.snappy.parquet"
+                    rel = f"{folder}/{name}" if folder else name
+                    files[key] = _OpenFile(root, rel, file_schema)
+                    keys[key] = values
+                rows = table.filter(_group_mask(table, group)) if partition_by else table
+                files[key].write(rows.select(file_schema.names).cast(file_schema))
+        out = {"path": [], "size": [], "partition_values": [], "modification_time": [], "stats": []}
+        for key, handle in files.items():
+            size, mtime, stats = handle.close()
+            out["path"].append(handle.rel)
+            out["size"].append(size)
+            out["partition_values"].append(json.dumps(keys[key]))
+            out["modification_time"].append(mtime)
+            out["stats"].append(stats)
+        files.clear()
+        yield pa.RecordBatch.from_pydict(
+            out,
+            schema=pa.schema([
+                ("path", pa.string()), ("size", pa.int64()), ("partition_values", pa.string()),
+                ("modification_time", pa.int64()), ("stats", pa.string()),
+            ]),
+        )
+    finally:
+        for handle in files.values():  # a failed task: close what it opened (edge case 1)
+            handle.writer.close()
+
+
+def _group_mask(table: pa.Table, group: Mapping[str, Any]) -> pa.ChunkedArray:
+    mask = None
+    for column, value in group.items():
+        values = table.column(column)
+        if value is None:
+            test = pc.is_null(values)
+        else:
+            test = pc.fill_null(pc.equal(values, pa.scalar(value, values.type)), False)
+        mask = test if mask is None else pc.and_(mask, test)
+    return mask
+
+
+def _hive_escape(text: str) -> str:
+    """Escape a partition folder component like Spark (``%XX``), so Spark parses it back."""
+    return "".join(f"%{ord(ch):02X}" if ch in _ESCAPE else ch for ch in text)
+
+
+def _spark_unescape(text: str) -> str:
+    """Spark's ExternalCatalogUtils.unescapePathName: ``%XX`` (hex) becomes one char."""
+    out, i = [], 0
+    while i < len(text):
+        code = text[i + 1 : i + 3] if text[i] == "%" and i + 2 < len(text) else ""
+        # Java's Integer.parseInt(code, 16) also takes a sign; negative codes stay literal.
+        if re.fullmatch(r"[+-]?[0-9A-Fa-f]+", code) and int(code, 16) >= 0:
+            out.append(chr(int(code, 16)))
+            i += 3
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _spark_reads_same(f: _ActiveFile, parts: list[str]) -> bool:
+    """Would Spark's partition discovery give this file the log's partition values?"""
+    folders = f.path.split("/")[:-1]
+    if len(folders) != len(parts):
+        return False
+    for folder, column in zip(folders, parts, strict=True):
+        name, sep, raw = folder.partition("=")
+        if not sep or not raw or _spark_unescape(name) != column:
+            return False
+        parsed = None if raw == HIVE_NULL else _spark_unescape(raw)
+        if parsed != f.partition_values.get(column):
+            return False
+    return True
+
+
+def _has_exact_stats(kind: pa.DataType) -> bool:
+    return (
+        pa.types.is_integer(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_date32(kind)
+        or (pa.types.is_timestamp(kind) and kind.unit == "us")
+    )
+
+
+def _stat_json(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return value.strftime("%Y-%m-%dT%H:%M:%S.%f")
+    if isinstance(value, dt.date):
+        return value.isoformat()
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver-side helpers.
+
+
+def _commit_properties(
+    metadata: Mapping[str, Any], app_id: str, version: int, operation: str
+) -> CommitProperties:
+    if not app_id or not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ConfigError(
+            f"{operation}: app_id must be non-empty and version a non-negative int, "
+            f"got app_id={app_id!r}, version={version!r}"
+        )
+    custom = {**metadata, "app_id": app_id, "app_version": version}
+    try:
+        json.dumps(custom, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{operation}: commit metadata must be JSON-serialisable: {exc}") from exc
+    # max_commit_retries=0: this module owns the retry loop (edge case 3).
+    return CommitProperties(
+        custom_metadata=custom,
+        max_commit_retries=0,
+        app_transactions=[Transaction(app_id, version, int(time.time() * 1000))],
+    )
+
+
+def _done(table: DeltaTable, app_id: str, version: int) -> bool:
+    committed = table.transaction_version(app_id)
+    return committed is not None and committed >= version
+
+
+def _partition_columns(table: DeltaTable) -> list[str]:
+    return list(table.metadata().partition_columns)
+
+
+def _delta_types(table: DeltaTable) -> dict[str, str]:
+    fields = json.loads(table.schema().to_json())["fields"]
+    return {f["name"]: f["type"] if isinstance(f["type"], str) else "struct" for f in fields}
+
+
+def _check_partition_types(schema: StructType, partition_by: Sequence[str], name: str) -> None:
+    fields = {f.name: f for f in schema.fields}
+    for column in partition_by:
+        if column not in fields:
+            raise ConfigError(
+                f"table {name!r}: partition column {column!r} is not in the DataFrame "
+                f"(columns: {', '.join(fields)})"
+            )
+        kind = fields[column].dataType.typeName()
+        if kind not in _PARTITION_TYPES:  # edge case 6
+            raise ConfigError(
+                f"table {name!r}: partition column {column!r} has type {kind}; use one of: "
+                f"{', '.join(sorted(_PARTITION_TYPES))}"
+            )
+
+
+def _check_filter_columns(
+    partition_filter: PartitionFilter | Sequence[PartitionFilter], parts: list[str], name: str
+) -> None:
+    used = {c for alt in filter_alternatives(partition_filter) for c in alt}
+    unknown = sorted(used - set(parts))
+    if unknown:
+        raise ConfigError(
+            f"table {name!r}: partition filter uses {', '.join(unknown)}, which are not partition "
+            f"columns; use only: {', '.join(parts) or '(table is not partitioned)'}"
+        )
+
+
+def _without_nullability(kind: Any) -> Any:
+    if isinstance(kind, dict):
+        return {
+            k: _without_nullability(v)
+            for k, v in kind.items()
+            if k not in ("nullable", "containsNull", "valueContainsNull", "metadata")
+        }
+    if isinstance(kind, list):
+        return [_without_nullability(v) for v in kind]
+    return kind
+
+
+def _conform(df: DataFrame, table: DeltaTable, name: str) -> DataFrame:
+    """Check ``df`` against the table schema (names, types; not nullability) and order it."""
+    table_fields = json.loads(table.schema().to_json())["fields"]
+    df_fields = {f["name"]: f for f in json.loads(df.schema.json())["fields"]}
+    wanted = [f["name"] for f in table_fields]
+    problems = []
+    missing = [n for n in wanted if n not in df_fields]
+    extra = [n for n in df_fields if n not in wanted]
+    if missing:
+        problems.append(f"missing columns {missing}")
+    if extra:
+        problems.append(f"unexpected columns {extra}")
+    for field in table_fields:
+        other = df_fields.get(field["name"])
+        if other and _without_nullability(other["type"]) != _without_nullability(field["type"]):
+            problems.append(f"{field['name']} is {other['type']}, table has {field['type']}")
+    if problems:
+        raise ClickstreamError(
+            f"DataFrame does not match the schema of table {name!r}: {'; '.join(problems)}; "
+            "nothing was written"
+        )
+    return df.select(*wanted)
+
+
+def _cast_to_table(source: pa.Table, table: DeltaTable) -> pa.Table:
+    target = pa.schema(table.schema().to_arrow())
+    nullable = pa.schema([f.with_nullable(True) for f in target])
+    return source.select(target.names).cast(nullable)
+
+
+def _check_keys(source: pa.Table, keys: list[str], name: str) -> None:
+    for key in keys:
+        nulls = source.column(key).null_count
+        if nulls:
+            raise ClickstreamError(
+                f"upsert into {name!r}: {nulls} row(s) have a null key {key!r}; nothing was "
+                "written. Quarantine or fix them first."
+            )
+    if source.num_rows:
+        counts = source.select(keys).group_by(keys).aggregate([([], "count_all")])
+        dupes = counts.filter(pc.greater(counts.column("count_all"), 1))
+        if dupes.num_rows:
+            first = {k: dupes.column(k)[0].as_py() for k in keys}
+            raise ClickstreamError(
+                f"upsert into {name!r}: {dupes.num_rows} key(s) occur more than once in the "
+                f"batch, first {first}; nothing was written. Deduplicate the batch first."
+            )
+
+
+def _check_not_null(files: list[_WrittenFile], table: DeltaTable, name: str) -> None:
+    required = [f["name"] for f in json.loads(table.schema().to_json())["fields"]
+                if not f.get("nullable", True)]
+    parts = set(_partition_columns(table))
+    for column in required:
+        if column in parts:
+            nulls = sum(1 for f in files if f.partition_values.get(column) is None)
+        else:
+            nulls = sum(json.loads(f.stats)["nullCount"].get(column, 0) for f in files)
+        if nulls:
+            raise ClickstreamError(
+                f"table {name!r}: {nulls} {'file(s)' if column in parts else 'row(s)'} have null "
+                f"in non-nullable column {column!r}; nothing was committed"
+            )
+
+
+def _check_readable(table: DeltaTable, name: str) -> None:
+    protocol = table.protocol()
+    features = set(protocol.reader_features or [])
+    mapping = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+    if "deletionVectors" in features or mapping != "none":  # edge case 9
+        raise ClickstreamError(
+            f"table {name!r} uses deletion vectors or column mapping, which a file-list Spark "
+            "read cannot apply; read it with CLICKSTREAM_DELTA_ENGINE=delta-spark"
+        )
+
+
+def _arrow_filter(partition_filter: PartitionFilter) -> Any:
+    import pyarrow.dataset as ds
+
+    expression = None
+    for column, values in partition_filter.items():
+        items = list(values) if isinstance(values, list | tuple | set | frozenset) else [values]
+        present = [v for v in items if v is not None]
+        test = ds.field(column).isin(present) if present else None
+        if len(present) < len(items):
+            test = ds.field(column).is_null() if test is None else test | ds.field(column).is_null()
+        expression = test if expression is None else expression & test
+    return expression
+
+
+def _project(df: DataFrame, columns: Sequence[str] | None, name: str) -> DataFrame:
+    if not columns:
+        return df
+    unknown = [c for c in columns if c not in df.columns]
+    if unknown:
+        raise ConfigError(
+            f"table {name!r} has no column(s) {unknown}; columns: {', '.join(df.columns)}"
+        )
+    return df.select(*columns)
+

@@ -1,0 +1,408 @@
+"""The delta-spark engine (cluster profile): Spark's own Delta data source does everything.
+
+Selected with ``CLICKSTREAM_DELTA_ENGINE=delta-spark``. It needs the delta-spark JVM jars on the
+Spark classpath and Delta's session extension; neither can be loaded on the embedded profile
+(Maven is unreachable), so this engine is **not verified here**: its tests are marked
+``needs_jars`` and skipped unless the jars load. The same :class:`DeltaTables` contract holds.
+
+Known edge cases (cited inline as "edge case N"):
+
+1. Idempotent writes use Delta's documented options ``txnAppId``/``txnVersion`` (DataFrame
+   writes) and the session confs ``spark.databricks.delta.write.txnAppId``/``txnVersion`` (MERGE).
+   Session confs are shared by the whole SparkSession, so DML here is serialised by a lock.
+2. Delta has no public API for an app id's committed version; :meth:`app_version` reads it from
+   the log with ``deltalake`` (log-only, no data read).
+3. ``append_once`` returns True when it wrote; if a racing replay of the same step committed
+   first, Delta itself skips the write (same ``txnAppId``/``txnVersion``) and True is returned.
+4. A concurrent change inside a ``replace_partitions`` range raises Delta's
+   ``ConcurrentAppendException``; it is reported as :class:`CommitConflictError` without retry
+   (the caller must recompute the range). Appends and merges are retried with backoff.
+5. ``checkpoint`` calls Delta's internal ``DeltaLog.checkpoint()`` through py4j (there is no
+   public API); Delta also checkpoints every 10 commits on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
+from clickstream.io.delta_tables import (
+    DeltaTables,
+    PartitionFilter,
+    ReplacePredicate,
+    UpsertResult,
+    check_partition_predicate,
+    filter_to_sql,
+    quote_ident,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+    from clickstream.config import Config
+
+_T = TypeVar("_T")
+DELTA_CLASS = "io.delta.tables.DeltaTable"
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+_TXN_APP = "spark.databricks.delta.write.txnAppId"
+_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+_USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+_DML_LOCK = threading.Lock()  # edge case 1
+
+
+def delta_jars_loadable(spark: SparkSession | None) -> bool:
+    """True when ``io.delta`` classes load in ``spark``'s JVM (classic, non-Connect session)."""
+    if spark is None:
+        return False
+    try:
+        jvm = spark.sparkContext._jvm  # type: ignore[union-attr]
+        loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
+        jvm.java.lang.Class.forName(DELTA_CLASS, False, loader)
+    except Exception:  # Py4JJavaError (class missing), Connect sessions without a JVM
+        return False
+    return True
+
+
+def require_delta_jars(spark: SparkSession | None) -> None:
+    """Raise :class:`ConfigError` saying exactly what is missing and what to set."""
+    if spark is None:
+        raise ConfigError(
+            "CLICKSTREAM_DELTA_ENGINE=delta-spark needs a SparkSession; "
+            "pass spark= to open_tables()"
+        )
+    if not delta_jars_loadable(spark):
+        raise ConfigError(
+            "CLICKSTREAM_DELTA_ENGINE=delta-spark, but the delta-spark JVM jars (class "
+            f"{DELTA_CLASS}, artifact io.delta:delta-spark_2.13:4.x) are not loadable in this "
+            "Spark session. Put them on the classpath (spark.jars / --jars, or "
+            "spark.jars.packages where Maven is reachable) and set "
+            f"spark.sql.extensions={DELTA_EXTENSION} and "
+            f"spark.sql.catalog.spark_catalog={DELTA_CATALOG}; or set "
+            "CLICKSTREAM_DELTA_ENGINE=deltalake (the embedded engine)."
+        )
+    extensions = spark.conf.get("spark.sql.extensions", "") or ""
+    if DELTA_EXTENSION not in extensions:
+        raise ConfigError(
+            "CLICKSTREAM_DELTA_ENGINE=delta-spark: the jars load but the session lacks "
+            f"spark.sql.extensions={DELTA_EXTENSION} (and "
+            f"spark.sql.catalog.spark_catalog={DELTA_CATALOG}); set them when building the session"
+        )
+
+
+class DeltaSparkTables(DeltaTables):
+    """Delta tables read and written by delta-spark (JVM). Not verified on the embedded profile.
+
+    Args:
+        config: tables live under ``config.warehouse``.
+        spark: a session with the delta-spark jars and extension.
+        max_commit_attempts: attempts for appends and merges before CommitConflictError.
+        backoff_seconds: first retry delay; doubles per attempt, capped at 5 s.
+
+    Raises:
+        ConfigError: the jars or the session extension are missing.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        spark: SparkSession | None,
+        *,
+        max_commit_attempts: int = 6,
+        backoff_seconds: float = 0.2,
+    ) -> None:
+        require_delta_jars(spark)
+        from delta import exceptions as delta_errors  # lazy: only with the jars present
+
+        self._config = config
+        self._spark: SparkSession = spark  # type: ignore[assignment]
+        self._max_attempts = max_commit_attempts
+        self._backoff = backoff_seconds
+        self._conflicts: tuple[type[BaseException], ...] = (
+            delta_errors.DeltaConcurrentModificationException,
+            delta_errors.ConcurrentWriteException,
+            delta_errors.MetadataChangedException,
+            delta_errors.ProtocolChangedException,
+            delta_errors.ConcurrentAppendException,
+            delta_errors.ConcurrentDeleteReadException,
+            delta_errors.ConcurrentDeleteDeleteException,
+            delta_errors.ConcurrentTransactionException,
+        )
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def table_path(self, name: str) -> str:
+        if not name or "/" in name or name.startswith((".", "_")):
+            raise ConfigError(f"table name {name!r} must be a plain folder name (e.g. 'orders')")
+        return str(self._config.table_path(name))
+
+    def _delta(self, name: str) -> Any:
+        from delta.tables import DeltaTable
+
+        return DeltaTable.forPath(self._spark, self.table_path(name))
+
+    def exists(self, name: str) -> bool:
+        from delta.tables import DeltaTable
+
+        return DeltaTable.isDeltaTable(self._spark, self.table_path(name))
+
+    def version(self, name: str) -> int:
+        if not self.exists(name):
+            return -1
+        return int(self._delta(name).history(1).collect()[0]["version"])
+
+    def app_version(self, name: str, app_id: str) -> int | None:
+        from deltalake import DeltaTable as LogReader  # edge case 2: log-only lookup
+
+        if not self.exists(name):
+            return None
+        return LogReader(self.table_path(name)).transaction_version(app_id)
+
+    def history(self, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+        if not self.exists(name):
+            return []
+        out = []
+        for row in self._delta(name).history(limit).collect():
+            entry = row.asDict(recursive=True)
+            with contextlib.suppress(ValueError):  # flatten our metadata like deltalake's
+                entry.update(json.loads(entry.get("userMetadata") or "{}"))
+            out.append(entry)
+        return out
+
+    # -- writers ---------------------------------------------------------------------------
+
+    def append_once(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        app_id: str,
+        version: int,
+        partition_by: Sequence[str],
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """See :meth:`DeltaTables.append_once`. Delivery: exactly once per (app_id, version)."""
+        if _done(self.app_version(name, app_id), version):
+            return False
+        user_metadata = _user_metadata(metadata, app_id, version)
+
+        def write() -> bool:
+            (
+                df.write.format("delta").mode("append").partitionBy(*partition_by)
+                .option("txnAppId", app_id).option("txnVersion", version)  # edge case 3
+                .option("userMetadata", user_metadata)
+                .save(self.table_path(name))
+            )
+            return True
+
+        return self._retry(name, "append", write)
+
+    def upsert(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        keys: Sequence[str],
+        partition_by: Sequence[str] | None = None,
+        partition_filter: PartitionFilter | None = None,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> UpsertResult:
+        """See :meth:`DeltaTables.upsert`. Delivery: exactly once per (app_id, version)."""
+        from delta.tables import DeltaTable
+        from pyspark.sql import functions as F
+
+        if _done(self.app_version(name, app_id), version):
+            return UpsertResult(0, 0, committed=False)
+        if not self.exists(name):
+            if partition_by is None:
+                raise ConfigError(f"table {name!r} does not exist yet; pass partition_by=")
+            (
+                DeltaTable.createIfNotExists(self._spark).location(self.table_path(name))
+                .addColumns(df.schema).partitionedBy(*partition_by).execute()
+            )
+        on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
+        parts = [k for k in keys if k in self._partition_columns(name)]
+        scope = partition_filter
+        if scope is None and parts:
+            distinct = df.select(*parts).distinct().collect()
+            scope = {k: sorted({row[k] for row in distinct}) for k in parts}
+        if scope:
+            on += f" AND ({filter_to_sql(scope, _types(df.schema), alias='t')})"
+        user_metadata = _user_metadata(metadata, app_id, version)
+
+        def merge() -> UpsertResult:
+            with _DML_LOCK:  # edge case 1
+                self._spark.conf.set(_TXN_APP, app_id)
+                self._spark.conf.set(_TXN_VERSION, str(version))
+                self._spark.conf.set(_USER_METADATA, user_metadata)
+                try:
+                    metrics = (
+                        self._delta(name).alias("t").merge(df.alias("s"), F.expr(on))
+                        .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
+                        .collect()
+                    )
+                finally:
+                    for conf in (_TXN_APP, _TXN_VERSION, _USER_METADATA):
+                        self._spark.conf.unset(conf)
+            row = metrics[0].asDict() if metrics else {}
+            return UpsertResult(
+                int(row.get("num_inserted_rows", 0)), int(row.get("num_updated_rows", 0))
+            )
+
+        return self._retry(name, "upsert", merge)
+
+    def replace_partitions(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        predicate: ReplacePredicate,
+        partition_by: Sequence[str] | None = None,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """See :meth:`DeltaTables.replace_partitions`. Delivery: exactly once per step."""
+        if _done(self.app_version(name, app_id), version):
+            return False
+        columns = self._partition_columns(name) if self.exists(name) else list(partition_by or [])
+        check_partition_predicate(predicate, columns)
+        where = (
+            predicate if isinstance(predicate, str)
+            else filter_to_sql(predicate, _types(df.schema))
+        )
+        writer = (
+            df.write.format("delta").mode("overwrite").option("replaceWhere", where)
+            .option("txnAppId", app_id).option("txnVersion", version)
+            .option("userMetadata", _user_metadata(metadata, app_id, version))
+        )
+        if partition_by:
+            writer = writer.partitionBy(*partition_by)
+        try:
+            writer.save(self.table_path(name))
+        except self._conflicts as exc:  # edge case 4: no blind retry
+            raise CommitConflictError(
+                f"replace_partitions on table {name!r}: a concurrent commit changed the range "
+                f"{where}; nothing was committed ({exc}). Recompute the range, then retry."
+            ) from exc
+        return True
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def read(
+        self,
+        name: str,
+        columns: Sequence[str] | None = None,
+        partition_filter: PartitionFilter | None = None,
+        *,
+        schema: StructType | None = None,
+        version: int | None = None,
+    ) -> DataFrame:
+        if not self.exists(name):
+            if schema is None:
+                raise ClickstreamError(
+                    f"table {name!r} does not exist at {self.table_path(name)}; write to it "
+                    "first, or pass schema= to read a missing table as empty"
+                )
+            df = self._spark.createDataFrame([], schema)
+        else:
+            reader = self._spark.read.format("delta")
+            if version is not None:
+                reader = reader.option("versionAsOf", version)
+            df = reader.load(self.table_path(name))
+        if partition_filter:
+            df = df.where(filter_to_sql(partition_filter, _types(df.schema)))
+        return df.select(*columns) if columns else df
+
+    def read_arrow(
+        self,
+        name: str,
+        partition_filter: PartitionFilter | None = None,
+        columns: Sequence[str] | None = None,
+        *,
+        version: int | None = None,
+    ) -> pa.Table:
+        return self.read(name, columns, partition_filter, version=version).toArrow()
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    def optimize(
+        self, name: str, partition_filter: PartitionFilter | None = None
+    ) -> dict[str, Any]:
+        builder = self._delta(name).optimize()
+        if partition_filter:
+            builder = builder.where(filter_to_sql(partition_filter, self._table_types(name)))
+        rows = builder.executeCompaction().collect()
+        return rows[0].asDict(recursive=True) if rows else {}
+
+    def vacuum(
+        self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True
+    ) -> list[str]:
+        check = "spark.databricks.delta.retentionDurationCheck.enabled"
+        path = self.table_path(name).replace("`", "``")
+        with _DML_LOCK:
+            self._spark.conf.set(check, str(enforce_retention_duration).lower())
+            try:
+                listed = self._spark.sql(
+                    f"VACUUM delta.`{path}` RETAIN {int(retention_hours)} HOURS DRY RUN"
+                ).collect()
+                self._delta(name).vacuum(float(retention_hours))
+            finally:
+                self._spark.conf.unset(check)
+        return [row[0] for row in listed]
+
+    def checkpoint(self, name: str) -> None:
+        jvm = self._spark.sparkContext._jvm  # edge case 5
+        log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
+            self._spark._jsparkSession, self.table_path(name)
+        )
+        log.checkpoint()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _partition_columns(self, name: str) -> list[str]:
+        return list(self._delta(name).detail().collect()[0]["partitionColumns"])
+
+    def _table_types(self, name: str) -> dict[str, str]:
+        return _types(self._spark.read.format("delta").load(self.table_path(name)).schema)
+
+    def _retry(self, name: str, operation: str, action: Callable[[], _T]) -> _T:
+        first: BaseException | None = None
+        for number in range(1, self._max_attempts + 1):
+            try:
+                return action()
+            except self._conflicts as exc:
+                first = first or exc
+            if number < self._max_attempts:
+                delay = min(5.0, self._backoff * 2 ** (number - 1))
+                time.sleep(delay * random.uniform(0.5, 1.0))
+        raise CommitConflictError(
+            f"{operation} on table {name!r} still conflicted after {self._max_attempts} attempts; "
+            f"nothing was committed (first cause: {first}). Retrying the step is safe: it "
+            "commits at most once per (app_id, version)."
+        )
+
+
+def _done(committed: int | None, version: int) -> bool:
+    return committed is not None and committed >= version
+
+
+def _user_metadata(metadata: Mapping[str, Any], app_id: str, version: int) -> str:
+    try:
+        return json.dumps({**metadata, "app_id": app_id, "app_version": version}, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"commit metadata must be JSON-serialisable: {exc}") from exc
+
+
+def _types(schema: StructType) -> dict[str, str]:
+    return {f.name: f.dataType.typeName() for f in schema.fields}

@@ -1,0 +1,423 @@
+"""The Delta table layer: one small interface, two engines, chosen by ``Config.delta_engine``.
+
+Every job writes and reads Delta tables through :class:`DeltaTables`, never through an engine
+directly, so the embedded profile (``deltalake``, the engine that runs on this machine) and the
+cluster profile (``delta-spark``, which needs JVM jars) share one code path above this module.
+
+Tables are addressed by name (a folder under ``Config.warehouse``) and partitioned by the
+caller's columns, ``client_id`` first, so one client's write never rewrites another client's
+files. Every write commits once, atomically, carries commit metadata (run id, cause) and an
+application transaction ``(app_id, version)``: a replayed micro-batch or job step whose version
+the table has already seen commits nothing (delta-rs ``CommitProperties.app_transactions``,
+Delta's ``txn`` action).
+
+This module imports neither ``deltalake`` nor the delta-spark Python package: the engine is
+imported only when selected.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from clickstream.errors import ConfigError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+    from clickstream.config import Config
+
+PartitionValue = str | int | bool | dt.date | None
+"""One partition column value: str, int, bool, date or None (Delta's null partition)."""
+
+PartitionFilter = Mapping[str, PartitionValue | Sequence[PartitionValue]]
+"""Partition columns to values: ``{"client_id": "c1", "event_date": [d1, d2]}``.
+
+Entries are ANDed; a sequence value means IN.
+"""
+
+ReplacePredicate = PartitionFilter | Sequence[PartitionFilter] | str
+"""Which partitions :meth:`DeltaTables.replace_partitions` replaces: a :data:`PartitionFilter`,
+a sequence of them (ORed), or a SQL predicate string over partition columns only
+(``"client_id = 'c1' AND event_date >= '2024-01-01'"``)."""
+
+
+@dataclass(frozen=True)
+class UpsertResult:
+    """Outcome of :meth:`DeltaTables.upsert`.
+
+    Attributes:
+        inserted: rows whose key was new.
+        updated: rows whose key existed and were overwritten by the source row.
+        committed: False when the (app_id, version) step was already committed, so nothing
+            was written this time.
+    """
+
+    inserted: int
+    updated: int
+    committed: bool = True
+
+
+class DeltaTables(ABC):
+    """Delta tables under one warehouse, read and written through one engine.
+
+    Writers are atomic (one commit each: readers see the old or the new table, never half) and
+    idempotent per ``(app_id, version)``: together with a source that replays from its last
+    committed position, they give **exactly-once** results in the table.
+    """
+
+    @abstractmethod
+    def table_path(self, name: str) -> str:
+        """Absolute location of table ``name`` (``Config.table_path``)."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """True when table ``name`` has at least one commit."""
+
+    @abstractmethod
+    def version(self, name: str) -> int:
+        """Latest committed version of ``name``; -1 when the table does not exist yet."""
+
+    @abstractmethod
+    def app_version(self, name: str, app_id: str) -> int | None:
+        """Highest version committed under ``app_id`` to ``name``; None if never (or no table)."""
+
+    @abstractmethod
+    def append_once(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        app_id: str,
+        version: int,
+        partition_by: Sequence[str],
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """Append ``df`` to ``name`` unless step ``(app_id, version)`` is already committed.
+
+        Delivery guarantee: exactly once per ``(app_id, version)``. If the table already records
+        ``version`` (or a later one) for ``app_id``, nothing is written and False is returned;
+        a crash before the commit leaves only unreferenced files (removed by :meth:`vacuum`).
+        The table is created on the first write with ``df``'s schema and ``partition_by``.
+        An empty ``df`` still commits the application transaction, so the step is recorded
+        and versions stay monotonic.
+
+        Args:
+            name: table name under the warehouse.
+            df: rows to append; its schema must equal the table's (nullability may be looser).
+            app_id: stable id of the writer (e.g. ``"sessionize/pageviews"``).
+            version: monotonically increasing step number (e.g. the micro-batch id).
+            partition_by: partition columns; must equal the table's once it exists.
+            metadata: commit metadata, JSON-serialisable (at least ``run_id`` and ``cause``).
+
+        Returns:
+            True when this call committed, False when the step was already committed.
+
+        Raises:
+            CommitConflictError: concurrent commits kept conflicting after every retry.
+            ClickstreamError: schema or partitioning differs from the table's.
+        """
+
+    @abstractmethod
+    def upsert(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        keys: Sequence[str],
+        partition_by: Sequence[str] | None = None,
+        partition_filter: PartitionFilter | None = None,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> UpsertResult:
+        """Insert rows of ``df`` with new ``keys`` and overwrite rows whose ``keys`` exist.
+
+        Delivery guarantee: exactly once per ``(app_id, version)``; upserting the same rows
+        again under a new version is harmless too (idempotent by key). Only files of the
+        partitions named by ``partition_filter`` are read or rewritten; when it is None, the
+        key columns that are partition columns (e.g. ``client_id``) restrict the merge to the
+        source's values. A key may move between partitions (an order whose ``ts`` changed).
+
+        Args:
+            name: table name under the warehouse.
+            df: source rows, at most one per key and no null keys; collected to the driver,
+                so keep it to a batch (thousands to a few million rows).
+            keys: columns identifying a row (e.g. ``["client_id", "order_id"]``).
+            partition_by: partition columns, needed only to create a missing table; must
+                equal the table's when given.
+            partition_filter: partitions the merge may touch; see above when None.
+            app_id: stable id of the writer.
+            version: step number.
+            metadata: commit metadata (``run_id``, ``cause``).
+
+        Raises:
+            CommitConflictError: concurrent commits kept conflicting after every retry.
+            ClickstreamError: duplicate or null keys in ``df``, or a schema mismatch.
+        """
+
+    @abstractmethod
+    def replace_partitions(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        predicate: ReplacePredicate,
+        partition_by: Sequence[str] | None = None,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """Atomically replace every row in the partitions matching ``predicate`` with ``df``.
+
+        Delivery guarantee: exactly once per ``(app_id, version)``; one commit removes the old
+        files and adds the new ones, so readers see the old rows or the new rows, never a mix.
+        An empty ``df`` deletes the range. Every row of ``df`` must fall inside ``predicate``.
+        If a concurrent commit changes files inside the range, the replace is refused
+        (:class:`~clickstream.errors.CommitConflictError`): ``df`` was computed from rows that
+        are no longer the whole range, so the caller must recompute, not retry blindly.
+
+        Args:
+            name: table name under the warehouse.
+            df: the complete new content of the range.
+            predicate: the range; see :data:`ReplacePredicate`. Partition columns only.
+            partition_by: partition columns, needed only to create a missing table.
+            app_id: stable id of the writer.
+            version: step number.
+            metadata: commit metadata (``run_id``, ``cause``).
+
+        Returns:
+            True when this call committed, False when the step was already committed.
+        """
+
+    @abstractmethod
+    def read(
+        self,
+        name: str,
+        columns: Sequence[str] | None = None,
+        partition_filter: PartitionFilter | None = None,
+        *,
+        schema: StructType | None = None,
+        version: int | None = None,
+    ) -> DataFrame:
+        """Spark DataFrame of the table's active rows (optionally at an older ``version``).
+
+        Reads only the files the Delta log says are active; reading the folder instead would
+        also return rows that were replaced or merged away.
+
+        Args:
+            name: table name under the warehouse.
+            columns: columns to keep, in this order; all when None.
+            partition_filter: read only these partitions.
+            schema: schema to use when the table does not exist yet (an empty DataFrame is
+                returned); without it a missing table raises.
+            version: time travel to this committed version.
+
+        Raises:
+            ClickstreamError: the table does not exist and no ``schema`` was given.
+        """
+
+    @abstractmethod
+    def read_arrow(
+        self,
+        name: str,
+        partition_filter: PartitionFilter | None = None,
+        columns: Sequence[str] | None = None,
+        *,
+        version: int | None = None,
+    ) -> pa.Table:
+        """Small driver-side read into Arrow (tests, tools, publishing modest results)."""
+
+    @abstractmethod
+    def history(self, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+        """Commit infos, newest first, each with ``version``, ``operation`` and our metadata."""
+
+    @abstractmethod
+    def optimize(
+        self, name: str, partition_filter: PartitionFilter | None = None
+    ) -> dict[str, Any]:
+        """Compact small files (data unchanged, ``dataChange=false``); returns the metrics."""
+
+    @abstractmethod
+    def vacuum(
+        self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True
+    ) -> list[str]:
+        """Delete files unreferenced for longer than ``retention_hours``; returns them.
+
+        Retention must exceed the longest write (files are written before they are committed)
+        and the longest reader or time travel that may still need old files.
+        """
+
+    @abstractmethod
+    def checkpoint(self, name: str) -> None:
+        """Write a log checkpoint at the current version so readers replay less log."""
+
+
+def open_tables(config: Config, spark: SparkSession | None = None, **options: Any) -> DeltaTables:
+    """Build the engine ``config.delta_engine`` names.
+
+    Args:
+        config: the run's configuration; tables live under ``config.warehouse``.
+        spark: the session used for Spark reads and writes (required by both engines'
+            DataFrame methods; Arrow-only use may pass None).
+        **options: engine tuning (e.g. ``max_commit_attempts`` for deltalake).
+
+    Raises:
+        ConfigError: the engine cannot run here (delta-spark without its jars).
+    """
+    if config.delta_engine == "deltalake":
+        from clickstream.io.delta_rs_engine import DeltaRsTables
+
+        return DeltaRsTables(config, spark, **options)
+    if config.delta_engine == "delta-spark":
+        from clickstream.io.delta_spark_engine import DeltaSparkTables
+
+        return DeltaSparkTables(config, spark, **options)
+    raise ConfigError(  # Config validates too; kept for callers that bypass it.
+        f"CLICKSTREAM_DELTA_ENGINE={config.delta_engine!r} is not accepted; "
+        "use one of: deltalake, delta-spark"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine-neutral helpers for partition predicates (pure Python, shared by both engines).
+
+_SQL_WORDS = frozenset({
+    "and", "or", "not", "in", "is", "null", "true", "false", "between", "like", "date",
+    "timestamp", "cast", "as", "string", "int", "integer", "bigint", "smallint", "tinyint",
+    "boolean",
+})
+_SQL_STRING = re.compile(r"'(?:[^']|'')*'")
+_SQL_IDENT = re.compile(r'`([^`]+)`|"([^"]+)"|\b([A-Za-z_][A-Za-z0-9_]*)\b')
+
+
+def partition_string(value: PartitionValue) -> str | None:
+    """Delta's string form of a partition value (``partitionValues`` in the log).
+
+    Empty strings become None: Delta, Hive and Spark all store them as the null partition.
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dt.datetime):
+        raise ConfigError(f"partition value {value!r}: timestamps are not supported as partitions")
+    if isinstance(value, dt.date):
+        return value.isoformat()
+    if isinstance(value, int | str):
+        return str(value)
+    raise ConfigError(
+        f"partition value {value!r} has type {type(value).__name__}; use str, int, bool or date"
+    )
+
+
+def filter_alternatives(predicate: PartitionFilter | Sequence[PartitionFilter]) -> list[dict]:
+    """Normalise a filter (or an OR of filters) to a list of ``{column: [strings]}``."""
+    filters = [predicate] if isinstance(predicate, Mapping) else list(predicate)
+    if not filters:
+        raise ConfigError("partition predicate is empty; name at least one partition")
+    out = []
+    for one in filters:
+        if not one:
+            raise ConfigError("partition predicate has an empty alternative; name its columns")
+        empty = [column for column, values in one.items() if _is_sequence(values) and not values]
+        if empty:
+            raise ConfigError(f"partition predicate lists no values for {', '.join(empty)}")
+        out.append(
+            {
+                column: [
+                    partition_string(v)
+                    for v in (values if _is_sequence(values) else [values])
+                ]
+                for column, values in one.items()
+            }
+        )
+    return out
+
+
+def filter_matches(
+    alternatives: list[dict], partition_values: Mapping[str, str | None]
+) -> bool:
+    """True when a file's partition values (Delta strings) satisfy the normalised filter."""
+    return any(
+        all(partition_values.get(column) in values for column, values in alt.items())
+        for alt in alternatives
+    )
+
+
+def filter_to_sql(
+    predicate: PartitionFilter | Sequence[PartitionFilter],
+    types: Mapping[str, str],
+    alias: str | None = None,
+) -> str:
+    """SQL text for a filter, typed by ``types`` (Delta type names), for merge/replaceWhere."""
+    prefix = f"{alias}." if alias else ""
+    ors = []
+    for alt in filter_alternatives(predicate):
+        ands = []
+        for column, values in alt.items():
+            ref = prefix + quote_ident(column)
+            present = [v for v in values if v is not None]
+            parts = []
+            if present:
+                literals = ", ".join(sql_literal(v, types.get(column, "string")) for v in present)
+                parts.append(f"{ref} IN ({literals})")
+            if len(present) < len(values):
+                parts.append(f"{ref} IS NULL")
+            ands.append(parts[0] if len(parts) == 1 else "(" + " OR ".join(parts) + ")")
+        ors.append(" AND ".join(ands))
+    return ors[0] if len(ors) == 1 else " OR ".join(f"({o})" for o in ors)
+
+
+def sql_literal(value: str, delta_type: str) -> str:
+    """A typed SQL literal understood by both DataFusion (deltalake) and Spark SQL."""
+    if delta_type in ("integer", "long", "short", "byte"):
+        return str(int(value))
+    if delta_type == "boolean":
+        return "true" if value == "true" else "false"
+    text = "'" + value.replace("'", "''") + "'"
+    return f"CAST({text} AS DATE)" if delta_type == "date" else text
+
+
+def quote_ident(name: str) -> str:
+    """Quote a column name for DataFusion/Spark SQL when it is not a plain lowercase word."""
+    return name if re.fullmatch(r"[a-z_][a-z0-9_]*", name) else f"`{name}`"
+
+
+def predicate_columns(predicate: str) -> set[str]:
+    """Column names a SQL predicate refers to (string literals and SQL words excluded)."""
+    columns = set()
+    for match in _SQL_IDENT.finditer(_SQL_STRING.sub("''", predicate)):
+        quoted = match.group(1) or match.group(2)
+        word = match.group(3)
+        if quoted:
+            columns.add(quoted)
+        elif word and word.lower() not in _SQL_WORDS:
+            columns.add(word)
+    return columns
+
+
+def check_partition_predicate(predicate: ReplacePredicate, partition_by: Sequence[str]) -> None:
+    """Refuse predicates on non-partition columns: they would select whole files, not rows."""
+    if isinstance(predicate, str):
+        used = predicate_columns(predicate)
+        if not used:
+            raise ConfigError(f"replace predicate {predicate!r} names no partition column")
+    else:
+        used = {column for alt in filter_alternatives(predicate) for column in alt}
+    unknown = sorted(used - set(partition_by))
+    if unknown:
+        raise ConfigError(
+            f"replace predicate uses {', '.join(unknown)}, which are not partition columns; "
+            f"use only: {', '.join(partition_by) or '(table is not partitioned)'}"
+        )
+
+
+def _is_sequence(value: object) -> bool:
+    return isinstance(value, Sequence | set | frozenset) and not isinstance(value, str | bytes)

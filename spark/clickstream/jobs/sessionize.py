@@ -1,0 +1,350 @@
+"""The streaming sessionizer: Kafka ``events`` -> Delta tables and the ``sessions`` topic.
+
+One Structured Streaming query with two branches of the same source, unioned into one
+``foreachBatch`` sink so that both see exactly the same records per micro-batch:
+
+* the *session* branch: valid pageviews and orders -> event-time watermark ->
+  ``transformWithStateInPandas`` (``sessions.stream_adapter``) -> sessions the watermark closed,
+  their attributions, and ids of retried records the state already holds;
+* the *record* branch: every parsed record, valid or not.
+
+The sink (``write_micro_batch``) quarantines bad records, stores every valid pageview and
+order exactly once, queues late ones for the recompute, and writes/publishes closed sessions.
+
+Delivery guarantee: exactly once into the Delta tables. Source offsets and session state live
+in the Spark checkpoint; every table write is ``append_once`` under (query id, batch id), so a
+batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
+idempotent keys (session_id at its revision), so a compacted reader sees each session once.
+
+Known edge cases, cited inline as (Z1)..(Z4):
+  Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
+      operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
+      a row is either sessionized by the stream or stored as late and queued, never neither.
+  Z2. A late record may duplicate one already stored: it is anti-joined against the stored
+      table, restricted to the partitions (client, day) of the late rows.
+  Z3. On-time duplicates are recognised by the state (``duplicate`` rows) and within the batch.
+  Z4. The query id in the checkpoint names the Delta application transactions: a new
+      checkpoint (a fresh query) never collides with the batch ids of an old one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from clickstream import errors
+from clickstream.config import Config
+from clickstream.events import contract
+from clickstream.events.parse import parse_kafka_records
+from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
+from clickstream.io.kafka_source import read_kafka_stream
+from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
+from clickstream.spark_session import build_spark
+from clickstream.tables import (
+    ATTRIBUTIONS,
+    ORDERS,
+    OTHER_EVENTS,
+    PAGEVIEWS,
+    QUARANTINE,
+    RECOMPUTE_QUEUE,
+    SESSIONS,
+    TableSpec,
+)
+
+JOB = "sessionize"
+STATE_BUCKETS = 16  # part of the checkpoint's state layout: changing it needs a new checkpoint
+
+
+@dataclass
+class BatchCounts:
+    """What one micro-batch (or a whole run, summed) did."""
+
+    records: int = 0
+    quarantined: int = 0
+    pageviews: int = 0
+    orders: int = 0
+    other_events: int = 0
+    duplicates: int = 0
+    late_queued: int = 0
+    sessions: int = 0
+    attributions: int = 0
+
+    def add(self, other: BatchCounts) -> None:
+        for item in fields(self):
+            setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
+
+    def describe(self) -> str:
+        return ", ".join(f"{getattr(self, f.name)} {f.name.replace('_', ' ')}"
+                         for f in fields(self))
+
+
+@dataclass
+class SessionizeSummary:
+    """Totals of one ``clickstream sessionize`` run."""
+
+    batches: int = 0
+    totals: BatchCounts = field(default_factory=BatchCounts)
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        return (f"sessionize: {self.batches} micro-batches in {self.seconds:.1f}s: "
+                f"{self.totals.describe()}")
+
+
+def _ms_to_ts(column: str | Column) -> Column:
+    return F.timestamp_millis(F.col(column) if isinstance(column, str) else column)
+
+
+def build_stream(spark: SparkSession, config: Config) -> DataFrame:
+    """The unioned stream the sink consumes: ``branch`` = 'emitted' | 'record'."""
+    records = parse_kafka_records(read_kafka_stream(spark, config, config.events_topic))
+    session_input = (
+        records.where(F.col("error").isNull()
+                      & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
+        .select(
+            F.pmod(F.xxhash64("client_id", "user_id"), F.lit(STATE_BUCKETS)).alias("bucket"),
+            "client_id", "user_id", "event_type", "event_id", "ts",
+            F.unix_millis("ts").alias("ts_ms"), "url", "order_id",
+            (F.col("amount") * 10_000).cast("long").alias("amount_e4"), "currency",
+        )
+        .withWatermark("ts", f"{config.watermark_delay_ms} milliseconds")
+    )
+    emitted = session_input.groupBy("bucket").transformWithStateInPandas(
+        statefulProcessor=SessionProcessor(config.session_gap_ms),
+        outputStructType=OUTPUT_SCHEMA,
+        outputMode="Append",
+        timeMode="EventTime",
+    )
+    record_type = records.schema
+    return emitted.select(
+        F.lit("emitted").alias("branch"),
+        F.struct(*emitted.columns).alias("emitted"),
+        F.lit(None).cast(record_type).alias("record"),
+    ).unionByName(records.select(
+        F.lit("record").alias("branch"),
+        F.lit(None).cast(OUTPUT_SCHEMA).alias("emitted"),
+        F.struct(*records.columns).alias("record"),
+    ))
+
+
+def checkpoint_watermark_ms(checkpoint: Path, batch_id: int) -> int:
+    """The event-time watermark Spark recorded for ``batch_id`` (0 before the first batch)."""
+    if batch_id < 0:
+        return 0
+    path = checkpoint / "offsets" / str(batch_id)
+    lines = path.read_text().splitlines()
+    return int(json.loads(lines[1]).get("batchWatermarkMs", 0))
+
+
+def checkpoint_query_id(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "metadata").read_text())["id"]
+
+
+def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: str) -> DataFrame:
+    """Drop late rows already stored (Z2), reading only their (client, day) partitions."""
+    if not tables.exists(spec.name):
+        return late
+    parts = late.select("client_id", "event_date").distinct().collect()
+    if not parts:
+        return late
+    stored = tables.read(
+        spec.name, [key, "client_id", "event_date"],
+        partition_filter={"client_id": sorted({p.client_id for p in parts}),
+                          "event_date": sorted({p.event_date for p in parts})},
+    )
+    return late.join(stored.select(key), on=key, how="left_anti")
+
+
+def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
+    return df.select(*(F.col(f.name).cast(f.dataType).alias(f.name) for f in spec.schema.fields))
+
+
+class MicroBatchWriter:
+    """The ``foreachBatch`` sink; one instance per query run."""
+
+    def __init__(self, config: Config, tables: DeltaTables, checkpoint: Path,
+                 summary: SessionizeSummary) -> None:
+        self.config = config
+        self.tables = tables
+        self.checkpoint = checkpoint
+        self.summary = summary
+        self.run_id = uuid.uuid4().hex
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        started = time.monotonic()
+        counts = self.write_micro_batch(batch, batch_id)
+        self.summary.batches += 1
+        self.summary.totals.add(counts)
+        print(f"sessionize batch {batch_id}: {counts.describe()} "
+              f"({time.monotonic() - started:.1f}s)", flush=True)
+
+    def _append(self, spec: TableSpec, df: DataFrame, batch_id: int, app_id: str) -> int:
+        df = _shape(df, spec).persist()
+        try:
+            rows = df.count()
+            if rows:
+                self.tables.append_once(
+                    spec.name, df, app_id=app_id, version=batch_id, partition_by=spec.partition_by,
+                    metadata={"run_id": self.run_id, "cause": f"{JOB} batch {batch_id}"},
+                )
+            return rows
+        finally:
+            df.unpersist()
+
+    def write_micro_batch(self, batch: DataFrame, batch_id: int) -> BatchCounts:
+        app_id = f"{JOB}-{checkpoint_query_id(self.checkpoint)}"  # (Z4)
+        late_before = checkpoint_watermark_ms(self.checkpoint, batch_id - 1)  # (Z1)
+        batch = batch.persist()
+        try:
+            return self._write(batch, batch_id, app_id, late_before)
+        finally:
+            batch.unpersist()
+
+    def _write(self, batch: DataFrame, batch_id: int, app_id: str,
+               late_before_ms: int) -> BatchCounts:
+        counts = BatchCounts()
+        records = batch.where(F.col("branch") == "record").select("record.*")
+        emitted = batch.where(F.col("branch") == "emitted").select("emitted.*")
+        counts.records = records.count()
+
+        counts.quarantined = self._append(QUARANTINE, records.where(F.col("error").isNotNull())
+            .select("raw", "source", F.col("error").alias("reason"), "client_id",
+                    F.current_timestamp().alias("quarantined_at"),
+                    F.current_date().alias("quarantine_date")), batch_id, app_id)
+
+        valid = records.where(F.col("error").isNull()).withColumn(
+            "event_date", F.to_date("ts"))
+        is_late = F.col("ts") <= _ms_to_ts(F.lit(late_before_ms))
+        duplicates = emitted.where(F.col("kind") == "duplicate").select(
+            F.col("record_id").alias("_dup_id"))
+        counts.duplicates = duplicates.count()
+
+        def on_time_and_late(kind: str, key: str, spec: TableSpec) -> DataFrame:
+            rows = valid.where(F.col("event_type") == kind).dropDuplicates([key])
+            on_time = rows.where(~is_late).join(
+                duplicates, F.col(key) == F.col("_dup_id"), "left_anti")  # (Z3)
+            late = _late_anti_join(self.tables, spec, rows.where(is_late), key)
+            return on_time.unionByName(late)
+
+        pageviews = on_time_and_late(contract.PAGEVIEW, "event_id", PAGEVIEWS)
+        counts.pageviews = self._append(PAGEVIEWS, pageviews, batch_id, app_id)
+        orders = on_time_and_late(contract.ORDER, "order_id", ORDERS)
+        counts.orders = self._append(ORDERS, orders, batch_id, app_id)
+
+        others = valid.where(~F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
+        others = _late_anti_join(self.tables, OTHER_EVENTS, others.dropDuplicates(["event_id"]),
+                                 "event_id")
+        counts.other_events = self._append(OTHER_EVENTS, others, batch_id, app_id)
+
+        late = valid.where(is_late & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
+        queue = late.select(
+            "client_id", "user_id", F.col("event_type").alias("kind"),
+            F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
+            .otherwise(F.col("event_id")).alias("record_id"),
+            "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
+        ).dropDuplicates(["kind", "record_id"])
+        counts.late_queued = self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
+
+        sessions = emitted.where(F.col("kind") == "session").select(
+            "session_id", "client_id", "user_id",
+            _ms_to_ts("start_ms").alias("session_start"),
+            _ms_to_ts("end_ms").alias("session_end"), "pageview_count", "landing_url",
+            "exit_url", "order_count", (F.col("revenue_e4") / 10_000).alias("revenue"),
+            F.lit(1).alias("revision"), F.to_date(_ms_to_ts("start_ms")).alias("session_date"),
+        )
+        counts.sessions = self._append(SESSIONS, sessions, batch_id, app_id)
+        attributions = emitted.where(F.col("kind") == "attribution").select(
+            F.col("record_id").alias("order_id"), "client_id", "user_id",
+            _ms_to_ts("record_ts_ms").alias("order_ts"), "session_id",
+            F.lit(1).alias("revision"), F.to_date(_ms_to_ts("record_ts_ms")).alias("order_date"),
+        )
+        counts.attributions = self._append(ATTRIBUTIONS, attributions, batch_id, app_id)
+
+        # Kafka last: a crash before this point replays the batch, which re-publishes the same
+        # keys at the same revisions (idempotent for a compacted reader).
+        if counts.sessions:
+            publish_sessions(self.config, _shape(sessions, SESSIONS).toLocalIterator())
+        if counts.attributions:
+            publish_attributions(self.config,
+                                 _shape(attributions, ATTRIBUTIONS).toLocalIterator())
+        return counts
+
+
+_ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
+
+
+def _reraise_product_error(error: Exception) -> None:
+    """Surface our own error (raised in the source or a task) instead of Spark's wrapper."""
+    match = _ERROR_IN_TRACE.search(str(error))
+    if match:
+        kind = getattr(errors, match.group(1), errors.ClickstreamError)
+        raise kind(match.group(2).strip()) from None
+    raise errors.ClickstreamError(
+        f"the sessionizer query failed: {str(error).splitlines()[0]}; it resumes from its "
+        "checkpoint when restarted"
+    ) from error
+
+
+@contextmanager
+def _stop_on_signal(stop: threading.Event) -> Iterator[None]:
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in previous:
+            signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+def run_sessionizer(
+    config: Config, *, until_caught_up: bool = False, spark: SparkSession | None = None
+) -> SessionizeSummary:
+    """Run the streaming sessionizer until stopped (SIGTERM/SIGINT) or, with
+    ``until_caught_up``, until everything available at start is processed and committed."""
+    spark = spark or build_spark(config, "clickstream-sessionize")
+    tables = open_tables(config, spark)
+    checkpoint = config.checkpoint_path(JOB)
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    summary = SessionizeSummary()
+    started = time.monotonic()
+    writer = MicroBatchWriter(config, tables, checkpoint, summary)
+    stream = build_stream(spark, config).writeStream.foreachBatch(writer).queryName(JOB)
+    stream = stream.option("checkpointLocation", str(checkpoint))
+    if until_caught_up:
+        stream = stream.trigger(availableNow=True)
+    else:
+        stream = stream.trigger(processingTime=f"{config.trigger_interval_seconds} seconds")
+    query = stream.start()
+    stop = threading.Event()
+    try:
+        with _stop_on_signal(stop):
+            while query.isActive and not stop.is_set():
+                query.awaitTermination(1.0)
+        if stop.is_set():
+            query.stop()
+        query.awaitTermination()
+    except StreamingQueryException as error:
+        _reraise_product_error(error)
+    finally:
+        summary.seconds = time.monotonic() - started
+    return summary
