@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from clickstream.config import Config
+from clickstream.io.kafka_broker import EmbeddedBroker
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +33,16 @@ def config(tmp_path: Path) -> Config:
     return Config(home=tmp_path / "home", warehouse=tmp_path / "warehouse",
                   landing=tmp_path / "landing", spark_master="local[2]", shuffle_partitions=2,
                   trigger_interval_seconds=0.5)
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[EmbeddedBroker]:
+    """The embedded broker on a free port (port 0 lets the OS pick), default topics created."""
+    with EmbeddedBroker(port=0) as running:
+        yield running
+
+
+@pytest.fixture
+def kafka_config(config: Config, broker: EmbeddedBroker) -> Config:
+    """The per-test Config (temp folders) with KAFKA_BOOTSTRAP_SERVERS set to the broker."""
+    return config.replace(kafka_bootstrap_servers=broker.bootstrap_servers)

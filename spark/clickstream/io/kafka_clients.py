@@ -1,0 +1,464 @@
+"""The thin confluent-kafka layer every other module uses (only this and kafka_broker import it).
+
+Client settings are built here from :class:`~clickstream.config.Config` so the embedded
+broker and a real Kafka cluster get the same code path: ``Config.kafka_bootstrap_servers``
+picks the cluster and ``Config.kafka_options`` (``CLICKSTREAM_KAFKA_OPTIONS="k=v,..."``) passes
+any librdkafka setting through (SASL/TLS for real clusters, tuning).
+
+Delivery guarantees:
+
+- Writers (:func:`make_producer`, :func:`produce_json`, :func:`flush_or_raise`): at-least-once.
+  The idempotent producer (acks=all) never duplicates or reorders records because of its
+  own retries, and :func:`flush_or_raise` fails loudly if any record was not acknowledged.
+  A step rerun after a failure may send some records again; consumers stay correct because
+  records are keyed (event_id / session_id with a revision) and applied idempotently.
+- Readers (:func:`read_compacted`, :func:`topic_watermarks`): read-only snapshots up to the
+  high watermarks seen at the start; they commit no offsets. A read never skips records
+  silently: records dropped by the broker raise :class:`~clickstream.errors.DataLossError`
+  (Spark's ``failOnDataLoss``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from clickstream.config import Config
+from clickstream.errors import (
+    BrokerUnavailableError,
+    ClickstreamError,
+    DataLossError,
+    DeliveryError,
+)
+
+KafkaConfig = dict[str, Any]
+
+# Why each default: lz4 packs JSON ~3x (and the embedded broker's per-partition cap counts
+# compressed bytes); a short linger batches without adding visible latency; acks=all plus
+# idempotence gives ordered, duplicate-free retries.
+PRODUCER_DEFAULTS: Mapping[str, Any] = {
+    "compression.type": "lz4",
+    "linger.ms": 5,
+    "acks": "all",
+    "enable.idempotence": True,
+}
+# Offsets live with the outputs (Delta), so nothing is auto-committed. A small session timeout
+# because classic groups wait session.timeout.ms on every rejoin (6 s is the brokers' minimum).
+CONSUMER_DEFAULTS: Mapping[str, Any] = {
+    "enable.auto.commit": False,
+    "auto.offset.reset": "earliest",
+    "session.timeout.ms": 6000,
+    "heartbeat.interval.ms": 500,
+}
+
+_LOSS_ADVICE = (
+    "the lost records must be re-sent (replay them from their source or load them with "
+    "`clickstream backfill`); to accept the loss instead, delete the reader's checkpoint so it "
+    "restarts from the log start. To avoid it, keep readers running: the embedded broker keeps "
+    "only ~5 MiB per partition (give the topic more partitions or use a real Kafka cluster)"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+def _merge(config: Config, defaults: Mapping[str, Any], extra: Mapping[str, Any]) -> KafkaConfig:
+    """Defaults < ``Config.kafka_options`` (operator) < ``extra`` (the calling code)."""
+    merged: KafkaConfig = {"bootstrap.servers": config.kafka_bootstrap_servers,
+                           "client.id": "clickstream"}
+    merged.update(defaults)
+    merged.update(config.kafka_options)
+    merged.update(extra)
+    return merged
+
+
+def producer_config(config: Config, **extra: Any) -> KafkaConfig:
+    """librdkafka settings for a producer.
+
+    Args:
+        config: Run settings (bootstrap servers, ``kafka_options`` passthrough).
+        **extra: librdkafka settings that win over everything, e.g.
+            ``producer_config(cfg, **{"linger.ms": 0, "transactional.id": "x"})``.
+
+    Returns:
+        A dict for ``confluent_kafka.Producer``: lz4, linger 5 ms, acks=all, idempotence.
+    """
+    return _merge(config, PRODUCER_DEFAULTS, extra)
+
+
+def consumer_config(config: Config, group_id: str | None = None, **extra: Any) -> KafkaConfig:
+    """librdkafka settings for a consumer.
+
+    Args:
+        config: Run settings (bootstrap servers, ``kafka_options`` passthrough).
+        group_id: Consumer group; default a fresh ``clickstream-reader-<uuid>`` (readers that
+            ``assign()`` partitions and keep offsets in their outputs need no shared group).
+        **extra: librdkafka settings that win over everything (dotted names via ``**{}``).
+
+    Returns:
+        A dict for ``confluent_kafka.Consumer``: no auto-commit, earliest, 6 s session timeout.
+    """
+    merged = _merge(config, CONSUMER_DEFAULTS, extra)
+    if group_id is not None or "group.id" not in merged:
+        merged["group.id"] = group_id or f"clickstream-reader-{uuid.uuid4().hex[:12]}"
+    return merged
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+class TrackedProducer(Producer):
+    """A ``confluent_kafka.Producer`` that counts delivery reports for :func:`flush_or_raise`.
+
+    Counts cover records produced without a per-record ``on_delivery`` callback (a per-record
+    callback replaces the tracking one). Counters reset after each :func:`flush_or_raise`.
+    """
+
+    def __init__(self, conf: Mapping[str, Any]) -> None:
+        settings = dict(conf)
+        self._user_on_delivery: Callable[..., None] | None = settings.pop("on_delivery", None)
+        settings["on_delivery"] = self._on_delivery
+        self.bootstrap_servers = str(settings.get("bootstrap.servers", "?"))
+        self.delivered = 0
+        self.failed = 0
+        self.first_error: str | None = None
+        super().__init__(settings)
+
+    def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            self.delivered += 1
+        else:
+            self.failed += 1
+            if self.first_error is None:
+                self.first_error = f"topic {msg.topic()} [{msg.partition()}]: {err.str()}"
+        if self._user_on_delivery is not None:
+            self._user_on_delivery(err, msg)
+
+    def reset_counts(self) -> None:
+        self.delivered = self.failed = 0
+        self.first_error = None
+
+
+def make_producer(config: Config, **extra: Any) -> TrackedProducer:
+    """Create the product's producer (settings from :func:`producer_config`).
+
+    Delivery guarantee: at-least-once, once :func:`flush_or_raise` returned without error.
+    """
+    return TrackedProducer(producer_config(config, **extra))
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, Decimal):
+        return str(value)  # amounts are decimal strings in the contracts, never floats
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable: {value!r}")
+
+
+def encode_json(value: Mapping[str, Any]) -> bytes:
+    """Compact UTF-8 JSON; Decimal becomes a string, datetime/date ISO-8601."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                      default=_json_default).encode()
+
+
+def produce_json(producer: Producer, topic: str, key: str | bytes | None,
+                 value: Mapping[str, Any] | None, *, partition: int | None = None,
+                 timestamp_ms: int | None = None,
+                 headers: Mapping[str, str | bytes] | None = None) -> None:
+    """Queue one record whose value is JSON; ``value=None`` sends a tombstone.
+
+    Waits (serving delivery reports) while the local queue is full instead of failing, so
+    bulk writers get back-pressure. Delivery is only known after :func:`flush_or_raise`.
+
+    Args:
+        producer: From :func:`make_producer` (a plain Producer works, with weaker reporting).
+        topic: Target topic.
+        key: Record key; str is UTF-8 encoded. Keys decide the partition and compaction.
+        value: JSON-serialisable mapping, or None for a tombstone (delete this key).
+        partition: Explicit partition; default: by key hash.
+        timestamp_ms: Record timestamp (epoch ms); default: now.
+        headers: Optional record headers.
+    """
+    kwargs: dict[str, Any] = {
+        "key": key.encode() if isinstance(key, str) else key,
+        "value": None if value is None else encode_json(value),
+    }
+    if partition is not None:
+        kwargs["partition"] = partition
+    if timestamp_ms is not None:
+        kwargs["timestamp"] = timestamp_ms
+    if headers:
+        kwargs["headers"] = [(k, v.encode() if isinstance(v, str) else v)
+                             for k, v in headers.items()]
+    while True:
+        try:
+            producer.produce(topic, **kwargs)
+            break
+        except BufferError:  # local queue full: let librdkafka send, then try again
+            producer.poll(0.05)
+    producer.poll(0)
+
+
+def produce_records(config: Config, topic: str,
+                    records: Iterable[tuple[str | bytes | None, str | bytes | None]], *,
+                    rate_per_second: float | None = None, flush_timeout_s: float = 60.0) -> int:
+    """Send already-serialised ``(key, value)`` records as they are (bad ones included).
+
+    For generators and replays whose values must reach the topic byte for byte, e.g.
+    deliberately malformed events. Delivery guarantee: at-least-once; returns only after every
+    record was acknowledged.
+
+    Args:
+        config: Run settings.
+        topic: Target topic.
+        records: ``(key, value)`` pairs; str is UTF-8 encoded, a None value is a tombstone.
+        rate_per_second: Pace sending to about this many records per second; None = as fast
+            as possible.
+        flush_timeout_s: How long the final flush may take.
+
+    Returns:
+        How many records were sent.
+
+    Raises:
+        DeliveryError: Some records were not acknowledged (see :func:`flush_or_raise`).
+    """
+    producer = make_producer(config)
+    started = time.monotonic()
+    sent = 0
+    for key, value in records:
+        if rate_per_second:
+            ahead = sent / rate_per_second - (time.monotonic() - started)
+            if ahead > 0:
+                producer.poll(ahead)  # serve delivery reports while waiting
+        raw_key = key.encode() if isinstance(key, str) else key
+        raw_value = value.encode() if isinstance(value, str) else value
+        while True:
+            try:
+                producer.produce(topic, value=raw_value, key=raw_key)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        sent += 1
+        if sent % 1000 == 0:
+            producer.poll(0)
+    flush_or_raise(producer, flush_timeout_s)
+    return sent
+
+
+def flush_or_raise(producer: Producer, timeout_s: float = 60.0) -> None:
+    """Wait until every queued record is acknowledged, or raise.
+
+    Raises:
+        DeliveryError: Some records failed or are still queued after ``timeout_s``; says how
+            many, the first error and the broker address. Rerunning the step resends them.
+    """
+    remaining = producer.flush(timeout_s)
+    if not isinstance(producer, TrackedProducer):
+        if remaining:
+            raise DeliveryError(
+                f"kafka delivery incomplete: {remaining} records still queued after "
+                f"{timeout_s:g} s; check that the broker is reachable, then rerun the step"
+            )
+        return
+    failed, delivered, first = producer.failed, producer.delivered, producer.first_error
+    producer.reset_counts()
+    if failed or remaining:
+        total = failed + remaining + delivered
+        raise DeliveryError(
+            f"kafka delivery failed: {failed + remaining} of {total} records were not "
+            f"acknowledged by {producer.bootstrap_servers} ({failed} failed, {remaining} still "
+            f"queued after {timeout_s:g} s); first error: {first or 'timed out'}; check that "
+            "the broker is up and the topic exists, then rerun the step (it resends them)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def topic_watermarks(config: Config, topic: str, *, attempts: int = 5, timeout_s: float = 5.0,
+                     consumer: Consumer | None = None) -> dict[int, tuple[int, int]]:
+    """Low and high watermark of every partition of ``topic``, asking the broker (not a cache).
+
+    Retries with backoff when the broker cannot be reached or the topic is not yet known.
+
+    Args:
+        config: Run settings.
+        topic: Topic name.
+        attempts: Tries before giving up (backoff 0.5 s, doubling, at most 5 s).
+        timeout_s: Per-request timeout.
+        consumer: Reuse this consumer (saves a connection per call); default a temporary one.
+
+    Returns:
+        ``{partition: (low, high)}``: the log start offset and the next offset to be written.
+
+    Raises:
+        BrokerUnavailableError: No answer after ``attempts`` tries.
+        ClickstreamError: The broker answers but does not know the topic.
+    """
+    owned = consumer is None
+    client = consumer if consumer is not None else Consumer(consumer_config(config))
+    last_error = "no answer"
+    unknown_topic = False
+    try:
+        for attempt in range(1, attempts + 1):
+            try:
+                metadata = client.list_topics(topic, timeout=timeout_s)
+                found = metadata.topics.get(topic)
+                if found is None or found.error is not None or not found.partitions:
+                    unknown_topic = True
+                    last_error = str(found.error) if found and found.error else "topic unknown"
+                else:
+                    watermarks: dict[int, tuple[int, int]] = {}
+                    for partition in sorted(found.partitions):
+                        low, high = client.get_watermark_offsets(
+                            TopicPartition(topic, partition), timeout=timeout_s, cached=False)
+                        watermarks[partition] = (low, high)
+                    return watermarks
+            except KafkaException as exc:
+                unknown_topic = False
+                cause = exc.args[0] if exc.args else None
+                last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
+            if attempt < attempts:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+    finally:
+        if owned:
+            client.close()
+    if unknown_topic:
+        raise ClickstreamError(
+            f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
+            f"({last_error}); create it (the embedded broker creates events, sessions and "
+            "attributions at start) or fix the topic name setting"
+        )
+    raise BrokerUnavailableError(
+        f"kafka at {config.kafka_bootstrap_servers} did not answer for topic {topic!r} after "
+        f"{attempts} attempts ({timeout_s:g} s each): {last_error}; start the broker "
+        f"(`clickstream broker`) or fix KAFKA_BOOTSTRAP_SERVERS, then rerun"
+    )
+
+
+def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_watermark: int,
+                       high_watermark: int | None = None) -> None:
+    """Fail if records a reader still needs are gone (Spark's ``failOnDataLoss``).
+
+    Args:
+        topic: Topic name (for the message).
+        partition: Partition number.
+        wanted_offset: Next offset the reader must read (0 to read from the start).
+        low_watermark: The partition's log start offset now.
+        high_watermark: The partition's end offset now, if known: an offset beyond it means
+            the broker lost acknowledged records (e.g. the in-memory broker restarted).
+
+    Raises:
+        DataLossError: ``wanted_offset`` is below the log start or beyond the log end.
+    """
+    if wanted_offset < 0:
+        raise ValueError(f"wanted_offset must be an absolute offset >= 0, got {wanted_offset}")
+    if wanted_offset < low_watermark:
+        raise DataLossError(
+            f"topic {topic} partition {partition}: records {wanted_offset}..{low_watermark - 1} "
+            f"were dropped by the broker before they were consumed (log start offset is now "
+            f"{low_watermark}); {_LOSS_ADVICE}"
+        )
+    if high_watermark is not None and wanted_offset > high_watermark:
+        raise DataLossError(
+            f"topic {topic} partition {partition}: the reader is at offset {wanted_offset} but "
+            f"the log ends at {high_watermark}, so acknowledged records are gone (an embedded "
+            f"broker keeps data in memory only and was probably restarted); {_LOSS_ADVICE}"
+        )
+
+
+def read_compacted(config: Config, topic: str, *,
+                   value_decoder: Callable[[bytes], Any] = json.loads,
+                   timeout_s: float = 60.0) -> dict[str, Any]:
+    """Read a changelog topic as Kafka compaction would keep it: last value per key.
+
+    Reads every partition from offset 0 to the high watermarks seen at the start (records
+    written meanwhile are ignored), applies records in offset order, and drops keys whose last
+    record is a tombstone. Keys are decoded as UTF-8; records without a key are skipped (Kafka
+    rejects them on compacted topics). A key is assumed to live in one partition.
+
+    Delivery guarantee: a complete snapshot or an exception, never a partial view.
+
+    Args:
+        config: Run settings.
+        topic: Topic to read, e.g. ``config.sessions_topic``.
+        value_decoder: Turns a value's bytes into the returned value (default JSON).
+        timeout_s: Give up if the snapshot is not complete within this time.
+
+    Returns:
+        ``{key: decoded value}`` for every live key.
+
+    Raises:
+        DataLossError: Some partition no longer starts at offset 0, so the view would miss keys.
+        BrokerUnavailableError: Kafka unreachable, or the read did not finish in time.
+    """
+    watermarks = topic_watermarks(config, topic)
+    for partition, (low, high) in watermarks.items():
+        check_no_data_loss(topic, partition, 0, low, high)
+    ends = {p: high for p, (_low, high) in watermarks.items() if high > 0}
+    result: dict[str, Any] = {}
+    if not ends:
+        return result
+    consumer = Consumer(consumer_config(config, **{
+        "auto.offset.reset": "error",  # a fetch below the log start must fail, not skip
+        "enable.partition.eof": True,
+    }))
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
+        deadline = time.monotonic() + timeout_s
+        while ends:
+            if time.monotonic() > deadline:
+                missing = ", ".join(f"{p}" for p in sorted(ends))
+                raise BrokerUnavailableError(
+                    f"reading topic {topic!r} from {config.kafka_bootstrap_servers} did not "
+                    f"reach the high watermarks of partitions {missing} within {timeout_s:g} s; "
+                    "check that the broker is up, then rerun"
+                )
+            for msg in consumer.consume(num_messages=10_000, timeout=0.5):
+                partition, offset, err = msg.partition(), msg.offset(), msg.error()
+                end = ends.get(partition)
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        if end is not None and offset >= end:
+                            del ends[partition]
+                        continue
+                    if err.code() in (KafkaError._AUTO_OFFSET_RESET,
+                                      KafkaError.OFFSET_OUT_OF_RANGE):
+                        # Records were dropped between the start check and the fetch.
+                        low, high = topic_watermarks(config, topic).get(partition, (0, 0))
+                        check_no_data_loss(topic, partition, 0, low, high)
+                        raise DataLossError(f"topic {topic} partition {partition}: {err.str()}; "
+                                            f"{_LOSS_ADVICE}")
+                    if err.fatal():  # others (disconnects...) are retried by librdkafka
+                        raise BrokerUnavailableError(
+                            f"reading topic {topic!r} from {config.kafka_bootstrap_servers} "
+                            f"failed: {err.str()}; rerun once the broker is healthy")
+                    continue
+                if end is None or offset >= end:
+                    continue  # written after the snapshot started, or partition already done
+                raw_key = msg.key()
+                if raw_key is not None:
+                    key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+                    value = msg.value()
+                    if value is None:
+                        result.pop(key, None)
+                    else:
+                        result[key] = value_decoder(value)
+                if offset >= end - 1:
+                    del ends[partition]
+    finally:
+        consumer.close()
+    return result

@@ -1,0 +1,360 @@
+"""The embedded broker and the Kafka client helpers, against the real librdkafka mock (no fakes)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, Producer, TopicPartition
+
+from clickstream.config import Config
+from clickstream.errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    ClickstreamError,
+    DataLossError,
+    DeliveryError,
+)
+from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker
+from clickstream.io.kafka_clients import (
+    check_no_data_loss,
+    consumer_config,
+    flush_or_raise,
+    make_producer,
+    produce_json,
+    produce_records,
+    producer_config,
+    read_compacted,
+    topic_watermarks,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _closed_port_config(config: Config) -> Config:
+    return config.replace(kafka_bootstrap_servers=f"127.0.0.1:{_free_port()}")
+
+
+def _consume(config: Config, topic: str, count: int, timeout_s: float = 20.0) -> list:
+    consumer = Consumer(consumer_config(config))
+    partitions = topic_watermarks(config, topic)
+    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+    messages = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(messages) < count and time.monotonic() < deadline:
+            messages += [m for m in consumer.consume(count, 0.5) if m.error() is None]
+    finally:
+        consumer.close()
+    return messages
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+# ------------------------------------------------------------------------------------------
+# Broker
+# ------------------------------------------------------------------------------------------
+
+
+def test_default_topics_have_configured_partitions(broker: EmbeddedBroker,
+                                                   kafka_config: Config) -> None:
+    for topic, partitions in DEFAULT_TOPICS.items():
+        watermarks = topic_watermarks(kafka_config, topic)
+        assert sorted(watermarks) == list(range(partitions)), topic
+    assert set(DEFAULT_TOPICS.values()) == {16}
+
+
+def test_create_topic_partitions_and_duplicates(broker: EmbeddedBroker, kafka_config: Config,
+                                                make_topic: Callable[..., str]) -> None:
+    topic = make_topic(7)
+    assert sorted(topic_watermarks(kafka_config, topic)) == list(range(7))
+    with pytest.raises(BrokerError, match="already exists"):
+        broker.create_topic(topic, 7)
+    broker.create_topic(topic, 7, exist_ok=True)
+    with pytest.raises(BrokerError, match="at least 1 partition"):
+        broker.create_topic("zero-" + uuid.uuid4().hex, 0)
+
+
+def test_round_trip_keys_headers_timestamps(kafka_config: Config,
+                                            make_topic: Callable[..., str]) -> None:
+    topic = make_topic(3)
+    producer = make_producer(kafka_config)
+    ts = 1_714_567_890_123
+    produce_json(producer, topic, "client-1/user-1", {"n": 1, "txt": "héllo"},
+                 timestamp_ms=ts, headers={"source": "test", "raw": b"\x00\x01"}, partition=2)
+    produce_json(producer, topic, b"client-1/user-2", {"n": 2}, timestamp_ms=ts + 1, partition=2)
+    produce_json(producer, topic, "client-1/user-1", None, timestamp_ms=ts + 2, partition=2)
+    flush_or_raise(producer, 10)
+
+    messages = _consume(kafka_config, topic, 3)
+    assert [(m.partition(), m.offset()) for m in messages] == [(2, 0), (2, 1), (2, 2)]
+    first, second, tomb = messages
+    assert first.key() == b"client-1/user-1"
+    assert first.value() == '{"n":1,"txt":"héllo"}'.encode()
+    assert first.timestamp() == (TIMESTAMP_CREATE_TIME, ts)
+    assert first.headers() == [("source", b"test"), ("raw", b"\x00\x01")]
+    assert second.key() == b"client-1/user-2" and second.timestamp()[1] == ts + 1
+    assert tomb.key() == b"client-1/user-1" and tomb.value() is None
+    assert topic_watermarks(kafka_config, topic) == {0: (0, 0), 1: (0, 0), 2: (0, 3)}
+
+
+def test_many_connects_and_disconnects_leave_no_leaks(broker: EmbeddedBroker,
+                                                      kafka_config: Config,
+                                                      make_topic: Callable[..., str]) -> None:
+    topic = make_topic(1)
+    host, port = broker.bootstrap_servers.split(":")
+    header = struct.pack(">hhih", 18, 0, 1, -1)  # ApiVersions v0, correlation 1, no client id
+    request = struct.pack(">i", len(header)) + header
+
+    def raw_client(i: int) -> None:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            if i % 3 == 0:  # abrupt close: RST instead of FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif i % 3 == 1:  # a real request/response, then an orderly close
+                sock.sendall(request)
+                size = struct.unpack(">i", sock.recv(4))[0]
+                assert size > 0
+
+    def kafka_client() -> None:
+        consumer = Consumer(consumer_config(kafka_config))
+        assert topic in consumer.list_topics(topic, timeout=5).topics
+        consumer.close()
+
+    raw_client(1)  # warm-up: lazily opened fds (librdkafka globals) are not leaks
+    kafka_client()
+    assert _wait_for(lambda: broker.open_connections == 0)
+    before = _open_fds()
+    for i in range(200):
+        raw_client(i)
+        if i % 4 == 0:  # 50 full librdkafka clients: bootstrap through the forwarder
+            kafka_client()
+    assert _wait_for(lambda: broker.open_connections == 0), broker.open_connections
+    assert _wait_for(lambda: _open_fds() <= before), (before, _open_fds())
+
+    producer = make_producer(kafka_config)
+    produce_json(producer, topic, "k", {"still": "healthy"})
+    flush_or_raise(producer, 10)
+    assert read_compacted(kafka_config, topic) == {"k": {"still": "healthy"}}
+
+
+def test_port_in_use_raises_broker_error(broker: EmbeddedBroker) -> None:
+    with pytest.raises(BrokerError) as caught:
+        EmbeddedBroker(port=broker.port, topics={}).start()
+    message = str(caught.value)
+    assert f"127.0.0.1:{broker.port}" in message and "already in use" in message
+    assert "--port" in message
+
+
+def test_stop_releases_port_and_fds(kafka_config: Config) -> None:
+    EmbeddedBroker(port=0, topics={"t": 1}).start().stop()  # warm-up
+    before = _open_fds()
+    with EmbeddedBroker(port=0, topics={"t": 2}) as embedded:
+        port = embedded.port
+        config = kafka_config.replace(kafka_bootstrap_servers=embedded.bootstrap_servers)
+        assert sorted(topic_watermarks(config, "t")) == [0, 1]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert _wait_for(lambda: _open_fds() <= before), (before, _open_fds())
+    with pytest.raises(BrokerError, match="not running"):
+        embedded.create_topic("late", 1)
+
+
+def test_forwarder_advertise_mode_relays_all_traffic(kafka_config: Config) -> None:
+    with EmbeddedBroker(port=0, topics={"t": 2}, advertise="forwarder") as embedded:
+        config = kafka_config.replace(kafka_bootstrap_servers=embedded.bootstrap_servers)
+        producer = make_producer(config)
+        for i in range(500):
+            produce_json(producer, "t", f"k{i % 10}", {"i": i})
+        flush_or_raise(producer, 10)
+        assert embedded.open_connections >= 1  # the producer's connection stays relayed
+        assert read_compacted(config, "t") == {f"k{k}": {"i": 490 + k} for k in range(10)}
+
+
+def test_module_runs_as_subprocess_and_exits_zero_on_sigterm(kafka_config: Config) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "spark")}
+    command = [sys.executable, "-m", "clickstream.io.kafka_broker", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], 20)
+        assert ready, "broker did not print its ready line within 20 s"
+        line = process.stdout.readline().strip()  # type: ignore[union-attr]
+        assert line == (f"embedded broker ready on 127.0.0.1:{port} "
+                        "(topics: events=16, sessions=16, attributions=16)")
+
+        config = kafka_config.replace(kafka_bootstrap_servers=f"127.0.0.1:{port}")
+        producer = make_producer(config)
+        produce_json(producer, "events", "c/u", {"event_id": "e1"})
+        flush_or_raise(producer, 10)
+        assert sum(high for _, high in topic_watermarks(config, "events").values()) == 1
+
+        second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=30)
+        assert second.returncode == 1
+        assert f"127.0.0.1:{port}" in second.stderr and "already in use" in second.stderr
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# ------------------------------------------------------------------------------------------
+# Client helpers
+# ------------------------------------------------------------------------------------------
+
+
+def test_client_configs_layer_defaults_options_and_extra(config: Config) -> None:
+    cfg = config.replace(kafka_bootstrap_servers="h:1",
+                         kafka_options={"linger.ms": "50", "security.protocol": "SSL"})
+    produced = producer_config(cfg, **{"linger.ms": 0})
+    assert produced["bootstrap.servers"] == "h:1"
+    assert produced["compression.type"] == "lz4" and produced["acks"] == "all"
+    assert produced["enable.idempotence"] is True
+    assert produced["linger.ms"] == 0 and produced["security.protocol"] == "SSL"
+    consumed = consumer_config(cfg, group_id="g1")
+    assert consumed["group.id"] == "g1" and consumed["enable.auto.commit"] is False
+    assert consumed["session.timeout.ms"] <= 10_000 and consumed["linger.ms"] == "50"
+    assert consumer_config(cfg)["group.id"] != consumer_config(cfg)["group.id"]
+
+
+def test_read_compacted_keeps_last_value_per_key_without_tombstones(
+        kafka_config: Config, make_topic: Callable[..., str]) -> None:
+    topic = make_topic(4)
+    producer = make_producer(kafka_config)
+    expected: dict[str, dict[str, int]] = {}
+    for revision in range(1, 4):
+        for n in range(50):
+            key = f"session-{n}"
+            if revision == 3 and n % 5 == 0:
+                produce_json(producer, topic, key, None)
+                expected.pop(key, None)
+            else:
+                produce_json(producer, topic, key, {"revision": revision})
+                expected[key] = {"revision": revision}
+    producer.produce(topic, b'{"keyless": true}')  # not part of a compacted view
+    flush_or_raise(producer, 10)
+    assert read_compacted(kafka_config, topic) == expected
+    assert len(expected) == 40
+
+
+def test_check_no_data_loss_messages() -> None:
+    check_no_data_loss("events", 3, 150, 150)
+    check_no_data_loss("events", 3, 200, 150, 200)
+    with pytest.raises(DataLossError) as caught:
+        check_no_data_loss("events", 3, 100, 150)
+    assert str(caught.value).startswith(
+        "topic events partition 3: records 100..149 were dropped by the broker before they "
+        "were consumed (log start offset is now 150);")
+    with pytest.raises(DataLossError, match="reader is at offset 300 but the log ends at 10"):
+        check_no_data_loss("events", 3, 300, 0, 10)
+    with pytest.raises(ValueError):
+        check_no_data_loss("events", 3, -2, 0)
+
+
+def test_deleted_records_are_detected_as_data_loss(broker: EmbeddedBroker, kafka_config: Config,
+                                                   make_topic: Callable[..., str]) -> None:
+    # AdminClient.delete_records is unsupported by the mock; its own API does the same.
+    topic = make_topic(1)
+    producer = make_producer(kafka_config)
+    for i in range(200):
+        produce_json(producer, topic, f"k{i}", {"i": i})
+    flush_or_raise(producer, 10)
+    broker.delete_records(topic, 0, 150)
+    low, high = topic_watermarks(kafka_config, topic)[0]
+    assert (low, high) == (150, 200)
+    with pytest.raises(DataLossError, match=r"records 100\.\.149 were dropped"):
+        check_no_data_loss(topic, 0, 100, low, high)
+    with pytest.raises(DataLossError, match=rf"topic {topic} partition 0: records 0\.\.149"):
+        read_compacted(kafka_config, topic)
+
+
+def test_partition_size_cap_drops_old_records_and_is_detected(
+        kafka_config: Config, make_topic: Callable[..., str]) -> None:
+    topic = make_topic(1)
+    producer = make_producer(kafka_config, **{"compression.type": "none"})
+    payload = os.urandom(50_000).hex()  # 100 kB of JSON string, one record per batch
+    for i in range(80):  # 8 MB > the mock's 5 MiB per partition
+        produce_json(producer, topic, f"k{i}", {"blob": payload}, partition=0)
+        flush_or_raise(producer, 10)
+    low, high = topic_watermarks(kafka_config, topic)[0]
+    assert high == 80
+    assert 25 <= low <= 35, low  # ~52 records of ~100 kB fit in 5 MiB
+    with pytest.raises(DataLossError, match=rf"records 0\.\.{low - 1} were dropped"):
+        read_compacted(kafka_config, topic)
+
+
+def test_unreachable_broker_gives_clear_errors(config: Config) -> None:
+    unreachable = _closed_port_config(config)
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailableError) as caught:
+        topic_watermarks(unreachable, "events", attempts=2, timeout_s=1)
+    assert time.monotonic() - started < 10
+    message = str(caught.value)
+    assert unreachable.kafka_bootstrap_servers in message and "2 attempts" in message
+    assert "clickstream broker" in message
+
+    producer = make_producer(unreachable, **{"message.timeout.ms": 1000})
+    produce_json(producer, "events", "c/u", {"event_id": "e1"})
+    with pytest.raises(DeliveryError) as failed:
+        flush_or_raise(producer, 10)
+    assert "1 of 1 records were not acknowledged" in str(failed.value)
+    assert unreachable.kafka_bootstrap_servers in str(failed.value)
+
+
+def test_unknown_topic_is_not_reported_as_unavailable(kafka_config: Config) -> None:
+    with pytest.raises(ClickstreamError, match="does not exist") as caught:
+        topic_watermarks(kafka_config, "missing-" + uuid.uuid4().hex, attempts=1)
+    assert not isinstance(caught.value, BrokerUnavailableError)
+
+
+def test_plain_producer_is_flushed_too(kafka_config: Config,
+                                       make_topic: Callable[..., str]) -> None:
+    topic = make_topic(1)
+    producer = Producer(producer_config(kafka_config))
+    produce_json(producer, topic, "k", {"v": 1})
+    flush_or_raise(producer, 10)
+    assert read_compacted(kafka_config, topic) == {"k": {"v": 1}}
+
+
+def test_produce_records_sends_raw_values_at_a_rate(kafka_config: Config,
+                                                    make_topic: Callable[..., str]) -> None:
+    topic = make_topic(2)
+    records = [("c/u1", '{"event_id":"e1"}'), (None, "not json {"), ("c/u1", None),
+               (b"c/u2", b'{"event_id":"e2"}')] * 5
+    started = time.monotonic()
+    assert produce_records(kafka_config, topic, records, rate_per_second=100) == 20
+    assert time.monotonic() - started >= 0.15  # 20 records at 100/s
+    values = sorted((m.key(), m.value()) for m in _consume(kafka_config, topic, 20)
+                    if m.key() is None)
+    assert values == [(None, b"not json {")] * 5
+    assert read_compacted(kafka_config, topic) == {"c/u2": {"event_id": "e2"}}

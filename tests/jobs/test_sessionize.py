@@ -1,0 +1,189 @@
+"""The streaming sessionizer end to end: embedded broker, Spark local, Delta tables on disk."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+from pyspark.sql import SparkSession
+
+from clickstream.config import Config
+from clickstream.errors import DataLossError
+from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
+from clickstream.jobs.generate import Delivery, Scale, live_records
+from clickstream.jobs.sessionize import run_sessionizer
+from tests.reference import reference_sessions, valid_events
+
+SCALE = Scale(clients=2, users_per_client=12, minutes=8 * 60,
+              start=datetime(2026, 11, 1, tzinfo=UTC), sessions_per_user_per_day=6)
+
+
+@pytest.fixture
+def stream_config(kafka_config: Config, broker: EmbeddedBroker) -> Config:
+    """Own topics per test, so tests sharing the broker never see each other's records."""
+    suffix = uuid.uuid4().hex[:8]
+    topics = {"events_topic": f"events-{suffix}", "sessions_topic": f"sessions-{suffix}",
+              "attributions_topic": f"attributions-{suffix}"}
+    for name in topics.values():
+        broker.create_topic(name, 4)
+    return kafka_config.replace(**topics)
+
+
+def produce(config: Config, records: list[tuple[str | None, str]]) -> None:
+    producer = make_producer(config)
+    for key, value in records:
+        producer.produce(config.events_topic, key=key.encode() if key else None,
+                         value=value.encode())
+    flush_or_raise(producer, 30)
+
+
+def table_rows(config: Config, spark: SparkSession, name: str) -> list[dict]:
+    tables = open_tables(config, spark)
+    if not tables.exists(name):
+        return []
+    return tables.read_arrow(name).to_pylist()
+
+
+def ms(value: datetime) -> int:
+    return int(value.timestamp() * 1000)
+
+
+def assert_sessions_match_reference(config: Config, spark: SparkSession,
+                                    events: list[dict]) -> list[dict]:
+    """Emitted sessions equal the reference's sessions that the final watermark closed."""
+    expected, attributions = reference_sessions(events, config.session_gap_ms)
+    watermark = max(e["ts_ms"] for e in events) - config.watermark_delay_ms
+    closed = {sid: s for sid, s in expected.items()
+              if s["end_ms"] + config.session_gap_ms <= watermark}
+    rows = table_rows(config, spark, "sessions")
+    got = {r["session_id"]: r for r in rows}
+    assert len(rows) == len(got), "a session was written twice"
+    assert set(got) == set(closed)
+    for sid, session in closed.items():
+        row = got[sid]
+        assert (ms(row["session_start"]), ms(row["session_end"]), row["pageview_count"],
+                row["landing_url"], row["exit_url"], row["order_count"], row["revenue"]) == (
+            session["start_ms"], session["end_ms"], session["pageview_count"],
+            session["landing_url"], session["exit_url"], session["order_count"],
+            Decimal(session["revenue"]).quantize(Decimal("0.0001")))
+        assert row["revision"] == 1
+    stored_attributions = {r["order_id"]: r["session_id"]
+                           for r in table_rows(config, spark, "attributions")}
+    for order_id, session_id in stored_attributions.items():
+        assert attributions[order_id] == session_id
+    return rows
+
+
+def assert_topic_equals_table(config: Config, rows: list[dict]) -> None:
+    topic = read_compacted(config, config.sessions_topic)
+    assert set(topic) == {r["session_id"] for r in rows}
+    for row in rows:
+        value = topic[row["session_id"]]
+        assert value["revision"] == row["revision"]
+        assert value["pageview_count"] == row["pageview_count"]
+        assert Decimal(value["revenue"]) == row["revenue"]
+
+
+def test_stream_gives_sessions_equal_to_a_straightforward_recomputation(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    records = live_records(SCALE, Delivery(late_fraction=0.0, duplicate_fraction=0.1,
+                                           bad_fraction=0.03, jitter_seconds=120), seed=5)
+    produce(stream_config, records)
+    summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    events = valid_events(records)
+
+    pageviews = table_rows(stream_config, spark, "pageviews")
+    assert sorted(r["event_id"] for r in pageviews) == sorted(
+        e["event_id"] for e in events if e["event_type"] == "pageview")
+    orders = table_rows(stream_config, spark, "orders")
+    assert sorted(r["order_id"] for r in orders) == sorted(
+        e["order_id"] for e in events if e["event_type"] == "order")
+
+    quarantine = table_rows(stream_config, spark, "quarantine")
+    bad = [v for k, v in records if k is None]
+    assert sorted(r["raw"] for r in quarantine) == sorted(bad)
+    assert all(r["reason"] and r["source"].startswith(f"kafka:{stream_config.events_topic}/")
+               for r in quarantine)
+    assert summary.totals.duplicates + summary.totals.pageviews + summary.totals.orders >= len(
+        events)
+
+    rows = assert_sessions_match_reference(stream_config, spark, events)
+    assert rows, "the data should close sessions"
+    assert_topic_equals_table(stream_config, rows)
+
+    # A rerun with nothing new changes nothing.
+    versions = {name: open_tables(stream_config, spark).version(name)
+                for name in ("pageviews", "sessions", "quarantine")}
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert versions == {name: open_tables(stream_config, spark).version(name)
+                        for name in versions}
+
+
+def test_duplicates_and_reordering_within_the_watermark_change_nothing(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    clean = live_records(SCALE, Delivery(late_fraction=0, duplicate_fraction=0, bad_fraction=0,
+                                         jitter_seconds=1), seed=9)
+    messy = live_records(SCALE, Delivery(late_fraction=0, duplicate_fraction=0.3,
+                                         bad_fraction=0, jitter_seconds=240), seed=9)
+    assert {v for _, v in clean} == {v for _, v in messy} and len(messy) > len(clean)
+    first = stream_config
+    second = stream_config.replace(
+        home=stream_config.home.parent / "home2", warehouse=stream_config.home.parent / "wh2",
+        events_topic=stream_config.events_topic + "-b",
+        sessions_topic=stream_config.sessions_topic + "-b",
+        attributions_topic=stream_config.attributions_topic + "-b")
+    produce(first, clean)
+    run_sessionizer(first, until_caught_up=True, spark=spark)
+    produce(second, messy)
+    run_sessionizer(second, until_caught_up=True, spark=spark)
+
+    def snapshot(config: Config) -> tuple:
+        sessions = sorted((r["session_id"], r["pageview_count"], r["revenue"])
+                          for r in table_rows(config, spark, "sessions"))
+        pageviews = sorted(r["event_id"] for r in table_rows(config, spark, "pageviews"))
+        return sessions, pageviews
+
+    assert snapshot(first) == snapshot(second)
+
+
+def test_late_events_are_stored_and_queued_for_the_recompute(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    records = live_records(SCALE, Delivery(late_fraction=0.05, late_minutes=240,
+                                           duplicate_fraction=0, bad_fraction=0), seed=21)
+    stream_config = stream_config.replace(max_events_per_trigger=60)  # several micro-batches
+    produce(stream_config, records)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    events = valid_events(records)
+    pageviews = {r["event_id"] for r in table_rows(stream_config, spark, "pageviews")}
+    assert pageviews == {e["event_id"] for e in events if e["event_type"] == "pageview"}
+    queue = table_rows(stream_config, spark, "recompute_queue")
+    assert queue, "the data has events later than the watermark"
+    queued = {r["record_id"] for r in queue}
+    # Sessions equal the reference over what the stream itself took in (queued rows excluded).
+    on_time = [e for e in events
+               if (e["order_id"] if e["event_type"] == "order" else e["event_id"]) not in queued]
+    assert_sessions_match_reference(stream_config, spark, on_time)
+
+
+def test_data_loss_is_detected_instead_of_skipped(
+    stream_config: Config, spark: SparkSession, broker: EmbeddedBroker
+) -> None:
+    topic = f"events-loss-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, 1)
+    config = stream_config.replace(events_topic=topic)
+    event = {"client_id": "c", "user_id": "u", "event_type": "pageview", "url": "/",
+             "ts": "2026-11-01T00:00:00Z"}
+    produce(config, [("c/u", json.dumps({**event, "event_id": f"e{i}"})) for i in range(10)])
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    produce(config, [("c/u", json.dumps({**event, "event_id": f"f{i}"})) for i in range(10)])
+    broker.delete_records(topic, 0, 15)  # the broker drops 10..14 before we read them
+    with pytest.raises(DataLossError, match=r"records 10\.\.14 were dropped"):
+        run_sessionizer(config, until_caught_up=True, spark=spark)

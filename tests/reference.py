@@ -1,0 +1,119 @@
+"""A deliberately naive, independent re-implementation of the brief's session rules.
+
+Tests compare the product against this instead of against its own ``semantics`` module, so a
+mistake shared by the stream and the batch recompute would still be caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from decimal import Decimal
+from typing import Any
+
+from clickstream.events.contract import CURRENCIES
+
+
+def reference_session_id(client_id: str, user_id: str, start_ms: int) -> str:
+    return hashlib.sha256(f"v1\x1f{client_id}\x1f{user_id}\x1f{start_ms}".encode()).hexdigest()[
+        :32]
+
+
+def ts_ms(value: Any) -> int | None:
+    """Epoch ms of an ``int`` or ISO-8601-with-zone string; None if not a valid event time."""
+    from datetime import datetime
+
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        if value.isdigit():
+            return int(value)
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        if parsed.tzinfo is None:
+            return None
+        return int(parsed.timestamp() * 1000)
+    return None
+
+
+def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
+    """The records the contract accepts, first occurrence of each id only."""
+    seen: set[str] = set()
+    out = []
+    for key, raw in records:
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(event, dict):
+            continue
+        if any(not event.get(f) for f in ("event_id", "client_id", "user_id", "event_type")):
+            continue
+        ms = ts_ms(event.get("ts"))
+        if ms is None or not (946_684_800_000 <= ms < 4_102_444_800_000):
+            continue
+        if key is not None and key != f"{event['client_id']}/{event['user_id']}":
+            continue
+        if event["event_type"] == "pageview" and not event.get("url"):
+            continue
+        if event["event_type"] == "order":
+            try:
+                amount = Decimal(str(event.get("amount")))
+            except ArithmeticError:
+                continue
+            if amount < 0 or event.get("currency") not in CURRENCIES or not event.get("order_id"):
+                continue
+        ident = event["order_id"] if event["event_type"] == "order" else event["event_id"]
+        if (event["event_type"], ident) in seen:
+            continue
+        seen.add((event["event_type"], ident))
+        out.append({**event, "ts_ms": ms})
+    return out
+
+
+def reference_sessions(
+    events: list[dict[str, Any]], gap_ms: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, str | None]]:
+    """(sessions by id, order_id -> session_id) over every given pageview and order."""
+    by_user: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for event in events:
+        if event["event_type"] == "pageview":
+            by_user[(event["client_id"], event["user_id"])].append(event)
+    sessions: dict[str, dict[str, Any]] = {}
+    windows: dict[tuple[str, str], list[tuple[int, int, str]]] = defaultdict(list)
+    for (client, user), pageviews in by_user.items():
+        pageviews.sort(key=lambda e: (e["ts_ms"], e["event_id"]))
+        current: list[dict[str, Any]] = []
+        for pageview in [*pageviews, None]:
+            if current and (pageview is None
+                            or pageview["ts_ms"] - current[-1]["ts_ms"] >= gap_ms):
+                start, end = current[0]["ts_ms"], current[-1]["ts_ms"]
+                sid = reference_session_id(client, user, start)
+                sessions[sid] = {
+                    "session_id": sid, "client_id": client, "user_id": user, "start_ms": start,
+                    "end_ms": end, "pageview_count": len(current),
+                    "landing_url": current[0]["url"], "exit_url": current[-1]["url"],
+                    "order_count": 0, "revenue": Decimal(0),
+                }
+                windows[(client, user)].append((start, end, sid))
+                current = []
+            if pageview is not None:
+                current.append(pageview)
+    attributions: dict[str, str | None] = {}
+    for event in events:
+        if event["event_type"] != "order":
+            continue
+        owner = None
+        for start, end, sid in windows[(event["client_id"], event["user_id"])]:
+            if start <= event["ts_ms"] < end + gap_ms:
+                owner = sid
+        attributions[event["order_id"]] = owner
+        if owner:
+            sessions[owner]["order_count"] += 1
+            sessions[owner]["revenue"] += Decimal(str(event["amount"]))
+    return sessions, attributions
