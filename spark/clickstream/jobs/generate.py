@@ -147,7 +147,8 @@ BAD_VALUES = (
     lambda r: "{not json",
     lambda r: "[1, 2, 3]",
     lambda r: json.dumps({**r, "ts": "yesterday"}),
-    lambda r: json.dumps({**r, "ts": r["ts"][:19]}),  # no time zone
+    lambda r: json.dumps({**r, "ts": _iso(r["ts"])[:19] if isinstance(r["ts"], int)
+                          else r["ts"][:19]}),  # no time zone
     lambda r: json.dumps({k: v for k, v in r.items() if k != "user_id"}),
     lambda r: json.dumps({**r, "event_type": "order", "order_id": "bad", "amount": "-5.00",
                           "currency": "EUR"}),
@@ -188,8 +189,9 @@ def live_records(
         position = min(len(out), int(d) + int(rng.integers(1, 50)))
         out.insert(position, out[int(d)])
     bad_count = int(n * delivery.bad_fraction)
+    good = list(out)
     for _ in range(bad_count):
-        template = json.loads(out[int(rng.integers(0, len(out)))][1])
+        template = json.loads(good[int(rng.integers(0, len(good)))][1])
         template["event_id"] = "bad-" + str(int(rng.integers(0, 2**62)))
         value = BAD_VALUES[int(rng.integers(0, len(BAD_VALUES)))](template)
         out.insert(int(rng.integers(0, len(out) + 1)), (None, value))

@@ -1,0 +1,105 @@
+"""kill -9 the sessionizer (driver, JVM and workers) at random points, restart, and check that
+nothing was lost or doubled and that the sessions topic still equals the sessions table."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from clickstream.config import ENV_NAMES, Config
+from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.jobs.generate import Delivery, Scale, live_records
+from tests.jobs.test_sessionize import (
+    SCALE,
+    assert_sessions_match_reference,
+    assert_topic_equals_table,
+    produce,
+    table_rows,
+)
+from tests.reference import valid_events
+
+CLI = [sys.executable, "-m", "clickstream.cli"]
+
+
+def cli_env(config: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    for name, var in ENV_NAMES.items():
+        value = getattr(config, name)
+        if name == "kafka_options":
+            continue
+        env[var] = str(value)
+    env["CLICKSTREAM_TRIGGER_INTERVAL"] = "0.5s"
+    return env
+
+
+def start_sessionizer(config: Config, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, "sessionize"], env=cli_env(config), stdout=log.open("a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_batches(log: Path, at_least: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.exists() and log.read_text().count("sessionize batch ") >= at_least:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"sessionizer made no progress in {timeout_s}s:\n{log.read_text()}")
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_loses_and_doubles_nothing(
+    kafka_config: Config, broker: EmbeddedBroker, spark: SparkSession, tmp_path: Path
+) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    config = kafka_config.replace(
+        events_topic=f"events-{suffix}", sessions_topic=f"sessions-{suffix}",
+        attributions_topic=f"attributions-{suffix}", max_events_per_trigger=80)
+    for topic in (config.events_topic, config.sessions_topic, config.attributions_topic):
+        broker.create_topic(topic, 4)
+    scale = Scale(**{**SCALE.__dict__, "clients": 3})
+    records = live_records(scale, Delivery(late_fraction=0.02, duplicate_fraction=0.1,
+                                           bad_fraction=0.02), seed=77)
+    rng = random.Random(77)
+    chunks = records
+    cut = [0, len(chunks) // 3, 2 * len(chunks) // 3, len(chunks)]
+    log = tmp_path / "sessionize.log"
+    batches_seen = 0
+    for round_number in range(3):
+        produce(config, chunks[cut[round_number]: cut[round_number + 1]])
+        process = start_sessionizer(config, log)
+        try:
+            batches_seen += 1
+            wait_for_batches(log, batches_seen)
+            time.sleep(rng.uniform(0.0, 3.0))  # a random point inside the next batches
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        batches_seen = log.read_text().count("sessionize batch ")
+
+    finish = subprocess.run([*CLI, "sessionize", "--until-caught-up"], env=cli_env(config),
+                            capture_output=True, text=True, timeout=600)
+    assert finish.returncode == 0, finish.stdout + finish.stderr
+
+    events = valid_events(records)
+    pageviews = [r["event_id"] for r in table_rows(config, spark, "pageviews")]
+    assert len(pageviews) == len(set(pageviews)), "a pageview was stored twice"
+    assert set(pageviews) == {e["event_id"] for e in events if e["event_type"] == "pageview"}
+    orders = [r["order_id"] for r in table_rows(config, spark, "orders")]
+    assert sorted(orders) == sorted(e["order_id"] for e in events if e["event_type"] == "order")
+    quarantine = [r["source"] for r in table_rows(config, spark, "quarantine")]
+    assert len(quarantine) == len(set(quarantine)) == sum(1 for k, _ in records if k is None)
+
+    queued = {r["record_id"] for r in table_rows(config, spark, "recompute_queue")}
+    on_time = [e for e in events
+               if (e["order_id"] if e["event_type"] == "order" else e["event_id"]) not in queued]
+    rows = assert_sessions_match_reference(config, spark, on_time)
+    assert_topic_equals_table(config, rows)
