@@ -23,7 +23,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ ! -f "$stamp" ] || ! cmp -s requirements.lock "$stamp"; then
   echo "setup: installing locked dependencies into .venv"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check "$(grep '^uv==' requirements.lock)"
+  if [ ! -x .venv/bin/uv ]; then
+    .venv/bin/python -m pip --version >/dev/null 2>&1 || .venv/bin/python -m ensurepip --upgrade >/dev/null
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "$(grep '^uv==' requirements.lock)"
+  fi
   .venv/bin/uv pip sync --quiet --python .venv/bin/python requirements.lock
   cp requirements.lock "$stamp"
 fi

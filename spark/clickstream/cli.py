@@ -93,6 +93,16 @@ def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.inspect import describe_tables, describe_topic
+
+    lines = describe_tables(config, args.sample)
+    for topic in args.topic or []:
+        lines += describe_topic(config, topic, args.sample)
+    print("\n".join(lines))
+    return 0
+
+
 def _iso_datetime(text: str) -> datetime:
     try:
         value = datetime.fromisoformat(text)
@@ -128,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
                             help="rate limit per micro-batch")
     _add_config_flags(sessionize)
     sessionize.set_defaults(handler=_cmd_sessionize)
+
+    inspect = commands.add_parser(
+        "inspect", help="row counts of the Delta tables and the compacted view of topics",
+        description="Print every table's version and row count (read through the Delta log) "
+        "and, with --topic, a topic's compacted view (last value per key).")
+    inspect.add_argument("--topic", action="append", help="also read this topic (repeatable)")
+    inspect.add_argument("--sample", type=int, default=0, help="print this many rows of each")
+    _add_config_flags(inspect)
+    inspect.set_defaults(handler=_cmd_inspect)
 
     generate = commands.add_parser("generate", help="write realistic synthetic data")
     kinds = generate.add_subparsers(dest="kind", required=True, metavar="KIND")
