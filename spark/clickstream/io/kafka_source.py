@@ -40,7 +40,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from clickstream.config import Config
-from clickstream.errors import BrokerUnavailableError, DataLossError
+from clickstream.io.kafka_clients import check_no_data_loss, read_offset_range, topic_watermarks
 from clickstream.tables import KAFKA_SCHEMA
 
 SOURCE_NAME = "clickstream_kafka"
@@ -69,58 +69,14 @@ class KafkaRange(InputPartition):
         self.end = end
 
 
-def _client_settings(options: Mapping[str, str]) -> dict[str, Any]:
-    settings: dict[str, Any] = {
-        "bootstrap.servers": options["bootstrap"],
-        "enable.auto.commit": False,
-        "enable.partition.eof": False,
-        "auto.offset.reset": "error",
-        "group.id": options.get("groupId", "clickstream-source"),
-        "session.timeout.ms": 6000,
-        "socket.connection.setup.timeout.ms": 5000,
-        "fetch.max.bytes": 52428800,
-        "max.partition.fetch.bytes": 10485760,
-    }
-    settings.update(json.loads(options.get("kafkaOptions", "{}")))
-    return settings
+def _kafka_config(options: Mapping[str, str]) -> Config:
+    """The Config the source's string options describe (they travel to executors as text)."""
+    return Config(kafka_bootstrap_servers=options["bootstrap"],
+                  kafka_options=json.loads(options.get("kafkaOptions", "{}")))
 
 
 def _watermarks(options: Mapping[str, str], topic: str) -> dict[int, tuple[int, int]]:
-    """(log start, high watermark) per partition; retries, then a clear failure."""
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-    attempts = int(options.get("metadataAttempts", "5"))
-    consumer = Consumer(_client_settings(options))
-    try:
-        last_error: Exception | None = None
-        for _ in range(attempts):
-            try:
-                metadata = consumer.list_topics(topic, timeout=10)
-                topic_meta = metadata.topics.get(topic)
-                if topic_meta is None or topic_meta.error is not None:
-                    raise KafkaException(topic_meta.error if topic_meta else "no metadata")
-                return {
-                    p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                    for p in sorted(topic_meta.partitions)
-                }
-            except KafkaException as error:
-                last_error = error
-        raise BrokerUnavailableError(
-            f"cannot read offsets of topic {topic!r} from Kafka at {options['bootstrap']} after "
-            f"{attempts} attempts (first cause: {last_error}); start the broker "
-            "(`clickstream broker`) or fix KAFKA_BOOTSTRAP_SERVERS, then rerun"
-        )
-    finally:
-        consumer.close()
-
-
-def _data_loss(topic: str, partition: int, wanted: int, available: int) -> DataLossError:
-    return DataLossError(
-        f"topic {topic} partition {partition}: records {wanted}..{available - 1} were dropped by "
-        f"the broker before they were consumed (log start offset is now {available}); the "
-        "sessionizer stopped instead of skipping them. Replay the lost events (e.g. as a "
-        "backfill), then restart with a new checkpoint or raise retention/partitions"
-    )
+    return topic_watermarks(_kafka_config(options), topic)
 
 
 class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -149,8 +105,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for partition, (low, high) in marks.items():
             key = str(partition)
             begin = int(start.get(key, low))  # (K3)
-            if begin < low:
-                raise _data_loss(self.topic, partition, begin, low)  # (K1)
+            check_no_data_loss(self.topic, partition, begin, low)  # (K1)
             if self._target is not None:
                 high = min(high, self._target.get(key, begin))
             latest[key] = max(begin, high)
@@ -193,63 +148,27 @@ def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str,
 def read_range(
     options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True
 ) -> Iterator[pa.RecordBatch]:
-    """Read one offset range as Arrow batches; raises DataLossError on dropped records."""
-    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-
-    consumer = Consumer(_client_settings(options))
-    timeout_s = float(options.get("readTimeoutSeconds", "60"))
-    try:
-        consumer.assign([TopicPartition(kafka_range.topic, kafka_range.partition,
-                                        kafka_range.start)])
-        expected = kafka_range.start
-        idle = 0.0
-        while expected < kafka_range.end:
-            messages = consumer.consume(num_messages=min(20000, kafka_range.end - expected),
-                                        timeout=1.0)
-            if not messages:
-                idle += 1.0
-                if idle >= timeout_s:
-                    raise BrokerUnavailableError(
-                        f"no records from topic {kafka_range.topic} partition "
-                        f"{kafka_range.partition} at offset {expected} for {timeout_s:.0f}s "
-                        f"(wanted up to {kafka_range.end - 1}); is Kafka reachable at "
-                        f"{options['bootstrap']}? The batch will be retried from its offsets"
-                    )
-                continue
-            idle = 0.0
-            columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
-            for message in messages:
-                error = message.error()
-                if error is not None:
-                    if error.code() == KafkaError._AUTO_OFFSET_RESET:
-                        low, _high = consumer.get_watermark_offsets(
-                            TopicPartition(kafka_range.topic, kafka_range.partition), timeout=10)
-                        raise _data_loss(kafka_range.topic, kafka_range.partition, expected, low)
-                    raise KafkaException(error)
-                offset = message.offset()
-                if offset >= kafka_range.end:
-                    break
-                if offset < expected:
-                    continue
-                if offset > expected and fail_on_gaps:
-                    raise _data_loss(kafka_range.topic, kafka_range.partition, expected, offset)
-                expected = offset + 1
-                kind, millis = message.timestamp()
-                headers = message.headers()
-                columns["key"].append(message.key())
-                columns["value"].append(message.value())
-                columns["topic"].append(kafka_range.topic)
-                columns["partition"].append(kafka_range.partition)
-                columns["offset"].append(offset)
-                columns["timestamp"].append(datetime.fromtimestamp(millis / 1000, tz=UTC))
-                columns["timestampType"].append(max(kind - 1, 0))
-                columns["headers"].append(
-                    [{"key": k, "value": v} for k, v in headers] if headers else None
-                )
-            if columns["offset"]:
-                yield pa.RecordBatch.from_pydict(columns, schema=_ARROW_SCHEMA)
-    finally:
-        consumer.close()
+    """Read one offset range as Arrow batches; raises DataLossError on dropped records (K2)."""
+    batches = read_offset_range(
+        _kafka_config(options), kafka_range.topic, kafka_range.partition, kafka_range.start,
+        kafka_range.end, fail_on_gaps=fail_on_gaps,
+        idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
+    )
+    for messages in batches:
+        columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
+        for message in messages:
+            kind, millis = message.timestamp()
+            headers = message.headers()
+            columns["key"].append(message.key())
+            columns["value"].append(message.value())
+            columns["topic"].append(kafka_range.topic)
+            columns["partition"].append(kafka_range.partition)
+            columns["offset"].append(message.offset())
+            columns["timestamp"].append(datetime.fromtimestamp(millis / 1000, tz=UTC))
+            columns["timestampType"].append(max(kind - 1, 0))
+            columns["headers"].append(
+                [{"key": k, "value": v} for k, v in headers] if headers else None)
+        yield pa.RecordBatch.from_pydict(columns, schema=_ARROW_SCHEMA)
 
 
 class KafkaDataSource(DataSource):

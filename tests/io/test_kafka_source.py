@@ -1,0 +1,106 @@
+"""The Spark Kafka source on the embedded broker: layout, offsets in the checkpoint, rate limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+
+from clickstream.config import Config
+from clickstream.errors import DataLossError
+from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_offset_range
+from clickstream.io.kafka_source import _rate_limit, read_kafka_stream
+from clickstream.tables import KAFKA_SCHEMA
+
+
+def produce(config: Config, topic: str, count: int, start: int = 0) -> None:
+    producer = make_producer(config)
+    for i in range(start, start + count):
+        producer.produce(topic, key=f"k{i % 3}".encode(), value=f"v{i}".encode(),
+                         headers=[("h", f"{i}".encode())])
+    flush_or_raise(producer, 30)
+
+
+def run_once(spark: SparkSession, config: Config, topic: str, checkpoint: Path) -> list[list]:
+    """One availableNow run; returns the rows of every micro-batch."""
+    batches: list[list] = []
+
+    def collect(df: DataFrame, batch_id: int) -> None:
+        batches.append(df.collect())
+
+    query = (read_kafka_stream(spark, config, topic).writeStream.foreachBatch(collect)
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    query.awaitTermination()
+    return batches
+
+
+def test_records_arrive_in_kafka_layout_exactly_once_across_runs(
+    spark: SparkSession, kafka_config: Config, make_topic, tmp_path: Path
+) -> None:
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 7)
+    first = [row for batch in run_once(spark, kafka_config, topic, tmp_path / "ck")
+             for row in batch]
+    produce(kafka_config, topic, 5, start=7)
+    second = [row for batch in run_once(spark, kafka_config, topic, tmp_path / "ck")
+              for row in batch]
+    assert sorted(r.value.decode() for r in first) == sorted(f"v{i}" for i in range(7))
+    assert sorted(r.value.decode() for r in second) == sorted(f"v{i}" for i in range(7, 12))
+    row = first[0]
+    assert list(row.asDict()) == KAFKA_SCHEMA.fieldNames()
+    assert row.topic == topic and row.partition in (0, 1) and row.offset >= 0
+    assert row.key.decode().startswith("k") and row.headers[0].key == "h"
+
+
+def test_rate_limit_splits_work_into_micro_batches(
+    spark: SparkSession, kafka_config: Config, make_topic, tmp_path: Path
+) -> None:
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 20)
+    limited = kafka_config.replace(max_events_per_trigger=6)
+    batches = [b for b in run_once(spark, limited, topic, tmp_path / "ck") if b]
+    assert len(batches) >= 4 and all(len(b) <= 6 for b in batches)
+    assert sorted(r.value.decode() for b in batches for r in b) == sorted(
+        f"v{i}" for i in range(20))
+
+
+def test_rate_limit_gives_every_partition_with_backlog_a_share() -> None:
+    start = {"0": 0, "1": 100, "2": 5}
+    latest = {"0": 1000, "1": 101, "2": 5}
+    limited = _rate_limit(start, latest, 10)
+    assert limited["1"] == 101 and limited["2"] == 5 and 0 < limited["0"] <= 10
+
+
+def test_reading_a_range_the_broker_dropped_raises_data_loss(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker
+) -> None:
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 10)
+    broker.delete_records(topic, 0, 4)
+    with pytest.raises(DataLossError, match=r"records 2\.\.3 were dropped"):
+        list(read_offset_range(kafka_config, topic, 0, 2, 10))
+
+
+def _native_kafka_available(spark: SparkSession) -> bool:
+    try:
+        spark.sparkContext._jvm.java.lang.Class.forName(
+            "org.apache.spark.sql.kafka010.KafkaSourceProvider")
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.needs_jars
+def test_native_kafka_source_reads_the_same_layout(
+    spark: SparkSession, kafka_config: Config, make_topic, tmp_path: Path
+) -> None:
+    if not _native_kafka_available(spark):
+        pytest.skip("Spark's native Kafka source needs the spark-sql-kafka-0-10 jar, which "
+                    "comes from Maven (unreachable on this machine)")
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 4)
+    rows = [r for b in run_once(spark, kafka_config.replace(kafka_source="native"), topic,
+                                tmp_path / "ck") for r in b]
+    assert sorted(r.value.decode() for r in rows) == [f"v{i}" for i in range(4)]
