@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check spark dags plugins tests bench
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"
