@@ -51,6 +51,14 @@ def _cmd_sessionize(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _cmd_backfill(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.backfill import run_backfill
+
+    summary = run_backfill(config, kind=args.kind, client_id=args.client, path=args.path)
+    print(summary.describe())
+    return 0
+
+
 def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Delivery, Scale, live_records
 
@@ -138,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                             help="rate limit per micro-batch")
     _add_config_flags(sessionize)
     sessionize.set_defaults(handler=_cmd_sessionize)
+
+    backfill = commands.add_parser(
+        "backfill", help="merge a late historical batch and correct only what it affects",
+        description="Validate a batch from the landing folder (bad rows to quarantine), merge "
+        "it into pageviews/orders exactly once, recompute the affected sessions and "
+        "attributions, record corrections, and republish them to Kafka.")
+    backfill.add_argument("--kind", required=True, choices=("orders", "pageviews"))
+    backfill.add_argument("--client", required=True, help="the client the batch belongs to")
+    backfill.add_argument("--path", required=True,
+                          help="file or folder (Parquet, CSV, JSON Lines) relative to the "
+                          "landing folder, or absolute inside it")
+    _add_config_flags(backfill)
+    backfill.set_defaults(handler=_cmd_backfill)
 
     inspect = commands.add_parser(
         "inspect", help="row counts of the Delta tables and the compacted view of topics",

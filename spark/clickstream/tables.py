@@ -151,10 +151,31 @@ RECOMPUTE_QUEUE = TableSpec(
     ("kind", "record_id"),
 )
 
+CORRECTIONS = TableSpec(
+    "corrections",
+    _schema(
+        ("run_id", StringType(), False),
+        ("run_seq", LongType(), False),
+        ("client_id", StringType(), False),
+        ("entity", StringType(), False),  # session | attribution
+        ("key", StringType(), False),  # session_id or order_id
+        ("change", StringType(), False),  # created | updated | retracted
+        ("old_revision", IntegerType(), True),
+        ("new_revision", IntegerType(), True),
+        ("cause", StringType(), False),
+        ("new_value", StringType(), True),  # the row at new_revision as JSON; null if retracted
+        ("partition_date", DateType(), False),  # session_date / order_date of the affected row
+        ("corrected_at", TimestampType(), False),
+    ),
+    ("client_id",),
+    ("run_id", "entity", "key"),
+)
+
 ALL_TABLES = {
     spec.name: spec
     for spec in (
-        PAGEVIEWS, ORDERS, OTHER_EVENTS, SESSIONS, ATTRIBUTIONS, QUARANTINE, RECOMPUTE_QUEUE
+        PAGEVIEWS, ORDERS, OTHER_EVENTS, SESSIONS, ATTRIBUTIONS, QUARANTINE, RECOMPUTE_QUEUE,
+        CORRECTIONS,
     )
 }
 

@@ -1,0 +1,187 @@
+"""``clickstream backfill``: merge a late historical batch, correct only what it affects.
+
+validate -> quarantine bad rows -> merge into ``pageviews`` / ``orders`` exactly once ->
+recompute the affected sessions and attributions -> record ``corrections`` -> apply ->
+republish to Kafka. The run id is derived from (kind, client, the batch's files), so rerunning
+the same batch after any crash resumes it, and rerunning it after success changes nothing.
+
+Delivery guarantee: exactly once into the tables (pageviews insert-only by event_id, orders
+upserted by order_id only when changed, every write under the run's application transaction);
+Kafka corrections at least once, idempotent by key and revision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from clickstream.config import Config
+from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.jobs.batch_input import (
+    KEY,
+    BatchKind,
+    list_batch_files,
+    read_batch,
+    validate_batch,
+)
+from clickstream.jobs.corrections import CorrectionSummary, Run, correct
+from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.spark_session import build_spark
+from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, RECOMPUTE_QUEUE
+
+
+@dataclass
+class BackfillSummary:
+    """The end-of-run report of one backfill."""
+
+    run_id: str
+    rows_read: int = 0
+    rows_merged: int = 0
+    duplicates_skipped: int = 0
+    quarantined: int = 0
+    corrections: CorrectionSummary = field(default_factory=CorrectionSummary)
+    seconds_by_step: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
+        return (f"backfill {self.run_id}: {self.rows_read} rows read, {self.rows_merged} merged, "
+                f"{self.duplicates_skipped} duplicates skipped, {self.quarantined} quarantined; "
+                f"{self.corrections.describe()}; {steps}")
+
+
+def _stored(tables: DeltaTables, spec, client_id: str, dates: list) -> DataFrame | None:
+    if not tables.exists(spec.name) or not dates:
+        return None
+    return tables.read(spec.name, partition_filter={"client_id": client_id,
+                                                    "event_date": dates})
+
+
+def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: str,
+                    dates: list) -> int:
+    """Insert pageviews whose event_id is not stored yet; returns how many."""
+    rows = valid.select("event_id", "client_id", "user_id", "ts", "url", "referrer",
+                        F.lit(f"backfill:{run_id}").alias("source"),
+                        F.to_date("ts").alias("event_date"))
+    stored = _stored(tables, PAGEVIEWS, client_id, dates)
+    if stored is not None:
+        rows = rows.join(stored.select("event_id"), "event_id", "left_anti")
+    rows = rows.persist()
+    count = rows.count()
+    if count:
+        tables.append_once(PAGEVIEWS.name, rows, app_id=f"backfill-{run_id}", version=1,
+                           partition_by=PAGEVIEWS.partition_by,
+                           metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+    rows.unpersist()
+    return count
+
+
+def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: str) -> int:
+    """Upsert orders that are new or differ from the stored version; returns how many."""
+    rows = valid.select("order_id", "client_id", "user_id", "ts", "amount", "currency",
+                        F.lit(None).cast("string").alias("event_id"),
+                        F.lit(f"backfill:{run_id}").alias("source"),
+                        F.to_date("ts").alias("event_date"))
+    if tables.exists(ORDERS.name):
+        stored = tables.read(ORDERS.name, partition_filter={"client_id": client_id})
+        same = ["order_id", "client_id", "user_id", "ts", "amount", "currency"]
+        rows = rows.join(stored.select(*same), same, "left_anti")
+    rows = rows.persist()
+    count = rows.count()
+    if count:
+        tables.upsert(ORDERS.name, rows, keys=["order_id"], partition_by=ORDERS.partition_by,
+                      partition_filter={"client_id": client_id},
+                      app_id=f"backfill-{run_id}", version=1,
+                      metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+    rows.unpersist()
+    return count
+
+
+def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind) -> DataFrame:
+    """Where the batch lands, per user; for orders also where their previous version was
+    attributed (an order whose ts changed leaves its old session)."""
+    scope = valid.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
+    if kind == "orders" and tables.exists(ATTRIBUTIONS.name):
+        previous = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"]
+                               ).join(valid.select("order_id"), "order_id", "left_semi")
+        scope = scope.unionByName(previous.select(
+            "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms")))
+    return scope.groupBy("client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"),
+                                                     F.max("ts_ms").alias("hi_ms"))
+
+
+def run_backfill(
+    config: Config, *, kind: BatchKind, client_id: str, path: str,
+    spark: SparkSession | None = None, progress: Callable[[str], None] = print,
+) -> BackfillSummary:
+    """Merge the batch at ``path`` (inside the landing folder) and correct what it affects."""
+    files = list_batch_files(config, path)
+    run_id = f"{kind}-{client_id}-{files.fingerprint}"
+    summary = BackfillSummary(run_id)
+    spark = spark or build_spark(config, "clickstream-backfill")
+    tables = open_tables(config, spark)
+    progress(f"backfill {run_id}: {len(files.files)} {files.file_format} files under "
+             f"{files.root}")
+
+    def step(name: str, started: float) -> None:
+        summary.seconds_by_step[name] = time.monotonic() - started
+        progress(f"  {name}: {summary.seconds_by_step[name]:.1f}s")
+
+    started = time.monotonic()
+    batch = validate_batch(read_batch(spark, files, kind), kind, client_id).persist()
+    summary.rows_read = batch.count()
+    bad = batch.where(F.col("error").isNotNull())
+    summary.quarantined = bad.count()
+    if summary.quarantined:
+        tables.append_once(QUARANTINE.name, bad.select(
+            "raw", F.concat(F.lit(f"backfill:{run_id}:"), "source").alias("source"),
+            F.col("error").alias("reason"), "client_id",
+            F.current_timestamp().alias("quarantined_at"),
+            F.current_date().alias("quarantine_date")),
+            app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
+            metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+    valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY[kind]]).drop("error")
+    valid = valid.persist()
+    valid_count = valid.count()
+    step("validate", started)
+
+    started = time.monotonic()
+    if kind == "pageviews":
+        dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
+        summary.rows_merged = merge_pageviews(tables, valid, client_id, run_id, dates)
+    else:
+        summary.rows_merged = merge_orders(tables, valid, client_id, run_id)
+    summary.duplicates_skipped = summary.rows_read - summary.quarantined - summary.rows_merged
+    step("merge", started)
+
+    started = time.monotonic()
+    watermark = stream_watermark_ms(config)
+    run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
+              progress)
+    scope = scope_of(tables, valid, kind).persist()
+    summary.corrections = correct(run, scope, orders_only=kind == "orders",
+                                  stream_watermark_ms=watermark)
+    if summary.corrections.deferred_users and watermark is not None:
+        _queue_open_tail(tables, valid, kind, scope, watermark, config.session_gap_ms, run_id)
+    step("recompute and publish", started)
+    for frame in (batch, valid, scope):
+        frame.unpersist()
+    if valid_count == 0:
+        progress("  the batch has no valid rows")
+    return summary
+
+
+def _queue_open_tail(tables: DeltaTables, valid: DataFrame, kind: BatchKind, scope: DataFrame,
+                     watermark_ms: int, gap_ms: int, run_id: str) -> None:
+    """Rows of users the stream still owns go to the recompute queue for later (C4)."""
+    tail = scope.where(F.col("hi_ms") + gap_ms > watermark_ms).select("client_id", "user_id")
+    rows = valid.join(tail, ["client_id", "user_id"], "left_semi").select(
+        "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
+        F.col(KEY[kind]).alias("record_id"), "ts", F.lit(f"backfill {run_id}").alias("queued_by"),
+        F.to_date("ts").alias("event_date"))
+    tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=f"backfill-queue-{run_id}", version=1,
+                       partition_by=RECOMPUTE_QUEUE.partition_by,
+                       metadata={"run_id": run_id, "cause": f"backfill {run_id}"})

@@ -1,0 +1,359 @@
+"""Recompute only the affected sessions of one client, record the changes, apply, republish.
+
+Shared by ``backfill`` and ``recompute``. The unit of work is a *scope*: per (client, user) a
+time range that received new or changed pageviews/orders. Steps:
+
+1. **windows** — each user's range grows to cover every stored session within one gap of it
+   (found in the ``sessions`` table, read with partition pruning on client and day), so the
+   window's sessions can be recomputed from the window's rows alone (C1);
+2. **recompute** — pageview scopes re-sessionize the window's pageviews with the same
+   ``semantics`` the stream uses; order-only scopes keep boundaries and only re-attribute (C2);
+3. **plan** — diff against what is stored: created / updated (revision + 1) / retracted
+   sessions and attributions, written to ``corrections`` first, each row carrying the new
+   value, under the run's application transaction;
+4. **apply** — one ``replace_partitions`` commit per table over the affected (client, day)
+   partitions, so a reader sees all of the client's changes to that table or none;
+5. **publish** — the plan's rows to Kafka: new revisions, tombstones for retractions.
+
+A rerun of the same run id finds its plan in ``corrections`` and resumes at apply/publish, so a
+crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
+
+Known edge cases, cited inline as (C1)..(C4):
+  C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
+      merge with anything inside it: recomputing the window alone equals recomputing all.
+  C2. Orders never move boundaries: an orders-only correction reads no pageviews at all.
+  C3. The plan is the ``corrections`` rows of the run; apply and publish read it back.
+  C4. Sessions the stream has not closed yet (end + gap after the stream's watermark) belong
+      to the stream: scopes reaching them are deferred and stay queued.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from clickstream.config import Config
+from clickstream.io.delta_tables import DeltaTables
+from clickstream.io.kafka_changelog import publish
+from clickstream.sessions.batch_adapter import attribute_frames, sessionize_frames
+from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
+
+BUCKETS = 16
+SESSION_CONTENT = ("session_start", "session_end", "pageview_count", "landing_url", "exit_url",
+                   "order_count", "revenue")
+ATTRIBUTION_CONTENT = ("order_ts", "session_id")
+
+
+@dataclass
+class CorrectionSummary:
+    """What one correction run changed (printed at the end of backfill and recompute)."""
+
+    sessions_created: int = 0
+    sessions_updated: int = 0
+    sessions_retracted: int = 0
+    orders_attributed: int = 0
+    orders_unattributed: int = 0
+    attributions_changed: int = 0
+    deferred_users: int = 0
+    resumed: bool = False
+    seconds_by_step: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
+        return (f"sessions created {self.sessions_created}, updated {self.sessions_updated}, "
+                f"retracted {self.sessions_retracted}; orders attributed "
+                f"{self.orders_attributed}, unattributed {self.orders_unattributed} "
+                f"({self.attributions_changed} attribution changes); "
+                f"{self.deferred_users} users deferred to the stream"
+                + (" [resumed a planned run]" if self.resumed else "") + f"; {steps}")
+
+
+@dataclass
+class Run:
+    """One correction run of one client."""
+
+    spark: SparkSession
+    config: Config
+    tables: DeltaTables
+    client_id: str
+    run_id: str
+    cause: str
+    progress: Callable[[str], None] = print
+
+    @property
+    def app_id(self) -> str:
+        return f"corrections-{self.client_id}"
+
+    @property
+    def gap_ms(self) -> int:
+        return self.config.session_gap_ms
+
+
+class Timer:
+    """Prints progress per step and records its duration in the summary."""
+
+    def __init__(self, summary: CorrectionSummary, progress: Callable[[str], None]) -> None:
+        self.summary, self.progress = summary, progress
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        self.progress(f"  {name} ...")
+        yield
+        elapsed = time.monotonic() - started
+        self.summary.seconds_by_step[name] = self.summary.seconds_by_step.get(name, 0) + elapsed
+        self.progress(f"  {name}: {elapsed:.1f}s")
+
+
+def _ms(column: str | Column) -> Column:
+    return F.unix_millis(F.col(column) if isinstance(column, str) else column)
+
+
+def _dates(lo_ms: int, hi_ms: int, pad_days: int = 1) -> list:
+    """Calendar days (UTC) covering [lo, hi], padded, for partition pruning."""
+    from datetime import UTC, datetime
+
+    first = datetime.fromtimestamp(lo_ms / 1000, tz=UTC).date() - timedelta(days=pad_days)
+    last = datetime.fromtimestamp(hi_ms / 1000, tz=UTC).date() + timedelta(days=pad_days)
+    return [first + timedelta(days=i) for i in range((last - first).days + 1)]
+
+
+def _read(run: Run, spec, date_column: str, lo_ms: int, hi_ms: int) -> DataFrame:
+    return run.tables.read(spec.name, partition_filter={
+        "client_id": run.client_id, date_column: _dates(lo_ms, hi_ms)}, schema=spec.schema)
+
+
+def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """(windows per user [lo_ms, hi_ms], stored sessions inside them) (C1)."""
+    scope = scope.groupBy("client_id", "user_id").agg(F.min("lo_ms").alias("lo_ms"),
+                                                      F.max("hi_ms").alias("hi_ms"))
+    bounds = scope.agg(F.min("lo_ms"), F.max("hi_ms")).first()
+    if bounds is None or bounds[0] is None:
+        return scope, run.spark.createDataFrame([], SESSIONS.schema)
+    sessions = _read(run, SESSIONS, "session_date", bounds[0] - run.gap_ms,
+                     bounds[1] + run.gap_ms)
+    near = sessions.join(scope, ["client_id", "user_id"]).where(
+        (_ms("session_start") - run.gap_ms < F.col("hi_ms"))
+        & (_ms("session_end") + run.gap_ms > F.col("lo_ms")))
+    grown = near.groupBy("client_id", "user_id").agg(
+        F.min(_ms("session_start")).alias("s_lo"), F.max(_ms("session_end")).alias("s_hi"))
+    windows = scope.join(grown, ["client_id", "user_id"], "left").select(
+        "client_id", "user_id", F.least("lo_ms", F.coalesce("s_lo", "lo_ms")).alias("lo_ms"),
+        F.greatest("hi_ms", F.coalesce("s_hi", "hi_ms")).alias("hi_ms")).persist()
+    inside = sessions.join(windows, ["client_id", "user_id"]).where(
+        (_ms("session_start") >= F.col("lo_ms")) & (_ms("session_end") <= F.col("hi_ms"))
+    ).select(*SESSIONS.schema.fieldNames()).persist()
+    return windows, inside
+
+
+def _in_windows(frame: DataFrame, windows: DataFrame, ts: str, hi_pad_ms: int) -> DataFrame:
+    return frame.join(windows, ["client_id", "user_id"]).where(
+        (F.col(ts) >= F.timestamp_millis("lo_ms"))
+        & (F.col(ts) < F.timestamp_millis(F.col("hi_ms") + hi_pad_ms + 1))
+    ).drop("lo_ms", "hi_ms")
+
+
+def _session_rows(emitted: DataFrame) -> DataFrame:
+    return emitted.where(F.col("kind") == "session").select(
+        "session_id", "client_id", "user_id",
+        F.timestamp_millis("start_ms").alias("session_start"),
+        F.timestamp_millis("end_ms").alias("session_end"), "pageview_count", "landing_url",
+        "exit_url", "order_count", (F.col("revenue_e4") / 10_000).cast(
+            SESSIONS.schema["revenue"].dataType).alias("revenue"),
+        F.to_date(F.timestamp_millis("start_ms")).alias("session_date"))
+
+
+def _attribution_rows(emitted: DataFrame) -> DataFrame:
+    return emitted.where(F.col("kind") == "attribution").select(
+        F.col("record_id").alias("order_id"), "client_id", "user_id",
+        F.timestamp_millis("record_ts_ms").alias("order_ts"), "session_id",
+        F.to_date(F.timestamp_millis("record_ts_ms")).alias("order_date"))
+
+
+def recompute(run: Run, windows: DataFrame, old_sessions: DataFrame,
+              orders_only: bool) -> tuple[DataFrame, DataFrame]:
+    """New sessions and attributions inside the windows (no revision yet)."""
+    bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
+    lo, hi = bounds[0], bounds[1] + run.gap_ms
+    orders = _in_windows(_read(run, ORDERS, "event_date", lo, hi), windows, "ts", run.gap_ms)
+    if not orders_only:
+        pageviews = _in_windows(_read(run, PAGEVIEWS, "event_date", lo, hi), windows, "ts", 0)
+        emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
+        return _session_rows(emitted), _attribution_rows(emitted)
+    attributions = _attribution_rows(attribute_frames(old_sessions, orders, run.gap_ms,
+                                                      BUCKETS))  # (C2)
+    totals = attributions.where(F.col("session_id").isNotNull()).join(
+        orders.select("order_id", "amount"), "order_id").groupBy("session_id").agg(
+        F.count("*").cast("int").alias("n"), F.sum("amount").alias("r"))
+    sessions = old_sessions.join(totals, "session_id", "left").select(
+        *(c for c in SESSIONS.schema.fieldNames() if c not in ("order_count", "revenue",
+                                                              "revision")),
+        F.coalesce("n", F.lit(0)).alias("order_count"),
+        F.coalesce("r", F.lit(0)).cast(SESSIONS.schema["revenue"].dataType).alias("revenue"))
+    return sessions, attributions
+
+
+def _differs(columns: tuple[str, ...]) -> Column:
+    return ~F.expr(" AND ".join(f"(o.{c} <=> n.{c})" for c in columns))
+
+
+def diff(old: DataFrame, new: DataFrame, key: str, content: tuple[str, ...],
+         date_column: str, entity: str, run: Run, run_seq: int,
+         retract: bool = True) -> DataFrame:
+    """Correction rows (CORRECTIONS layout) for every key whose content changed."""
+    joined = old.alias("o").join(new.alias("n"), F.col(f"o.{key}") == F.col(f"n.{key}"),
+                                 "full_outer")
+    change = (F.when(F.col(f"o.{key}").isNull(), F.lit("created"))
+              .when(F.col(f"n.{key}").isNull(), F.lit("retracted") if retract else F.lit(None))
+              .when(_differs(content), F.lit("updated")))
+    new_revision = F.when(F.col(f"o.{key}").isNull(), F.lit(1)).when(
+        F.col(f"n.{key}").isNotNull(), F.col("o.revision") + 1)
+    new_value = F.when(F.col(f"n.{key}").isNotNull(), F.to_json(F.struct(
+        *[F.col(f"n.{c}").alias(c) for c in new.columns if c != "revision"],
+        new_revision.alias("revision"))))
+    return joined.select(
+        F.lit(run.run_id).alias("run_id"), F.lit(run_seq).cast("long").alias("run_seq"),
+        F.lit(run.client_id).alias("client_id"), F.lit(entity).alias("entity"),
+        F.coalesce(f"n.{key}", f"o.{key}").alias("key"), change.alias("change"),
+        F.col("o.revision").alias("old_revision"),
+        new_revision.cast("int").alias("new_revision"), F.lit(run.cause).alias("cause"),
+        new_value.alias("new_value"),
+        F.coalesce(f"n.{date_column}", f"o.{date_column}").alias("partition_date"),
+        F.current_timestamp().alias("corrected_at"),
+    ).where(F.col("change").isNotNull())
+
+
+def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,
+         timer: Timer, stream_watermark_ms: int | None) -> DataFrame | None:
+    """Compute and store the run's corrections (the plan); None when nothing changes."""
+    with timer.step("find affected sessions"):
+        windows, old_sessions = grow_windows(run, scope)
+        if stream_watermark_ms is not None:  # (C4)
+            open_tail = F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms)
+            summary.deferred_users = windows.where(open_tail).count()
+            windows = windows.where(~open_tail)
+            old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
+                                             ["client_id", "user_id"], "left_semi")
+        if windows.isEmpty():
+            return None
+    with timer.step("recompute sessions and attributions"):
+        new_sessions, new_attributions = recompute(run, windows, old_sessions, orders_only)
+        bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
+        old_attributions = _in_windows(
+            _read(run, ATTRIBUTIONS, "order_date", bounds[0], bounds[1] + run.gap_ms),
+            windows, "order_ts", run.gap_ms)
+        run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
+        changes = diff(old_sessions, new_sessions, "session_id", SESSION_CONTENT,
+                       "session_date", "session", run, run_seq).unionByName(
+            diff(old_attributions, new_attributions, "order_id", ATTRIBUTION_CONTENT,
+                 "order_date", "attribution", run, run_seq, retract=False)).persist()
+        counts = {(r.entity, r.change): r["count"] for r in
+                  changes.groupBy("entity", "change").count().collect()}
+        attributed = new_attributions.groupBy(F.col("session_id").isNotNull().alias("a")).count()
+        by_kind = {r.a: r["count"] for r in attributed.collect()}
+    summary.sessions_created = counts.get(("session", "created"), 0)
+    summary.sessions_updated = counts.get(("session", "updated"), 0)
+    summary.sessions_retracted = counts.get(("session", "retracted"), 0)
+    summary.attributions_changed = sum(v for (e, _), v in counts.items() if e == "attribution")
+    summary.orders_attributed = by_kind.get(True, 0)
+    summary.orders_unattributed = by_kind.get(False, 0)
+    if not counts:
+        changes.unpersist()
+        return None
+    with timer.step("record corrections"):
+        run.tables.append_once(CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
+                               partition_by=CORRECTIONS.partition_by,
+                               metadata={"run_id": run.run_id, "cause": run.cause})
+    changes.unpersist()
+    return stored_plan(run)
+
+
+def stored_plan(run: Run) -> DataFrame | None:
+    """The run's corrections if it was planned before (a rerun resumes from here) (C3)."""
+    if not run.tables.exists(CORRECTIONS.name):
+        return None
+    rows = run.tables.read(CORRECTIONS.name, partition_filter={"client_id": run.client_id}
+                           ).where(F.col("run_id") == run.run_id).persist()
+    if rows.isEmpty():
+        rows.unpersist()
+        return None
+    return rows
+
+
+def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: str,
+                 run_seq: int) -> None:
+    mine = changes.where(F.col("entity") == entity)
+    dates = sorted({r.partition_date for r in mine.select("partition_date").distinct().collect()})
+    if not dates:
+        return
+    keys = mine.select(F.col("key").alias(spec.key[0]))
+    current = run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
+                                                          date_column: dates},
+                              schema=spec.schema)
+    kept = current.join(keys, spec.key[0], "left_anti")
+    fresh = mine.where(F.col("new_value").isNotNull()).select(
+        F.from_json("new_value", spec.schema).alias("v")).select("v.*")
+    replacement = kept.unionByName(fresh.select(*spec.schema.fieldNames()))
+    run.tables.replace_partitions(
+        spec.name, replacement, predicate={"client_id": run.client_id, date_column: dates},
+        partition_by=spec.partition_by, app_id=run.app_id, version=run_seq,
+        metadata={"run_id": run.run_id, "cause": run.cause})
+
+
+def apply(run: Run, changes: DataFrame) -> None:
+    """One commit per table over the affected partitions; skipped if already applied."""
+    run_seq = changes.select("run_seq").first()[0]
+    _apply_table(run, changes, "session", SESSIONS, "session_date", run_seq)
+    _apply_table(run, changes, "attribution", ATTRIBUTIONS, "order_date", run_seq)
+
+
+def publish_changes(run: Run, changes: DataFrame) -> int:
+    """New revisions and tombstones, from the plan (idempotent by key and revision)."""
+    sent = 0
+    for entity, topic in (("session", run.config.sessions_topic),
+                          ("attribution", run.config.attributions_topic)):
+        rows = changes.where(F.col("entity") == entity).select("key", "new_value")
+        sent += publish(run.config, topic, (
+            (r.key, None if r.new_value is None else json.loads(r.new_value))
+            for r in rows.toLocalIterator()))
+    return sent
+
+
+def correct(run: Run, scope: DataFrame, *, orders_only: bool,
+            stream_watermark_ms: int | None = None,
+            summary: CorrectionSummary | None = None) -> CorrectionSummary:
+    """Plan (or resume), apply and publish the corrections of ``scope`` for ``run.client_id``.
+
+    ``scope`` has client_id, user_id, lo_ms, hi_ms: where new or changed rows landed.
+    ``stream_watermark_ms``: the running sessionizer's watermark; users whose window reaches
+    past it are left to the stream (C4) and counted in ``deferred_users``.
+    """
+    summary = summary or CorrectionSummary()
+    timer = Timer(summary, run.progress)
+    changes = stored_plan(run)
+    if changes is not None:
+        summary.resumed = True
+        counts = {(r.entity, r.change): r["count"] for r in
+                  changes.groupBy("entity", "change").count().collect()}
+        summary.sessions_created = counts.get(("session", "created"), 0)
+        summary.sessions_updated = counts.get(("session", "updated"), 0)
+        summary.sessions_retracted = counts.get(("session", "retracted"), 0)
+        summary.attributions_changed = sum(v for (e, _), v in counts.items()
+                                           if e == "attribution")
+    else:
+        changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms)
+    if changes is None:
+        return summary
+    with timer.step("apply to tables"):
+        apply(run, changes)
+    with timer.step("publish to Kafka"):
+        publish_changes(run, changes)
+    changes.unpersist()
+    return summary

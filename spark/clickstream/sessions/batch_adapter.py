@@ -1,0 +1,115 @@
+"""The batch adapter: applies ``semantics`` to Spark DataFrames (the recompute's path).
+
+Rows are grouped by the same user bucket as the stream, and each bucket's pageviews and orders
+go through ``semantics.sessionize`` / ``semantics.attribute`` in one vectorised call, so the
+recompute and the stream share one definition of a session.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from clickstream.sessions.semantics import (
+    ORDER_COLUMNS,
+    PAGEVIEW_COLUMNS,
+    SESSION_COLUMNS,
+    attribute,
+    sessionize,
+)
+from clickstream.sessions.stream_adapter import OUTPUT_COLUMNS, OUTPUT_SCHEMA
+
+
+def user_bucket(buckets: int) -> Column:
+    """Bucket of a (client_id, user_id): the same hash the stream uses."""
+    return F.pmod(F.xxhash64("client_id", "user_id"), F.lit(buckets))
+
+
+def _pageview_input(pageviews: DataFrame, buckets: int) -> DataFrame:
+    return pageviews.select(
+        user_bucket(buckets).alias("bucket"), F.lit("pageview").alias("kind"), "client_id",
+        "user_id", F.col("event_id").alias("record_id"), F.unix_millis("ts").alias("ts_ms"),
+        "url", F.lit(None).cast("long").alias("amount_e4"),
+        F.lit(None).cast("string").alias("currency"),
+        F.lit(None).cast("string").alias("session_id"), F.lit(None).cast("long").alias("start_ms"),
+        F.lit(None).cast("long").alias("end_ms"))
+
+
+def _order_input(orders: DataFrame, buckets: int) -> DataFrame:
+    return orders.select(
+        user_bucket(buckets).alias("bucket"), F.lit("order").alias("kind"), "client_id",
+        "user_id", F.col("order_id").alias("record_id"), F.unix_millis("ts").alias("ts_ms"),
+        F.lit(None).cast("string").alias("url"),
+        (F.col("amount") * 10_000).cast("long").alias("amount_e4"), "currency",
+        F.lit(None).cast("string").alias("session_id"), F.lit(None).cast("long").alias("start_ms"),
+        F.lit(None).cast("long").alias("end_ms"))
+
+
+def _session_input(sessions: DataFrame, buckets: int) -> DataFrame:
+    return sessions.select(
+        user_bucket(buckets).alias("bucket"), F.lit("session").alias("kind"), "client_id",
+        "user_id", F.lit(None).cast("string").alias("record_id"),
+        F.lit(None).cast("long").alias("ts_ms"), F.lit(None).cast("string").alias("url"),
+        F.lit(None).cast("long").alias("amount_e4"), F.lit(None).cast("string").alias("currency"),
+        "session_id", F.unix_millis("session_start").alias("start_ms"),
+        F.unix_millis("session_end").alias("end_ms"))
+
+
+def _split(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    pageviews = frame[frame["kind"] == "pageview"].rename(columns={"record_id": "event_id"})
+    orders = frame[frame["kind"] == "order"].rename(columns={"record_id": "order_id"})
+    pageviews = pageviews[PAGEVIEW_COLUMNS].astype({"ts_ms": "int64"})
+    orders = orders[ORDER_COLUMNS].astype({"ts_ms": "int64", "amount_e4": "int64"})
+    return pageviews, orders
+
+
+def _as_output(sessions: pd.DataFrame, attributions: pd.DataFrame) -> pd.DataFrame:
+    rows = [
+        sessions.assign(kind="session"),
+        attributions.rename(columns={"order_id": "record_id", "ts_ms": "record_ts_ms"})
+        .assign(kind="attribution"),
+    ]
+    out = pd.concat([r for r in rows if len(r)], ignore_index=True) if any(
+        len(r) for r in rows) else pd.DataFrame(columns=OUTPUT_COLUMNS)
+    for column in OUTPUT_COLUMNS:
+        if column not in out:
+            out[column] = None
+    return out[OUTPUT_COLUMNS]
+
+
+def sessionize_frames(pageviews: DataFrame, orders: DataFrame, gap_ms: int,
+                      buckets: int) -> DataFrame:
+    """From-scratch sessions and attributions of every user in the inputs.
+
+    ``pageviews`` needs client_id, user_id, event_id, ts, url; ``orders`` client_id, user_id,
+    order_id, ts, amount, currency. Returns rows in the stream's output layout
+    (``kind`` = session | attribution), so both paths feed the same writers.
+    """
+
+    def apply(frame: pd.DataFrame) -> pd.DataFrame:
+        page, order = _split(frame)
+        result = sessionize(page, order, gap_ms)
+        return _as_output(result.sessions, result.attributions)
+
+    data = _pageview_input(pageviews, buckets).unionByName(_order_input(orders, buckets))
+    return data.groupBy("bucket").applyInPandas(apply, schema=OUTPUT_SCHEMA)
+
+
+def attribute_frames(sessions: DataFrame, orders: DataFrame, gap_ms: int,
+                     buckets: int) -> DataFrame:
+    """Session of each order among the given (unchanged) sessions: orders never move
+    boundaries, so an orders-only correction needs no pageviews. Attribution rows only."""
+
+    def apply(frame: pd.DataFrame) -> pd.DataFrame:
+        known = frame[frame["kind"] == "session"][
+            ["client_id", "user_id", "session_id", "start_ms", "end_ms"]
+        ].astype({"start_ms": "int64", "end_ms": "int64"})
+        _, order = _split(frame)
+        attributions = attribute(known.assign(**{c: None for c in SESSION_COLUMNS
+                                                 if c not in known}), order, gap_ms)
+        return _as_output(pd.DataFrame(columns=SESSION_COLUMNS), attributions)
+
+    data = _session_input(sessions, buckets).unionByName(_order_input(orders, buckets))
+    return data.groupBy("bucket").applyInPandas(apply, schema=OUTPUT_SCHEMA)
+
