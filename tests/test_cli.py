@@ -16,7 +16,8 @@ CLI = [sys.executable, "-m", "clickstream.cli"]
 
 
 @pytest.mark.parametrize("command", [
-    [], ["broker"], ["sessionize"], ["inspect"], ["generate"], ["generate", "events"],
+    [], ["broker"], ["sessionize"], ["backfill"], ["recompute"], ["inspect"], ["generate"],
+    ["generate", "events"],
     ["generate", "history"],
 ])
 def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixture) -> None:

@@ -59,6 +59,13 @@ def _cmd_backfill(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _cmd_recompute(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.recompute import run_recompute
+
+    print(run_recompute(config, client_id=args.client).describe())
+    return 0
+
+
 def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Delivery, Scale, live_records
 
@@ -159,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "landing folder, or absolute inside it")
     _add_config_flags(backfill)
     backfill.set_defaults(handler=_cmd_backfill)
+
+    recompute = commands.add_parser(
+        "recompute", help="fold the recompute queue (events too late for the stream) in",
+        description="Recompute the sessions affected by queued late events, record the "
+        "corrections, republish them, and clear the processed queue rows. Safe while the "
+        "sessionizer runs: sessions it still holds open stay queued.")
+    recompute.add_argument("--client", default=None, help="only this client (default: all)")
+    _add_config_flags(recompute)
+    recompute.set_defaults(handler=_cmd_recompute)
 
     inspect = commands.add_parser(
         "inspect", help="row counts of the Delta tables and the compacted view of topics",

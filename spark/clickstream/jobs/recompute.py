@@ -1,0 +1,90 @@
+"""``clickstream recompute``: fold the recompute queue (events too late for the stream) in.
+
+Per client: the queued records' users and times are the scope; ``corrections.correct``
+recomputes the affected sessions exactly as a backfill does, then the processed queue rows are
+removed in one commit. Users whose sessions the running stream still holds open are deferred:
+their queue rows stay for the next run. Safe while the sessionizer runs: it only appends new
+closed sessions, and a conflicting commit makes this run recompute, not overwrite.
+
+Delivery guarantee: exactly once into the tables. The run id is derived from the queue's
+table version, so a rerun after a crash resumes the same plan; queue rows are removed only
+after their corrections are applied and published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from clickstream.config import Config
+from clickstream.errors import CommitConflictError
+from clickstream.io.delta_tables import open_tables
+from clickstream.jobs.corrections import CorrectionSummary, Run, correct
+from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.spark_session import build_spark
+from clickstream.tables import RECOMPUTE_QUEUE
+
+
+@dataclass
+class RecomputeSummary:
+    """What one ``clickstream recompute`` did, per client."""
+
+    queued: dict[str, int] = field(default_factory=dict)
+    corrections: dict[str, CorrectionSummary] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if not self.queued:
+            return "recompute: the queue is empty"
+        return "\n".join(f"recompute {client}: {self.queued[client]} queued records; "
+                         f"{self.corrections[client].describe()}" for client in self.queued)
+
+
+def run_recompute(
+    config: Config, *, client_id: str | None = None, spark: SparkSession | None = None,
+    progress: Callable[[str], None] = print,
+) -> RecomputeSummary:
+    """Fold queued late records into sessions for one client, or for every queued client."""
+    spark = spark or build_spark(config, "clickstream-recompute")
+    tables = open_tables(config, spark)
+    summary = RecomputeSummary()
+    if not tables.exists(RECOMPUTE_QUEUE.name):
+        return summary
+    queue_version = tables.version(RECOMPUTE_QUEUE.name)
+    queue = tables.read(RECOMPUTE_QUEUE.name, version=queue_version)
+    clients = [client_id] if client_id else sorted(
+        r.client_id for r in queue.select("client_id").distinct().collect())
+    watermark = stream_watermark_ms(config)
+    for client in clients:
+        mine = queue.where(F.col("client_id") == client).persist()
+        summary.queued[client] = mine.count()
+        if not summary.queued[client]:
+            summary.corrections[client] = CorrectionSummary()
+            continue
+        progress(f"recompute {client}: {summary.queued[client]} queued records")
+        run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
+                  f"recompute queue version {queue_version}", progress)
+        scope = mine.groupBy("client_id", "user_id").agg(
+            F.min(F.unix_millis("ts")).alias("lo_ms"), F.max(F.unix_millis("ts")).alias("hi_ms"))
+        result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark)
+        summary.corrections[client] = result
+        deferred = mine.join(
+            scope.where(F.col("hi_ms") + config.session_gap_ms > F.lit(watermark))
+            .select("client_id", "user_id"), ["client_id", "user_id"], "left_semi",
+        ) if watermark is not None else mine.limit(0)
+        dates = sorted({r.event_date for r in mine.select("event_date").distinct().collect()})
+        try:
+            tables.replace_partitions(
+                RECOMPUTE_QUEUE.name, deferred,
+                predicate={"client_id": client, "event_date": dates},
+                partition_by=RECOMPUTE_QUEUE.partition_by, app_id=f"recompute-queue-{client}",
+                version=queue_version, metadata={"run_id": run.run_id, "cause": run.cause})
+        except CommitConflictError:
+            # The stream queued more rows meanwhile: keep everything queued; the next run
+            # finds these corrections already applied and folds in the new rows.
+            progress(f"recompute {client}: the queue changed while running; its rows stay "
+                     "queued for the next run")
+        mine.unpersist()
+    return summary
