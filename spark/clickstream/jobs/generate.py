@@ -222,6 +222,8 @@ def write_table(table: pa.Table, path: Path, file_format: FileFormat,
 
 
 def _ts_as_iso(table: pa.Table) -> pa.Table:
-    ms = table.column("ts").cast(pa.int64()).to_pylist()
+    if not pa.types.is_timestamp(table.schema.field("ts").type):
+        return table
+    ms = table.column("ts").cast(pa.timestamp("ms", tz="UTC")).cast(pa.int64()).to_pylist()
     return table.set_column(table.schema.get_field_index("ts"), "ts",
                             pa.array([_iso(v) for v in ms], pa.string()))

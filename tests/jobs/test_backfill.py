@@ -1,0 +1,298 @@
+"""Late historical batches end to end: merge, recompute only what is affected, republish."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyspark.sql import SparkSession
+
+from clickstream.config import Config
+from clickstream.errors import BatchRefusedError
+from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
+from clickstream.jobs.recompute import run_recompute
+from clickstream.jobs.sessionize import run_sessionizer
+from tests.jobs.test_sessionize import produce, table_rows
+from tests.reference import reference_sessions
+
+START = datetime(2026, 11, 1, tzinfo=UTC)
+GAP_MS = 30 * 60_000
+TABLES = ("pageviews", "orders", "sessions", "attributions", "corrections", "quarantine")
+
+
+@pytest.fixture
+def bf_config(kafka_config: Config, broker: EmbeddedBroker) -> Config:
+    suffix = uuid.uuid4().hex[:8]
+    topics = {"events_topic": f"events-{suffix}", "sessions_topic": f"sessions-{suffix}",
+              "attributions_topic": f"attributions-{suffix}"}
+    for name in topics.values():
+        broker.create_topic(name, 4)
+    return kafka_config.replace(**topics)
+
+
+def ms(value: datetime) -> int:
+    return int(value.timestamp() * 1000)
+
+
+def write_rows(config: Config, relative: str, rows: list[dict], file_format: str) -> str:
+    """A batch in the landing folder from plain rows (ts as datetime)."""
+    table = pa.Table.from_pylist(rows)
+    write_table(table, config.landing / relative, file_format)  # type: ignore[arg-type]
+    return relative
+
+
+def versions(config: Config, spark: SparkSession) -> dict[str, int]:
+    tables = open_tables(config, spark)
+    return {name: tables.version(name) for name in TABLES}
+
+
+def all_events(config: Config, spark: SparkSession) -> list[dict]:
+    """Every stored pageview and order, as the reference expects them."""
+    events = [{"event_type": "pageview", "event_id": r["event_id"], "client_id": r["client_id"],
+               "user_id": r["user_id"], "ts_ms": ms(r["ts"]), "url": r["url"]}
+              for r in table_rows(config, spark, "pageviews")]
+    events += [{"event_type": "order", "order_id": r["order_id"], "client_id": r["client_id"],
+                "user_id": r["user_id"], "ts_ms": ms(r["ts"]), "amount": r["amount"]}
+               for r in table_rows(config, spark, "orders")]
+    return events
+
+
+def assert_tables_equal_from_scratch(config: Config, spark: SparkSession,
+                                     closed_before_ms: int | None = None) -> None:
+    """The brief's invariant: sessions/attributions equal a from-scratch recomputation, and
+    the topics' compacted views equal the tables."""
+    expected, expected_attr = reference_sessions(all_events(config, spark), GAP_MS)
+    if closed_before_ms is not None:
+        expected = {k: v for k, v in expected.items() if v["end_ms"] + GAP_MS <= closed_before_ms}
+    sessions = table_rows(config, spark, "sessions")
+    assert len(sessions) == len({r["session_id"] for r in sessions})
+    got = {r["session_id"]: (ms(r["session_start"]), ms(r["session_end"]), r["pageview_count"],
+                             r["landing_url"], r["exit_url"], r["order_count"], r["revenue"])
+           for r in sessions}
+    want = {k: (v["start_ms"], v["end_ms"], v["pageview_count"], v["landing_url"],
+                v["exit_url"], v["order_count"],
+                Decimal(v["revenue"]).quantize(Decimal("0.0001")))
+            for k, v in expected.items()}
+    assert got == want
+    attributions = {r["order_id"]: r["session_id"]
+                    for r in table_rows(config, spark, "attributions")}
+    for order_id, session_id in attributions.items():
+        if session_id is None or session_id in want:
+            assert expected_attr[order_id] == session_id, order_id
+    topic = read_compacted(config, config.sessions_topic)
+    assert set(topic) == set(got)
+    for row in sessions:
+        assert topic[row["session_id"]]["revision"] == row["revision"]
+        assert topic[row["session_id"]]["pageview_count"] == row["pageview_count"]
+    attribution_topic = read_compacted(config, config.attributions_topic)
+    assert {k: v["session_id"] for k, v in attribution_topic.items()} == attributions
+
+
+def test_invariant_after_stream_orders_backfill_pageview_backfill_and_recompute(
+    bf_config: Config, spark: SparkSession
+) -> None:
+    scale = Scale(clients=2, users_per_client=10, minutes=6 * 60, start=START,
+                  sessions_per_user_per_day=8)
+    records = live_records(scale, Delivery(late_fraction=0.05, late_minutes=200,
+                                           duplicate_fraction=0.05, bad_fraction=0.02), seed=31)
+    flush_ts = START + timedelta(days=2)  # closes every streamed session
+    records.append(("client-01/flush", json.dumps({
+        "event_id": "flush", "client_id": "client-01", "user_id": "flush",
+        "event_type": "pageview", "ts": flush_ts.isoformat(), "url": "/"})))
+    config = bf_config.replace(max_events_per_trigger=80)
+    produce(config, records)
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+
+    history = Scale(clients=1, users_per_client=10, minutes=8 * 60,
+                    start=START - timedelta(hours=2), sessions_per_user_per_day=8,
+                    order_probability=0.5)
+    pageviews, orders = simulate(history, seed=32, client="client-00")
+    run_backfill(config, kind="orders", client_id="client-00",
+                 path=write_rows(config, "b1/orders", orders.to_pylist(), "csv"), spark=spark)
+    run_backfill(config, kind="pageviews", client_id="client-00",
+                 path=write_rows(config, "b2/pageviews", pageviews.to_pylist(), "jsonl"),
+                 spark=spark)
+    queued = table_rows(config, spark, "recompute_queue")
+    assert queued, "the stream saw events later than its watermark"
+    run_recompute(config, spark=spark)
+    assert table_rows(config, spark, "recompute_queue") == []
+
+    corrections = table_rows(config, spark, "corrections")
+    assert {r["change"] for r in corrections} >= {"created", "updated"}
+    assert_tables_equal_from_scratch(config, spark, closed_before_ms=ms(flush_ts))
+
+
+def pv_row(event_id: str, user: str, minutes: float, client: str = "client-00") -> dict:
+    return {"event_id": event_id, "client_id": client, "user_id": user,
+            "ts": START + timedelta(minutes=minutes), "url": f"/{event_id}", "referrer": ""}
+
+
+def order_row(order_id: str, user: str, minutes: float, amount: str = "10.00",
+              client: str = "client-00", currency: str = "EUR") -> dict:
+    return {"order_id": order_id, "client_id": client, "user_id": user,
+            "ts": START + timedelta(minutes=minutes), "amount": amount, "currency": currency}
+
+
+def test_orders_before_their_pageviews_are_kept_then_attributed(
+    bf_config: Config, spark: SparkSession
+) -> None:
+    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "o", [order_row("o1", "u", 5)], "parquet"))
+    assert [r["session_id"] for r in table_rows(bf_config, spark, "attributions")] == [None]
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
+                                 "parquet"))
+    (attribution,) = table_rows(bf_config, spark, "attributions")
+    (session,) = table_rows(bf_config, spark, "sessions")
+    assert attribution["session_id"] == session["session_id"]
+    assert attribution["revision"] == 2
+    assert (session["order_count"], session["revenue"]) == (1, Decimal("10.0000"))
+    assert_tables_equal_from_scratch(bf_config, spark)
+
+
+def test_pageview_batch_merges_sessions_and_retracts_the_old_ones(
+    bf_config: Config, spark: SparkSession
+) -> None:
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
+                                 "parquet"))
+    before = {r["session_id"] for r in table_rows(bf_config, spark, "sessions")}
+    assert len(before) == 2
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "p2", [pv_row("b", "u", 25)], "parquet"))
+    (merged,) = table_rows(bf_config, spark, "sessions")
+    assert merged["pageview_count"] == 3 and merged["revision"] == 2
+    changes = {(r["key"], r["change"]) for r in table_rows(bf_config, spark, "corrections")
+               if r["cause"].endswith(tuple("0123456789abcdef")) and r["entity"] == "session"}
+    retracted = {k for k, c in changes if c == "retracted"}
+    assert retracted == before - {merged["session_id"]}
+    assert read_compacted(bf_config, bf_config.sessions_topic).keys() == {merged["session_id"]}
+
+
+def test_rerunning_the_same_batch_changes_nothing(bf_config: Config,
+                                                  spark: SparkSession) -> None:
+    path = write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "csv")
+    opath = write_rows(bf_config, "o", [order_row("o1", "u", 2)], "jsonl")
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
+    run_backfill(bf_config, kind="orders", client_id="client-00", path=opath, spark=spark)
+    after_first = versions(bf_config, spark)
+    corrections = len(table_rows(bf_config, spark, "corrections"))
+    rerun = run_backfill(bf_config, kind="orders", client_id="client-00", path=opath,
+                         spark=spark)
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
+    assert versions(bf_config, spark) == after_first
+    assert len(table_rows(bf_config, spark, "corrections")) == corrections
+    assert rerun.rows_merged == 0 and rerun.duplicates_skipped == 1
+
+
+def test_a_later_batch_with_the_same_order_id_updates_that_order(
+    bf_config: Config, spark: SparkSession
+) -> None:
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 300)],
+                                 "parquet"))
+    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "o1", [order_row("o1", "u", 1, "5.00")], "parquet"))
+    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "o2", [order_row("o1", "u", 301, "7.50")],
+                                 "parquet"))
+    (order,) = table_rows(bf_config, spark, "orders")
+    assert order["amount"] == Decimal("7.5000")
+    sessions = sorted(table_rows(bf_config, spark, "sessions"), key=lambda r: r["session_start"])
+    assert [s["order_count"] for s in sessions] == [0, 1]
+    assert [s["revision"] for s in sessions] == [3, 2]
+    assert_tables_equal_from_scratch(bf_config, spark)
+
+
+def test_bad_rows_are_quarantined_with_reasons(bf_config: Config, spark: SparkSession) -> None:
+    rows = [
+        {**order_row("good", "u", 1)},
+        {**order_row("neg", "u", 2, amount="-3.00")},
+        {**order_row("other", "u", 3, client="client-01")},
+        {**order_row("cur", "u", 4, currency="XXX")},
+        {**order_row("dup", "u", 5, amount="1.00")},
+        {**order_row("dup", "u", 5, amount="2.00")},
+        {**order_row("same", "u", 6)},
+        {**order_row("same", "u", 6)},
+    ]
+    for row in rows:
+        row["ts"] = row["ts"].isoformat()
+    rows.append({**order_row("badts", "u", 7), "ts": "last tuesday"})
+    summary = run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                           path=write_rows(bf_config, "o", rows, "jsonl"))
+    reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
+               for r in table_rows(bf_config, spark, "quarantine")}
+    assert set(reasons) == {"neg", "other", "cur", "dup", "badts"}
+    assert "negative" in reasons["neg"]
+    assert "is not the batch's client 'client-00'" in reasons["other"]
+    assert "ISO 4217" in reasons["cur"]
+    assert "appears 2 times in the batch with different content" in reasons["dup"]
+    assert "neither ISO-8601" in reasons["badts"]
+    assert sorted(r["order_id"] for r in table_rows(bf_config, spark, "orders")) == [
+        "good", "same"]
+    assert summary.quarantined == 6 and summary.rows_merged == 2
+
+
+def test_refused_batches_change_no_table(bf_config: Config, spark: SparkSession) -> None:
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0)], "parquet"))
+    before = versions(bf_config, spark)
+    missing = [{k: v for k, v in order_row("o", "u", 1).items() if k != "amount"}]
+    with pytest.raises(BatchRefusedError, match="lacks required orders columns: amount"):
+        run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                     path=write_rows(bf_config, "m", missing, "parquet"))
+    outside = Path(bf_config.landing).parent / "elsewhere"
+    outside.mkdir()
+    (outside / "x.csv").write_text("order_id\n1\n")
+    for path in ("../elsewhere", str(outside), "m/../../elsewhere/x.csv"):
+        with pytest.raises(BatchRefusedError, match="outside the landing folder"):
+            run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark, path=path)
+    (bf_config.landing / "link").symlink_to(outside)
+    with pytest.raises(BatchRefusedError, match="outside the landing folder"):
+        run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark, path="link")
+    assert versions(bf_config, spark) == before
+
+
+batch_rows = st.lists(
+    st.tuples(st.sampled_from(["u1", "u2"]), st.integers(0, 240), st.integers(0, 3)),
+    min_size=1, max_size=25)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(batch_rows, min_size=1, max_size=3))
+def test_incremental_batches_equal_a_from_scratch_recomputation(
+    bf_config: Config, spark: SparkSession, batches: list
+) -> None:
+    config = bf_config.replace(warehouse=bf_config.warehouse / uuid.uuid4().hex,
+                               landing=bf_config.landing / uuid.uuid4().hex)
+    counter = 0
+    for number, batch in enumerate(batches):
+        pageviews, orders = [], []
+        for user, minute, kind in batch:
+            counter += 1
+            if kind == 3:
+                orders.append(order_row(f"o{counter}", user, minute))
+            else:
+                pageviews.append(pv_row(f"e{counter}", user, minute))
+        if pageviews:
+            run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
+                         path=write_rows(config, f"{number}/p", pageviews, "parquet"))
+        if orders:
+            run_backfill(config, kind="orders", client_id="client-00", spark=spark,
+                         path=write_rows(config, f"{number}/o", orders, "parquet"))
+    expected, _ = reference_sessions(all_events(config, spark), GAP_MS)
+    got = {r["session_id"]: (r["pageview_count"], r["order_count"])
+           for r in table_rows(config, spark, "sessions")}
+    assert got == {k: (v["pageview_count"], v["order_count"]) for k, v in expected.items()}
