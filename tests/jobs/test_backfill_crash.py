@@ -1,0 +1,97 @@
+"""kill -9 a backfill between merge, recompute and publish; the rerun ends where a clean run
+ends: same tables, same topics, no duplicated corrections."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from clickstream.config import Config
+from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs.backfill import run_backfill
+from tests.jobs.test_backfill import order_row, pv_row, write_rows
+from tests.jobs.test_sessionize import table_rows
+from tests.jobs.test_sessionize_crash import cli_env
+
+CRASH_POINTS = ("merge:", "record corrections:", "apply to tables:")
+
+DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    from clickstream.config import Config
+    from clickstream.jobs.backfill import run_backfill
+    crash_after = sys.argv[4]
+    def progress(message):
+        print(message, flush=True)
+        if message.strip().startswith(crash_after):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+    run_backfill(Config.from_env(), kind=sys.argv[1], client_id=sys.argv[2], path=sys.argv[3],
+                 progress=progress)
+""")
+
+
+def configured(config: Config, broker: EmbeddedBroker, name: str) -> Config:
+    suffix = uuid.uuid4().hex[:8]
+    result = config.replace(
+        warehouse=config.warehouse / name, home=config.home / name,
+        sessions_topic=f"sessions-{suffix}", attributions_topic=f"attributions-{suffix}")
+    for topic in (result.sessions_topic, result.attributions_topic):
+        broker.create_topic(topic, 2)
+    return result
+
+
+def snapshot(config: Config, spark: SparkSession) -> dict:
+    def rows(name: str, key: str, drop: tuple[str, ...] = ()) -> list:
+        return sorted((tuple((k, v) for k, v in sorted(r.items()) if k not in drop)
+                       for r in table_rows(config, spark, name)), key=str)
+
+    return {
+        "pageviews": rows("pageviews", "event_id"),
+        "orders": rows("orders", "order_id"),
+        "sessions": rows("sessions", "session_id"),
+        "attributions": rows("attributions", "order_id"),
+        "corrections": sorted((r["entity"], r["key"], r["change"], r["old_revision"],
+                               r["new_revision"]) for r in table_rows(config, spark,
+                                                                      "corrections")),
+        "sessions_topic": read_compacted(config, config.sessions_topic),
+        "attributions_topic": read_compacted(config, config.attributions_topic),
+    }
+
+
+@pytest.mark.slow
+def test_kill_9_between_steps_then_rerun_matches_a_clean_run(
+    kafka_config: Config, broker: EmbeddedBroker, spark: SparkSession
+) -> None:
+    """Three batches; each one's first attempt is killed after a different step."""
+    clean = configured(kafka_config, broker, "clean")
+    crashed = configured(kafka_config, broker, "crashed")
+    pageviews = [pv_row(f"e{i}", f"u{i % 3}", i * 7) for i in range(30)]
+    later = [pv_row(f"x{i}", f"u{i % 3}", i * 7 + 3) for i in range(0, 30, 4)]
+    orders = [order_row(f"o{i}", f"u{i % 3}", i * 11 + 1) for i in range(12)]
+    write_rows(kafka_config, "p1", pageviews, "parquet")
+    write_rows(kafka_config, "o1", orders, "csv")
+    write_rows(kafka_config, "p2", later, "jsonl")
+    steps = [("pageviews", "p1"), ("orders", "o1"), ("pageviews", "p2")]
+
+    for kind, path in steps:
+        run_backfill(clean, kind=kind, client_id="client-00", path=path, spark=spark,
+                     progress=lambda _: None)
+
+    for (kind, path), crash_after in zip(steps, CRASH_POINTS, strict=True):
+        child = subprocess.run(
+            [sys.executable, "-c", DRIVER, kind, "client-00", path, crash_after],
+            env=cli_env(crashed), capture_output=True, text=True, timeout=600,
+            start_new_session=True)
+        assert child.returncode == -9, child.stdout + child.stderr
+        run_backfill(crashed, kind=kind, client_id="client-00", path=path, spark=spark,
+                     progress=lambda _: None)
+
+    assert snapshot(crashed, spark) == snapshot(clean, spark)
+    assert os.path.isdir(Path(crashed.warehouse) / "corrections")
