@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from clickstream.config import ENV_NAMES, Config
-from clickstream.errors import ClickstreamError
+from clickstream.errors import ClickstreamError, ConfigError
 
 Handler = Callable[[argparse.Namespace, Config], int]
 
@@ -60,9 +60,14 @@ def _cmd_backfill(args: argparse.Namespace, config: Config) -> int:
 
 
 def _cmd_recompute(args: argparse.Namespace, config: Config) -> int:
-    from clickstream.jobs.recompute import run_recompute
+    from clickstream.jobs.recompute import run_full_recompute, run_recompute
 
-    print(run_recompute(config, client_id=args.client).describe())
+    if args.full:
+        if not args.client:
+            raise ConfigError("--full needs --client: a full recompute rewrites one client")
+        print(run_full_recompute(config, client_id=args.client).describe())
+    else:
+        print(run_recompute(config, client_id=args.client).describe())
     return 0
 
 
@@ -173,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         "corrections, republish them, and clear the processed queue rows. Safe while the "
         "sessionizer runs: sessions it still holds open stay queued.")
     recompute.add_argument("--client", default=None, help="only this client (default: all)")
+    recompute.add_argument("--full", action="store_true",
+                           help="delete-and-rewrite all sessions of --client from all its data "
+                           "(slow; a repair tool and the benchmark baseline)")
     _add_config_flags(recompute)
     recompute.set_defaults(handler=_cmd_recompute)
 
