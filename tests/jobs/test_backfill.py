@@ -296,3 +296,20 @@ def test_incremental_batches_equal_a_from_scratch_recomputation(
     got = {r["session_id"]: (r["pageview_count"], r["order_count"])
            for r in table_rows(config, spark, "sessions")}
     assert got == {k: (v["pageview_count"], v["order_count"]) for k, v in expected.items()}
+
+
+def test_full_recompute_rewrites_the_same_sessions_and_keeps_revisions(
+    bf_config: Config, spark: SparkSession
+) -> None:
+    from clickstream.jobs.recompute import run_full_recompute
+
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 45),
+                                                  pv_row("c", "v", 1)], "parquet"))
+    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(bf_config, "o", [order_row("o1", "u", 2)], "parquet"))
+    before = sorted(table_rows(bf_config, spark, "sessions"), key=lambda r: r["session_id"])
+    summary = run_full_recompute(bf_config, client_id="client-00", spark=spark)
+    after = sorted(table_rows(bf_config, spark, "sessions"), key=lambda r: r["session_id"])
+    assert summary.sessions == 3 and after == before
+    assert_tables_equal_from_scratch(bf_config, spark)

@@ -128,10 +128,14 @@ def run_full_recompute(
     results = {}
     for spec, rows in ((SESSIONS, _session_rows(emitted)),
                        (ATTRIBUTIONS, _attribution_rows(emitted))):
-        old = tables.read(spec.name, [spec.key[0], "revision"], partition_filter=mine,
-                          schema=spec.schema)
-        fresh = rows.join(old, spec.key[0], "left").withColumn(
-            "revision", F.coalesce(F.col("revision") + 1, F.lit(1)).cast("int")
+        old = tables.read(spec.name, partition_filter=mine, schema=spec.schema)
+        content = [c for c in rows.columns if c not in (spec.key[0], "revision")]
+        same = F.expr(" AND ".join(f"(n.{c} <=> o.{c})" for c in content))
+        fresh = rows.alias("n").join(old.alias("o"), spec.key[0], "left").select(
+            *[F.col(f"n.{c}").alias(c) for c in rows.columns],
+            F.when(F.col("o.revision").isNull(), F.lit(1))
+            .when(same, F.col("o.revision"))
+            .otherwise(F.col("o.revision") + 1).cast("int").alias("revision"),
         ).select(*spec.schema.fieldNames()).persist()
         version = (tables.app_version(spec.name, f"full-recompute-{client_id}") or 0) + 1
         tables.replace_partitions(spec.name, fresh, predicate=mine,
