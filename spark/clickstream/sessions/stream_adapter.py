@@ -167,7 +167,7 @@ class SessionProcessor(StatefulProcessor):
         return BucketState(decode_frame(pv[0] if pv else None, empty_pageviews()),
                            decode_frame(orders[0] if orders else None, empty_orders()))
 
-    def _save(self, state: BucketState, wakeup: int | None) -> None:
+    def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int) -> None:
         for holder, frame in ((self.pageview_state, state.pageviews),
                               (self.order_state, state.orders)):
             if len(frame):
@@ -175,8 +175,9 @@ class SessionProcessor(StatefulProcessor):
             else:
                 holder.clear()
         for timer in list(self.handle.listTimers()):
-            self.handle.deleteTimer(timer)
-        if wakeup is not None:
+            if timer > watermark_ms and timer != wakeup:  # expired ones are gone already
+                self.handle.deleteTimer(timer)
+        if wakeup is not None and wakeup not in set(self.handle.listTimers()):
             self.handle.registerTimer(wakeup)
 
     def handleInputRows(
@@ -187,16 +188,18 @@ class SessionProcessor(StatefulProcessor):
         events["ts_ms"] = events["ts_ms"].astype(np.int64)
         events["amount_e4"] = events["amount_e4"].fillna(0).astype(np.int64)
         duplicates = state.add(events)
-        emitted, wakeup = state.close(timerValues.getCurrentWatermarkInMs(), self.gap_ms)  # (S1)
-        self._save(state, wakeup)
+        watermark = timerValues.getCurrentWatermarkInMs()
+        emitted, wakeup = state.close(watermark, self.gap_ms)  # (S1)
+        self._save(state, wakeup, watermark)
         yield _output(pd.concat([duplicates, emitted], ignore_index=True))
 
     def handleExpiredTimer(
         self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
     ) -> Iterator[pd.DataFrame]:
         state = self._load()
-        emitted, wakeup = state.close(timerValues.getCurrentWatermarkInMs(), self.gap_ms)
-        self._save(state, wakeup)
+        watermark = timerValues.getCurrentWatermarkInMs()
+        emitted, wakeup = state.close(watermark, self.gap_ms)
+        self._save(state, wakeup, watermark)
         yield _output(emitted)
 
     def close(self) -> None:
