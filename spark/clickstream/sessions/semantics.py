@@ -82,9 +82,7 @@ def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Se
     """
     pageviews = dedupe(pageviews, "event_id")
     orders = dedupe(orders, "order_id")
-    ordered = pageviews.sort_values(
-        ["client_id", "user_id", "ts_ms", "event_id"], kind="mergesort"
-    )  # (E1)
+    ordered = pageviews.iloc[_user_time_order(pageviews)]
     client = ordered["client_id"].to_numpy()
     user = ordered["user_id"].to_numpy()
     ts = ordered["ts_ms"].to_numpy(dtype=np.int64)
@@ -127,6 +125,31 @@ def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Se
     sessions["revenue_e4"] = sessions["revenue_e4"].fillna(0).astype(np.int64)
     return Sessionized(sessions[SESSION_COLUMNS].reset_index(drop=True),
                        pageview_session.reindex(pageviews.index), attributions)
+
+
+def _user_time_order(pageviews: pd.DataFrame) -> np.ndarray:
+    """Row order grouping each user's pageviews by time, ties broken by event_id (E1).
+
+    Sorting integer codes is ~5x faster than sorting the string columns; users only need to
+    be contiguous, not in any particular order.
+    """
+    clients, _ = pd.factorize(pageviews["client_id"].to_numpy())
+    users, _ = pd.factorize(pageviews["user_id"].to_numpy())
+    ts = pageviews["ts_ms"].to_numpy(dtype=np.int64)
+    order = np.lexsort((ts, users, clients))
+    if len(order) < 2:
+        return order
+    tied = (users[order][1:] == users[order][:-1]) & (clients[order][1:] == clients[order][:-1]) & (
+        ts[order][1:] == ts[order][:-1])
+    if tied.any():  # rare: equal timestamps of one user, order them by event_id
+        event_ids = pageviews["event_id"].to_numpy()
+        starts = np.flatnonzero(np.r_[True, ~tied])
+        ends = np.r_[starts[1:], len(order)]
+        for start, end in zip(starts, ends, strict=True):
+            if end - start > 1:
+                block = order[start:end]
+                order[start:end] = block[np.argsort(event_ids[block], kind="stable")]
+    return order
 
 
 def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.DataFrame:
