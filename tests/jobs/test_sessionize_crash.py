@@ -46,7 +46,7 @@ def start_sessionizer(config: Config, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for_batches(log: Path, at_least: int, timeout_s: float = 120) -> None:
+def wait_for_batches(log: Path, at_least: int, timeout_s: float = 480) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if log.exists() and log.read_text().count("sessionize batch ") >= at_least:
