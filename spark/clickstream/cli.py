@@ -27,6 +27,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         ("session_gap_minutes", "session gap (30, 45s, 1h)"),
         ("watermark_delay_minutes", "how late an event may be and still join the stream"),
         ("spark_master", "Spark master URL"),
+        ("quality_gates", "data-quality gates: enforce (default) or off"),
     ):
         flag = "--" + name.removesuffix("_minutes").replace("_", "-")
         group.add_argument(flag, dest=name, default=None,

@@ -21,6 +21,7 @@ DEFAULT_VAR = REPO_ROOT / "var"
 
 KafkaSourceKind = Literal["python", "native"]
 DeltaEngineKind = Literal["deltalake", "delta-spark"]
+QualityGatesMode = Literal["enforce", "off"]
 
 # Environment variable name for each field; one place, used by the CLI and the docs.
 ENV_NAMES: dict[str, str] = {
@@ -40,6 +41,7 @@ ENV_NAMES: dict[str, str] = {
     "max_events_per_trigger": "CLICKSTREAM_MAX_EVENTS_PER_TRIGGER",
     "trigger_interval_seconds": "CLICKSTREAM_TRIGGER_INTERVAL",
     "kafka_options": "CLICKSTREAM_KAFKA_OPTIONS",
+    "quality_gates": "CLICKSTREAM_QUALITY_GATES",
 }
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
@@ -90,10 +92,14 @@ class Config:
     max_events_per_trigger: int = 200_000
     trigger_interval_seconds: float = 2.0
     kafka_options: Mapping[str, str] = field(default_factory=dict)
+    # "enforce": data-quality gates (clickstream.quality) validate every step and stop it on
+    # failure; "off": skipped (an emergency bypass, and the baseline of the gates' benchmark).
+    quality_gates: QualityGatesMode = "enforce"
 
     def __post_init__(self) -> None:
         _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
         _check_choice("delta_engine", self.delta_engine, DeltaEngineKind)
+        _check_choice("quality_gates", self.quality_gates, QualityGatesMode)
         for name in ("shuffle_partitions", "max_events_per_trigger"):
             value = getattr(self, name)
             if value < 1:

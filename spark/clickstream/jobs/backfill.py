@@ -30,6 +30,7 @@ from clickstream.jobs.batch_input import (
 )
 from clickstream.jobs.corrections import CorrectionSummary, Run, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.quality.gates import gate_historical_batch, gate_tables_after_merge, warm_up
 from clickstream.spark_session import build_spark
 from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, RECOMPUTE_QUEUE
 
@@ -123,6 +124,7 @@ def run_backfill(
     summary = BackfillSummary(run_id)
     spark = spark or build_spark(config, "clickstream-backfill")
     tables = open_tables(config, spark)
+    warm_up(config)  # Great Expectations takes seconds to import; overlap it with the reads
     progress(f"backfill {run_id}: {len(files.files)} {files.file_format} files under "
              f"{files.root}")
 
@@ -131,8 +133,13 @@ def run_backfill(
         progress(f"  {name}: {summary.seconds_by_step[name]:.1f}s")
 
     started = time.monotonic()
-    batch = validate_batch(read_batch(spark, files, kind), kind, client_id).persist()
+    raw = read_batch(spark, files, kind)
+    batch = validate_batch(raw, kind, client_id).persist()
     summary.rows_read = batch.count()
+    # The historical_batch gate judges the batch as a whole: it marks the rows it implicates
+    # (quarantined below, once) and refuses the batch, after quarantining, when too many are bad.
+    batch, gate = gate_historical_batch(batch, raw.schema, kind=kind, key=KEY[kind],
+                                        client_id=client_id, config=config, run_id=run_id)
     bad = batch.where(F.col("error").isNotNull())
     summary.quarantined = bad.count()
     if summary.quarantined:
@@ -143,18 +150,28 @@ def run_backfill(
             F.current_date().alias("quarantine_date")),
             app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
             metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+    if gate is not None:
+        progress(f"  {gate.describe()}")
+        gate.raise_if_failed(f"the batch was refused as a whole: nothing was merged, its "
+                             f"{summary.quarantined} rows with problems are in quarantine; fix "
+                             "the batch and send it again")
     valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY[kind]]).drop("error")
     valid = valid.persist()
     valid_count = valid.count()
     step("validate", started)
 
     started = time.monotonic()
+    dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
         summary.rows_merged = merge_pageviews(tables, valid, client_id, run_id, dates)
     else:
         summary.rows_merged = merge_orders(tables, valid, client_id, run_id)
     summary.duplicates_skipped = summary.rows_read - summary.quarantined - summary.rows_merged
+    merged = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
+                                     run_id=run_id, valid=valid, dates=dates)
+    if merged is not None:
+        progress(f"  {merged.describe()}")
     step("merge", started)
 
     started = time.monotonic()

@@ -42,6 +42,8 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import publish
+from clickstream.quality.correction_report import write_correction_report
+from clickstream.quality.gates import gate_publish, gate_recomputed_sessions, publish_started
 from clickstream.sessions.batch_adapter import attribute_frames, sessionize_frames
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
@@ -244,7 +246,10 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         if windows.isEmpty():
             return None
     with timer.step("recompute sessions and attributions"):
-        new_sessions, new_attributions = recompute(run, windows, old_sessions, orders_only)
+        new_sessions, new_attributions = (
+            frame.persist() for frame in recompute(run, windows, old_sessions, orders_only))
+        # Before anything is recorded: a failing gate leaves no plan to resume (C3).
+        gate_recomputed_sessions(run, new_sessions, new_attributions)
         bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
         old_attributions = _in_windows(
             _read(run, ATTRIBUTIONS, "order_date", bounds[0], bounds[1] + run.gap_ms),
@@ -265,13 +270,15 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     summary.orders_attributed = by_kind.get(True, 0)
     summary.orders_unattributed = by_kind.get(False, 0)
     if not counts:
-        changes.unpersist()
+        for frame in (changes, new_sessions, new_attributions):
+            frame.unpersist()
         return None
     with timer.step("record corrections"):
         run.tables.append_once(CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
                                partition_by=CORRECTIONS.partition_by,
                                metadata={"run_id": run.run_id, "cause": run.cause})
-    changes.unpersist()
+    for frame in (changes, new_sessions, new_attributions):
+        frame.unpersist()
     return stored_plan(run)
 
 
@@ -315,7 +322,9 @@ def apply(run: Run, changes: DataFrame) -> None:
 
 
 def publish_changes(run: Run, changes: DataFrame) -> int:
-    """New revisions and tombstones, from the plan (idempotent by key and revision)."""
+    """New revisions and tombstones, from the plan (idempotent by key and revision); then the
+    publish gate reads them back from the topics."""
+    since = publish_started(run.config)
     sent = 0
     for entity, topic in (("session", run.config.sessions_topic),
                           ("attribution", run.config.attributions_topic)):
@@ -323,6 +332,7 @@ def publish_changes(run: Run, changes: DataFrame) -> int:
         sent += publish(run.config, topic, (
             (r.key, None if r.new_value is None else json.loads(r.new_value))
             for r in rows.toLocalIterator()))
+    gate_publish(run, changes, since)
     return sent
 
 
@@ -349,11 +359,13 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
                                            if e == "attribution")
     else:
         changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms)
-    if changes is None:
-        return summary
-    with timer.step("apply to tables"):
-        apply(run, changes)
-    with timer.step("publish to Kafka"):
-        publish_changes(run, changes)
-    changes.unpersist()
+    if changes is not None:
+        with timer.step("apply to tables"):
+            apply(run, changes)
+        with timer.step("publish to Kafka"):
+            publish_changes(run, changes)
+    with timer.step("correction report"):
+        write_correction_report(run, summary, changes)
+    if changes is not None:
+        changes.unpersist()
     return summary

@@ -24,6 +24,7 @@ from clickstream.errors import CommitConflictError
 from clickstream.io.delta_tables import open_tables
 from clickstream.jobs.corrections import CorrectionSummary, Run, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.quality.gates import warm_up
 from clickstream.spark_session import build_spark
 from clickstream.tables import RECOMPUTE_QUEUE
 
@@ -52,6 +53,7 @@ def run_recompute(
     summary = RecomputeSummary()
     if not tables.exists(RECOMPUTE_QUEUE.name):
         return summary
+    warm_up(config)  # Great Expectations takes seconds to import; overlap it with the reads
     queue_version = tables.version(RECOMPUTE_QUEUE.name)
     queue = tables.read(RECOMPUTE_QUEUE.name, version=queue_version)
     clients = [client_id] if client_id else sorted(

@@ -51,6 +51,7 @@ from clickstream.events.parse import parse_kafka_records
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_source import read_kafka_stream
+from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import user_bucket
 from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
 from clickstream.spark_session import build_spark
@@ -114,7 +115,8 @@ def build_stream(spark: SparkSession, config: Config) -> DataFrame:
     records = parse_kafka_records(read_kafka_stream(spark, config, config.events_topic))
     session_input = (
         records.where(F.col("error").isNull()
-                      & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
+                      & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER)
+                      & raw_events_admitted(config))  # what the sink's gate quarantines
         .select(
             user_bucket(STATE_BUCKETS).alias("bucket"),
             "client_id", "user_id", "event_type", "event_id", "ts",
@@ -194,6 +196,7 @@ class MicroBatchWriter:
         self.checkpoint = checkpoint
         self.summary = summary
         self.run_id = uuid.uuid4().hex
+        warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
@@ -230,7 +233,14 @@ class MicroBatchWriter:
         counts = BatchCounts()
         records = batch.where(F.col("branch") == "record").select("record.*")
         emitted = batch.where(F.col("branch") == "emitted").select("emitted.*")
-        counts.records = records.count()
+        # The raw_events gate marks offending records as errors: quarantined below, with the
+        # failed expectation as the reason, and never stored; the stream goes on.
+        records, gate = gate_raw_events(records, self.config, batch_id=batch_id,
+                                        run_id=self.run_id)
+        if gate is not None and (gate.failures or gate.report):
+            print(f"  micro-batch {batch_id}: {gate.describe()}", flush=True)
+        # The gate's one aggregation counted the records already.
+        counts.records = gate.checks["records"] if gate is not None else records.count()
 
         counts.quarantined = self._append(QUARANTINE, records.where(F.col("error").isNotNull())
             .select("raw", "source", F.col("error").alias("reason"), "client_id",

@@ -1,0 +1,430 @@
+"""Check results of each gate, computed in Spark: one row of numbers GX validates.
+
+Every ``*_checks`` function turns a step's data into :class:`Checks`: ``values`` is the one row
+of check results (its columns are the ones the gate's suite in ``expectations/`` names), and
+``rows`` says, per check, which rows of which frame are behind it, so a failed expectation can
+quarantine exactly the offending rows. Each function runs one or two Spark jobs over data the
+step has already computed (usually persisted); none samples.
+
+Known edge cases, cited inline as (K1)..(K6):
+  K1. The stream's checks re-test, on the records the parser accepted, rules the parser
+      already enforces: a gate is a second, independent line (a parser bug must not reach the
+      tables), so its counts are normally zero and its cost must stay small.
+  K2. A batch's conflicting duplicates (same key, different content) are only visible in the
+      ``error`` text ``validate_batch`` wrote; a row broken in two ways counts under its
+      first reason only.
+  K3. The merge is found by its commit (metadata ``run_id``), and the table is read at that
+      commit and the one before it (time travel), so concurrent appends by the stream are
+      not counted, and a rerun (whose merge commits nothing) checks the original merge.
+  K4. Overlap and gap checks compare each session with the user's previous session *among
+      the recomputed ones*: sessions outside the affected windows are at least one gap away
+      from them by construction (corrections C1).
+  K5. Publishing is verified by reading back, from each partition, exactly the offset range
+      written between two watermark snapshots; records other producers wrote meanwhile are
+      ignored, and a key counts as published if any of its records there has the revision.
+  K6. The merge's keys are first counted by their 64-bit hash (a third cheaper to shuffle
+      than strings). Equal keys have equal hashes, so a pass is a pass; a collision can only
+      make counts look wrong, and then everything is counted again by the keys themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    BooleanType,
+    DateType,
+    DecimalType,
+    FractionalType,
+    IntegralType,
+    StringType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from clickstream.config import Config
+from clickstream.events import contract
+from clickstream.io.delta_tables import DeltaTables, PartitionFilter
+from clickstream.tables import ORDERS, TableSpec
+
+EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$"
+HISTORY_DEPTH = 200  # commits searched for a run's merge or apply commit (K3)
+
+
+@dataclass
+class Checks:
+    """One gate's check results and, per check column, the rows behind it.
+
+    Attributes:
+        values: the one row of check results, ``{column: number or text}``.
+        rows: ``{column: (frame, predicate)}``: the rows of ``frame`` where ``predicate`` is
+            true are the ones the check counts (absent for table-level checks).
+        keys: ``{id(frame): column}`` naming each frame's row key, for quarantine sources.
+    """
+
+    values: dict[str, Any]
+    rows: dict[str, tuple[DataFrame, Column]] = field(default_factory=dict)
+    keys: dict[int, str] = field(default_factory=dict)
+
+
+def _blank(name: str) -> Column:
+    return F.col(name).isNull() | (F.trim(F.col(name)) == "")
+
+
+def _out_of_range(ts: Column) -> Column:
+    return (ts < F.lit(contract.EARLIEST_TS)) | (ts >= F.lit(contract.LATEST_TS))
+
+
+def _fraction(part: int, whole: int) -> float | None:
+    return None if not whole else part / whole
+
+
+# --- raw_events ------------------------------------------------------------------------------
+
+RAW_EVENTS_ROW_CHECKS = (
+    "accepted_blank_event_id", "accepted_blank_client_id", "accepted_blank_user_id",
+    "accepted_null_ts", "accepted_ts_out_of_range", "accepted_invalid_event_type",
+    "accepted_unknown_event_type", "accepted_pageview_without_url",
+    "accepted_order_without_order_id", "accepted_order_bad_amount",
+    "accepted_order_unknown_currency",
+)
+"""The raw_events check columns that count records (one predicate each)."""
+
+
+def raw_events_predicates() -> dict[str, Column]:
+    """Per check column, the accepted records it counts (K1); needs an active Spark."""
+    accepted = F.col("error").isNull()
+    is_order = F.col("event_type") == contract.ORDER
+    event_type = F.coalesce(F.col("event_type"), F.lit(""))
+    return {
+        "accepted_blank_event_id": accepted & _blank("event_id"),
+        "accepted_blank_client_id": accepted & _blank("client_id"),
+        "accepted_blank_user_id": accepted & _blank("user_id"),
+        "accepted_null_ts": accepted & F.col("ts").isNull(),
+        "accepted_ts_out_of_range": accepted & _out_of_range(F.col("ts")),
+        "accepted_invalid_event_type": accepted & ~event_type.rlike(EVENT_TYPE_IDENTIFIER),
+        "accepted_unknown_event_type": accepted & ~event_type.isin(contract.PAGEVIEW,
+                                                                   contract.ORDER),
+        "accepted_pageview_without_url": accepted & (F.col("event_type") == contract.PAGEVIEW)
+        & _blank("url"),
+        "accepted_order_without_order_id": accepted & is_order & _blank("order_id"),
+        "accepted_order_bad_amount": accepted & is_order
+        & (F.col("amount").isNull() | (F.col("amount") < 0)),
+        "accepted_order_unknown_currency": accepted & is_order
+        & ~F.coalesce(F.col("currency").isin(*sorted(contract.CURRENCIES)), F.lit(False)),
+    }
+
+
+def raw_events_checks(records: DataFrame) -> Checks:
+    """Check results of one micro-batch of parsed records (``events.parse`` layout)."""
+    predicates = raw_events_predicates()
+    row = records.agg(
+        F.count(F.lit(1)).alias("records"),
+        F.count_if(F.col("error").isNotNull()).alias("malformed_records"),
+        *(F.count_if(p).alias(name) for name, p in predicates.items()),
+    ).first()
+    values = row.asDict()
+    values["accepted_records"] = values["records"] - values["malformed_records"]
+    values["malformed_fraction"] = _fraction(values["malformed_records"], values["records"])
+    return Checks(values, {name: (records, p) for name, p in predicates.items()},
+                  {id(records): "source"})
+
+
+# --- historical_batch ------------------------------------------------------------------------
+
+def type_family(kind: Any) -> str:
+    """The type family a suite names: string, timestamp, integer, decimal, floating, ..."""
+    if isinstance(kind, StringType):
+        return "string"
+    if isinstance(kind, TimestampType | TimestampNTZType):
+        return "timestamp"
+    if isinstance(kind, IntegralType):
+        return "integer"
+    if isinstance(kind, DecimalType):
+        return "decimal"
+    if isinstance(kind, FractionalType):
+        return "floating"
+    if isinstance(kind, DateType):
+        return "date"
+    if isinstance(kind, BooleanType):
+        return "boolean"
+    return kind.simpleString()
+
+
+def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str, key: str,
+                            client_id: str) -> Checks:
+    """Check results of a validated historical batch (``batch_input.validate_batch`` output).
+
+    Args:
+        batch: every row of the batch, typed, with ``error`` (null when valid).
+        raw_schema: the batch's schema as read, before typing (for the column type checks).
+        kind: ``"orders"`` or ``"pageviews"``.
+        key: the key column (``order_id`` / ``event_id``).
+        client_id: the client the run declares.
+    """
+    everyone = F.lit(True)
+    predicates = {
+        "blank_key_fraction": _blank(key),
+        "blank_user_id_fraction": _blank("user_id"),
+        "bad_ts_fraction": F.col("ts").isNull() | _out_of_range(F.col("ts")),
+        "other_client_fraction": ~F.col("client_id").eqNullSafe(F.lit(client_id)),
+        "conflicting_duplicate_fraction": F.coalesce(F.col("error").rlike(
+            r"appears \d+ times in the batch with different content$"), F.lit(False)),  # (K2)
+    }
+    if kind == "orders":
+        predicates.update({
+            "bad_amount_fraction": F.col("amount").isNull(),
+            "negative_amount_fraction": F.col("amount") < 0,
+            "bad_currency_fraction": ~F.coalesce(
+                F.col("currency").isin(*sorted(contract.CURRENCIES)), F.lit(False)),
+        })
+    else:
+        predicates["missing_url_fraction"] = _blank("url")
+    row = batch.agg(
+        F.count(F.lit(1)).alias("rows_read"),
+        F.count_if(F.col("error").isNotNull()).alias("rows_quarantined"),
+        *(F.count_if(F.coalesce(p, F.lit(False))).alias(name) for name, p in predicates.items()),
+    ).first().asDict()
+    rows_read = row.pop("rows_read")
+    values: dict[str, Any] = {
+        "rows_read": rows_read,
+        "rows_accepted": rows_read - row["rows_quarantined"],
+        "rows_quarantined": row["rows_quarantined"],
+        "quarantined_fraction": _fraction(row.pop("rows_quarantined"), rows_read),
+        "ts_column_type": type_family(raw_schema["ts"].dataType),
+        "amount_column_type": (type_family(raw_schema["amount"].dataType)
+                               if kind == "orders" else None),
+        "main_client_id": client_id,
+    }
+    if row["other_client_fraction"] * 2 > rows_read:  # the declared client is not the main one
+        main = batch.groupBy("client_id").count().orderBy(F.desc("count"), "client_id").first()
+        values["main_client_id"] = main.client_id
+    for name in ("blank_key_fraction", "blank_user_id_fraction", "bad_ts_fraction",
+                 "other_client_fraction", "conflicting_duplicate_fraction",
+                 "bad_amount_fraction", "negative_amount_fraction", "bad_currency_fraction",
+                 "missing_url_fraction"):
+        values[name] = _fraction(row[name], rows_read) if name in row else None
+    rows = {name: (batch, F.coalesce(p, F.lit(False))) for name, p in predicates.items()}
+    rows.update({"ts_column_type": (batch, everyone), "amount_column_type": (batch, everyone),
+                 "main_client_id": (batch, predicates["other_client_fraction"])})
+    return Checks(values, rows, {id(batch): "source"})
+
+
+# --- tables_after_merge ----------------------------------------------------------------------
+
+def run_commit_version(tables: DeltaTables, table: str, run_id: str) -> int | None:
+    """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3)."""
+    for entry in tables.history(table, HISTORY_DEPTH):
+        if entry.get("run_id") == run_id and entry.get("version") is not None:
+            return int(entry["version"])
+    return None
+
+
+def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: str,
+                              client_id: str, batch_keys: DataFrame,
+                              scope: PartitionFilter) -> Checks:
+    """Row-count reconciliation and key uniqueness of ``spec``'s table around the merge.
+
+    One scan of the merged range counts its rows and duplicated keys; the batch's keys are
+    joined with the keys stored before only if there were any.
+
+    Args:
+        tables: the warehouse.
+        spec: ``PAGEVIEWS`` or ``ORDERS``.
+        run_id: the backfill's run id (the merge commit carries it in its metadata).
+        client_id: the batch's client.
+        batch_keys: one column, the key, one row per key: the batch's accepted keys.
+        scope: the partitions the merge may touch (client, and for pageviews the batch's days).
+    """
+    key = spec.key[0]
+    values = {"rows_before": 0, "batch_keys": batch_keys.count(), "keys_already_stored": 0,
+              "rows_after": 0, "duplicate_keys": 0}
+    checks = Checks(values)
+    if not tables.exists(spec.name):
+        values["expected_rows_after"] = values["batch_keys"]
+        values["table"] = spec.name
+        return checks
+    merged = run_commit_version(tables, spec.name, run_id)
+    after_version = merged if merged is not None else tables.version(spec.name)
+    before_version = after_version - 1 if merged is not None else after_version
+    after = tables.read(spec.name, [key], scope, version=after_version)
+    before = (tables.read(spec.name, [key], scope, version=before_version)
+              if before_version >= 0 else None)
+    values["rows_before"] = before.count() if before is not None else 0
+
+    def counted(ident: Column) -> tuple[int, int, int]:
+        """(rows after, keys stored twice, batch keys stored before): one scan of each."""
+        rows, duplicated = after.groupBy(ident.alias("_id")).count().agg(
+            F.sum("count"), F.count_if(F.col("count") > 1)).first()
+        stored = 0
+        if values["rows_before"]:
+            stored = batch_keys.select(ident.alias("_id")).join(
+                before.select(ident.alias("_id")), "_id", "left_semi").count()
+        return int(rows or 0), int(duplicated or 0), stored
+
+    rows, duplicated, stored = counted(F.xxhash64(key))
+    if duplicated or rows != values["rows_before"] + values["batch_keys"] - stored:
+        rows, duplicated, stored = counted(F.col(key))  # (K6) exactly
+    values.update(rows_after=rows, duplicate_keys=duplicated, keys_already_stored=stored)
+    values["expected_rows_after"] = values["rows_before"] + values["batch_keys"] - stored
+    values["table"] = spec.name
+    if duplicated:  # whole rows, for the quarantine
+        twice = after.groupBy(key).count().where(F.col("count") > 1).select(key)
+        offending = tables.read(spec.name, None, scope, version=after_version).join(
+            twice, key, "left_semi")
+        checks.rows["duplicate_keys"] = (offending, F.lit(True))
+        checks.keys[id(offending)] = key
+    return checks
+
+
+# --- recomputed_sessions ---------------------------------------------------------------------
+
+def recomputed_sessions_checks(tables: DeltaTables, *, client_id: str, gap_ms: int,
+                               sessions: DataFrame, attributions: DataFrame) -> Checks:
+    """Invariants of the recomputed sessions and attributions of the affected windows.
+
+    One Spark job: the user's previous session by a window, the attributed orders per
+    session (count, amount, earliest and latest ts) by an aggregation, and a full outer join of
+    the two, so orders attributed to a session that is not there show up too.
+
+    Args:
+        tables: the warehouse (orders are read for their amounts).
+        client_id: the run's client.
+        gap_ms: the session gap.
+        sessions: recomputed sessions (``SESSIONS`` columns, revision not needed).
+        attributions: recomputed attributions (``ATTRIBUTIONS`` columns, no revision).
+    """
+    attributed = attributions.where(F.col("session_id").isNotNull())
+    if tables.exists(ORDERS.name):  # the client's orders: no extra job to find their days
+        attributed = attributed.join(
+            tables.read(ORDERS.name, ["order_id", "amount"], {"client_id": client_id}),
+            "order_id", "left")
+    else:
+        attributed = attributed.withColumn(
+            "amount", F.lit(None).cast(ORDERS.schema["amount"].dataType))
+    totals = attributed.groupBy("session_id").agg(
+        F.count(F.lit(1)).alias("_orders"), F.sum("amount").alias("_revenue"),
+        F.min("order_ts").alias("_first_order"), F.max("order_ts").alias("_last_order"))
+    # A session_id is a function of (client, user, start): two sessions with one id sit next
+    # to each other in their user's order, so one window finds duplicates and overlaps.
+    by_user = Window.partitionBy("client_id", "user_id").orderBy("session_start", "session_id")
+    joined = (sessions
+              .withColumn("_previous_end", F.lag("session_end").over(by_user))
+              .withColumn("_previous_id", F.lag("session_id").over(by_user))
+              .withColumn("_session", F.lit(True))
+              .join(totals, "session_id", "full_outer"))
+    is_session = F.col("_session").isNotNull()
+    previous = F.col("_previous_end")
+    checks = {
+        "session_start_after_end": is_session & (F.col("session_start") > F.col("session_end")),
+        "pageview_count_below_one": is_session & F.coalesce(F.col("pageview_count") < 1,
+                                                            F.lit(True)),
+        "duplicate_session_ids": is_session & (F.col("_previous_id") == F.col("session_id")),
+        "overlapping_sessions": is_session & previous.isNotNull()
+        & (F.col("session_start") <= previous),  # (K4)
+        "sessions_within_gap": is_session & previous.isNotNull()
+        & (F.unix_millis("session_start") - F.unix_millis(previous) < gap_ms),
+        "revenue_mismatch": is_session & ~F.col("revenue").eqNullSafe(
+            F.coalesce(F.col("_revenue"), F.lit(0))),
+        "order_count_mismatch": is_session & ~F.col("order_count").eqNullSafe(
+            F.coalesce(F.col("_orders"), F.lit(0))),
+        "sessions_with_orders_outside": is_session & F.col("_orders").isNotNull() & (
+            (F.col("_first_order") < F.col("session_start"))
+            | (F.unix_millis("_last_order") >= F.unix_millis("session_end") + gap_ms)),
+        "attributions_to_unknown_sessions": ~is_session,
+    }
+    predicates = {name: F.coalesce(p, F.lit(False)) for name, p in checks.items()}
+    row = joined.agg(
+        F.count_if(is_session).alias("sessions"),
+        F.sum(F.when(~is_session, F.col("_orders")).otherwise(0)).alias(
+            "attributions_to_unknown_sessions"),
+        *(F.count_if(p).alias(name) for name, p in predicates.items()
+          if name != "attributions_to_unknown_sessions"),
+    ).first().asDict()
+    values = {name: int(value or 0) for name, value in row.items()}
+    shown = joined.drop("_previous_id", "_session")
+    return Checks(values, {name: (shown, p) for name, p in predicates.items()},
+                  {id(shown): "session_id"})
+
+
+# --- publish ---------------------------------------------------------------------------------
+
+def topic_ends(config: Config, topics: Sequence[str]) -> dict[str, dict[int, int]]:
+    """The next offset to be written, per partition of each topic (K5)."""
+    from clickstream.io.kafka_clients import topic_watermarks
+
+    return {topic: {p: high for p, (_low, high) in topic_watermarks(config, topic).items()}
+            for topic in topics}
+
+
+def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
+                   ) -> dict[str, dict[str, set[int | None]]]:
+    """Per topic, every key written after ``since`` with its revisions (None = tombstone)."""
+    from clickstream.io.kafka_clients import read_offset_range
+
+    now = topic_ends(config, list(since))
+    seen: dict[str, dict[str, set[int | None]]] = {}
+    for topic, ends in now.items():
+        keys = seen.setdefault(topic, {})
+        for partition, end in ends.items():
+            start = since[topic].get(partition, 0)
+            if end <= start:
+                continue
+            for batch in read_offset_range(config, topic, partition, start, end):
+                for message in batch:
+                    raw_key = message.key()
+                    if raw_key is None:
+                        continue
+                    keys.setdefault(raw_key.decode(), set()).add(_revision(message.value()))
+    return seen
+
+
+_REVISION = re.compile(rb'[{,]"revision":(-?\d+)[,}]')
+
+
+def _revision(value: bytes | None) -> int | None:
+    """The ``revision`` of a changelog value; None for a tombstone. A regex first: the
+    producer writes compact JSON, and a quote inside a string value is always escaped, so
+    the pattern can only match the top-level key (K5)."""
+    if value is None:
+        return None
+    match = _REVISION.search(value)
+    return int(match.group(1)) if match else json.loads(value).get("revision")
+
+
+def publish_checks(changes: DataFrame, config: Config,
+                   published: Mapping[str, Mapping[str, set[int | None]]]) -> Checks:
+    """What the run's plan (``corrections`` rows) says was published vs what the topics hold."""
+    sessions_seen = published.get(config.sessions_topic, {})
+    attributions_seen = published.get(config.attributions_topic, {})
+    missing: dict[str, list[str]] = {"sessions_missing_at_revision": [],
+                                     "retractions_without_tombstone": [],
+                                     "attributions_missing_at_revision": []}
+    counts = {"session": 0, "attribution": 0}
+    plan = changes.select("entity", "key", "change", "new_revision").toArrow().to_pydict()
+    for entity, key, change, revision in zip(plan["entity"], plan["key"], plan["change"],
+                                             plan["new_revision"], strict=True):
+        counts[entity] = counts.get(entity, 0) + 1
+        if entity == "session" and change == "retracted":
+            if None not in sessions_seen.get(key, ()):
+                missing["retractions_without_tombstone"].append(key)
+        elif entity == "session":
+            if revision not in sessions_seen.get(key, ()):
+                missing["sessions_missing_at_revision"].append(key)
+        elif revision not in attributions_seen.get(key, ()):
+            missing["attributions_missing_at_revision"].append(key)
+    values: dict[str, Any] = {"session_changes": counts["session"],
+                              "attribution_changes": counts["attribution"]}
+    values.update({name: len(keys) for name, keys in missing.items()})
+    entity = {"sessions_missing_at_revision": "session", "retractions_without_tombstone":
+              "session", "attributions_missing_at_revision": "attribution"}
+    rows = {name: (changes, (F.col("entity") == entity[name]) & F.col("key").isin(keys))
+            for name, keys in missing.items() if keys}
+    return Checks(values, rows, {id(changes): "key"})

@@ -1,0 +1,195 @@
+"""The correction report of a backfill or recompute run: what it changed, as an HTML page.
+
+Sessions created / updated / retracted, orders re-attributed, and revenue moved per day (with
+an inline SVG chart: no plotting library is installed here, and the page must stay one static
+file). Written to ``reports/corrections/<job>-<run>.html`` and listed in the reports index
+next to the run's gate validations.
+
+The new values come from the run's plan (the ``corrections`` rows carry them); the old values
+from the ``sessions`` and ``attributions`` tables read just before the run's apply commit (time
+travel), so the report is the same whether the run went straight through or resumed after a
+crash. If that commit is too far back in the history, old values are reported as unknown.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict
+from decimal import Decimal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from clickstream.quality import reports
+from clickstream.quality.checks import run_commit_version
+from clickstream.quality.gates import enabled, split_run_id
+from clickstream.tables import ATTRIBUTIONS, SESSIONS
+
+if TYPE_CHECKING:
+    from clickstream.jobs.corrections import CorrectionSummary, Run
+
+DEPTH = 1  # corrections/<page>.html
+
+
+def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: list,
+              columns: list[str]) -> DataFrame | None:
+    """Rows of ``spec`` for the changed keys as they were before the run's apply commit."""
+    version = run_commit_version(run.tables, spec.name, run.run_id)
+    if version is None or version < 1 or not dates:
+        return None
+    key = spec.key[0]
+    return run.tables.read(spec.name, columns, {"client_id": run.client_id, date_column: dates},
+                           version=version - 1).join(
+        changes.select(F.col("key").alias(key)), key, "left_semi")
+
+
+def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool
+                   ) -> tuple[list[tuple[Any, Decimal, Decimal]], bool]:
+    """[(day, revenue before, revenue after)] of the changed sessions; False if the before
+    values are unknown (``updates``: some changes are not creations)."""
+    money = "decimal(30,4)"
+    needed = "session_date date, revenue " + SESSIONS.schema["revenue"].dataType.simpleString()
+    frames = sessions.where(F.col("new_value").isNotNull()).select(
+        F.from_json("new_value", needed).alias("v")).select(
+        F.col("v.session_date").alias("day"), F.lit(0).cast(money).alias("old"),
+        F.col("v.revenue").cast(money).alias("new"))
+    old = _old_rows(run, SESSIONS, "session_date", sessions, dates,
+                    ["session_id", "session_date", "revenue"]) if updates else None
+    if old is not None:
+        frames = frames.unionByName(old.select(
+            F.col("session_date").alias("day"), F.col("revenue").cast(money).alias("old"),
+            F.lit(0).cast(money).alias("new")))
+    rows = frames.groupBy("day").agg(F.sum("old").alias("old"), F.sum("new").alias("new")
+                                     ).orderBy("day").collect()
+    return ([(r.day, r.old or Decimal(0), r.new or Decimal(0)) for r in rows],
+            old is not None or not updates)
+
+
+def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
+                   ) -> tuple[dict[str, int], bool]:
+    """How the run's attribution changes moved orders between sessions."""
+    new = attributions.select("key", "change", F.get_json_object("new_value", "$.session_id")
+                              .alias("new_session"))
+    old = _old_rows(run, ATTRIBUTIONS, "order_date", attributions, dates,
+                    ["order_id", "session_id"]) if updates else None
+    if old is not None:
+        new = new.join(old.select(F.col("order_id").alias("key"),
+                                  F.col("session_id").alias("old_session")), "key", "left")
+    else:
+        new = new.withColumn("old_session", F.lit(None).cast("string"))
+    kind = (F.when(F.col("old_session").isNull() & F.col("new_session").isNotNull(),
+                   "attributed to a session")
+            .when(F.col("old_session").isNotNull() & F.col("new_session").isNull(),
+                  "no longer attributed (kept, unattributed)")
+            .when(F.col("old_session").isNull() & F.col("new_session").isNull(),
+                  "still unattributed")
+            .when(F.col("old_session") != F.col("new_session"), "moved to another session")
+            .otherwise("same session (order changed)"))
+    counts = {r.kind: r["count"] for r in new.groupBy(kind.alias("kind")).count().collect()}
+    return counts, old is not None or not updates
+
+
+def write_correction_report(run: Run, summary: CorrectionSummary,
+                            plan: DataFrame | None = None) -> Path | None:
+    """Write the run's correction report and list it in the reports index.
+
+    Args:
+        run: the correction run (backfill or recompute of one client).
+        summary: what the run did.
+        plan: the run's ``corrections`` rows, already applied; when None they are read from
+            the ``corrections`` table (none there: nothing changed).
+
+    Returns:
+        The page's path (None when ``CLICKSTREAM_QUALITY_GATES=off``).
+    """
+    if not enabled(run.config):
+        return None
+    config = run.config
+    job, run_id = split_run_id(run.run_id)
+    moment = reports.now_utc()
+    owned = plan is None
+    if owned:
+        from clickstream.jobs.corrections import stored_plan
+
+        plan = stored_plan(run)
+    by_day: list[tuple[Any, Decimal, Decimal]] = []
+    moved: dict[str, int] = {}
+    old_known = True
+    if plan is not None:
+        shape = {r.entity: r for r in plan.groupBy("entity").agg(
+            F.sort_array(F.collect_set("partition_date")).alias("dates"),
+            F.count_if(F.col("change") != "created").alias("updates")).collect()}
+        known = []
+        for entity, compute in (("session", revenue_by_day), ("attribution", reattributions)):
+            if entity in shape:
+                value, ok = compute(run, plan.where(F.col("entity") == entity),
+                                    list(shape[entity].dates), shape[entity].updates > 0)
+                known.append(ok)
+                if entity == "session":
+                    by_day = value
+                else:
+                    moved = value
+        old_known = all(known)
+        if owned:
+            plan.unpersist()
+    reattributed = sum(v for k, v in moved.items()
+                       if k in ("attributed to a session", "moved to another session",
+                                "no longer attributed (kept, unattributed)"))
+    net = sum((new - old for _, old, new in by_day), Decimal(0))
+    gross = sum((abs(new - old) for _, old, new in by_day), Decimal(0))
+    facts = {
+        "client": run.client_id, "cause": run.cause, "run": run.run_id,
+        "written": moment.strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "sessions created": summary.sessions_created,
+        "sessions updated": summary.sessions_updated,
+        "sessions retracted": summary.sessions_retracted,
+        "attribution changes": summary.attributions_changed,
+        "orders re-attributed": reattributed,
+        "revenue moved (sum of |change| per day)": f"{gross:,.4f}",
+        "net revenue change": f"{net:+,.4f}",
+        "users left to the running stream": summary.deferred_users,
+        "resumed a planned run": "yes" if summary.resumed else "no",
+    }
+    days = [(str(day), float(new - old)) for day, old, new in by_day if new != old]
+    gates = reports.validations_of(config, job, run_id)
+    gate_links = "".join(
+        f"<li><a href='{html.escape(reports.relative(e.href, DEPTH))}'>{html.escape(e.title)}"
+        f"</a> {reports.status_badge(e.status)}</li>" for e in gates) or (
+        "<li class='muted'>none recorded</li>")
+    day_rows = [[str(day), f"{old:,.4f}", f"{new:,.4f}", f"{new - old:+,.4f}"]
+                for day, old, new in by_day]
+    day_table = reports.table(["day", "revenue before", "revenue after", "change"], day_rows,
+                              {1, 2, 3})
+    if len(day_rows) > 31:
+        day_table = f"<details><summary>{len(day_rows)} days</summary>{day_table}</details>"
+    body = (
+        reports.table(["", ""], reports.mapping_rows(facts), {1})
+        + ("" if old_known else "<p class='muted'>The run's apply commit is beyond the "
+           "searched table history: values before the run are unknown, so 'before' shows 0."
+           "</p>")
+        + "<h2>Revenue moved by day</h2><p class='muted'>Change of the affected sessions' "
+        "revenue per session day (green up, red down; hover a bar for its value).</p>"
+        + reports.svg_bar_chart(days)
+        + (day_table if day_rows else "<p>No session revenue changed.</p>")
+        + "<h2>Orders re-attributed</h2>"
+        + (reports.table(["what happened to the order", "orders"],
+                         [[k, v] for k, v in sorted(moved.items())], {1})
+           if moved else "<p>No attribution changed.</p>")
+        + f"<h2>Quality gates of this run</h2><ul>{gate_links}</ul>"
+        + "<details><summary>summary as recorded</summary><pre>"
+        + html.escape(str(asdict(summary))) + "</pre></details>")
+    target = (reports.reports_dir(config) / "corrections"
+              / f"{reports.safe_name(f'{job}-{run_id}')}.html")
+    reports.write_atomically(target, reports.page(f"Corrections of {job} {run_id}", body,
+                                                  depth=DEPTH))
+    reports.record(config, reports.ReportEntry(
+        time=moment.isoformat(), job=job, run_id=run_id, kind="corrections",
+        title="corrections", status="info",
+        href=target.relative_to(reports.reports_dir(config)).as_posix(),
+        summary=(f"{summary.sessions_created} created, {summary.sessions_updated} updated, "
+                 f"{summary.sessions_retracted} retracted sessions; {reattributed} orders "
+                 f"re-attributed; net revenue {net:+,.2f}"), client_id=run.client_id))
+    run.progress(f"  correction report: {target}")
+    return target

@@ -1,0 +1,369 @@
+"""Quality reports under ``$CLICKSTREAM_HOME/reports``: GX Data Docs pages, correction
+reports, and the index that lists every run.
+
+Layout (static files, relative links only, so any web server or the Airflow UI plugin can
+serve the folder as it is, and a browser can open ``index.html`` from disk)::
+
+    reports/
+      index.html                                   every run, newest first, pass/fail, links
+      runs.jsonl                                   the index's entries, one JSON per line
+      expectations/<gate>.html                     each suite rendered by GX (what it checks)
+      validations/<gate>/<job>-<run>/<time>/result.html   GX Data Docs page of one validation
+      validations/<gate>/<job>-<run>/<time>/result.json   the GX validation result
+      corrections/<job>-<run>.html                 what a backfill / recompute changed
+      static/images/favicon.ico
+
+Known edge cases, cited inline as (R1)..(R3):
+  R1. Several processes write reports at once (the stream, a backfill, Airflow tasks): an
+      entry is appended and the index rebuilt under an exclusive file lock, and the index is
+      replaced atomically, so a reader never sees half a page.
+  R2. Validation pages sit four folders deep, the depth GX's page template assumes for its
+      "Home" link (``../../../../index.html``), which therefore lands on this index; GX's
+      favicon link is one level short of that depth and is corrected here.
+  R3. GX pages load Bootstrap and jQuery from public CDNs; offline they still show every
+      result (GX inlines its own styles), only less styled. Our pages are self-contained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import html
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clickstream.config import Config
+from clickstream.quality import suites
+
+if TYPE_CHECKING:
+    from clickstream.quality.gates import GateResult
+
+INDEX = "index.html"
+ENTRIES = "runs.jsonl"
+STATUS_ORDER = {"failed": 3, "warning": 2, "passed": 1, "info": 0}
+
+STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em 2em;color:#1d1d1f}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em}
+table{border-collapse:collapse;margin:.5em 0}th,td{padding:.3em .7em;border-bottom:1px solid #ddd;
+text-align:left;vertical-align:top}th{background:#f5f5f7}td.num{text-align:right;
+font-variant-numeric:tabular-nums}code{background:#f3f3f3;padding:0 .2em}
+.status{display:inline-block;padding:.05em .5em;border-radius:.7em;font-size:.85em;color:#fff}
+.failed{background:#c62828}.warning{background:#b26a00}.passed{background:#2e7d32}
+.info{background:#546e7a}a.gate{margin-right:.6em;white-space:nowrap}
+a.gate.failed,a.gate.warning,a.gate.passed,a.gate.info{background:none;font-weight:600}
+a.gate.failed{color:#c62828}a.gate.warning{color:#b26a00}a.gate.passed{color:#2e7d32}
+a.gate.info{color:#37474f}.muted{color:#666;font-size:.9em}
+"""
+
+
+def reports_dir(config: Config) -> Path:
+    """``$CLICKSTREAM_HOME/reports``."""
+    return config.home / "reports"
+
+
+@dataclass(frozen=True)
+class ReportEntry:
+    """One line of the index: a validation, a correction report, or another run report.
+
+    Attributes:
+        time: ISO-8601 UTC time of the report.
+        job: ``sessionize``, ``backfill``, ``recompute`` (or another job's name).
+        run_id: the job's run id; entries of one run are shown together.
+        kind: ``validation``, ``corrections`` or ``report``.
+        title: link text (a gate name, "corrections", ...).
+        status: ``passed``, ``warning``, ``failed`` or ``info``.
+        href: the page, relative to the reports folder.
+        summary: one line shown as the link's tooltip.
+        client_id: the run's client, if any.
+    """
+
+    time: str
+    job: str
+    run_id: str
+    kind: str
+    title: str
+    status: str
+    href: str
+    summary: str = ""
+    client_id: str | None = None
+
+
+def safe_name(text: str) -> str:
+    """A file or folder name made of ``[A-Za-z0-9._-]`` only."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")[:120] or "run"
+
+
+def now_utc() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("a") as handle:  # (R1)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename (readers see the old or the new file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)
+
+
+def record(config: Config, entry: ReportEntry) -> Path:
+    """Add ``entry`` to the index and rebuild ``index.html``; returns the index's path."""
+    root = reports_dir(config)
+    with _locked(root):
+        with (root / ENTRIES).open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(asdict(entry)) + "\n")
+        return _rebuild_index(root)
+
+
+def rebuild_index(config: Config) -> Path:
+    """Rebuild ``index.html`` from ``runs.jsonl`` (e.g. after deleting old reports)."""
+    root = reports_dir(config)
+    with _locked(root):
+        return _rebuild_index(root)
+
+
+def read_entries(root: Path) -> list[ReportEntry]:
+    """The index's entries, the latest one per page."""
+    path = root / ENTRIES
+    if not path.exists():
+        return []
+    by_href: dict[str, ReportEntry] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError, TypeError):
+            entry = ReportEntry(**json.loads(line))
+            if (root / entry.href).exists():
+                by_href[entry.href] = entry
+    return list(by_href.values())
+
+
+def page(title: str, body: str, *, depth: int = 0) -> str:
+    """A self-contained page; ``depth`` = folders below the reports folder (for the home link)."""
+    home = "../" * depth + INDEX
+    return ("<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
+            f"<p class='muted'><a href='{home}'>&larr; all quality reports</a></p>"
+            f"<h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")
+
+
+def status_badge(status: str) -> str:
+    return f"<span class='status {html.escape(status)}'>{html.escape(status)}</span>"
+
+
+def _rebuild_index(root: Path) -> Path:
+    entries = read_entries(root)
+    runs: dict[tuple[str, str], list[ReportEntry]] = {}
+    for entry in entries:
+        runs.setdefault((entry.job, entry.run_id), []).append(entry)
+    ordered = sorted(runs.items(), key=lambda item: max(e.time for e in item[1]), reverse=True)
+    rows = []
+    for (job, run_id), items in ordered:
+        items.sort(key=lambda e: e.time)
+        status = max((e.status for e in items), key=lambda s: STATUS_ORDER.get(s, 0))
+        clients = sorted({e.client_id for e in items if e.client_id})
+        links = " ".join(
+            f"<a class='gate {html.escape(e.status)}' href='{html.escape(e.href)}' "
+            f"title='{html.escape(e.summary or e.status)}'>{html.escape(e.title)}</a>"
+            for e in items)
+        rows.append(
+            f"<tr><td>{html.escape(max(e.time for e in items)[:19].replace('T', ' '))}</td>"
+            f"<td>{html.escape(job)}</td><td><code>{html.escape(run_id)}</code></td>"
+            f"<td>{html.escape(', '.join(clients))}</td><td>{status_badge(status)}</td>"
+            f"<td>{links}</td></tr>")
+    suites_rows = []
+    for gate in suites.GATES:
+        meta = suites.suite_json(gate).get("meta", {}).get("clickstream", {})
+        target = f"expectations/{gate}.html"
+        name = (f"<a href='{target}'>{gate}</a>" if (root / target).exists()
+                else html.escape(gate))
+        suites_rows.append(
+            f"<tr><td>{name}</td><td class='num'>{html.escape(str(meta.get('version', '?')))}"
+            f"</td><td>{html.escape(str(meta.get('step', '')))}</td>"
+            f"<td>{html.escape(str(meta.get('on_failure', '')))}</td></tr>")
+    counts = {s: sum(1 for items in runs.values()
+                     if max((e.status for e in items),
+                            key=lambda x: STATUS_ORDER.get(x, 0)) == s)
+              for s in ("failed", "warning", "passed")}
+    body = (
+        f"<p>{len(runs)} runs: {counts['failed']} failed, {counts['warning']} with warnings, "
+        f"{counts['passed']} passed. Newest first; updated "
+        f"{html.escape(now_utc().strftime('%Y-%m-%d %H:%M:%S UTC'))}. Each link opens a "
+        "Great Expectations Data Docs page of one gate's validation, or a run's correction "
+        "report; colour = result.</p>"
+        "<table><tr><th>time (UTC)</th><th>job</th><th>run</th><th>client</th><th>status</th>"
+        f"<th>reports</th></tr>{''.join(rows) or '<tr><td colspan=6>no runs yet</td></tr>'}"
+        "</table><h2>Gates</h2><p>Each gate's expectation suite (versioned JSON in "
+        "<code>expectations/</code>), rendered by Great Expectations.</p>"
+        "<table><tr><th>gate</th><th>version</th><th>runs in</th><th>on failure</th></tr>"
+        f"{''.join(suites_rows)}</table>")
+    target = root / INDEX
+    write_atomically(target, page("Quality reports", body).replace(
+        f"<p class='muted'><a href='{INDEX}'>&larr; all quality reports</a></p>", ""))
+    return target
+
+
+# --- Great Expectations Data Docs ------------------------------------------------------------
+
+_suite_pages_written: set[tuple[str, str]] = set()
+
+
+def _gx_static(root: Path) -> None:
+    favicon = root / "static" / "images" / "favicon.ico"
+    if not favicon.exists():
+        from great_expectations.render import view
+
+        source = Path(view.__file__).parent / "static" / "images" / "favicon.ico"
+        favicon.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, favicon)
+
+
+def write_suite_page(config: Config, gate: str) -> Path:
+    """Render ``gate``'s expectation suite with GX at ``expectations/<gate>.html``."""
+    from great_expectations.render.renderer import ExpectationSuitePageRenderer
+    from great_expectations.render.view import DefaultJinjaPageView
+
+    root = reports_dir(config)
+    target = root / "expectations" / f"{gate}.html"
+    key = (str(root), gate)
+    if key not in _suite_pages_written or not target.exists():
+        _gx_static(root)
+        document = ExpectationSuitePageRenderer().render(suites.gx_suite(gate))
+        write_atomically(target, DefaultJinjaPageView().render(document))
+        _suite_pages_written.add(key)
+    return target
+
+
+def write_validation(config: Config, result: GateResult, validation: Any, *,
+                     client_id: str | None = None) -> Path:
+    """Write the Data Docs page (and JSON) of one gate validation; add it to the index.
+
+    Args:
+        config: the run's settings.
+        result: the gate's verdict (names, status, label).
+        validation: GX's ``ExpectationSuiteValidationResult`` for it.
+        client_id: shown in the index.
+
+    Returns:
+        The HTML page's path.
+    """
+    from great_expectations.core.run_identifier import RunIdentifier
+    from great_expectations.render.renderer import ValidationResultsPageRenderer
+    from great_expectations.render.view import DefaultJinjaPageView
+
+    root = reports_dir(config)
+    moment = now_utc()
+    stamp = moment.strftime("%Y%m%dT%H%M%S.%fZ")
+    folder = (root / "validations" / result.gate / safe_name(f"{result.job}-{result.run_id}")
+              / stamp)  # four folders deep (R2)
+    run_name = " ".join(filter(None, (result.job, result.run_id, result.label)))
+    validation.meta["run_id"] = RunIdentifier(run_name=run_name, run_time=moment)
+    spec = validation.meta.get("batch_spec")
+    if isinstance(spec, dict):  # GX's page header takes the data asset from the batch spec
+        spec["data_asset_name"] = f"{result.gate} check results"
+    validation.meta["clickstream"] = {"gate": result.gate, "job": result.job,
+                                      "run_id": result.run_id, "label": result.label,
+                                      "status": result.status,
+                                      "suite_version": result.suite_version,
+                                      "check_results": dict(result.checks)}
+    for gate in suites.GATES:  # once per process: the index links every gate's suite
+        write_suite_page(config, gate)
+    document = ValidationResultsPageRenderer().render(validation)
+    text = DefaultJinjaPageView().render(document).replace(
+        'href="../../../static/images/favicon.ico"',
+        'href="../../../../static/images/favicon.ico"')  # (R2)
+    target = folder / "result.html"
+    write_atomically(target, text)
+    write_atomically(folder / "result.json", json.dumps(
+        validation.to_json_dict(), indent=1, default=str))
+    title = result.gate + (f" ({result.label})" if result.label else "")
+    summary = "; ".join(o.reason for o in (*result.failures, *result.warnings)) or (
+        f"all {len(result.outcomes)} expectations met")
+    record(config, ReportEntry(
+        time=moment.isoformat(), job=result.job, run_id=result.run_id, kind="validation",
+        title=title, status=result.status, href=target.relative_to(root).as_posix(),
+        summary=summary, client_id=client_id))
+    return target
+
+
+def svg_bar_chart(points: list[tuple[str, float]], *, width: int = 900, height: int = 260,
+                  unit: str = "") -> str:
+    """An inline SVG bar chart of (label, value); negative values point down."""
+    if not points:
+        return "<p class='muted'>nothing to chart</p>"
+    left, right, top, bottom = 70, 10, 10, 40
+    inner_w, inner_h = width - left - right, height - top - bottom
+    high = max(0.0, *(v for _, v in points))
+    low = min(0.0, *(v for _, v in points))
+    span = (high - low) or 1.0
+
+    def y(value: float) -> float:
+        return top + (high - value) / span * inner_h
+
+    step = inner_w / len(points)
+    bar = max(1.0, step * 0.8)
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+             f"viewBox='0 0 {width} {height}' role='img' aria-label='bar chart'>",
+             f"<line x1='{left}' y1='{y(0):.1f}' x2='{width - right}' y2='{y(0):.1f}' "
+             "stroke='#333' stroke-width='1'/>"]
+    for value in sorted({high, low, 0.0}):
+        parts.append(f"<text x='{left - 6}' y='{y(value) + 4:.1f}' font-size='11' "
+                     f"text-anchor='end'>{value:,.2f}</text>")
+    every = max(1, len(points) // 12)
+    for i, (label, value) in enumerate(points):
+        x = left + i * step + (step - bar) / 2
+        y0, y1 = sorted((y(0), y(value)))
+        colour = "#2e7d32" if value >= 0 else "#c62828"
+        parts.append(f"<rect x='{x:.1f}' y='{y0:.1f}' width='{bar:.1f}' "
+                     f"height='{max(y1 - y0, 0.5):.1f}' fill='{colour}'><title>"
+                     f"{html.escape(label)}: {value:+,.2f}{html.escape(unit)}</title></rect>")
+        if i % every == 0:
+            parts.append(f"<text x='{x + bar / 2:.1f}' y='{height - bottom + 16}' "
+                         f"font-size='10' text-anchor='middle'>{html.escape(label)}</text>")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def table(headers: list[str], rows: list[list[Any]], numeric: set[int] | None = None) -> str:
+    """An HTML table; columns in ``numeric`` are right-aligned."""
+    numeric = numeric or set()
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(
+            f"<td{' class=num' if i in numeric else ''}>{html.escape(str(c))}</td>"
+            for i, c in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def validations_of(config: Config, job: str, run_id: str) -> list[ReportEntry]:
+    """The index entries of one run (to link a correction report to its gates)."""
+    return [e for e in read_entries(reports_dir(config))
+            if e.job == job and e.run_id == run_id and e.kind == "validation"]
+
+
+def relative(target: str, depth: int) -> str:
+    return "../" * depth + target
+
+
+def mapping_rows(values: Mapping[str, Any]) -> list[list[Any]]:
+    return [[k, v] for k, v in values.items()]

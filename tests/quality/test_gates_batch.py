@@ -1,0 +1,220 @@
+"""The backfill's and recompute's gates on real runs: each fails on crafted bad data, stops its
+step before anything is overwritten or published, quarantines the offending rows with the
+failed expectation as the reason, and names the problem; good data passes."""
+
+from __future__ import annotations
+
+import json
+from datetime import date, timedelta
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from clickstream.cli import main
+from clickstream.config import ENV_NAMES, Config
+from clickstream.errors import QualityGateFailedError
+from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs import backfill, corrections
+from clickstream.jobs.backfill import run_backfill
+from clickstream.tables import SESSIONS
+from tests.jobs.test_backfill import (
+    START,
+    order_row,
+    pv_row,
+    versions,
+    write_rows,
+)
+from tests.jobs.test_sessionize import table_rows
+from tests.quality.test_reports import assert_every_link_resolves
+
+
+def quarantined(config: Config, spark: SparkSession, gate: str) -> list[dict]:
+    return [r for r in table_rows(config, spark, "quarantine") if f"quality gate {gate}"
+            in r["reason"]]
+
+
+def unchanged(before: dict, after: dict, *names: str) -> None:
+    assert {n: after[n] for n in names} == {n: before[n] for n in names}
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("negative amounts", r"negative_amount_fraction = 0\.75, expected at most 0\.5"),
+    ("another client", r"main_client_id = client-01, expected one of \[client-00\]"),
+    ("dates as ts", r"ts_column_type = date, expected one of \[string, timestamp, integer\]"),
+])
+def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
+    bf_config: Config, spark: SparkSession, case: str, message: str
+) -> None:
+    rows = [order_row("o1", "u", 1), order_row("o2", "u", 2), order_row("o3", "u", 3),
+            order_row("o4", "u", 4)]
+    if case == "negative amounts":
+        for row in rows[1:]:
+            row["amount"] = "-3.00"
+    elif case == "another client":
+        rows = [{**row, "client_id": "client-01"} for row in rows]
+    else:
+        rows = [{**row, "ts": row["ts"].date()} for row in rows]
+    before = versions(bf_config, spark)
+    with pytest.raises(QualityGateFailedError, match=(
+            r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [12] of "
+            rf"14 expectations failed: .*quality gate historical_batch: {message} .*the batch "
+            r"was refused as a whole: nothing was merged")):
+        run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
+                     path=write_rows(bf_config, "o", rows, "parquet"), progress=lambda _: None)
+    after = versions(bf_config, spark)
+    unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
+    assert after["quarantine"] > before["quarantine"]
+    bad = quarantined(bf_config, spark, "historical_batch")
+    expected = {"negative amounts": {"o2", "o3", "o4"}}.get(case, {"o1", "o2", "o3", "o4"})
+    assert {json.loads(r["raw"])["order_id"] for r in bad} == expected
+    assert all(message.split(",")[0].replace("\\", "") in r["reason"] for r in bad)
+
+
+def test_a_refused_batch_is_one_line_and_exit_1_on_the_command_line(
+    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    for name, variable in ENV_NAMES.items():
+        if name != "kafka_options":
+            monkeypatch.setenv(variable, str(getattr(bf_config, name)))
+    rows = [{**order_row(f"o{i}", "u", i), "currency": "XXX"} for i in range(3)]
+    path = write_rows(bf_config, "cli", rows, "jsonl")
+    assert main(["backfill", "--kind", "orders", "--client", "client-00", "--path", path]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1
+    assert error[0].startswith("clickstream backfill: error: quality gate historical_batch "
+                               "failed for backfill orders-client-00-")
+    assert "bad_currency_fraction = 1, expected at most 0.5" in error[0]
+
+
+def test_tables_after_merge_stops_before_any_correction(
+    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_merge = backfill.merge_pageviews
+
+    def merge_twice(tables, valid: DataFrame, *args):  # a merge bug: every row stored twice
+        return real_merge(tables, valid.unionByName(valid), *args)
+
+    monkeypatch.setattr(backfill, "merge_pageviews", merge_twice)
+    before = versions(bf_config, spark)
+    with pytest.raises(QualityGateFailedError, match=(
+            r"quality gate tables_after_merge failed for backfill pageviews-client-00-\w+: 2 of "
+            r"2 expectations failed: quality gate tables_after_merge: rows_after = 4, expected "
+            r"expected_rows_after \(2\) .*; quality gate tables_after_merge: duplicate_keys = 2, "
+            r"expected 0 .*; 3 rows quarantined .*no session was recomputed")):
+        run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                     path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 5)],
+                                     "parquet"), progress=lambda _: None)
+    after = versions(bf_config, spark)
+    unchanged(before, after, "sessions", "attributions", "corrections")
+    rows = [json.loads(r["raw"]) for r in quarantined(bf_config, spark, "tables_after_merge")]
+    assert sorted(r.get("event_id", "the check results") for r in rows) == [
+        "a", "b", "the check results"]  # the duplicated rows, and why the counts disagree
+
+
+def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_succeeds(
+    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_recompute = corrections.recompute
+
+    def wrong_revenue(*args, **kwargs):  # a semantics bug: revenue off by one
+        sessions, attributions = real_recompute(*args, **kwargs)
+        return sessions.withColumn("revenue", (F.col("revenue") + 1).cast(
+            SESSIONS.schema["revenue"].dataType)), attributions
+
+    monkeypatch.setattr(corrections, "recompute", wrong_revenue)
+    path = write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "parquet")
+    before = versions(bf_config, spark)
+    with pytest.raises(QualityGateFailedError, match=(
+            r"quality gate recomputed_sessions failed for backfill pageviews-client-00-\w+: 1 of"
+            r" 9 expectations failed: quality gate recomputed_sessions: revenue_mismatch = 2, "
+            r"expected 0 .*; 2 rows quarantined .*no correction was recorded")):
+        run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                     path=path, progress=lambda _: None)
+    after = versions(bf_config, spark)
+    unchanged(before, after, "sessions", "attributions", "corrections")
+    assert read_compacted(bf_config, bf_config.sessions_topic) == {}
+    assert len(quarantined(bf_config, spark, "recomputed_sessions")) == 2
+
+    monkeypatch.setattr(corrections, "recompute", real_recompute)
+    summary = run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+                           path=path, progress=lambda _: None)
+    assert summary.corrections.sessions_created == 2
+    assert len(read_compacted(bf_config, bf_config.sessions_topic)) == 2
+
+
+def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
+    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quiet = {"progress": lambda _: None, "spark": spark}
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", **quiet,
+                 path=write_rows(bf_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
+                                 "parquet"))
+    real_publish = corrections.publish
+
+    def without_tombstones(config, topic, changes):  # a publishing bug
+        return real_publish(config, topic, ((k, v) for k, v in changes if v is not None))
+
+    monkeypatch.setattr(corrections, "publish", without_tombstones)
+    merge = write_rows(bf_config, "p2", [pv_row("b", "u", 25)], "parquet")
+    with pytest.raises(QualityGateFailedError, match=(
+            r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
+            r"expectations failed: quality gate publish: retractions_without_tombstone = 1, "
+            r"expected 0 .*; 1 rows quarantined .*rerunning the run republishes")):
+        run_backfill(bf_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    (retraction,) = quarantined(bf_config, spark, "publish")
+    assert json.loads(retraction["raw"])["change"] == "retracted"
+    assert len(read_compacted(bf_config, bf_config.sessions_topic)) == 2  # stale view
+
+    monkeypatch.setattr(corrections, "publish", real_publish)
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    (session,) = table_rows(bf_config, spark, "sessions")
+    topic = read_compacted(bf_config, bf_config.sessions_topic)
+    assert set(topic) == {session["session_id"]}
+    assert topic[session["session_id"]]["revision"] == session["revision"] == 2
+
+
+def test_good_batches_and_a_recompute_pass_every_gate(bf_config: Config,
+                                                      spark: SparkSession) -> None:
+    from clickstream.io.delta_tables import open_tables
+    from clickstream.jobs.recompute import run_recompute
+    from clickstream.quality.reports import read_entries, reports_dir
+    from clickstream.tables import PAGEVIEWS, RECOMPUTE_QUEUE
+
+    quiet = {"progress": lambda _: None, "spark": spark}
+    run_backfill(bf_config, kind="pageviews", client_id="client-00", **quiet,
+                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 10),
+                                                  pv_row("c", "v", 60 * 26)], "parquet"))
+    run_backfill(bf_config, kind="orders", client_id="client-00", **quiet,
+                 path=write_rows(bf_config, "o", [order_row("o1", "u", 11, "12.50"),
+                                                  order_row("o2", "v", 60 * 26, "4.00")],
+                                 "jsonl"))
+    # A late pageview the stream queued: the recompute folds it in (and extends u's session).
+    tables = open_tables(bf_config, spark)
+    late = START + timedelta(minutes=20)
+    tables.append_once(PAGEVIEWS.name, spark.createDataFrame(
+        [("late", "client-00", "u", late, "/late", "", "stream", late.date())],
+        PAGEVIEWS.schema), app_id="test", version=1, partition_by=PAGEVIEWS.partition_by,
+        metadata={"run_id": "test", "cause": "test"})
+    tables.append_once(RECOMPUTE_QUEUE.name, spark.createDataFrame(
+        [("client-00", "u", "pageview", "late", late, "test", late.date())],
+        RECOMPUTE_QUEUE.schema), app_id="test", version=1,
+        partition_by=RECOMPUTE_QUEUE.partition_by, metadata={"run_id": "test", "cause": "test"})
+    summary = run_recompute(bf_config, **quiet)
+    assert summary.corrections["client-00"].sessions_updated == 1
+
+    entries = read_entries(reports_dir(bf_config))
+    gates = {(e.job, e.title.split(" ")[0]) for e in entries if e.kind == "validation"}
+    assert gates >= {("backfill", g) for g in ("historical_batch", "tables_after_merge",
+                                                 "recomputed_sessions", "publish")}
+    assert gates >= {("recompute", "recomputed_sessions"), ("recompute", "publish")}
+    assert {e.status for e in entries if e.kind == "validation"} == {"passed"}
+    reports = {(e.job, e.run_id): e for e in entries if e.kind == "corrections"}
+    assert len(reports) == 3
+    orders_report = next(e for (job, run), e in reports.items() if run.startswith("orders"))
+    text = (reports_dir(bf_config) / orders_report.href).read_text()
+    assert "<svg" in text and "+12.5000" in text and "+4.0000" in text
+    assert str(date(2026, 11, 2)) in text
+    assert "attributed to a session</td><td class=num>2" in text
+    assert assert_every_link_resolves(reports_dir(bf_config)) > 0

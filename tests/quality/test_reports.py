@@ -1,0 +1,114 @@
+"""The reports folder: GX Data Docs pages, suite pages and the index; every relative link of
+every page resolves inside the folder."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from clickstream.config import Config
+from clickstream.quality.gates import run_gate
+from clickstream.quality.reports import read_entries, rebuild_index, reports_dir, svg_bar_chart
+from tests.quality.test_suites import BAD, GOOD, PARAMETERS
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+        self.rows: list[list[str]] = []
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.links += [v for k, v in attrs if k in ("href", "src") and v]
+        if tag == "tr":
+            self._row = []
+        elif tag == "td" and self._row is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._row is not None and self._cell is not None:
+            self._row.append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            if self._row:
+                self.rows.append(self._row)
+            self._row = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def parse(path: Path) -> _Links:
+    parser = _Links()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return parser
+
+
+def relative_links(path: Path) -> list[str]:
+    out = []
+    for link in parse(path).links:
+        parts = urlsplit(link)
+        if parts.scheme or parts.netloc or link.startswith(("#", "javascript:", "data:")):
+            continue
+        out.append(unquote(parts.path))
+    return out
+
+
+def assert_every_link_resolves(root: Path) -> int:
+    """Every relative href/src of every page under ``root`` names a file inside ``root``."""
+    checked = 0
+    for page in root.rglob("*.html"):
+        for link in relative_links(page):
+            target = (page.parent / link).resolve()
+            assert target.is_relative_to(root.resolve()), f"{page}: {link} leaves the folder"
+            assert target.is_file(), f"{page.relative_to(root)}: broken link {link}"
+            checked += 1
+    return checked
+
+
+def test_validations_are_rendered_indexed_and_every_link_resolves(config: Config) -> None:
+    for gate in GOOD:
+        run_gate(gate, GOOD[gate], config=config, job="backfill", run_id="run-1",
+                 parameters=PARAMETERS.get(gate), client_id="client-00")
+    change, _ = BAD["publish"]
+    failed = run_gate("publish", {**GOOD["publish"], **change}, config=config,
+                      job="recompute", run_id="run-2", client_id="client-01")
+    root = reports_dir(config)
+    assert failed.report is not None and failed.report.is_file()
+    parts = failed.report.relative_to(root).parts  # four folders deep: GX's "Home" link
+    assert (parts[0], parts[1], len(parts)) == ("validations", "publish", 5)
+    assert (failed.report.parent / "result.json").is_file()
+    text = failed.report.read_text()
+    assert "retractions_without_tombstone" in text and "publish" in text
+
+    index = root / "index.html"
+    rows = [r for r in parse(index).rows if len(r) == 6]
+    assert [(r[1], r[2], r[4]) for r in rows] == [("recompute", "run-2", "failed"),
+                                                   ("backfill", "run-1", "passed")]
+    assert rows[0][0] >= rows[1][0]  # newest first
+    linked = set(relative_links(index))
+    assert {e.href for e in read_entries(root)} <= linked
+    assert {f"expectations/{gate}.html" for gate in GOOD} <= linked
+    assert assert_every_link_resolves(root) >= 20
+
+
+def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: Config) -> None:
+    result = run_gate("tables_after_merge", GOOD["tables_after_merge"], config=config,
+                      job="backfill", run_id="gone")
+    assert result.report is not None
+    result.report.unlink()
+    rebuild_index(config)
+    root = reports_dir(config)
+    assert "gone" not in (root / "index.html").read_text()
+    assert_every_link_resolves(root)
+
+
+def test_bar_chart_is_inline_svg_with_one_bar_per_day() -> None:
+    svg = svg_bar_chart([("2026-11-01", 12.5), ("2026-11-02", -4.0), ("2026-11-03", 0.0)])
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert svg.count("<rect") == 3
+    assert "2026-11-02: -4.00" in svg and "#c62828" in svg
