@@ -15,14 +15,16 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
     # Executors must run the same interpreter as the driver (the project's venv).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # A local master keeps everything on loopback; with a cluster master (docker-compose) the
+    # executors must reach the driver, which then advertises its host name.
+    local = config.spark_master.startswith("local")
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
         SparkSession.builder.appName(app_name)
         .master(config.spark_master)
         .config("spark.ui.enabled", str(ui).lower())
         .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
@@ -31,4 +33,7 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         .config("spark.sql.warehouse.dir", str(config.home / "spark-warehouse"))
         .config("spark.driver.extraJavaOptions", f"-Dderby.system.home={config.home}")
     )
+    if local:
+        builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
+            "spark.driver.host", "127.0.0.1")
     return builder.getOrCreate()

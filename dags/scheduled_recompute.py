@@ -1,0 +1,68 @@
+"""scheduled_recompute: fold the recompute queue (events too late for the stream) in, nightly."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+from clickstream.orchestration import table_asset, task_errors
+
+DOC = """
+# Scheduled recompute
+
+Every night (02:30 UTC; also **Trigger** by hand, optionally for one client) this folds the
+`recompute_queue` — events that reached the stream after its watermark, and backfilled rows
+of users the stream still held open — into sessions: it recomputes only the affected
+sessions, records the changes in `corrections`, applies them and republishes them to the
+`sessions` / `attributions` topics, then clears the processed queue rows
+(`clickstream.jobs.recompute.run_recompute`, the same code as `clickstream recompute`).
+
+* Safe while the `sessionizer` runs: sessions it still holds open stay queued for the next
+  run; a conflicting commit makes this run keep its rows queued instead of overwriting.
+* Idempotent and retryable: the run id comes from the queue's table version, so a retry
+  after a crash resumes the stored plan.
+* Runs in-process with a SparkSession from `CLICKSTREAM_SPARK_MASTER` (a bounded batch job;
+  see `late_batch_backfill` for why it does not go through SparkSubmitOperator).
+* Outlets: `sessions`, `attributions`, `corrections`, `recompute_queue`.
+"""
+
+CHANGED = [table_asset(name)
+           for name in ("sessions", "attributions", "corrections", "recompute_queue")]
+
+
+@dag(
+    dag_id="scheduled_recompute",
+    schedule="30 2 * * *",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=DOC,
+    tags=["clickstream", "recompute"],
+    default_args={"retries": 2, "retry_delay": timedelta(minutes=2),
+                  "retry_exponential_backoff": True},
+    params={
+        "client": Param(
+            None, type=["null", "string"], title="Client",
+            description="Only this client's queue; empty for every client with queued events."),
+    },
+)
+def scheduled_recompute():
+    @task(outlets=CHANGED)
+    def recompute_queue(params=None, outlet_events=None) -> dict:
+        from clickstream.config import Config
+        from clickstream.jobs.recompute import run_recompute
+
+        with task_errors():
+            summary = run_recompute(Config.from_env(), client_id=params.get("client") or None)
+        print(summary.describe())
+        queued = {client: int(count) for client, count in summary.queued.items()}
+        for asset in CHANGED:
+            outlet_events[asset].extra = {"queued": queued}
+        return {"queued": queued, "summary": summary.describe()}
+
+    recompute_queue()
+
+
+scheduled_recompute()

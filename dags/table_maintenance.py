@@ -1,0 +1,75 @@
+"""table_maintenance: compact small files, vacuum old ones, checkpoint the log, weekly."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+from clickstream.orchestration import task_errors
+
+DOC = """
+# Table maintenance
+
+Weekly (Sunday 03:00 UTC; also **Trigger** by hand), for every table of
+`clickstream.tables.ALL_TABLES` that exists (`clickstream.jobs.maintenance`):
+
+1. `compact` — rewrite small files into larger ones (`dataChange=false`: data and streaming
+   readers are unaffected). The sessionizer writes one small file per partition and
+   micro-batch, so this keeps reads fast.
+2. `vacuum` — delete files no version within `retention_hours` needs. The minimum, and the
+   default, is **168 h** (7 days): writers place files before committing them, and readers or
+   time travel may still need files a newer version removed.
+3. `checkpoint` — write a log checkpoint so readers replay less of the log.
+
+None of them changes data; all are safe while the other jobs run. A compaction that
+conflicts with a concurrent commit fails with `CommitConflictError` and is retried.
+"""
+
+
+@dag(
+    dag_id="table_maintenance",
+    schedule="0 3 * * 0",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=DOC,
+    tags=["clickstream", "maintenance"],
+    default_args={"retries": 2, "retry_delay": timedelta(minutes=5)},
+    params={
+        "retention_hours": Param(
+            168, type="integer", minimum=168, title="Vacuum retention (hours)",
+            description="Files unreferenced for longer than this are deleted; at least 168."),
+    },
+)
+def table_maintenance():
+    @task
+    def compact() -> dict:
+        from clickstream.config import Config
+        from clickstream.jobs.maintenance import compact_tables
+
+        with task_errors():
+            return compact_tables(Config.from_env())
+
+    @task
+    def vacuum(params=None) -> dict:
+        from clickstream.config import Config
+        from clickstream.jobs.maintenance import vacuum_tables
+
+        with task_errors():
+            return vacuum_tables(Config.from_env(),
+                                 retention_hours=int(params["retention_hours"]))
+
+    @task
+    def checkpoint() -> dict:
+        from clickstream.config import Config
+        from clickstream.jobs.maintenance import checkpoint_tables
+
+        with task_errors():
+            return checkpoint_tables(Config.from_env())
+
+    compact() >> vacuum() >> checkpoint()
+
+
+table_maintenance()

@@ -1,0 +1,139 @@
+"""Quality reports in the Airflow UI: a nav entry and the app that serves the reports folder.
+
+Airflow 3 plugin (``fastapi_apps`` + ``external_views``): the FastAPI app below is mounted by
+the API server under ``/clickstream-reports/`` and serves ``$CLICKSTREAM_HOME/reports``
+(``index.html``, Great Expectations Data Docs, backfill and correction reports), read-only.
+The "Quality reports" entry in the UI navigation shows it inside the Airflow UI.
+
+Only logged-in users see it: every request goes through Airflow's own user check (the JWT in
+the ``Authorization: Bearer`` header, or the UI's ``_token`` session cookie). Without it, an
+API client gets 401 (403 for an invalid token) and a browser is sent to the login page.
+
+Known edge cases, cited inline as (Q1)..(Q3):
+  Q1. The folder is resolved per request from ``CLICKSTREAM_HOME`` (never at import), and a
+      missing or empty folder gives a friendly page, not an error.
+  Q2. Paths are resolved (``..``, symlinks) and must stay inside the reports folder; anything
+      else is a 404, so the app never serves other files of the machine.
+  Q3. A folder without ``index.html`` is listed; folder URLs end with ``/`` so the relative
+      links of reports (Data Docs use them) resolve inside the folder.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any, ClassVar
+
+from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+)
+
+URL_PREFIX = "/clickstream-reports"
+HEADERS = {"X-Content-Type-Options": "nosniff",
+           "Content-Security-Policy": "frame-ancestors 'self'",
+           "Cache-Control": "no-store"}
+
+
+async def require_login(request: Request) -> object:
+    """Airflow's authenticated user of this request, or HTTP 401/403."""
+    # Imported here, not at module level: every Airflow component imports plugins, and
+    # only the API server needs the API's security module.
+    from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
+
+    credentials = await bearer_scheme(request)
+    return await get_user(request, None, credentials)
+
+
+def reports_root() -> Path:
+    """``$CLICKSTREAM_HOME/reports``, resolved now (Q1)."""
+    from clickstream.config import Config
+
+    return (Config.from_env().home / "reports").resolve()
+
+
+def _page(title: str, body: str, status_code: int = 200) -> HTMLResponse:
+    return HTMLResponse(
+        "<!doctype html><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em;max-width:60em}li{margin:.3em 0}"
+        "code{background:#f3f3f3;padding:0 .2em}</style>"
+        f"<h1>{html.escape(title)}</h1>{body}\n", status_code=status_code, headers=HEADERS)
+
+
+def _listing(folder: Path, root: Path) -> HTMLResponse:
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    relative = folder.relative_to(root).as_posix()
+    title = "Quality reports" + ("" if relative == "." else f": {relative}")
+    if not entries:
+        return _page(title, (
+            "<p>No reports yet. They appear here as soon as data-quality gates, backfills "
+            "and recomputes write them.</p>"
+            f"<p>Folder: <code>{html.escape(str(folder))}</code> "
+            "(<code>$CLICKSTREAM_HOME/reports</code>).</p>"))
+    items = "".join(
+        f"<li><a href='{html.escape(p.name)}{'/' if p.is_dir() else ''}'>"
+        f"{html.escape(p.name)}{'/' if p.is_dir() else ''}</a></li>" for p in entries)
+    up = "" if folder == root else "<p><a href='../'>&larr; up</a></p>"
+    return _page(title, f"{up}<ul>{items}</ul>")
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="Clickstream quality reports", docs_url=None, redoc_url=None,
+                  openapi_url=None, dependencies=[Depends(require_login)])
+
+    @app.exception_handler(HTTPException)
+    async def login_first(request: Request, error: HTTPException) -> Response:
+        wants_page = "text/html" in request.headers.get("accept", "")
+        if error.status_code in (401, 403) and wants_page:
+            from airflow.api_fastapi.app import get_auth_manager
+
+            login = get_auth_manager().get_url_login(next_url=str(request.url))
+            return RedirectResponse(login, status_code=303)
+        return JSONResponse({"detail": error.detail}, status_code=error.status_code,
+                            headers=error.headers)
+
+    @app.get("/{path:path}", response_model=None)
+    def serve(path: str, request: Request) -> Response:
+        root = reports_root()
+        if not root.is_dir():
+            return _page("Quality reports", (
+                "<p>No reports yet. They appear here as soon as data-quality gates, backfills "
+                "and recomputes write them.</p>"
+                f"<p>Folder: <code>{html.escape(str(root))}</code> "
+                "(<code>$CLICKSTREAM_HOME/reports</code>).</p>"))
+        target = (root / path).resolve()
+        if target != root and root not in target.parents:  # (Q2)
+            return _page("Not found", "<p>No such report.</p>", 404)
+        if target.is_dir():
+            if path and not path.endswith("/"):  # (Q3)
+                return RedirectResponse(f"{request.url.path}/", status_code=307)
+            index = target / "index.html"
+            if index.is_file():
+                return FileResponse(index, headers=HEADERS)
+            return _listing(target, root)
+        if target.is_file():
+            return FileResponse(target, headers=HEADERS)
+        return _page("Not found", f"<p>No report at <code>{html.escape(path)}</code>.</p>", 404)
+
+    return app
+
+
+class QualityReportsPlugin(AirflowPlugin):
+    """The "Quality reports" nav entry and the app behind it."""
+
+    name = "clickstream_quality_reports"
+    fastapi_apps: ClassVar[list[dict[str, Any]]] = [{"app": create_app(), "url_prefix": URL_PREFIX,
+                     "name": "Clickstream quality reports"}]
+    external_views: ClassVar[list[dict[str, Any]]] = [{
+        "name": "Quality reports",
+        "href": URL_PREFIX.lstrip("/") + "/",  # relative to the UI's base URL
+        "destination": "nav",
+        "url_route": "quality-reports",
+        "nav_top_level": True,
+    }]

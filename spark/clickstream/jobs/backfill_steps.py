@@ -1,0 +1,500 @@
+"""The backfill as separate, retryable steps (the ``late_batch_backfill`` DAG's tasks).
+
+``jobs.backfill.run_backfill`` does everything in one call (the CLI). Here each step is its
+own function, so Airflow can show, retry and skip them one by one:
+
+    check_batch -> merge_batch -> recompute_affected -> check_applied -> publish_corrections
+    -> write_report
+
+``check_batch`` writes nothing: it is the whole of a dry run, and reports what a real run
+would change. Results are small JSON-serialisable dicts (Airflow XComs), never DataFrames.
+
+Delivery guarantee: the same as ``run_backfill`` — exactly once into the tables, corrections
+to Kafka at least once, idempotent by key and revision.
+
+Known edge cases, cited inline as (S1)..(S4):
+  S1. Every step re-reads the batch from the landing folder (the path check included) and
+      refuses to continue if its fingerprint is no longer the one ``check_batch`` saw: no step
+      ever works on files that changed since they were validated.
+  S2. Run ids are the ones ``run_backfill`` uses, so a DAG run and a CLI run of the same
+      batch are the same run: whichever comes second resumes or changes nothing.
+  S3. Every write happens under the run's application transactions, and the recompute's
+      plan is stored in ``corrections`` before it is applied, so any step can be retried
+      after a crash (or a kill) and resumes instead of doubling.
+  S4. ``publish_corrections`` publishes the stored plan only after ``check_applied`` has
+      confirmed the tables hold it, so Kafka never announces a revision the tables lack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from clickstream.config import Config
+from clickstream.errors import BatchRefusedError, QualityGateFailedError
+from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.jobs.backfill import _queue_open_tail, merge_orders, merge_pageviews, scope_of
+from clickstream.jobs.batch_input import (
+    KEY,
+    BatchFiles,
+    BatchKind,
+    list_batch_files,
+    read_batch,
+    validate_batch,
+)
+from clickstream.jobs.corrections import (
+    CorrectionSummary,
+    Run,
+    Timer,
+    apply,
+    grow_windows,
+    plan,
+    publish_changes,
+    stored_plan,
+)
+from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.quality import reports
+from clickstream.quality.correction_report import write_correction_report
+from clickstream.quality.gates import gate_historical_batch, gate_tables_after_merge
+from clickstream.spark_session import build_spark
+from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, SESSIONS
+
+if TYPE_CHECKING:
+    from clickstream.quality.gates import GateResult
+
+Progress = Callable[[str], None]
+
+
+def backfill_run_id(kind: str, client_id: str, files: BatchFiles) -> str:
+    """The run id ``run_backfill`` gives this batch (S2)."""
+    return f"{kind}-{client_id}-{files.fingerprint}"
+
+
+def reports_folder(config: Config) -> Path:
+    """Where HTML reports live (``$CLICKSTREAM_HOME/reports``; the UI plugin serves it)."""
+    return config.home / "reports"
+
+
+@dataclass(frozen=True)
+class BatchCheck:
+    """What ``check_batch`` found, and what a real run would change."""
+
+    run_id: str
+    kind: str
+    client_id: str
+    path: str
+    root: str
+    file_count: int
+    file_format: str
+    rows_read: int
+    valid_rows: int
+    quarantined: int
+    first_reasons: tuple[str, ...]
+    new_or_changed: int
+    users_affected: int
+    stored_sessions_in_reach: int
+    quality_gate: str = ""
+
+    def describe(self) -> str:
+        reasons = "; ".join(self.first_reasons) or "none"
+        return (f"batch {self.root} ({self.file_count} {self.file_format} files, run "
+                f"{self.run_id}): {self.rows_read} rows, {self.valid_rows} valid, "
+                f"{self.quarantined} to quarantine (first reasons: {reasons}); "
+                f"{self.new_or_changed} {self.kind} new or changed, "
+                f"{self.valid_rows - self.new_or_changed} already stored; "
+                f"{self.users_affected} users affected, {self.stored_sessions_in_reach} stored "
+                "sessions within one gap to recompute"
+                + (f"; {self.quality_gate}" if self.quality_gate else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "first_reasons": list(self.first_reasons)}
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What ``merge_batch`` wrote."""
+
+    run_id: str
+    rows_read: int
+    rows_merged: int
+    duplicates_skipped: int
+    quarantined: int
+
+    def describe(self) -> str:
+        return (f"merge {self.run_id}: {self.rows_read} rows read, {self.rows_merged} merged, "
+                f"{self.duplicates_skipped} duplicates skipped, {self.quarantined} quarantined")
+
+
+class _Batch:
+    """One batch opened for a step: its files, tables and validated rows (S1)."""
+
+    def __init__(self, config: Config, kind: BatchKind, client_id: str, path: str,
+                 spark: SparkSession | None, expected_run_id: str | None) -> None:
+        self.files = list_batch_files(config, path)
+        self.run_id = backfill_run_id(kind, client_id, self.files)
+        if expected_run_id is not None and self.run_id != expected_run_id:
+            raise BatchRefusedError(
+                f"batch {self.files.root} changed since it was validated (validated as run "
+                f"{expected_run_id}, now {self.run_id}); this step wrote nothing. Trigger a new "
+                "run for the batch as it is now")
+        self.config, self.kind, self.client_id = config, kind, client_id
+        self.spark = spark or build_spark(config, "clickstream-backfill")
+        self.tables: DeltaTables = open_tables(config, self.spark)
+        raw = read_batch(self.spark, self.files, kind)
+        self.raw_schema = raw.schema
+        self.rows = validate_batch(raw, kind, client_id).persist()
+
+    def gate(self) -> GateResult | None:
+        """The ``historical_batch`` quality gate (as ``run_backfill`` runs it): marks the rows
+        it implicates in ``rows`` and returns its verdict (None when gates are off)."""
+        marked, result = gate_historical_batch(
+            self.rows, self.raw_schema, kind=self.kind, key=KEY[self.kind],
+            client_id=self.client_id, config=self.config, run_id=self.run_id)
+        if marked is not self.rows:
+            marked = marked.persist()
+            self.rows.unpersist()
+            self.rows = marked
+        return result
+
+    def valid(self) -> DataFrame:
+        return self.rows.where(F.col("error").isNull()).dropDuplicates([KEY[self.kind]]
+                                                                       ).drop("error")
+
+    def bad(self) -> DataFrame:
+        return self.rows.where(F.col("error").isNotNull())
+
+    def correction_run(self, progress: Progress) -> Run:
+        return Run(self.spark, self.config, self.tables, self.client_id,
+                   f"backfill-{self.run_id}", f"backfill {self.run_id}", progress)
+
+    def close(self) -> None:
+        self.rows.unpersist()
+
+
+def _would_merge(batch: _Batch, valid: DataFrame) -> int:
+    """Rows a merge would write: pageviews not stored yet, orders new or changed."""
+    tables, client = batch.tables, batch.client_id
+    if batch.kind == "pageviews":
+        if not tables.exists(PAGEVIEWS.name):
+            return valid.count()
+        dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
+        if not dates:
+            return 0
+        stored = tables.read(PAGEVIEWS.name, ["event_id"], {"client_id": client,
+                                                            "event_date": dates})
+        return valid.join(stored, "event_id", "left_anti").count()
+    if not tables.exists(ORDERS.name):
+        return valid.count()
+    same = ["order_id", "client_id", "user_id", "ts", "amount", "currency"]
+    stored = tables.read(ORDERS.name, same, {"client_id": client})
+    return valid.select(*same).join(stored, same, "left_anti").count()
+
+
+def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
+                quality_gate: bool = False, spark: SparkSession | None = None,
+                progress: Progress = print) -> BatchCheck:
+    """Validate the batch and report what a backfill would change, writing nothing.
+
+    With ``quality_gate`` (a dry run), the ``historical_batch`` gate is run too and its verdict
+    reported (its Data Docs page is written); a real run leaves the gate to ``merge_batch``,
+    where a failure quarantines the implicated rows and refuses the batch.
+
+    Raises:
+        BatchRefusedError: the path is outside the landing folder (the message names it),
+            missing, empty, mixes formats, or lacks required columns.
+    """
+    batch = _Batch(config, kind, client_id, path, spark, None)
+    try:
+        progress(f"check {batch.run_id}: {len(batch.files.files)} {batch.files.file_format} "
+                 f"files under {batch.files.root}")
+        verdict = ""
+        if quality_gate:
+            gate = batch.gate()
+            if gate is not None:
+                verdict = gate.describe() + ("" if gate.success else
+                                             " — a real run would refuse this batch")
+        rows_read = batch.rows.count()
+        reasons = batch.bad().groupBy("error").count().orderBy(F.desc("count"), "error")
+        first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
+        valid = batch.valid().persist()
+        valid_rows = valid.count()
+        scope = scope_of(batch.tables, valid, kind)
+        in_reach = 0
+        if valid_rows and batch.tables.exists(SESSIONS.name):
+            windows, inside = grow_windows(batch.correction_run(progress), scope)
+            in_reach = inside.count()
+            windows.unpersist()
+            inside.unpersist()
+        check = BatchCheck(
+            run_id=batch.run_id, kind=kind, client_id=client_id, path=path,
+            root=str(batch.files.root), file_count=len(batch.files.files),
+            file_format=batch.files.file_format, rows_read=rows_read, valid_rows=valid_rows,
+            quarantined=batch.bad().count(),
+            first_reasons=first, new_or_changed=_would_merge(batch, valid),
+            users_affected=scope.count(), stored_sessions_in_reach=in_reach,
+            quality_gate=verdict)
+        valid.unpersist()
+        progress(check.describe())
+        return check
+    finally:
+        batch.close()
+
+
+def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, run_id: str,
+                spark: SparkSession | None = None, progress: Progress = print) -> MergeResult:
+    """Quarantine bad rows and merge the rest into ``pageviews`` / ``orders`` exactly once (S3),
+    with the ``historical_batch`` gate before and the ``tables_after_merge`` gate after.
+
+    Raises:
+        BatchRefusedError: the batch is refused, or changed since ``check_batch`` (S1).
+        QualityGateFailedError: a gate failed; before the merge, the implicated rows are
+            quarantined and nothing is merged.
+    """
+    batch = _Batch(config, kind, client_id, path, spark, run_id)
+    try:
+        tables = batch.tables
+        gate = batch.gate()
+        rows_read = batch.rows.count()
+        bad = batch.bad()
+        quarantined = bad.count()
+        if quarantined:  # the same rows and transaction as run_backfill (S2)
+            tables.append_once(QUARANTINE.name, bad.select(
+                "raw", F.concat(F.lit(f"backfill:{run_id}:"), "source").alias("source"),
+                F.col("error").alias("reason"), "client_id",
+                F.current_timestamp().alias("quarantined_at"),
+                F.current_date().alias("quarantine_date")),
+                app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
+                metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+        if gate is not None:
+            progress(f"  {gate.describe()}")
+            gate.raise_if_failed("the batch was refused as a whole: nothing was merged, its "
+                                 "rows with problems are in quarantine; fix the batch and send "
+                                 "it again")
+        valid = batch.valid().persist()
+        dates = None
+        if kind == "pageviews":
+            dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
+            merged = merge_pageviews(tables, valid, client_id, run_id, dates)
+        else:
+            merged = merge_orders(tables, valid, client_id, run_id)
+        gate_tables_after_merge(tables, config, kind=kind, client_id=client_id, run_id=run_id,
+                                valid=valid, dates=dates)
+        valid.unpersist()
+        result = MergeResult(run_id, rows_read, merged, rows_read - quarantined - merged,
+                             quarantined)
+        progress(result.describe())
+        return result
+    finally:
+        batch.close()
+
+
+def _count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
+    counts = {(r.entity, r.change): r["count"] for r in
+              changes.groupBy("entity", "change").count().collect()}
+    summary.sessions_created = counts.get(("session", "created"), 0)
+    summary.sessions_updated = counts.get(("session", "updated"), 0)
+    summary.sessions_retracted = counts.get(("session", "retracted"), 0)
+    summary.attributions_changed = sum(v for (e, _), v in counts.items() if e == "attribution")
+
+
+def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path: str,
+                       run_id: str, spark: SparkSession | None = None,
+                       progress: Progress = print) -> CorrectionSummary:
+    """Recompute the sessions and attributions the merged batch affects, record the plan in
+    ``corrections`` and apply it to the tables; publishing is a later step (S4).
+
+    A rerun finds the stored plan and only (re)applies it (S3). Users whose sessions the
+    running sessionizer still holds open are queued for the scheduled recompute.
+    """
+    batch = _Batch(config, kind, client_id, path, spark, run_id)
+    try:
+        run = batch.correction_run(progress)
+        summary = CorrectionSummary()
+        timer = Timer(summary, progress)
+        watermark = stream_watermark_ms(config)
+        valid = batch.valid().persist()
+        scope = scope_of(batch.tables, valid, kind).persist()
+        changes = stored_plan(run)
+        if changes is not None:
+            summary.resumed = True
+            _count_plan(changes, summary)
+        else:
+            changes = plan(run, scope, kind == "orders", summary, timer, watermark)
+        if changes is not None:
+            with timer.step("apply to tables"):
+                apply(run, changes)
+            changes.unpersist()
+        if summary.deferred_users and watermark is not None:
+            _queue_open_tail(batch.tables, valid, kind, scope, watermark, config.session_gap_ms,
+                             run_id)
+        for frame in (valid, scope):
+            frame.unpersist()
+        progress(f"recompute {run_id}: {summary.describe()}")
+        return summary
+    finally:
+        batch.close()
+
+
+def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity: str, spec,
+                 date_column: str) -> tuple[int, int, list[str]]:
+    """(planned rows, rows the table does not reflect, first such keys) of one entity."""
+    mine = changes.where(F.col("entity") == entity)
+    dates = sorted({r.partition_date for r in mine.select("partition_date").distinct().collect()})
+    if not dates:
+        return 0, 0, []
+    key = spec.key[0]
+    current = tables.read(spec.name, [key, "revision"], {"client_id": client_id,
+                                                          date_column: dates},
+                          schema=spec.schema).select(F.col(key).alias("key"),
+                                                     F.col("revision").alias("stored"))
+    joined = mine.select("key", "old_revision", "new_revision",
+                         F.col("new_value").isNull().alias("retracted")).join(
+        current, "key", "left")
+    # A later run may have moved a row further on: only an older revision is a miss.
+    missing = joined.where(
+        (~F.col("retracted") & (F.col("stored").isNull()
+                                | (F.col("stored") < F.col("new_revision"))))
+        | (F.col("retracted") & F.col("stored").isNotNull()
+           & (F.col("stored") <= F.col("old_revision"))))
+    duplicated = current.groupBy("key").count().where(F.col("count") > 1).select("key")
+    bad = missing.select("key").unionByName(duplicated).distinct()
+    first = sorted(r.key for r in bad.limit(3).collect())
+    return mine.count(), bad.count(), first
+
+
+def check_applied(config: Config, *, client_id: str, run_id: str,
+                  spark: SparkSession | None = None, progress: Progress = print
+                  ) -> dict[str, int]:
+    """The quality gate between apply and publish: the tables hold the run's plan (S4).
+
+    Every planned session and attribution must be stored at (at least) its new revision,
+    retracted sessions must be gone, and keys must be unique in the affected partitions.
+
+    Returns:
+        ``{"sessions": planned session rows, "attributions": planned attribution rows}``.
+
+    Raises:
+        QualityGateFailedError: some planned rows are not reflected; nothing was published.
+    """
+    spark = spark or build_spark(config, "clickstream-backfill")
+    tables = open_tables(config, spark)
+    run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
+              progress)
+    changes = stored_plan(run)
+    counts = {"sessions": 0, "attributions": 0}
+    if changes is None:
+        progress(f"check {run_id}: no corrections planned, nothing to check")
+        return counts
+    for entity, label, spec, date_column in (
+            ("session", "sessions", SESSIONS, "session_date"),
+            ("attribution", "attributions", ATTRIBUTIONS, "order_date")):
+        planned, bad, first = _not_applied(tables, changes, client_id, entity, spec,
+                                           date_column)
+        counts[label] = planned
+        if bad:
+            changes.unpersist()
+            raise QualityGateFailedError(
+                f"backfill {run_id}: {bad} of {planned} planned {label} are not what table "
+                f"{spec.name!r} holds (first: {', '.join(first)}); nothing was published to "
+                f"Kafka. Inspect corrections where run_id = 'backfill-{run_id}'")
+    changes.unpersist()
+    progress(f"check {run_id}: tables hold all {counts['sessions']} session and "
+             f"{counts['attributions']} attribution corrections")
+    return counts
+
+
+def publish_corrections(config: Config, *, client_id: str, run_id: str,
+                        spark: SparkSession | None = None, progress: Progress = print) -> int:
+    """Publish the run's stored corrections (new revisions and tombstones) to Kafka.
+
+    Delivery guarantee: at least once, idempotent by key and revision: a retry republishes
+    the same records, and a compacted reader sees the same final state.
+
+    Returns:
+        Records sent to the sessions and attributions topics.
+    """
+    spark = spark or build_spark(config, "clickstream-backfill")
+    tables = open_tables(config, spark)
+    run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
+              progress)
+    changes = stored_plan(run)
+    if changes is None:
+        progress(f"publish {run_id}: no corrections to publish")
+        return 0
+    sent = publish_changes(run, changes)
+    changes.unpersist()
+    progress(f"publish {run_id}: {sent} records to {config.sessions_topic} and "
+             f"{config.attributions_topic} at {config.kafka_bootstrap_servers}")
+    return sent
+
+
+def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
+                 merged: Mapping[str, Any] | None = None,
+                 corrections: Mapping[str, Any] | None = None,
+                 applied: Mapping[str, int] | None = None, published: int | None = None,
+                 spark: SparkSession | None = None, progress: Progress = print
+                 ) -> dict[str, str]:
+    """Summarise one backfill run as text and as a page in the quality reports.
+
+    Writes ``reports/backfills/<run>.html`` (``.dry-run.html`` for a dry run) and lists it in
+    the reports index next to the run's quality gates; after a real run with corrections it
+    also writes the run's correction report (``quality.correction_report``).
+
+    Returns:
+        ``{"summary": one paragraph, "report": path of the run's page}``.
+    """
+    run_id = str(check["run_id"])
+    lines = [("validate", BatchCheck(**{**check, "first_reasons": tuple(
+        check.get("first_reasons", ()))}).describe())]
+    if dry_run:
+        lines.append(("dry run", "nothing was written: merge, recompute and publish were "
+                                 "skipped"))
+    if merged:
+        lines.append(("merge", MergeResult(**merged).describe()))
+    summary_of_corrections = None
+    if corrections:
+        fields = {f.name for f in dataclasses.fields(CorrectionSummary)}
+        summary_of_corrections = CorrectionSummary(
+            **{k: v for k, v in corrections.items() if k in fields})
+        lines.append(("recompute", summary_of_corrections.describe()))
+    if applied is not None:
+        lines.append(("check", f"tables hold {applied.get('sessions', 0)} session and "
+                               f"{applied.get('attributions', 0)} attribution corrections"))
+    if published is not None:
+        lines.append(("publish", f"{published} records to {config.sessions_topic} / "
+                                 f"{config.attributions_topic}"))
+    if summary_of_corrections is not None and published is not None:
+        spark = spark or build_spark(config, "clickstream-backfill")
+        run = Run(spark, config, open_tables(config, spark), str(check["client_id"]),
+                  f"backfill-{run_id}", f"backfill {run_id}", progress)
+        corrections_page = write_correction_report(run, summary_of_corrections)
+        if corrections_page is not None:
+            lines.append(("corrections", f"report {corrections_page}"))
+
+    title = f"Backfill {run_id}" + (" (dry run)" if dry_run else "")
+    href = f"backfills/{reports.safe_name(run_id)}{'.dry-run' if dry_run else ''}.html"
+    target = reports_folder(config) / href
+    rows = "".join(f"<tr><th>{html.escape(step)}</th><td>{html.escape(text)}</td></tr>"
+                   for step, text in lines)
+    reports.write_atomically(target, reports.page(title, (
+        f"<p>client <code>{html.escape(str(check['client_id']))}</code>, "
+        f"{html.escape(str(check['kind']))} from <code>{html.escape(str(check['root']))}"
+        f"</code></p><table>{rows}</table><details><summary>validation details</summary>"
+        f"<pre>{html.escape(json.dumps(dict(check), indent=1, default=str))}</pre></details>"),
+        depth=1))
+    summary = " | ".join(f"{step}: {text}" for step, text in lines)
+    reports.record(config, reports.ReportEntry(
+        time=reports.now_utc().isoformat(), job="backfill", run_id=run_id, kind="report",
+        title="dry run" if dry_run else "run summary", status="info", href=href,
+        summary=summary[:500], client_id=str(check["client_id"])))
+    progress(summary)
+    progress(f"report: {target}")
+    return {"summary": summary, "report": str(target)}

@@ -1,0 +1,58 @@
+"""What the Airflow DAGs share: the Asset of each Delta table and how product errors end a task.
+
+DAG files (``dags/``) are wiring: they build the :class:`~clickstream.config.Config` inside a
+task (never at parse time) and call one library function. This module keeps the two pieces
+of Airflow glue they have in common in one place. ``airflow.sdk`` is imported lazily, so the
+library itself does not need Airflow to run.
+
+Known edge cases, cited inline as (O1)..(O2):
+  O1. A refused batch, a bad setting or a failed quality gate gives the same result on every
+      retry, so the task fails at once (no retries) with the product's one-line reason;
+      transient failures (broker unavailable, commit conflicts, delivery) keep Airflow's
+      retries, and every step is idempotent, so a retry resumes rather than doubles.
+  O2. Asset URIs name a table, not a folder: the warehouse location is configuration and
+      must not be read while the DAG file is parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from clickstream.errors import BatchRefusedError, ConfigError, QualityGateFailedError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Asset
+
+ASSET_URI_PREFIX = "clickstream://warehouse/"
+NOT_RETRYABLE: tuple[type[Exception], ...] = (
+    BatchRefusedError, ConfigError, QualityGateFailedError)
+
+
+def table_asset(table: str) -> Asset:
+    """The Airflow Asset standing for one Delta table of the warehouse (O2).
+
+    Args:
+        table: a name from ``clickstream.tables.ALL_TABLES`` (``"sessions"``, ...).
+    """
+    from airflow.sdk import Asset
+
+    return Asset(name=f"clickstream.{table}", uri=f"{ASSET_URI_PREFIX}{table}",
+                 group="clickstream-tables")
+
+
+@contextmanager
+def task_errors() -> Iterator[None]:
+    """Turn errors a retry cannot fix into an immediate task failure with a clear reason (O1).
+
+    Raises:
+        AirflowFailException: for ``BatchRefusedError``, ``ConfigError`` and
+            ``QualityGateFailedError``; the message is the product's own one-line reason.
+    """
+    try:
+        yield
+    except NOT_RETRYABLE as error:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"{type(error).__name__}: {error}") from error

@@ -1,0 +1,128 @@
+"""Every DAG parses, has the expected tasks and schedule, and touches nothing while parsing."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.dags.airflow_env import DAGS
+
+EXPECTED = {
+    "sessionizer": ["sessionize"],
+    "late_batch_backfill": ["validate_batch", "merge", "recompute", "validate_corrections",
+                            "publish", "report"],
+    "scheduled_recompute": ["recompute_queue"],
+    "table_maintenance": ["compact", "vacuum", "checkpoint"],
+}
+
+
+class TouchedAtParseTime(AssertionError):
+    pass
+
+
+def _refuse(what: str):
+    def refuse(*args, **kwargs):
+        raise TouchedAtParseTime(f"{what} used while parsing DAG files")
+    return refuse
+
+
+@pytest.fixture(scope="module")
+def dagbag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def test_every_dag_imports_without_errors(dagbag) -> None:
+    assert dagbag.import_errors == {}
+    assert set(dagbag.dag_ids) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("dag_id", sorted(EXPECTED))
+def test_one_dag_per_file_named_after_it_with_tasks_and_docs(dagbag, dag_id: str) -> None:
+    dag = dagbag.dags[dag_id]
+    assert Path(dag.fileloc).stem == dag_id
+    assert sorted(dag.task_ids) == sorted(EXPECTED[dag_id])
+    assert dag.doc_md and dag.doc_md.lstrip().startswith("#")
+    for name, param in dag.params.items():
+        assert param.description, f"{dag_id} param {name} has no description for the form"
+
+
+def test_backfill_steps_run_in_order_and_report_always_runs(dagbag) -> None:
+    dag = dagbag.dags["late_batch_backfill"]
+    order = EXPECTED["late_batch_backfill"]
+    for upstream, downstream in itertools.pairwise(order):
+        assert downstream in dag.get_task(upstream).downstream_task_ids
+    assert dag.get_task("report").trigger_rule == "none_failed"
+    assert dag.max_active_runs == 1
+    params = dag.params
+    assert params.get_param("kind").schema["enum"] == ["orders", "pageviews"]
+    assert params.get_param("dry_run").schema["type"] == "boolean"
+    assert params.get_param("client").schema["type"] == "string"
+    assert "landing folder" in params.get_param("path").description
+    for task_id in ("validate_batch", "merge", "recompute", "validate_corrections", "publish"):
+        assert dag.get_task(task_id).retries >= 1, f"{task_id} is idempotent: retry it"
+
+
+def test_backfill_and_recompute_emit_table_assets(dagbag) -> None:
+    from airflow.sdk import Asset, AssetAlias
+
+    def uris(task) -> set[str]:
+        return {o.uri for o in task.outlets if isinstance(o, Asset)}
+
+    backfill = dagbag.dags["late_batch_backfill"]
+    assert {"clickstream://warehouse/sessions", "clickstream://warehouse/attributions",
+            "clickstream://warehouse/corrections"} <= uris(backfill.get_task("recompute"))
+    assert any(isinstance(o, AssetAlias) for o in backfill.get_task("merge").outlets)
+    recompute = dagbag.dags["scheduled_recompute"]
+    assert {"clickstream://warehouse/sessions", "clickstream://warehouse/recompute_queue"} <= \
+        uris(recompute.get_task("recompute_queue"))
+
+
+def test_schedules(dagbag) -> None:
+    sessionizer = dagbag.dags["sessionizer"]
+    assert sessionizer.schedule == "@continuous"
+    assert type(sessionizer.timetable).__name__ == "ContinuousTimetable"
+    assert sessionizer.max_active_runs == 1
+    assert dagbag.dags["late_batch_backfill"].schedule is None  # triggered from the form
+    assert dagbag.dags["scheduled_recompute"].schedule == "30 2 * * *"
+    assert dagbag.dags["table_maintenance"].schedule == "0 3 * * 0"
+    assert dagbag.dags["table_maintenance"].params["retention_hours"] >= 168
+
+
+def test_sessionizer_submits_the_entry_point_through_spark_default(dagbag) -> None:
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    task = dagbag.dags["sessionizer"].get_task("sessionize")
+    assert isinstance(task, SparkSubmitOperator)
+    assert task._conn_id == "spark_default"
+    assert Path(task.application).is_file()
+    assert Path(task.application).name == "sessionize.py"
+    assert task.retries >= 1  # a retry resumes from the checkpoint
+
+
+def test_parsing_uses_no_connection_variable_spark_kafka_or_files(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Parse every DAG with connections, variables, Spark and the network booby-trapped."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk import BaseHook, Connection, Variable
+    from pyspark.sql import SparkSession
+
+    for target, name in ((BaseHook, "get_connection"), (Connection, "get"),
+                         (Variable, "get"), (SparkSession.Builder, "getOrCreate")):
+        monkeypatch.setattr(target, name, _refuse(f"{target.__name__}.{name}"))
+    monkeypatch.setattr(socket.socket, "connect", _refuse("a network connection"))
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", "poisoned://must-not-be-read")
+    monkeypatch.setenv("AIRFLOW_VAR_ANYTHING", "poisoned")
+    state = {name: tmp_path / name for name in ("warehouse", "home", "landing")}
+    for name, path in state.items():
+        monkeypatch.setenv(f"CLICKSTREAM_{name.upper()}", str(path))
+
+    bag = DagBag(dag_folder=str(DAGS))
+
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == set(EXPECTED)
+    assert not any(path.exists() for path in state.values()), "a DAG file wrote at parse time"

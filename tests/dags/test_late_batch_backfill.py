@@ -1,0 +1,133 @@
+"""late_batch_backfill end to end through dag.test(): embedded broker, local Spark, Delta on
+disk, the landing folder in tmp. Corrections must reach Kafka; bad paths must fail the run."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from clickstream.config import Config
+from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs.generate import Scale, simulate, write_table
+
+TABLES = ("pageviews", "orders", "sessions", "attributions", "corrections", "quarantine")
+
+
+@pytest.fixture(scope="module")
+def backfill_dag(airflow_db):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.dags.airflow_env import DAGS
+
+    bag = DagBag(dag_folder=str(DAGS / "late_batch_backfill.py"))
+    assert bag.import_errors == {}
+    return bag.dags["late_batch_backfill"]
+
+
+def history(config: Config, relative: str) -> tuple[int, int]:
+    """One day of pageviews and orders of client-00 in the landing folder."""
+    scale = Scale(clients=1, users_per_client=12, minutes=24 * 60,
+                  start=datetime(2026, 3, 1, tzinfo=UTC), sessions_per_user_per_day=2.0,
+                  order_probability=0.3)
+    pageviews, orders = simulate(scale, seed=5, client="client-00")
+    write_table(pageviews, config.landing / relative / "pageviews", "parquet")
+    write_table(orders, config.landing / relative / "orders", "jsonl")
+    return pageviews.num_rows, orders.num_rows
+
+
+def run(dag, **conf):
+    dagrun = dag.test(run_conf={"client": "client-00", "dry_run": False, **conf})
+    return dagrun, {ti.task_id: str(ti.state) for ti in dagrun.get_task_instances()}
+
+
+def versions(config: Config, spark) -> dict[str, int]:
+    tables = open_tables(config, spark)
+    return {name: tables.version(name) for name in TABLES}
+
+
+def changed_assets(dagrun) -> set[str]:
+    """Tables for which the run emitted Asset events."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        uris = session.scalars(select(AssetModel.uri).join(
+            AssetEvent, AssetEvent.asset_id == AssetModel.id).where(
+            AssetEvent.source_run_id == dagrun.run_id))
+        return {uri.removeprefix("clickstream://warehouse/") for uri in uris}
+
+
+def assert_topic_equals_table(config: Config, spark, topic: str, table: str, key: str) -> None:
+    rows = open_tables(config, spark).read_arrow(table).to_pylist()
+    compacted = read_compacted(config, topic)
+    assert {k: v["revision"] for k, v in compacted.items()} == \
+        {r[key]: r["revision"] for r in rows}
+
+
+def test_backfill_publishes_corrections_to_kafka(backfill_dag, env_config: Config,
+                                                 spark) -> None:
+    config = env_config
+    n_pageviews, n_orders = history(config, "late/2026-03")
+
+    dagrun, states = run(backfill_dag, kind="pageviews", path="late/2026-03/pageviews")
+    assert str(dagrun.state) == "success", states
+    assert set(states.values()) == {"success"}
+    sessions = open_tables(config, spark).read_arrow("sessions").to_pylist()
+    assert sessions and sum(r["pageview_count"] for r in sessions) == n_pageviews
+    assert_topic_equals_table(config, spark, config.sessions_topic, "sessions", "session_id")
+    assert {"pageviews", "sessions", "attributions", "corrections"} <= changed_assets(dagrun)
+
+    dagrun, states = run(backfill_dag, kind="orders", path="late/2026-03/orders")
+    assert str(dagrun.state) == "success", states
+    tables = open_tables(config, spark)
+    assert tables.read_arrow("orders").num_rows == n_orders
+    assert any(r["revision"] > 1 for r in tables.read_arrow("sessions").to_pylist())
+    assert_topic_equals_table(config, spark, config.sessions_topic, "sessions", "session_id")
+    assert_topic_equals_table(config, spark, config.attributions_topic, "attributions",
+                              "order_id")
+    causes = {r["cause"] for r in tables.read_arrow("corrections").to_pylist()}
+    assert any(c.startswith("backfill orders-client-00-") for c in causes)
+    reports = sorted((config.home / "reports" / "backfills").glob("*.html"))
+    assert len(reports) == 2 and "publish" in reports[-1].read_text()
+
+
+
+def test_dry_run_reports_and_writes_nothing(backfill_dag, env_config: Config, spark) -> None:
+    config = env_config
+    n_pageviews, _ = history(config, "late/dry")
+
+    dagrun, states = run(backfill_dag, kind="pageviews", path="late/dry/pageviews",
+                         dry_run=True)
+
+    assert str(dagrun.state) == "success", states
+    assert states["validate_batch"] == "success" and states["report"] == "success"
+    for task_id in ("merge", "recompute", "validate_corrections", "publish"):
+        assert states[task_id] == "skipped"
+    assert set(versions(config, spark).values()) == {-1}
+    report = next((config.home / "reports" / "backfills").glob("*.dry-run.html")).read_text()
+    assert f"{n_pageviews} pageviews new or changed" in report
+    assert "nothing was written" in report
+
+
+def test_a_path_outside_the_landing_folder_fails_the_run_with_a_clear_message(
+        backfill_dag, env_config: Config, spark, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture) -> None:
+    config = env_config
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "orders.jsonl").write_text("{}\n")
+
+    dagrun, states = run(backfill_dag, kind="orders", path="../elsewhere")
+
+    assert str(dagrun.state) == "failed"
+    assert states["validate_batch"] == "failed"
+    assert all(states[t] == "upstream_failed" for t in
+               ("merge", "recompute", "validate_corrections", "publish", "report"))
+    output = capfd.readouterr().out + caplog.text
+    assert "outside the landing folder" in output
+    assert str(config.landing) in output
+    assert set(versions(config, spark).values()) == {-1}

@@ -1,0 +1,51 @@
+"""table_maintenance and scheduled_recompute run through dag.test() on the embedded profile."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from clickstream.config import Config
+from clickstream.errors import ConfigError
+from clickstream.jobs.maintenance import vacuum_tables
+
+
+@pytest.fixture(scope="module")
+def dagbag(airflow_db):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.dags.airflow_env import DAGS
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def test_maintenance_compacts_vacuums_and_checkpoints_every_table(dagbag,
+                                                                  env_config: Config) -> None:
+    from deltalake import DeltaTable, write_deltalake
+
+    path = env_config.table_path("quarantine")
+    for index in range(3):  # three small files, as micro-batches leave them
+        write_deltalake(str(path), pa.table({"reason": [f"r{index}"]}), mode="append")
+
+    dagrun = dagbag.dags["table_maintenance"].test()
+
+    states = {ti.task_id: str(ti.state) for ti in dagrun.get_task_instances()}
+    assert str(dagrun.state) == "success", states
+    table = DeltaTable(str(path))
+    assert len(table.file_uris()) == 1
+    assert table.to_pyarrow_table().num_rows == 3
+    assert list((path / "_delta_log").glob("*.checkpoint.parquet"))
+
+
+def test_vacuum_below_seven_days_is_refused(dagbag, env_config: Config) -> None:
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ConfigError, match="below the safe minimum of 168 h"):
+        vacuum_tables(env_config, retention_hours=1)
+    with pytest.raises(ParamValidationError):
+        dagbag.dags["table_maintenance"].test(run_conf={"retention_hours": 24})
+
+
+def test_scheduled_recompute_with_an_empty_queue_succeeds(dagbag, env_config: Config) -> None:
+    dagrun = dagbag.dags["scheduled_recompute"].test()
+    assert str(dagrun.state) == "success"

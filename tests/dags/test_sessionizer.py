@@ -1,0 +1,42 @@
+"""The sessionizer DAG runs the streaming job through SparkSubmitOperator and spark_default."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import UTC, datetime
+
+import pytest
+
+from clickstream.config import Config
+from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_clients import produce_records
+from clickstream.jobs.generate import Delivery, Scale, live_records, simulate
+
+
+def test_sessionizer_submits_the_job_with_the_spark_default_connection(
+        env_config: Config, spark, monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.dags.airflow_env import DAGS
+
+    config = env_config
+    scale = Scale(clients=1, users_per_client=30, minutes=360,
+                  start=datetime(2026, 11, 1, tzinfo=UTC))
+    records = live_records(scale, Delivery(late_fraction=0, duplicate_fraction=0.05,
+                                           bad_fraction=0), seed=3)
+    produce_records(config, config.events_topic, records)
+    pageviews, _ = simulate(scale, 3)
+    # The embedded profile's connection, as scripts/airflow.sh sets it: master local[2] here.
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", "spark://local%5B2%5D")
+    # spark-submit (pyspark's) must be on PATH, as in scripts/airflow.sh.
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    bag = DagBag(dag_folder=str(DAGS / "sessionizer.py"))
+
+    dagrun = bag.dags["sessionizer"].test(run_conf={"until_caught_up": True})
+
+    assert str(dagrun.state) == "success"
+    stored = open_tables(config, spark).read_arrow("pageviews")
+    assert stored.num_rows == pageviews.num_rows
+    assert len(set(stored.column("event_id").to_pylist())) == pageviews.num_rows
+    assert (config.home / "checkpoints" / "sessionize" / "offsets").is_dir()

@@ -1,0 +1,113 @@
+"""The "Quality reports" plugin: mounted in Airflow's API server, listed as a nav entry, serving
+$CLICKSTREAM_HOME/reports to logged-in users only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+PREFIX = "/clickstream-reports"
+
+
+@pytest.fixture(scope="module")
+def airflow_app(airflow_db):
+    """Airflow's API server app (core API, auth manager, plugins), as `airflow api-server`."""
+    from airflow.api_fastapi.app import create_app, purge_cached_app
+
+    app = create_app(apps="core")
+    yield app
+    purge_cached_app()
+
+
+@pytest.fixture
+def client(airflow_app, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("CLICKSTREAM_HOME", str(tmp_path / "home"))
+    with TestClient(airflow_app, follow_redirects=False) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def token(airflow_app) -> str:
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    return get_auth_manager().generate_jwt(SimpleAuthManagerUser(username="admin", role="admin"))
+
+
+@pytest.fixture
+def reports(tmp_path: Path) -> Path:
+    root = tmp_path / "home" / "reports"
+    (root / "backfills").mkdir(parents=True)
+    (root / "index.html").write_text("<h1>All quality reports</h1>")
+    (root / "backfills" / "run-1.html").write_text("<p>backfill run-1</p>")
+    (tmp_path / "home" / "secret.txt").write_text("not a report")
+    return root
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_refused_without_login(client, reports: Path) -> None:
+    response = client.get(f"{PREFIX}/")
+    assert response.status_code == 401
+    assert "All quality reports" not in response.text
+    assert client.get(f"{PREFIX}/backfills/run-1.html").status_code == 401
+
+
+def test_a_browser_without_login_is_sent_to_the_login_page(client, reports: Path) -> None:
+    response = client.get(f"{PREFIX}/backfills/run-1.html", headers={"Accept": "text/html"})
+    assert response.status_code == 303
+    assert response.headers["location"].startswith("/auth/login")
+    assert "next=" in response.headers["location"]
+
+
+def test_an_invalid_token_is_refused(client, reports: Path) -> None:
+    assert client.get(f"{PREFIX}/", headers=bearer("not-a-jwt")).status_code == 403
+
+
+def test_served_to_a_logged_in_user(client, token: str, reports: Path) -> None:
+    index = client.get(f"{PREFIX}/", headers=bearer(token))
+    assert index.status_code == 200 and "All quality reports" in index.text
+    page = client.get(f"{PREFIX}/backfills/run-1.html", headers=bearer(token))
+    assert page.status_code == 200 and "backfill run-1" in page.text
+    listing = client.get(f"{PREFIX}/backfills/", headers=bearer(token))
+    assert listing.status_code == 200 and "run-1.html" in listing.text
+    assert client.get(f"{PREFIX}/backfills", headers=bearer(token)).status_code == 307
+
+
+def test_the_ui_session_cookie_is_a_login_too(client, token: str, reports: Path) -> None:
+    client.cookies.set("_token", token)
+    response = client.get(f"{PREFIX}/", headers={"Accept": "text/html"})
+    assert response.status_code == 200 and "All quality reports" in response.text
+
+
+def test_nothing_outside_the_reports_folder_is_served(client, token: str,
+                                                      reports: Path) -> None:
+    # (HTTP clients normalise a literal "../" away before sending; encoded dots reach us.)
+    for path in ("%2e%2e/secret.txt", "backfills/%2e%2e/%2e%2e/secret.txt", "../secret.txt"):
+        response = client.get(f"{PREFIX}/{path}", headers=bearer(token))
+        assert "not a report" not in response.text, path
+    assert client.get(f"{PREFIX}/%2e%2e/secret.txt", headers=bearer(token)).status_code == 404
+
+
+def test_a_friendly_page_when_there_are_no_reports_yet(client, token: str) -> None:
+    response = client.get(f"{PREFIX}/", headers=bearer(token))
+    assert response.status_code == 200
+    assert "No reports yet" in response.text
+
+
+def test_quality_reports_is_an_entry_of_the_ui_navigation(client, token: str) -> None:
+    response = client.get("/api/v2/plugins", headers=bearer(token))
+    assert response.status_code == 200
+    views = [view for plugin in response.json()["plugins"]
+             for view in plugin["external_views"]]
+    entry = next(view for view in views if view["name"] == "Quality reports")
+    assert entry["destination"] == "nav"
+    assert entry["href"] == PREFIX.lstrip("/") + "/"  # relative to the UI's base URL
+    assert entry["url_route"] == "quality-reports"
+    apps = [a for plugin in response.json()["plugins"] for a in plugin["fastapi_apps"]]
+    assert any(a["url_prefix"] == PREFIX for a in apps)
