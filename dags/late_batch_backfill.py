@@ -7,7 +7,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
-from clickstream.orchestration import table_asset, task_errors
+from clickstream.orchestration import spark_job, table_asset, task_errors
 
 DOC = """
 # Late batch backfill
@@ -23,38 +23,39 @@ corrections to Kafka. Trigger it from **Trigger → form**:
   refused and the run fails with a message naming the landing folder.
 * `dry_run` — validate and report what would change, write nothing.
 
-Tasks (each calls one function of `clickstream.jobs.backfill_steps`; quality gates from
-`clickstream.quality.gates`, reports under **Quality reports**):
+Tasks (`locate_batch` and `announce_merge` are small Python tasks; every other task runs
+`spark/entrypoints/backfill_step.py <step>` through **SparkSubmitOperator** and the
+**`spark_default`** connection: `local[*]` in the embedded profile, the Spark master in the
+cluster profile; each calls one function of `clickstream.jobs.backfill_steps`, with the quality
+gates of `clickstream.quality.gates` and reports under **Quality reports**):
 
-1. `validate_batch` — path inside the landing folder, formats, columns; counts bad rows
-   (with reasons), rows that are new or changed, users and stored sessions in reach. A
-   refused batch fails the run at once with the reason (no retries). In a dry run it also
-   runs the `historical_batch` gate and reports its verdict.
-2. `merge` — `historical_batch` gate (a failure quarantines the implicated rows and refuses
+1. `locate_batch` — the path must stay inside the landing folder; formats; the batch's
+   fingerprint becomes the run id, and every later step refuses files that changed since.
+   A refused path fails the run at once with the reason (no retries).
+2. `validate_batch` — columns, types and values; counts bad rows (with reasons), rows that
+   are new or changed, users and stored sessions in reach. In a dry run it also runs the
+   `historical_batch` gate and reports its verdict. Writes nothing.
+3. `writes_enabled` — a dry run stops here: the writing tasks are skipped.
+4. `merge` — `historical_batch` gate (a failure quarantines the implicated rows and refuses
    the batch), bad rows to `quarantine`, the rest into `pageviews` / `orders` exactly once,
-   then the `tables_after_merge` gate.
-3. `recompute` — re-sessionizes the affected users' windows (`recomputed_sessions` gate),
+   then the `tables_after_merge` gate. `announce_merge` emits the Asset events of the
+   tables it wrote.
+5. `recompute` — re-sessionizes the affected users' windows (`recomputed_sessions` gate),
    stores the plan in `corrections`, applies it (one commit per table).
-4. `validate_corrections` — the tables hold the plan at its revisions, keys unique;
+6. `validate_corrections` — the tables hold the plan at its revisions, keys unique;
    otherwise nothing is published.
-5. `publish` — new revisions and tombstones to the `sessions` / `attributions` topics, then
+7. `publish` — new revisions and tombstones to the `sessions` / `attributions` topics, then
    the `publish` gate reads them back.
-6. `report` — the run's summary in the log and as a page, and the correction report.
+8. `report` — the run's summary in the log and as a page, and the correction report.
 
-With `dry_run`, tasks 2–5 are skipped and `report` says what would have changed.
 Every task is idempotent (application transactions, stored plan), so retrying any of them,
-or rerunning the whole DAG, resumes instead of doubling; a batch that changed after
-validation is refused. The same batch run through `clickstream backfill` is the same run.
+or rerunning the whole DAG, resumes instead of doubling. The same batch run through
+`clickstream backfill` (or `clickstream backfill-step`) is the same run. Steps hand their
+results to the next through `$CLICKSTREAM_HOME/runs/backfill/<run id>/`.
 
-**Why in-process Spark, not SparkSubmitOperator:** these are bounded batch steps that hand
-small results (counts, the run id) to the next task. Each task builds a SparkSession from
-`CLICKSTREAM_SPARK_MASTER` (`local[*]` embedded; the cluster master in docker-compose, where
-the task is the driver in client mode), so results flow through XCom and failures surface as
-the product's own one-line errors. The long-running streaming job (`sessionizer`) goes
-through SparkSubmitOperator and the `spark_default` connection.
-
-Outlets: `merge` emits events for the tables it wrote (through the `clickstream-backfill-merge`
-alias); `recompute` for `sessions`, `attributions`, `corrections`.
+Outlets: `announce_merge` emits events for the tables `merge` wrote (through the
+`clickstream-backfill-merge` alias, with row counts); `recompute` for `sessions`,
+`attributions`, `corrections`.
 """
 
 MERGED = AssetAlias("clickstream-backfill-merge")
@@ -62,6 +63,13 @@ RECOMPUTED = [table_asset(name) for name in ("sessions", "attributions", "correc
 
 RETRY = {"retries": 2, "retry_delay": timedelta(seconds=30),
          "retry_exponential_backoff": True}
+RUN_ID = "{{ ti.xcom_pull(task_ids='locate_batch')['run_id'] }}"
+
+
+def step(name: str, *, dry_run: str = "false") -> list[str]:
+    """``backfill_step.py`` arguments for one step of the run (templated)."""
+    return [name, "--kind={{ params.kind }}", "--client={{ params.client }}",
+            "--path={{ params.path }}", f"--run-id={RUN_ID}", f"--dry-run={dry_run}"]
 
 
 @dag(
@@ -95,88 +103,48 @@ RETRY = {"retries": 2, "retry_delay": timedelta(seconds=30),
 )
 def late_batch_backfill():
     @task
-    def validate_batch(params=None) -> dict:
+    def locate_batch(params=None) -> dict:
         from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import check_batch
+        from clickstream.jobs.backfill_steps import locate_batch
 
         with task_errors():
-            return check_batch(Config.from_env(), kind=params["kind"],
-                               client_id=params["client"], path=params["path"],
-                               quality_gate=params["dry_run"]).as_dict()
+            return locate_batch(Config.from_env(), kind=params["kind"],
+                                client_id=params["client"], path=params["path"])
+
+    @task.short_circuit(ignore_downstream_trigger_rules=False)
+    def writes_enabled(params=None) -> bool:
+        return not params["dry_run"]
 
     @task(outlets=[MERGED])
-    def merge(check: dict, params=None, outlet_events=None) -> dict:
-        from airflow.sdk.exceptions import AirflowSkipException
-
+    def announce_merge(located: dict, params=None, outlet_events=None) -> None:
         from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import merge_batch
+        from clickstream.jobs.backfill_steps import load_step_result
 
-        if params["dry_run"]:
-            raise AirflowSkipException("dry run: nothing is written")
-        with task_errors():
-            result = merge_batch(Config.from_env(), kind=check["kind"],
-                                 client_id=check["client_id"], path=check["path"],
-                                 run_id=check["run_id"])
-        extra = {"run_id": result.run_id, "client_id": check["client_id"]}
-        if result.rows_merged:
-            outlet_events[MERGED].add(table_asset(check["kind"]),
-                                      extra={**extra, "rows": result.rows_merged})
-        if result.quarantined:
+        merged = load_step_result(Config.from_env(), located["run_id"], "merge") or {}
+        extra = {"run_id": located["run_id"], "client_id": params["client"]}
+        if merged.get("rows_merged"):
+            outlet_events[MERGED].add(table_asset(params["kind"]),
+                                      extra={**extra, "rows": merged["rows_merged"]})
+        if merged.get("quarantined"):
             outlet_events[MERGED].add(table_asset("quarantine"),
-                                      extra={**extra, "rows": result.quarantined})
-        return dict(vars(result))
+                                      extra={**extra, "rows": merged["quarantined"]})
 
-    @task(outlets=RECOMPUTED)
-    def recompute(check: dict, merged: dict, outlet_events=None) -> dict:
-        import dataclasses
+    located = locate_batch()
+    validate = spark_job("validate_batch", "backfill_step",
+                         step("check", dry_run="{{ params.dry_run | lower }}"), retries=0)
+    merge = spark_job("merge", "backfill_step", step("merge"))
+    recompute = spark_job("recompute", "backfill_step", step("recompute"), outlets=RECOMPUTED)
+    validate_corrections = spark_job("validate_corrections", "backfill_step",
+                                     step("check-applied"))
+    publish = spark_job("publish", "backfill_step", step("publish"))
+    report = spark_job("report", "backfill_step",
+                       step("report", dry_run="{{ params.dry_run | lower }}"),
+                       trigger_rule="none_failed")
 
-        from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import recompute_affected
-
-        with task_errors():
-            summary = recompute_affected(Config.from_env(), kind=check["kind"],
-                                         client_id=check["client_id"], path=check["path"],
-                                         run_id=check["run_id"])
-        for asset in RECOMPUTED:
-            outlet_events[asset].extra = {"run_id": check["run_id"],
-                                          "client_id": check["client_id"]}
-        return dataclasses.asdict(summary)
-
-    @task
-    def validate_corrections(check: dict, corrections: dict) -> dict:
-        from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import check_applied
-
-        with task_errors():
-            return check_applied(Config.from_env(), client_id=check["client_id"],
-                                 run_id=check["run_id"])
-
-    @task
-    def publish(check: dict, applied: dict) -> int:
-        from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import publish_corrections
-
-        with task_errors():
-            return publish_corrections(Config.from_env(), client_id=check["client_id"],
-                                       run_id=check["run_id"])
-
-    @task(trigger_rule="none_failed")
-    def report(check: dict, merged: dict | None, corrections: dict | None,
-               applied: dict | None, published: int | None, params=None) -> dict:
-        from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import write_report
-
-        with task_errors():
-            return write_report(Config.from_env(), check=check, dry_run=params["dry_run"],
-                                merged=merged, corrections=corrections, applied=applied,
-                                published=published)
-
-    check = validate_batch()
-    merged = merge(check)
-    corrections = recompute(check, merged)
-    applied = validate_corrections(check, corrections)
-    published = publish(check, applied)
-    report(check, merged, corrections, applied, published)
+    located >> validate >> writes_enabled() >> merge >> recompute >> validate_corrections
+    validate_corrections >> publish >> report
+    merge >> announce_merge(located)
+    validate >> report
 
 
 late_batch_backfill()

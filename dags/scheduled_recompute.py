@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, dag
 
-from clickstream.orchestration import table_asset, task_errors
+from clickstream.orchestration import spark_job, table_asset
 
 DOC = """
 # Scheduled recompute
@@ -23,8 +23,9 @@ sessions, records the changes in `corrections`, applies them and republishes the
   run; a conflicting commit makes this run keep its rows queued instead of overwriting.
 * Idempotent and retryable: the run id comes from the queue's table version, so a retry
   after a crash resumes the stored plan.
-* Runs in-process with a SparkSession from `CLICKSTREAM_SPARK_MASTER` (a bounded batch job;
-  see `late_batch_backfill` for why it does not go through SparkSubmitOperator).
+* Runs `spark/entrypoints/recompute.py` through **SparkSubmitOperator** and the
+  **`spark_default`** connection (`local[*]` embedded, the Spark master in the cluster
+  profile); the summary is in the task log, the correction report under **Quality reports**.
 * Outlets: `sessions`, `attributions`, `corrections`, `recompute_queue`.
 """
 
@@ -40,6 +41,7 @@ CHANGED = [table_asset(name)
     max_active_runs=1,
     doc_md=DOC,
     tags=["clickstream", "recompute"],
+    render_template_as_native_obj=True,
     default_args={"retries": 2, "retry_delay": timedelta(minutes=2),
                   "retry_exponential_backoff": True},
     params={
@@ -49,20 +51,8 @@ CHANGED = [table_asset(name)
     },
 )
 def scheduled_recompute():
-    @task(outlets=CHANGED)
-    def recompute_queue(params=None, outlet_events=None) -> dict:
-        from clickstream.config import Config
-        from clickstream.jobs.recompute import run_recompute
-
-        with task_errors():
-            summary = run_recompute(Config.from_env(), client_id=params.get("client") or None)
-        print(summary.describe())
-        queued = {client: int(count) for client, count in summary.queued.items()}
-        for asset in CHANGED:
-            outlet_events[asset].extra = {"queued": queued}
-        return {"queued": queued, "summary": summary.describe()}
-
-    recompute_queue()
+    spark_job("recompute_queue", "recompute",
+              "{{ ['--client=' ~ params.client] if params.client else [] }}", outlets=CHANGED)
 
 
 scheduled_recompute()

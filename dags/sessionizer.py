@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 
 import pendulum
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import Param, dag
 
-# A path computed from this file, not read from anywhere: no I/O at parse time.
-ENTRYPOINT = Path(__file__).resolve().parents[1] / "spark" / "entrypoints" / "sessionize.py"
+from clickstream.orchestration import spark_job
 
 DOC = """
 # Sessionizer
@@ -55,13 +52,8 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
                   "retry_exponential_backoff": True, "max_retry_delay": timedelta(minutes=5)},
 )
 def sessionizer():
-    SparkSubmitOperator(
-        task_id="sessionize",
-        application=str(ENTRYPOINT),
-        conn_id="spark_default",
-        name="clickstream-sessionize",
-        application_args="{{ ['--until-caught-up'] if params.until_caught_up else [] }}",
-    )
+    spark_job("sessionize", "sessionize",
+              "{{ ['--until-caught-up'] if params.until_caught_up else [] }}")
 
 
 sessionizer()

@@ -66,16 +66,20 @@ def _page(title: str, body: str, status_code: int = 200) -> HTMLResponse:
         f"<h1>{html.escape(title)}</h1>{body}\n", status_code=status_code, headers=HEADERS)
 
 
+def _no_reports(title: str, folder: Path) -> HTMLResponse:
+    return _page(title, (
+        "<p>No reports yet. They appear here as soon as data-quality gates, backfills "
+        "and recomputes write them.</p>"
+        f"<p>Folder: <code>{html.escape(str(folder))}</code> "
+        "(<code>$CLICKSTREAM_HOME/reports</code>).</p>"))
+
+
 def _listing(folder: Path, root: Path) -> HTMLResponse:
     entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     relative = folder.relative_to(root).as_posix()
     title = "Quality reports" + ("" if relative == "." else f": {relative}")
     if not entries:
-        return _page(title, (
-            "<p>No reports yet. They appear here as soon as data-quality gates, backfills "
-            "and recomputes write them.</p>"
-            f"<p>Folder: <code>{html.escape(str(folder))}</code> "
-            "(<code>$CLICKSTREAM_HOME/reports</code>).</p>"))
+        return _no_reports(title, folder)
     items = "".join(
         f"<li><a href='{html.escape(p.name)}{'/' if p.is_dir() else ''}'>"
         f"{html.escape(p.name)}{'/' if p.is_dir() else ''}</a></li>" for p in entries)
@@ -102,11 +106,7 @@ def create_app() -> FastAPI:
     def serve(path: str, request: Request) -> Response:
         root = reports_root()
         if not root.is_dir():
-            return _page("Quality reports", (
-                "<p>No reports yet. They appear here as soon as data-quality gates, backfills "
-                "and recomputes write them.</p>"
-                f"<p>Folder: <code>{html.escape(str(root))}</code> "
-                "(<code>$CLICKSTREAM_HOME/reports</code>).</p>"))
+            return _no_reports("Quality reports", root)
         target = (root / path).resolve()
         if target != root and root not in target.parents:  # (Q2)
             return _page("Not found", "<p>No such report.</p>", 404)

@@ -8,7 +8,7 @@
 # 127.0.0.1, on SQLite with the LocalExecutor and low parallelism. AIRFLOW_HOME is var/airflow;
 # the DAGs and plugins are this repository's. The UI user is "admin" with a generated password
 # (SimpleAuthManager's passwords file, mode 600), printed once, on the first start; there is
-# no fixed default. The sessionizer's SparkSubmitOperator gets the spark_default connection
+# no fixed default. The DAGs' SparkSubmitOperators get the spark_default connection
 # from AIRFLOW_CONN_SPARK_DEFAULT (local[*]), set here, never in a DAG file.
 #
 # Sourced (as scripts/demo.sh does), it only defines airflow_start / airflow_stop.

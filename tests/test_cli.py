@@ -16,7 +16,8 @@ CLI = [sys.executable, "-m", "clickstream.cli"]
 
 
 @pytest.mark.parametrize("command", [
-    [], ["broker"], ["sessionize"], ["backfill"], ["recompute"], ["inspect"], ["generate"],
+    [], ["broker"], ["sessionize"], ["backfill"], ["backfill-step"], ["recompute"], ["inspect"],
+    ["generate"],
     ["generate", "events"],
     ["generate", "history"],
 ])
@@ -54,3 +55,18 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
     assert (config.session_gap_ms, config.watermark_delay_ms) == (45_000, 3_600_000)
     with pytest.raises(ConfigError, match="not a duration"):
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
+
+
+def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
+    landing = tmp_path / "landing"
+    (landing / "b").mkdir(parents=True)
+    (landing / "b" / "orders.jsonl").write_text("{}\n")
+    env = {"CLICKSTREAM_HOME": str(tmp_path / "home"), "CLICKSTREAM_LANDING": str(landing),
+           "CLICKSTREAM_WAREHOUSE": str(tmp_path / "warehouse"), "PATH": ""}
+    result = subprocess.run([*CLI, "backfill-step", "report", "--kind", "orders", "--client",
+                             "client-00", "--path", "b"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "no result of step 'check'" in result.stderr and "run the steps in order" in \
+        result.stderr

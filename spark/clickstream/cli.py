@@ -60,6 +60,25 @@ def _cmd_backfill(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _cmd_backfill_step(args: argparse.Namespace, config: Config) -> int:
+    import json
+
+    from clickstream.jobs.backfill_steps import locate_batch, run_step
+
+    run_id = args.run_id or locate_batch(config, kind=args.kind, client_id=args.client,
+                                         path=args.path)["run_id"]
+    result = run_step(config, args.step, kind=args.kind, client_id=args.client,
+                      path=args.path, run_id=run_id, dry_run=args.dry_run)
+    print(json.dumps(result, default=str))
+    return 0
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() == "true"
+
+
 def _cmd_recompute(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.recompute import run_full_recompute, run_recompute
 
@@ -172,6 +191,24 @@ def build_parser() -> argparse.ArgumentParser:
                           "landing folder, or absolute inside it")
     _add_config_flags(backfill)
     backfill.set_defaults(handler=_cmd_backfill)
+
+    step = commands.add_parser(
+        "backfill-step", help="one step of a backfill (what the late_batch_backfill DAG runs)",
+        description="Run one step of `clickstream backfill` on its own: check (writes "
+        "nothing), merge, recompute (plan and apply), check-applied, publish, report. Each "
+        "step saves its result under $CLICKSTREAM_HOME/runs/backfill/<run id>/ for the next.")
+    step.add_argument("step", choices=("check", "merge", "recompute", "check-applied",
+                                       "publish", "report"))
+    step.add_argument("--kind", required=True, choices=("orders", "pageviews"))
+    step.add_argument("--client", required=True, help="the client the batch belongs to")
+    step.add_argument("--path", required=True, help="as for `clickstream backfill`")
+    step.add_argument("--run-id", default=None,
+                      help="the run id the batch was located as; the step refuses files that "
+                      "changed since (default: the batch as it is now)")
+    step.add_argument("--dry-run", type=_true_or_false, default=False, metavar="true|false",
+                      help="check: also run the historical_batch gate; report: a dry run's")
+    _add_config_flags(step)
+    step.set_defaults(handler=_cmd_backfill_step)
 
     recompute = commands.add_parser(
         "recompute", help="fold the recompute queue (events too late for the stream) in",

@@ -1,4 +1,5 @@
-"""What the Airflow DAGs share: the Asset of each Delta table and how product errors end a task.
+"""What the Airflow DAGs share: the Asset of each Delta table, how a Spark job is submitted, and
+how product errors end a task.
 
 DAG files (``dags/``) are wiring: they build the :class:`~clickstream.config.Config` inside a
 task (never at parse time) and call one library function. This module keeps the two pieces
@@ -16,14 +17,19 @@ Known edge cases, cited inline as (O1)..(O2):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from clickstream.errors import BatchRefusedError, ConfigError, QualityGateFailedError
 
 if TYPE_CHECKING:
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
     from airflow.sdk import Asset
+
+# The spark-submit entry points, next to this package (spark/entrypoints/).
+ENTRYPOINTS = Path(__file__).resolve().parents[1] / "entrypoints"
 
 ASSET_URI_PREFIX = "clickstream://warehouse/"
 NOT_RETRYABLE: tuple[type[Exception], ...] = (
@@ -56,3 +62,23 @@ def task_errors() -> Iterator[None]:
         from airflow.sdk.exceptions import AirflowFailException
 
         raise AirflowFailException(f"{type(error).__name__}: {error}") from error
+
+
+def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (),
+              **operator_args: Any) -> SparkSubmitOperator:
+    """A task that runs ``spark/entrypoints/<entrypoint>.py`` through ``spark-submit`` with
+    the ``spark_default`` connection: ``local[*]`` in the embedded profile, the Spark master
+    in the cluster profile (the entry point takes the submitted master as its own).
+
+    Args:
+        task_id: the task's id.
+        entrypoint: file name under ``spark/entrypoints`` without ``.py``.
+        args: the entry point's arguments (Jinja-templated), or one template rendering a list.
+        operator_args: more ``SparkSubmitOperator`` arguments (``outlets``, ``retries``...).
+    """
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    return SparkSubmitOperator(
+        task_id=task_id, application=str(ENTRYPOINTS / f"{entrypoint}.py"),
+        conn_id="spark_default", name=f"clickstream-{task_id.replace('_', '-')}",
+        application_args=args if isinstance(args, str) else list(args), **operator_args)

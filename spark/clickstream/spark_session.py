@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = False) -> SparkSession:
@@ -37,3 +43,41 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1")
     return builder.getOrCreate()
+
+
+def submitted_master() -> str | None:
+    """The master ``spark-submit`` launched this driver with (for the DAGs: the
+    ``spark_default`` connection); None when the process was not started by spark-submit."""
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return None
+    from pyspark import SparkConf
+    from pyspark.context import SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM; starts no new one
+    return SparkConf().get("spark.master", None)
+
+
+def submitted_args(command: str, args: list[str]) -> list[str]:
+    """CLI arguments for a spark-submit entry point: ``command`` and ``args``, plus the
+    submitted master as ``--spark-master`` unless the arguments name one."""
+    master = None if any(a.startswith("--spark-master") for a in args) else submitted_master()
+    return [command, *args, *(["--spark-master", master] if master else [])]
+
+
+def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
+    """Free every cached DataFrame of the active session when ``job`` ends, however it ends.
+
+    Batch jobs persist intermediate frames; a job that stops on an error (a refused batch, a
+    failed gate) would otherwise leave them cached, and a long-lived session (the test suite,
+    a notebook, an in-process Airflow task) would fill its heap run after run. A job owns
+    its session's cache while it runs: do not share one session between concurrent jobs.
+    """
+    @functools.wraps(job)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return job(*args, **kwargs)
+        finally:
+            spark = SparkSession.getActiveSession()
+            if spark is not None:
+                spark.catalog.clearCache()
+    return run

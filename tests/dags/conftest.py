@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -36,6 +38,11 @@ def env_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, broker: Embedded
     }
     for name, value in values.items():
         monkeypatch.setenv(name, value)
+    # The embedded profile's spark_default connection, as scripts/airflow.sh sets it (master
+    # local[2] here), and pyspark's spark-submit on PATH for SparkSubmitOperator.
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", "spark://local%5B2%5D")
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep
+                       + os.environ["PATH"])
     config = Config.from_env()
     for topic in (config.events_topic, config.sessions_topic, config.attributions_topic):
         broker.create_topic(topic, 4)

@@ -12,8 +12,9 @@ from tests.dags.airflow_env import DAGS
 
 EXPECTED = {
     "sessionizer": ["sessionize"],
-    "late_batch_backfill": ["validate_batch", "merge", "recompute", "validate_corrections",
-                            "publish", "report"],
+    "late_batch_backfill": ["locate_batch", "validate_batch", "writes_enabled", "merge",
+                            "recompute", "validate_corrections", "publish", "report",
+                            "announce_merge"],
     "scheduled_recompute": ["recompute_queue"],
     "table_maintenance": ["compact", "vacuum", "checkpoint"],
 }
@@ -53,7 +54,7 @@ def test_one_dag_per_file_named_after_it_with_tasks_and_docs(dagbag, dag_id: str
 
 def test_backfill_steps_run_in_order_and_report_always_runs(dagbag) -> None:
     dag = dagbag.dags["late_batch_backfill"]
-    order = EXPECTED["late_batch_backfill"]
+    order = EXPECTED["late_batch_backfill"][:-1]
     for upstream, downstream in itertools.pairwise(order):
         assert downstream in dag.get_task(upstream).downstream_task_ids
     assert dag.get_task("report").trigger_rule == "none_failed"
@@ -63,8 +64,11 @@ def test_backfill_steps_run_in_order_and_report_always_runs(dagbag) -> None:
     assert params.get_param("dry_run").schema["type"] == "boolean"
     assert params.get_param("client").schema["type"] == "string"
     assert "landing folder" in params.get_param("path").description
-    for task_id in ("validate_batch", "merge", "recompute", "validate_corrections", "publish"):
+    for task_id in ("merge", "recompute", "validate_corrections", "publish"):
         assert dag.get_task(task_id).retries >= 1, f"{task_id} is idempotent: retry it"
+    # Reading and checking give the same answer on every try.
+    assert dag.get_task("validate_batch").retries == 0
+    assert "announce_merge" in dag.get_task("merge").downstream_task_ids
 
 
 def test_backfill_and_recompute_emit_table_assets(dagbag) -> None:
@@ -76,7 +80,7 @@ def test_backfill_and_recompute_emit_table_assets(dagbag) -> None:
     backfill = dagbag.dags["late_batch_backfill"]
     assert {"clickstream://warehouse/sessions", "clickstream://warehouse/attributions",
             "clickstream://warehouse/corrections"} <= uris(backfill.get_task("recompute"))
-    assert any(isinstance(o, AssetAlias) for o in backfill.get_task("merge").outlets)
+    assert any(isinstance(o, AssetAlias) for o in backfill.get_task("announce_merge").outlets)
     recompute = dagbag.dags["scheduled_recompute"]
     assert {"clickstream://warehouse/sessions", "clickstream://warehouse/recompute_queue"} <= \
         uris(recompute.get_task("recompute_queue"))
@@ -93,15 +97,30 @@ def test_schedules(dagbag) -> None:
     assert dagbag.dags["table_maintenance"].params["retention_hours"] >= 168
 
 
-def test_sessionizer_submits_the_entry_point_through_spark_default(dagbag) -> None:
+SPARK_TASKS = {
+    ("sessionizer", "sessionize"): "sessionize.py",
+    ("late_batch_backfill", "validate_batch"): "backfill_step.py",
+    ("late_batch_backfill", "merge"): "backfill_step.py",
+    ("late_batch_backfill", "recompute"): "backfill_step.py",
+    ("late_batch_backfill", "validate_corrections"): "backfill_step.py",
+    ("late_batch_backfill", "publish"): "backfill_step.py",
+    ("late_batch_backfill", "report"): "backfill_step.py",
+    ("scheduled_recompute", "recompute_queue"): "recompute.py",
+}
+
+
+@pytest.mark.parametrize(("dag_id", "task_id"), sorted(SPARK_TASKS))
+def test_spark_jobs_are_submitted_through_spark_default(dagbag, dag_id: str,
+                                                        task_id: str) -> None:
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-    task = dagbag.dags["sessionizer"].get_task("sessionize")
+    task = dagbag.dags[dag_id].get_task(task_id)
     assert isinstance(task, SparkSubmitOperator)
     assert task._conn_id == "spark_default"
     assert Path(task.application).is_file()
-    assert Path(task.application).name == "sessionize.py"
-    assert task.retries >= 1  # a retry resumes from the checkpoint
+    assert Path(task.application).name == SPARK_TASKS[dag_id, task_id]
+    if dag_id == "sessionizer":
+        assert task.retries >= 1  # a retry resumes from the checkpoint
 
 
 def test_parsing_uses_no_connection_variable_spark_kafka_or_files(

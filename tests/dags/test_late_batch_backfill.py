@@ -104,9 +104,10 @@ def test_dry_run_reports_and_writes_nothing(backfill_dag, env_config: Config, sp
                          dry_run=True)
 
     assert str(dagrun.state) == "success", states
-    assert states["validate_batch"] == "success" and states["report"] == "success"
-    for task_id in ("merge", "recompute", "validate_corrections", "publish"):
-        assert states[task_id] == "skipped"
+    for task_id in ("locate_batch", "validate_batch", "writes_enabled", "report"):
+        assert states[task_id] == "success", states
+    for task_id in ("merge", "announce_merge", "recompute", "validate_corrections", "publish"):
+        assert states[task_id] == "skipped", states
     assert set(versions(config, spark).values()) == {-1}
     report = next((config.home / "reports" / "backfills").glob("*.dry-run.html")).read_text()
     assert f"{n_pageviews} pageviews new or changed" in report
@@ -124,9 +125,10 @@ def test_a_path_outside_the_landing_folder_fails_the_run_with_a_clear_message(
     dagrun, states = run(backfill_dag, kind="orders", path="../elsewhere")
 
     assert str(dagrun.state) == "failed"
-    assert states["validate_batch"] == "failed"
+    assert states["locate_batch"] == "failed"
     assert all(states[t] == "upstream_failed" for t in
-               ("merge", "recompute", "validate_corrections", "publish", "report"))
+               ("validate_batch", "writes_enabled", "merge", "announce_merge", "recompute",
+                "validate_corrections", "publish", "report")), states
     output = capfd.readouterr().out + caplog.text
     assert "outside the landing folder" in output
     assert str(config.landing) in output

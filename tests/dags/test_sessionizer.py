@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from datetime import UTC, datetime
-
-import pytest
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
@@ -15,7 +11,7 @@ from clickstream.jobs.generate import Delivery, Scale, live_records, simulate
 
 
 def test_sessionizer_submits_the_job_with_the_spark_default_connection(
-        env_config: Config, spark, monkeypatch: pytest.MonkeyPatch) -> None:
+        env_config: Config, spark) -> None:
     from airflow.dag_processing.dagbag import DagBag
 
     from tests.dags.airflow_env import DAGS
@@ -27,10 +23,6 @@ def test_sessionizer_submits_the_job_with_the_spark_default_connection(
                                            bad_fraction=0), seed=3)
     produce_records(config, config.events_topic, records)
     pageviews, _ = simulate(scale, 3)
-    # The embedded profile's connection, as scripts/airflow.sh sets it: master local[2] here.
-    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", "spark://local%5B2%5D")
-    # spark-submit (pyspark's) must be on PATH, as in scripts/airflow.sh.
-    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     bag = DagBag(dag_folder=str(DAGS / "sessionizer.py"))
 
     dagrun = bag.dags["sessionizer"].test(run_conf={"until_caught_up": True})

@@ -30,8 +30,13 @@ from clickstream.jobs.batch_input import (
 )
 from clickstream.jobs.corrections import CorrectionSummary, Run, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
-from clickstream.quality.gates import gate_historical_batch, gate_tables_after_merge, warm_up
-from clickstream.spark_session import build_spark
+from clickstream.quality.gates import (
+    GateResult,
+    gate_historical_batch,
+    gate_tables_after_merge,
+    warm_up,
+)
+from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, RECOMPUTE_QUEUE
 
 
@@ -114,6 +119,50 @@ def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind) -> DataFram
                                                      F.max("ts_ms").alias("hi_ms"))
 
 
+def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,
+                         run_id: str, progress: Callable[[str], None]) -> int:
+    """Quarantine the batch's rows with an ``error`` (one transaction per run: a rerun adds
+    none), then refuse the whole batch if its ``historical_batch`` gate failed.
+
+    Raises:
+        QualityGateFailedError: the gate failed; nothing is merged, the rows are quarantined.
+    """
+    bad = batch.where(F.col("error").isNotNull())
+    quarantined = bad.count()
+    if quarantined:
+        tables.append_once(QUARANTINE.name, bad.select(
+            "raw", F.concat(F.lit(f"backfill:{run_id}:"), "source").alias("source"),
+            F.col("error").alias("reason"), "client_id",
+            F.current_timestamp().alias("quarantined_at"),
+            F.current_date().alias("quarantine_date")),
+            app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
+            metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+    if gate is not None:
+        progress(f"  {gate.describe()}")
+        gate.raise_if_failed(f"the batch was refused as a whole: nothing was merged, its "
+                             f"{quarantined} rows with problems are in quarantine; fix the "
+                             "batch and send it again")
+    return quarantined
+
+
+def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind: BatchKind,
+                     client_id: str, run_id: str, progress: Callable[[str], None]) -> int:
+    """Merge the batch's valid rows (one per key) exactly once, then check the tables with
+    the ``tables_after_merge`` gate; returns the rows written."""
+    dates = None
+    if kind == "pageviews":
+        dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
+        merged = merge_pageviews(tables, valid, client_id, run_id, dates)
+    else:
+        merged = merge_orders(tables, valid, client_id, run_id)
+    gate = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
+                                   run_id=run_id, valid=valid, dates=dates)
+    if gate is not None:
+        progress(f"  {gate.describe()}")
+    return merged
+
+
+@releases_cache
 def run_backfill(
     config: Config, *, kind: BatchKind, client_id: str, path: str,
     spark: SparkSession | None = None, progress: Callable[[str], None] = print,
@@ -138,40 +187,19 @@ def run_backfill(
     summary.rows_read = batch.count()
     # The historical_batch gate judges the batch as a whole: it marks the rows it implicates
     # (quarantined below, once) and refuses the batch, after quarantining, when too many are bad.
+    validated = batch
     batch, gate = gate_historical_batch(batch, raw.schema, kind=kind, key=KEY[kind],
                                         client_id=client_id, config=config, run_id=run_id)
-    bad = batch.where(F.col("error").isNotNull())
-    summary.quarantined = bad.count()
-    if summary.quarantined:
-        tables.append_once(QUARANTINE.name, bad.select(
-            "raw", F.concat(F.lit(f"backfill:{run_id}:"), "source").alias("source"),
-            F.col("error").alias("reason"), "client_id",
-            F.current_timestamp().alias("quarantined_at"),
-            F.current_date().alias("quarantine_date")),
-            app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
-            metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
-    if gate is not None:
-        progress(f"  {gate.describe()}")
-        gate.raise_if_failed(f"the batch was refused as a whole: nothing was merged, its "
-                             f"{summary.quarantined} rows with problems are in quarantine; fix "
-                             "the batch and send it again")
+    summary.quarantined = quarantine_or_refuse(tables, batch, gate, run_id, progress)
     valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY[kind]]).drop("error")
     valid = valid.persist()
     valid_count = valid.count()
     step("validate", started)
 
     started = time.monotonic()
-    dates = None
-    if kind == "pageviews":
-        dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
-        summary.rows_merged = merge_pageviews(tables, valid, client_id, run_id, dates)
-    else:
-        summary.rows_merged = merge_orders(tables, valid, client_id, run_id)
+    summary.rows_merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id,
+                                           progress)
     summary.duplicates_skipped = summary.rows_read - summary.quarantined - summary.rows_merged
-    merged = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
-                                     run_id=run_id, valid=valid, dates=dates)
-    if merged is not None:
-        progress(f"  {merged.describe()}")
     step("merge", started)
 
     started = time.monotonic()
@@ -184,7 +212,7 @@ def run_backfill(
     if summary.corrections.deferred_users and watermark is not None:
         _queue_open_tail(tables, valid, kind, scope, watermark, config.session_gap_ms, run_id)
     step("recompute and publish", started)
-    for frame in (batch, valid, scope):
+    for frame in (validated, valid, scope):
         frame.unpersist()
     if valid_count == 0:
         progress("  the batch has no valid rows")

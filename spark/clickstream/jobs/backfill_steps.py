@@ -39,9 +39,14 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import BatchRefusedError, QualityGateFailedError
+from clickstream.errors import BatchRefusedError, ConfigError, QualityGateFailedError
 from clickstream.io.delta_tables import DeltaTables, open_tables
-from clickstream.jobs.backfill import _queue_open_tail, merge_orders, merge_pageviews, scope_of
+from clickstream.jobs.backfill import (
+    _queue_open_tail,
+    merge_valid_rows,
+    quarantine_or_refuse,
+    scope_of,
+)
 from clickstream.jobs.batch_input import (
     KEY,
     BatchFiles,
@@ -63,9 +68,9 @@ from clickstream.jobs.corrections import (
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.correction_report import write_correction_report
-from clickstream.quality.gates import gate_historical_batch, gate_tables_after_merge
-from clickstream.spark_session import build_spark
-from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, SESSIONS
+from clickstream.quality.gates import gate_historical_batch
+from clickstream.spark_session import build_spark, releases_cache
+from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
 if TYPE_CHECKING:
     from clickstream.quality.gates import GateResult
@@ -198,6 +203,7 @@ def _would_merge(batch: _Batch, valid: DataFrame) -> int:
     return valid.select(*same).join(stored, same, "left_anti").count()
 
 
+@releases_cache
 def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
                 quality_gate: bool = False, spark: SparkSession | None = None,
                 progress: Progress = print) -> BatchCheck:
@@ -248,6 +254,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         batch.close()
 
 
+@releases_cache
 def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, run_id: str,
                 spark: SparkSession | None = None, progress: Progress = print) -> MergeResult:
     """Quarantine bad rows and merge the rest into ``pageviews`` / ``orders`` exactly once (S3),
@@ -263,30 +270,10 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         tables = batch.tables
         gate = batch.gate()
         rows_read = batch.rows.count()
-        bad = batch.bad()
-        quarantined = bad.count()
-        if quarantined:  # the same rows and transaction as run_backfill (S2)
-            tables.append_once(QUARANTINE.name, bad.select(
-                "raw", F.concat(F.lit(f"backfill:{run_id}:"), "source").alias("source"),
-                F.col("error").alias("reason"), "client_id",
-                F.current_timestamp().alias("quarantined_at"),
-                F.current_date().alias("quarantine_date")),
-                app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
-                metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
-        if gate is not None:
-            progress(f"  {gate.describe()}")
-            gate.raise_if_failed("the batch was refused as a whole: nothing was merged, its "
-                                 "rows with problems are in quarantine; fix the batch and send "
-                                 "it again")
+        # The same rows and transactions as run_backfill (S2).
+        quarantined = quarantine_or_refuse(tables, batch.rows, gate, run_id, progress)
         valid = batch.valid().persist()
-        dates = None
-        if kind == "pageviews":
-            dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
-            merged = merge_pageviews(tables, valid, client_id, run_id, dates)
-        else:
-            merged = merge_orders(tables, valid, client_id, run_id)
-        gate_tables_after_merge(tables, config, kind=kind, client_id=client_id, run_id=run_id,
-                                valid=valid, dates=dates)
+        merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id, progress)
         valid.unpersist()
         result = MergeResult(run_id, rows_read, merged, rows_read - quarantined - merged,
                              quarantined)
@@ -305,6 +292,7 @@ def _count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
     summary.attributions_changed = sum(v for (e, _), v in counts.items() if e == "attribution")
 
 
+@releases_cache
 def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path: str,
                        run_id: str, spark: SparkSession | None = None,
                        progress: Progress = print) -> CorrectionSummary:
@@ -370,6 +358,7 @@ def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity
     return mine.count(), bad.count(), first
 
 
+@releases_cache
 def check_applied(config: Config, *, client_id: str, run_id: str,
                   spark: SparkSession | None = None, progress: Progress = print
                   ) -> dict[str, int]:
@@ -411,6 +400,7 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
     return counts
 
 
+@releases_cache
 def publish_corrections(config: Config, *, client_id: str, run_id: str,
                         spark: SparkSession | None = None, progress: Progress = print) -> int:
     """Publish the run's stored corrections (new revisions and tombstones) to Kafka.
@@ -498,3 +488,89 @@ def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
     progress(summary)
     progress(f"report: {target}")
     return {"summary": summary, "report": str(target)}
+
+
+# --- steps as separate processes (the DAG's spark-submit tasks) ------------------------------
+
+STEPS = ("check", "merge", "recompute", "check-applied", "publish", "report")
+
+
+def locate_batch(config: Config, *, kind: BatchKind, client_id: str, path: str
+                 ) -> dict[str, Any]:
+    """The batch's files and run id, without Spark: the path check (inside the landing
+    folder, no traversal, no symlinks out), formats, and the fingerprint that pins every
+    later step to these exact files (S1).
+
+    Raises:
+        BatchRefusedError: the path leaves the landing folder, is missing or empty, or mixes
+            formats.
+    """
+    files = list_batch_files(config, path)
+    return {"run_id": backfill_run_id(kind, client_id, files), "root": str(files.root),
+            "file_count": len(files.files), "file_format": files.file_format}
+
+
+def step_result_path(config: Config, run_id: str, step: str) -> Path:
+    """Where a step run in its own process leaves its result for the steps after it."""
+    return config.home / "runs" / "backfill" / reports.safe_name(run_id) / f"{step}.json"
+
+
+def load_step_result(config: Config, run_id: str, step: str) -> dict[str, Any] | None:
+    """A step's saved result; None if the step has not run for this batch."""
+    path = step_result_path(config, run_id, step)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@releases_cache
+def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path: str,
+             run_id: str, dry_run: bool = False, spark: SparkSession | None = None,
+             progress: Progress = print) -> dict[str, Any]:
+    """Run one backfill step for a batch located by :func:`locate_batch` and save its result.
+
+    Each step reads what earlier steps saved (the results are keyed by the run id, so a
+    rerun of the same batch overwrites them); ``report`` ignores the writing steps' results
+    in a dry run.
+
+    Raises:
+        ConfigError: an unknown step, or a step whose predecessor has not run.
+        BatchRefusedError, QualityGateFailedError: as the step functions above.
+    """
+    if step not in STEPS:
+        raise ConfigError(f"unknown backfill step {step!r}; one of: {', '.join(STEPS)}")
+    batch = {"kind": kind, "client_id": client_id, "path": path, "spark": spark,
+             "progress": progress}
+    if step == "check":
+        check = check_batch(config, quality_gate=dry_run, **batch)
+        if check.run_id != run_id:  # (S1)
+            raise BatchRefusedError(
+                f"batch {check.root} changed since it was located (run {run_id}, now "
+                f"{check.run_id}); nothing was written. Trigger a new run for it")
+        result: dict[str, Any] = check.as_dict()
+    elif step == "merge":
+        result = dataclasses.asdict(merge_batch(config, run_id=run_id, **batch))
+    elif step == "recompute":
+        result = dataclasses.asdict(recompute_affected(config, run_id=run_id, **batch))
+    elif step == "check-applied":
+        result = check_applied(config, client_id=client_id, run_id=run_id, spark=spark,
+                               progress=progress)
+    elif step == "publish":
+        result = {"published": publish_corrections(config, client_id=client_id, run_id=run_id,
+                                                   spark=spark, progress=progress)}
+    else:
+        check = load_step_result(config, run_id, "check")
+        if check is None:
+            raise ConfigError(f"backfill {run_id}: no result of step 'check' under "
+                              f"{step_result_path(config, run_id, 'check').parent}; run the "
+                              "steps in order")
+        earlier = {} if dry_run else {
+            name: load_step_result(config, run_id, name)
+            for name in ("merge", "recompute", "check-applied", "publish")}
+        published = earlier.get("publish")
+        result = write_report(
+            config, check=check, dry_run=dry_run, merged=earlier.get("merge"),
+            corrections=earlier.get("recompute"), applied=earlier.get("check-applied"),
+            published=None if published is None else published["published"], spark=spark,
+            progress=progress)
+    target = step_result_path(config, run_id, step)
+    reports.write_atomically(target, json.dumps(result, indent=1, default=str))
+    return result

@@ -237,6 +237,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     """Compute and store the run's corrections (the plan); None when nothing changes."""
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
+        grown = (windows, old_sessions)  # persisted: released when the plan is stored
         if stream_watermark_ms is not None:  # (C4)
             open_tail = F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms)
             summary.deferred_users = windows.where(open_tail).count()
@@ -244,6 +245,8 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
                                              ["client_id", "user_id"], "left_semi")
         if windows.isEmpty():
+            for frame in grown:
+                frame.unpersist()
             return None
     with timer.step("recompute sessions and attributions"):
         new_sessions, new_attributions = (
@@ -270,14 +273,14 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     summary.orders_attributed = by_kind.get(True, 0)
     summary.orders_unattributed = by_kind.get(False, 0)
     if not counts:
-        for frame in (changes, new_sessions, new_attributions):
+        for frame in (changes, new_sessions, new_attributions, *grown):
             frame.unpersist()
         return None
     with timer.step("record corrections"):
         run.tables.append_once(CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
                                partition_by=CORRECTIONS.partition_by,
                                metadata={"run_id": run.run_id, "cause": run.cause})
-    for frame in (changes, new_sessions, new_attributions):
+    for frame in (changes, new_sessions, new_attributions, *grown):
         frame.unpersist()
     return stored_plan(run)
 

@@ -25,7 +25,7 @@ from clickstream.io.delta_tables import open_tables
 from clickstream.jobs.corrections import CorrectionSummary, Run, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
-from clickstream.spark_session import build_spark
+from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import RECOMPUTE_QUEUE
 
 
@@ -43,6 +43,7 @@ class RecomputeSummary:
                          f"{self.corrections[client].describe()}" for client in self.queued)
 
 
+@releases_cache
 def run_recompute(
     config: Config, *, client_id: str | None = None, spark: SparkSession | None = None,
     progress: Callable[[str], None] = print,
@@ -105,6 +106,7 @@ class FullRecomputeSummary:
                 f"{self.seconds:.1f}s")
 
 
+@releases_cache
 def run_full_recompute(
     config: Config, *, client_id: str, spark: SparkSession | None = None,
 ) -> FullRecomputeSummary:
