@@ -67,11 +67,13 @@ def tables(config: Config, spark: SparkSession) -> DeltaTables:
 def test_append_once_commits_each_app_version_exactly_once(tables, spark):
     batch = orders(spark, ("o1", "c1", D1, "1.50"), ("o2", "c2", D1, "2.00"))
 
-    assert tables.append_once("orders", batch, app_id="ingest", version=1, partition_by=PARTS,
-                              metadata=META)
+    first = tables.append_once("orders", batch, app_id="ingest", version=1, partition_by=PARTS,
+                               metadata=META)
+    assert first and first.rows == 2  # counted from the written files' statistics
     after_first = tables.version("orders")
-    assert not tables.append_once("orders", batch, app_id="ingest", version=1,
-                                  partition_by=PARTS, metadata=META)
+    replay = tables.append_once("orders", batch, app_id="ingest", version=1,
+                                partition_by=PARTS, metadata=META)
+    assert not replay and replay.rows == 0
     assert not tables.append_once("orders", batch, app_id="ingest", version=0,
                                   partition_by=PARTS, metadata=META)
     assert tables.version("orders") == after_first  # a replay commits nothing
@@ -128,8 +130,9 @@ def test_file_statistics_prune_exactly(tables, spark):
 def test_empty_batch_records_the_step_so_a_replay_is_skipped(tables, spark):
     empty = spark.createDataFrame([], ORDERS.schema)
 
-    assert tables.append_once("orders", empty, app_id="a", version=7, partition_by=PARTS,
-                              metadata=META)
+    result = tables.append_once("orders", empty, app_id="a", version=7, partition_by=PARTS,
+                                metadata=META)
+    assert result and result.rows == 0
     version = tables.version("orders")
     assert tables.app_version("orders", "a") == 7
     assert not tables.append_once("orders", empty, app_id="a", version=7, partition_by=PARTS,

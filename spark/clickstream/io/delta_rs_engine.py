@@ -72,6 +72,7 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
+    AppendResult,
     DeltaTables,
     PartitionFilter,
     ReplacePredicate,
@@ -111,6 +112,10 @@ class _WrittenFile:
     partition_values: dict[str, str | None]
     modification_time: int
     stats: str
+
+    @property
+    def rows(self) -> int:
+        return int(json.loads(self.stats)["numRecords"])
 
     def add_action(self) -> AddAction:
         # delta-rs takes the path as named on disk and URI-encodes it into the log itself.
@@ -193,12 +198,12 @@ class DeltaRsTables(DeltaTables):
         version: int,
         partition_by: Sequence[str],
         metadata: Mapping[str, Any],
-    ) -> bool:
+    ) -> AppendResult:
         """See :meth:`DeltaTables.append_once`. Delivery: exactly once per (app_id, version)."""
         properties = _commit_properties(metadata, app_id, version, "append_once")
         table = self._ensure_table(name, df.schema, partition_by, metadata)
         if _done(table, app_id, version):
-            return False
+            return AppendResult(committed=False)
         df = _conform(df, table, name)
         files = self._write_files(name, df, table)
 
@@ -212,7 +217,9 @@ class DeltaRsTables(DeltaTables):
             return True
 
         outcome = self._commit_files(name, "append", files, attempt)
-        return outcome is not _SKIPPED
+        if outcome is _SKIPPED:
+            return AppendResult(committed=False)
+        return AppendResult(committed=True, rows=sum(f.rows for f in files))
 
     def upsert(
         self,

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
+    AppendResult,
     DeltaTables,
     PartitionFilter,
     ReplacePredicate,
@@ -188,20 +189,23 @@ class DeltaSparkTables(DeltaTables):
         version: int,
         partition_by: Sequence[str],
         metadata: Mapping[str, Any],
-    ) -> bool:
+    ) -> AppendResult:
         """See :meth:`DeltaTables.append_once`. Delivery: exactly once per (app_id, version)."""
         if _done(self.app_version(name, app_id), version):
-            return False
+            return AppendResult(committed=False)
         user_metadata = _user_metadata(metadata, app_id, version)
 
-        def write() -> bool:
+        def write() -> AppendResult:
             (
                 df.write.format("delta").mode("append").partitionBy(*partition_by)
                 .option("txnAppId", app_id).option("txnVersion", version)  # edge case 3
                 .option("userMetadata", user_metadata)
                 .save(self.table_path(name))
             )
-            return True
+            # Delta's txn action makes a replay a no-op commit: read what this commit wrote.
+            last = self._delta(name).history(1).first()
+            metrics = (last["operationMetrics"] or {}) if last else {}
+            return AppendResult(committed=True, rows=int(metrics.get("numOutputRows", 0)))
 
         return self._retry(name, "append", write)
 

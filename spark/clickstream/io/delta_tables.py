@@ -49,6 +49,24 @@ a sequence of them (ORed), or a SQL predicate string over partition columns only
 
 
 @dataclass(frozen=True)
+class AppendResult:
+    """Outcome of :meth:`DeltaTables.append_once`; true when this call committed.
+
+    Attributes:
+        committed: False when the (app_id, version) step was already committed, so nothing
+            was written this time.
+        rows: rows this call committed (from the written files' statistics: no extra Spark
+            job counts them); 0 when nothing was committed.
+    """
+
+    committed: bool
+    rows: int = 0
+
+    def __bool__(self) -> bool:
+        return self.committed
+
+
+@dataclass(frozen=True)
 class UpsertResult:
     """Outcome of :meth:`DeltaTables.upsert`.
 
@@ -98,7 +116,7 @@ class DeltaTables(ABC):
         version: int,
         partition_by: Sequence[str],
         metadata: Mapping[str, Any],
-    ) -> bool:
+    ) -> AppendResult:
         """Append ``df`` to ``name`` unless step ``(app_id, version)`` is already committed.
 
         Delivery guarantee: exactly once per ``(app_id, version)``. If the table already records
@@ -117,7 +135,8 @@ class DeltaTables(ABC):
             metadata: commit metadata, JSON-serialisable (at least ``run_id`` and ``cause``).
 
         Returns:
-            True when this call committed, False when the step was already committed.
+            Whether this call committed (false when the step was already committed) and how
+            many rows it committed.
 
         Raises:
             CommitConflictError: concurrent commits kept conflicting after every retry.
@@ -193,7 +212,8 @@ class DeltaTables(ABC):
             metadata: commit metadata (``run_id``, ``cause``).
 
         Returns:
-            True when this call committed, False when the step was already committed.
+            Whether this call committed (false when the step was already committed) and how
+            many rows it committed.
         """
 
     @abstractmethod
