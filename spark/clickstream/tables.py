@@ -167,7 +167,9 @@ CORRECTIONS = TableSpec(
         ("partition_date", DateType(), False),  # session_date / order_date of the affected row
         ("corrected_at", TimestampType(), False),
     ),
-    ("client_id",),
+    # run_id too: a run reads (and resumes from) its own plan without scanning the client's
+    # whole correction history.
+    ("client_id", "run_id"),
     ("run_id", "entity", "key"),
 )
 

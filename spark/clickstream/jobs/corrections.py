@@ -289,8 +289,8 @@ def stored_plan(run: Run) -> DataFrame | None:
     """The run's corrections if it was planned before (a rerun resumes from here) (C3)."""
     if not run.tables.exists(CORRECTIONS.name):
         return None
-    rows = run.tables.read(CORRECTIONS.name, partition_filter={"client_id": run.client_id}
-                           ).where(F.col("run_id") == run.run_id).persist()
+    rows = run.tables.read(CORRECTIONS.name, partition_filter={
+        "client_id": run.client_id, "run_id": run.run_id}).persist()
     if rows.isEmpty():
         rows.unpersist()
         return None
