@@ -84,6 +84,8 @@ SEED = 2026
 TABLES_OF_INTEREST = ("sessions", "attributions", "orders")
 GOALS = {"backfill_vs_full": 0.2, "bytes_read_vs_affected": 1.5, "gates_share_of_backfill": 0.15}
 OTHER_BENCH_PATTERN = "sessionizer_bench"
+# Every phase's Spark (local mode: executors inside the driver JVM) gets the same memory.
+DRIVER_MEMORY = "8g"
 COPIES = ("warehouse-backfill", "warehouse-baseline", "warehouse-backfill-bytes")
 
 
@@ -314,7 +316,8 @@ def _config(state: dict[str, Any], warehouse: str):
 
     return Config(warehouse=Path(warehouse), home=Path(state["workdir"]) / "home",
                   landing=Path(state["workdir"]) / "landing",
-                  kafka_bootstrap_servers=state["bootstrap"], spark_master="local[2]")
+                  kafka_bootstrap_servers=state["bootstrap"], spark_master="local[2]",
+                  driver_memory=DRIVER_MEMORY)
 
 
 def _proc_io(pid: int) -> dict[str, int]:
@@ -1002,7 +1005,9 @@ def _machine() -> dict[str, Any]:
     memory = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
     return {"cpus": os.cpu_count(), "cpu": cpu, "mem_gib": round(int(memory) / 2**20, 1),
             "python": platform.python_version(), "pyspark": pyspark.__version__,
-            "duckdb": duckdb.__version__, "spark_master": "local[2]", "duckdb_threads": 2}
+            "duckdb": duckdb.__version__, "spark_master": "local[2]",
+            "spark_driver_memory": DRIVER_MEMORY,
+            "duckdb_threads": 2}
 
 
 # ------------------------------------------------------------------------------------------

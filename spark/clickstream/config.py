@@ -42,8 +42,10 @@ ENV_NAMES: dict[str, str] = {
     "trigger_interval_seconds": "CLICKSTREAM_TRIGGER_INTERVAL",
     "kafka_options": "CLICKSTREAM_KAFKA_OPTIONS",
     "quality_gates": "CLICKSTREAM_QUALITY_GATES",
+    "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
 }
 
+_MEMORY = re.compile(r"^\d+[kmgt]?$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
 
@@ -95,6 +97,9 @@ class Config:
     # "enforce": data-quality gates (clickstream.quality) validate every step and stop it on
     # failure; "off": skipped (an emergency bypass, and the baseline of the gates' benchmark).
     quality_gates: QualityGatesMode = "enforce"
+    # spark.driver.memory of the sessions this product starts; with a local master the
+    # executors live in the driver's JVM, so this is all the memory a local job has.
+    driver_memory: str = "4g"
 
     def __post_init__(self) -> None:
         _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
@@ -104,6 +109,9 @@ class Config:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {value}")
+        if not _MEMORY.match(self.driver_memory):
+            raise ConfigError(f"{ENV_NAMES['driver_memory']}={self.driver_memory!r} is not a "
+                              "JVM memory size; use e.g. 4g or 2048m")
         for name in ("warehouse", "home", "landing"):
             object.__setattr__(self, name, Path(getattr(self, name)).expanduser().resolve())
 

@@ -32,6 +32,9 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         .config("spark.ui.enabled", str(ui).lower())
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
+        # Takes effect when this call starts the JVM (not under spark-submit, whose
+        # --driver-memory then applies).
+        .config("spark.driver.memory", config.driver_memory)
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stateStore.providerClass",

@@ -106,12 +106,14 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
     return count
 
 
-def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind) -> DataFrame:
+def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
+             client_id: str) -> DataFrame:
     """Where the batch lands, per user; for orders also where their previous version was
     attributed (an order whose ts changed leaves its old session)."""
     scope = valid.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
     if kind == "orders" and tables.exists(ATTRIBUTIONS.name):
-        previous = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"]
+        previous = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
+                               partition_filter={"client_id": client_id}
                                ).join(valid.select("order_id"), "order_id", "left_semi")
         scope = scope.unionByName(previous.select(
             "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms")))
@@ -206,7 +208,7 @@ def run_backfill(
     watermark = stream_watermark_ms(config)
     run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
               progress)
-    scope = scope_of(tables, valid, kind).persist()
+    scope = scope_of(tables, valid, kind, client_id).persist()
     summary.corrections = correct(run, scope, orders_only=kind == "orders",
                                   stream_watermark_ms=watermark)
     if summary.corrections.deferred_users and watermark is not None:

@@ -232,7 +232,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
         valid = batch.valid().persist()
         valid_rows = valid.count()
-        scope = scope_of(batch.tables, valid, kind)
+        scope = scope_of(batch.tables, valid, kind, client_id)
         in_reach = 0
         if valid_rows and batch.tables.exists(SESSIONS.name):
             windows, inside = grow_windows(batch.correction_run(progress), scope)
@@ -309,7 +309,7 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         timer = Timer(summary, progress)
         watermark = stream_watermark_ms(config)
         valid = batch.valid().persist()
-        scope = scope_of(batch.tables, valid, kind).persist()
+        scope = scope_of(batch.tables, valid, kind, client_id).persist()
         changes = stored_plan(run)
         if changes is not None:
             summary.resumed = True

@@ -139,8 +139,10 @@ def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
     bounds = scope.agg(F.min("lo_ms"), F.max("hi_ms")).first()
     if bounds is None or bounds[0] is None:
         return scope, run.spark.createDataFrame([], SESSIONS.schema)
+    # The scope's users' stored sessions in the range, read once for both joins below.
     sessions = _read(run, SESSIONS, "session_date", bounds[0] - run.gap_ms,
-                     bounds[1] + run.gap_ms)
+                     bounds[1] + run.gap_ms).join(
+        scope.select("client_id", "user_id"), ["client_id", "user_id"], "left_semi").persist()
     near = sessions.join(scope, ["client_id", "user_id"]).where(
         (_ms("session_start") - run.gap_ms < F.col("hi_ms"))
         & (_ms("session_end") + run.gap_ms > F.col("lo_ms")))
@@ -152,6 +154,8 @@ def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
     inside = sessions.join(windows, ["client_id", "user_id"]).where(
         (_ms("session_start") >= F.col("lo_ms")) & (_ms("session_end") <= F.col("hi_ms"))
     ).select(*SESSIONS.schema.fieldNames()).persist()
+    inside.count()  # materialises windows and inside, so the read can be released
+    sessions.unpersist()
     return windows, inside
 
 
@@ -179,13 +183,19 @@ def _attribution_rows(emitted: DataFrame) -> DataFrame:
         F.to_date(F.timestamp_millis("record_ts_ms")).alias("order_date"))
 
 
-def recompute(run: Run, windows: DataFrame, old_sessions: DataFrame,
-              orders_only: bool) -> tuple[DataFrame, DataFrame]:
-    """New sessions and attributions inside the windows (no revision yet)."""
+def window_orders(run: Run, windows: DataFrame) -> DataFrame:
+    """The stored orders inside the windows (attributable to their sessions)."""
     bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
     lo, hi = bounds[0], bounds[1] + run.gap_ms
-    orders = _in_windows(_read(run, ORDERS, "event_date", lo, hi), windows, "ts", run.gap_ms)
+    return _in_windows(_read(run, ORDERS, "event_date", lo, hi), windows, "ts", run.gap_ms)
+
+
+def recompute(run: Run, windows: DataFrame, old_sessions: DataFrame, orders: DataFrame,
+              orders_only: bool) -> tuple[DataFrame, DataFrame]:
+    """New sessions and attributions inside the windows (no revision yet)."""
     if not orders_only:
+        bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
+        lo, hi = bounds[0], bounds[1] + run.gap_ms
         pageviews = _in_windows(_read(run, PAGEVIEWS, "event_date", lo, hi), windows, "ts", 0)
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
         return _session_rows(emitted), _attribution_rows(emitted)
@@ -249,10 +259,12 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
                 frame.unpersist()
             return None
     with timer.step("recompute sessions and attributions"):
-        new_sessions, new_attributions = (
-            frame.persist() for frame in recompute(run, windows, old_sessions, orders_only))
+        orders = window_orders(run, windows).persist()
+        grown = (*grown, orders)
+        new_sessions, new_attributions = (frame.persist() for frame in recompute(
+            run, windows, old_sessions, orders, orders_only))
         # Before anything is recorded: a failing gate leaves no plan to resume (C3).
-        gate_recomputed_sessions(run, new_sessions, new_attributions)
+        gate_recomputed_sessions(run, new_sessions, new_attributions, orders)
         bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
         old_attributions = _in_windows(
             _read(run, ATTRIBUTIONS, "order_date", bounds[0], bounds[1] + run.gap_ms),

@@ -52,7 +52,7 @@ from pyspark.sql.types import (
 from clickstream.config import Config
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, PartitionFilter
-from clickstream.tables import ORDERS, TableSpec
+from clickstream.tables import TableSpec
 
 EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$"
 HISTORY_DEPTH = 200  # commits searched for a run's merge or apply commit (K3)
@@ -286,8 +286,8 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
 
 # --- recomputed_sessions ---------------------------------------------------------------------
 
-def recomputed_sessions_checks(tables: DeltaTables, *, client_id: str, gap_ms: int,
-                               sessions: DataFrame, attributions: DataFrame) -> Checks:
+def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions: DataFrame,
+                               orders: DataFrame) -> Checks:
     """Invariants of the recomputed sessions and attributions of the affected windows.
 
     One Spark job: the user's previous session by a window, the attributed orders per
@@ -295,20 +295,14 @@ def recomputed_sessions_checks(tables: DeltaTables, *, client_id: str, gap_ms: i
     the two, so orders attributed to a session that is not there show up too.
 
     Args:
-        tables: the warehouse (orders are read for their amounts).
-        client_id: the run's client.
         gap_ms: the session gap.
         sessions: recomputed sessions (``SESSIONS`` columns, revision not needed).
         attributions: recomputed attributions (``ATTRIBUTIONS`` columns, no revision).
+        orders: the stored orders the recompute attributed (at least ``order_id``,
+            ``amount``): their amounts are what the revenue must add up to.
     """
-    attributed = attributions.where(F.col("session_id").isNotNull())
-    if tables.exists(ORDERS.name):  # the client's orders: no extra job to find their days
-        attributed = attributed.join(
-            tables.read(ORDERS.name, ["order_id", "amount"], {"client_id": client_id}),
-            "order_id", "left")
-    else:
-        attributed = attributed.withColumn(
-            "amount", F.lit(None).cast(ORDERS.schema["amount"].dataType))
+    attributed = attributions.where(F.col("session_id").isNotNull()).join(
+        orders.select("order_id", "amount"), "order_id", "left")
     totals = attributed.groupBy("session_id").agg(
         F.count(F.lit(1)).alias("_orders"), F.sum("amount").alias("_revenue"),
         F.min("order_ts").alias("_first_order"), F.max("order_ts").alias("_last_order"))

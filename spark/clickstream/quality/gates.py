@@ -443,10 +443,10 @@ def gate_tables_after_merge(tables: DeltaTables, config: Config, *, kind: str, c
     return result
 
 
-def gate_recomputed_sessions(run: Run, sessions: DataFrame, attributions: DataFrame
-                             ) -> GateResult | None:
+def gate_recomputed_sessions(run: Run, sessions: DataFrame, attributions: DataFrame,
+                             orders: DataFrame) -> GateResult | None:
     """The ``recomputed_sessions`` gate on a run's recomputed windows, before the plan is
-    recorded.
+    recorded. ``orders`` are the stored orders inside the windows (their amounts).
 
     Raises:
         QualityGateFailedError: nothing recorded, applied or published.
@@ -456,9 +456,8 @@ def gate_recomputed_sessions(run: Run, sessions: DataFrame, attributions: DataFr
     sessions.count(), attributions.count()  # the step's own work (they are persisted)
     started = time.monotonic()
     job, run_id = split_run_id(run.run_id)
-    checks = C.recomputed_sessions_checks(run.tables, client_id=run.client_id,
-                                          gap_ms=run.gap_ms, sessions=sessions,
-                                          attributions=attributions)
+    checks = C.recomputed_sessions_checks(gap_ms=run.gap_ms, sessions=sessions,
+                                          attributions=attributions, orders=orders)
     result = run_gate("recomputed_sessions", checks, config=run.config, job=job,
                       run_id=run_id, client_id=run.client_id,
                       started=started)
