@@ -68,6 +68,8 @@ def assert_topic_equals_table(config: Config, spark, topic: str, table: str, key
         {r[key]: r["revision"] for r in rows}
 
 
+# Two real runs: twelve spark-submit steps, each its own JVM (~4 min on an idle 2-core box).
+@pytest.mark.timeout(1500)
 def test_backfill_publishes_corrections_to_kafka(backfill_dag, env_config: Config,
                                                  spark) -> None:
     config = env_config
