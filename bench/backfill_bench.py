@@ -84,7 +84,7 @@ SEED = 2026
 TABLES_OF_INTEREST = ("sessions", "attributions", "orders")
 GOALS = {"backfill_vs_full": 0.2, "bytes_read_vs_affected": 1.5, "gates_share_of_backfill": 0.15}
 OTHER_BENCH_PATTERN = "sessionizer_bench"
-CHANGELOG_PARTITIONS = {"sessions": 512, "attributions": 256}
+CHANGELOG_PARTITIONS = {"bench-sessions": 512, "bench-attributions": 256}
 # Every phase's Spark (local mode: executors inside the driver JVM) gets the same memory.
 DRIVER_MEMORY = "8g"
 COPIES = ("warehouse-backfill", "warehouse-baseline", "warehouse-backfill-bytes")
@@ -318,7 +318,8 @@ def _config(state: dict[str, Any], warehouse: str):
     return Config(warehouse=Path(warehouse), home=Path(state["workdir"]) / "home",
                   landing=Path(state["workdir"]) / "landing",
                   kafka_bootstrap_servers=state["bootstrap"], spark_master="local[2]",
-                  driver_memory=DRIVER_MEMORY)
+                  driver_memory=DRIVER_MEMORY, sessions_topic="bench-sessions",
+                  attributions_topic="bench-attributions")
 
 
 def _proc_io(pid: int) -> dict[str, int]:
@@ -832,7 +833,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     broker = EmbeddedBroker(port=0).start()
     # The embedded broker keeps ~5 MiB per partition (kafka_broker limit 2): the changelog
-    # topics get enough partitions for every revision the setup and the three runs publish
+    # topics (the product's own have 16 partitions) get enough partitions for every revision the setup and the three runs publish
     # (~4M sessions, ~0.6M attributions), so the publish gate can read all of them back.
     for topic, partitions in CHANGELOG_PARTITIONS.items():
         broker.create_topic(topic, partitions)
