@@ -832,9 +832,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "product_source": _source_fingerprint(),
     }
     broker = EmbeddedBroker(port=0).start()
-    # The embedded broker keeps ~5 MiB per partition (kafka_broker limit 2): the changelog
-    # topics (the product's own have 16 partitions) get enough partitions for every revision the setup and the three runs publish
-    # (~4M sessions, ~0.6M attributions), so the publish gate can read all of them back.
+    # The embedded broker keeps ~5 MiB per partition (kafka_broker limit 2): the bench's
+    # changelog topics get enough partitions for every revision the setup and the three runs
+    # publish (~4M sessions, ~0.6M attributions), so the publish gate reads all of them back.
     for topic, partitions in CHANGELOG_PARTITIONS.items():
         broker.create_topic(topic, partitions)
     try:
