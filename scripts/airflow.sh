@@ -119,7 +119,8 @@ airflow_stop() {
     # Each component runs in the session it created (setsid): its pid is the session id.
     # Task processes (and their Spark JVMs) stay in that session, so they are stopped too.
     sid=$pid
-    pids=$(ps -o pid= -s "$sid" 2>/dev/null | tr '\n' ' ')
+    # ps fails when the session is already empty: not an error (set -e, pipefail).
+    pids=$(ps -o pid= -s "$sid" 2>/dev/null | tr '\n' ' ' || true)
     if [ -n "${pids// /}" ]; then kill -TERM $pids 2>/dev/null || true; fi
   done
   for _ in $(seq 1 30); do
@@ -129,7 +130,7 @@ airflow_stop() {
     sleep 0.5
   done
   for sid in "${_STARTED_PIDS[@]}"; do
-    pids=$(ps -o pid= -s "$sid" 2>/dev/null | tr '\n' ' ')
+    pids=$(ps -o pid= -s "$sid" 2>/dev/null | tr '\n' ' ' || true)
     if [ -n "${pids// /}" ]; then kill -KILL $pids 2>/dev/null || true; fi
   done
   _STARTED_PIDS=()
