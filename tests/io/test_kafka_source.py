@@ -10,7 +10,13 @@ from pyspark.sql import DataFrame, SparkSession
 from clickstream.config import Config
 from clickstream.errors import DataLossError
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_offset_range
+from clickstream.io.kafka_clients import (
+    flush_or_raise,
+    make_producer,
+    read_offset_range,
+    read_offset_ranges,
+    topic_watermarks,
+)
 from clickstream.io.kafka_source import _rate_limit, read_kafka_stream
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -81,6 +87,25 @@ def test_reading_a_range_the_broker_dropped_raises_data_loss(
     broker.delete_records(topic, 0, 4)
     with pytest.raises(DataLossError, match=r"records 2\.\.3 were dropped"):
         list(read_offset_range(kafka_config, topic, 0, 2, 10))
+
+
+def test_ranges_of_many_partitions_are_read_with_one_consumer_exactly(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker
+) -> None:
+    topic = make_topic(partitions=6)
+    produce(kafka_config, topic, 120)  # keys k0..k2: three partitions at most get records
+    ends = {p: high for p, (_low, high) in topic_watermarks(kafka_config, topic).items()}
+    ranges = {p: (min(1, end), end) for p, end in ends.items()}
+    got: dict[int, list[int]] = {}
+    for batch in read_offset_ranges(kafka_config, topic, ranges):
+        for message in batch:
+            got.setdefault(message.partition(), []).append(message.offset())
+    assert got == {p: list(range(start, end)) for p, (start, end) in ranges.items()
+                   if end > start}
+    busy = max(ends, key=ends.get)
+    broker.delete_records(topic, busy, 3)
+    with pytest.raises(DataLossError, match=r"records 1\.\.2 were dropped"):
+        list(read_offset_ranges(kafka_config, topic, ranges))
 
 
 def _native_kafka_available(spark: SparkSession) -> bool:

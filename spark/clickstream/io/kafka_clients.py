@@ -487,43 +487,72 @@ def read_offset_range(
         DataLossError: Records of the range are gone.
         BrokerUnavailableError: No record arrived for ``idle_timeout_s``.
     """
+    yield from read_offset_ranges(config, topic, {partition: (start, end)},
+                                  fail_on_gaps=fail_on_gaps, idle_timeout_s=idle_timeout_s,
+                                  batch_size=batch_size)
+
+
+def read_offset_ranges(
+    config: Config, topic: str, ranges: Mapping[int, tuple[int, int]], *,
+    fail_on_gaps: bool = True, idle_timeout_s: float = 60.0, batch_size: int = 20_000,
+) -> Iterator[list[Message]]:
+    """:func:`read_offset_range` for several partitions of a topic with one consumer (a
+    consumer per partition costs a connection and a metadata round trip each, which dominates
+    reading back a topic of hundreds of partitions). Batches may mix partitions; each
+    partition's records come in offset order.
+
+    Args:
+        ranges: partition -> ``(start, end)``; empty ranges are skipped.
+    """
+    expected = {p: start for p, (start, end) in ranges.items() if end > start}
+    ends = {p: ranges[p][1] for p in expected}
+    if not expected:
+        return
     settings = consumer_config(config, **{"auto.offset.reset": "error",
                                           "enable.partition.eof": False,
                                           "fetch.max.bytes": 52_428_800,
                                           "max.partition.fetch.bytes": 10_485_760})
     consumer = Consumer(settings)
     try:
-        consumer.assign([TopicPartition(topic, partition, start)])
-        expected, idle = start, 0.0
-        while expected < end:
-            messages = consumer.consume(num_messages=min(batch_size, end - expected), timeout=1.0)
+        consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
+        idle = 0.0
+        while expected:
+            wanted = sum(ends[p] - e for p, e in expected.items())
+            messages = consumer.consume(num_messages=min(batch_size, wanted), timeout=1.0)
             if not messages:
                 idle += 1.0
                 if idle >= idle_timeout_s:
+                    waiting = ", ".join(f"{p} at {e}" for p, e in sorted(expected.items())[:5])
                     raise BrokerUnavailableError(
-                        f"no records from topic {topic} partition {partition} at offset "
-                        f"{expected} for {idle_timeout_s:g} s (wanted up to {end - 1}); is Kafka "
-                        f"reachable at {config.kafka_bootstrap_servers}? Rerunning retries the "
-                        "same offsets"
+                        f"no records from topic {topic} (partitions {waiting}) for "
+                        f"{idle_timeout_s:g} s; is Kafka reachable at "
+                        f"{config.kafka_bootstrap_servers}? Rerunning retries the same offsets"
                     )
                 continue
             idle = 0.0
             batch: list[Message] = []
             for message in messages:
                 error = message.error()
+                partition = message.partition()
                 if error is not None:
                     if error.code() == KafkaError._AUTO_OFFSET_RESET:
                         low, high = consumer.get_watermark_offsets(
                             TopicPartition(topic, partition), timeout=10, cached=False)
-                        check_no_data_loss(topic, partition, expected, low, high)
+                        check_no_data_loss(topic, partition, expected.get(partition, low), low,
+                                           high)
                     raise KafkaException(error)
-                offset = message.offset()
-                if offset < expected or offset >= end:
+                if partition not in expected:
                     continue
-                if offset > expected and fail_on_gaps:
-                    check_no_data_loss(topic, partition, expected, offset)
+                offset = message.offset()
+                if offset < expected[partition] or offset >= ends[partition]:
+                    continue
+                if offset > expected[partition] and fail_on_gaps:
+                    check_no_data_loss(topic, partition, expected[partition], offset)
                 batch.append(message)
-                expected = offset + 1
+                expected[partition] = offset + 1
+                if expected[partition] >= ends[partition]:
+                    del expected[partition]
+                    consumer.pause([TopicPartition(topic, partition)])  # done: fetch no more
             if batch:
                 yield batch
     finally:

@@ -361,22 +361,19 @@ def topic_ends(config: Config, topics: Sequence[str]) -> dict[str, dict[int, int
 def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
                    ) -> dict[str, dict[str, set[int | None]]]:
     """Per topic, every key written after ``since`` with its revisions (None = tombstone)."""
-    from clickstream.io.kafka_clients import read_offset_range
+    from clickstream.io.kafka_clients import read_offset_ranges
 
     now = topic_ends(config, list(since))
     seen: dict[str, dict[str, set[int | None]]] = {}
     for topic, ends in now.items():
         keys = seen.setdefault(topic, {})
-        for partition, end in ends.items():
-            start = since[topic].get(partition, 0)
-            if end <= start:
-                continue
-            for batch in read_offset_range(config, topic, partition, start, end):
-                for message in batch:
-                    raw_key = message.key()
-                    if raw_key is None:
-                        continue
-                    keys.setdefault(raw_key.decode(), set()).add(_revision(message.value()))
+        ranges = {p: (since[topic].get(p, 0), end) for p, end in ends.items()}
+        for batch in read_offset_ranges(config, topic, ranges):  # one consumer per topic
+            for message in batch:
+                raw_key = message.key()
+                if raw_key is None:
+                    continue
+                keys.setdefault(raw_key.decode(), set()).add(_revision(message.value()))
     return seen
 
 
