@@ -23,11 +23,15 @@ Known edge cases, cited inline as (G1)..(G4):
   G3. ``Batch.validate`` is used, not ``ValidationDefinition.run``: the latter also stores
       every result in the context's store, which grows without bound in a long-running stream.
   G4. GX prints progress bars per validation unless they are switched off in the context.
+  G5. On import GX logs one INFO line per public function it documents (hundreds); under
+      Airflow's INFO logging they buried task logs and test failures, so that logger is
+      raised to WARNING when this module (the only way the product reaches GX) is imported.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Mapping
 from functools import cache
@@ -36,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from clickstream.config import REPO_ROOT
 from clickstream.errors import ConfigError
+
+logging.getLogger("great_expectations._docs_decorators").setLevel(logging.WARNING)  # (G5)
 
 if TYPE_CHECKING:
     from great_expectations.core import ExpectationSuiteValidationResult
