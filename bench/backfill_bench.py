@@ -154,6 +154,32 @@ def own_cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def tree_cpu() -> dict[tuple[int, int], float]:
+    """CPU seconds of this process and each live descendant (the phase processes and their
+    Spark JVMs), by (pid, start time). Per process and without ``cutime``, so nothing is
+    counted twice; ``os.times`` alone misses the JVMs, which pyspark never reaps."""
+    hz = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:  # exited meanwhile
+                continue
+            stats[int(entry.name)] = text[text.rindex(")") + 2:].split()
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    tree, todo = [], [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    # fields from "state" on: utime, stime are the 12th, 13th; starttime the 20th
+    return {(pid, int(stats[pid][19])): (int(stats[pid][11]) + int(stats[pid][12])) / hz
+            for pid in tree if pid in stats}
+
+
 def busy_share(window_s: float = 5.0) -> float:
     """Share of the machine's CPU capacity used by others during ``window_s``."""
     b0, t0 = machine_cpu()
@@ -206,7 +232,8 @@ def wait_until_idle(max_wait_s: float, quiet_s: float = 60, cpu_threshold: float
 
 class BusyWatcher:
     """While a timed phase runs: other benchmarks seen, load average, and the CPU seconds the
-    rest of the machine used (machine busy time minus this process tree's)."""
+    rest of the machine used (machine busy time minus this process tree's, the tree sampled
+    every second so that processes ending before the phase are counted as ours)."""
 
     def __init__(self) -> None:
         self.samples: list[dict[str, Any]] = []
@@ -214,22 +241,29 @@ class BusyWatcher:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(10):
-            self.samples.append({"others": len(other_benchmarks()),
-                                 "loadavg_1m": os.getloadavg()[0]})
+        ticks = 0
+        while not self._stop.wait(1):
+            self._tree.update(tree_cpu())
+            ticks += 1
+            if ticks % 10 == 0:
+                self.samples.append({"others": len(other_benchmarks()),
+                                     "loadavg_1m": os.getloadavg()[0]})
 
     def __enter__(self) -> BusyWatcher:
-        self._machine0, self._own0, self._t0 = machine_cpu(), own_cpu(), time.monotonic()
+        self._tree0 = tree_cpu()
+        self._tree = dict(self._tree0)
+        self._machine0, self._t0 = machine_cpu(), time.monotonic()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        (b1, t1), own1 = machine_cpu(), own_cpu()
+        self._tree.update(tree_cpu())
+        b1, t1 = machine_cpu()
         self.wall = time.monotonic() - self._t0
         self.capacity = t1 - self._machine0[1]
-        self.own = own1 - self._own0
+        self.own = sum(cpu - self._tree0.get(key, 0.0) for key, cpu in self._tree.items())
         self.others = max(0.0, (b1 - self._machine0[0]) - self.own)
 
     def summary(self) -> dict[str, Any]:
@@ -736,6 +770,17 @@ def compare_results(duck_out: Path, backfill_wh: Path, baseline_wh: Path) -> dic
                "order_count", "revenue")
     differs = " OR ".join(f"a.{c} IS DISTINCT FROM b.{c}" for c in columns)
 
+    def compare(left: str, right: str, key: str, differs: str) -> dict[str, Any]:
+        """Rows only on the left, only on the right, and on both sides but different."""
+        row = con.execute(
+            f"SELECT count(*) FILTER (WHERE b.{key} IS NULL), "
+            f"count(*) FILTER (WHERE a.{key} IS NULL), "
+            f"count(*) FILTER (WHERE a.{key} IS NOT NULL AND b.{key} IS NOT NULL "
+            f"AND ({differs})), count(*) "
+            f"FROM {left} a FULL OUTER JOIN {right} b USING ({key})").fetchone()
+        return {"only_left": row[0], "only_right": row[1], "different": row[2],
+                "rows": row[3], "equal": row[0] == row[1] == row[2] == 0}
+
     def sessions(files: list[str]) -> str:
         return (f"(SELECT session_id, session_start::TIMESTAMP AS session_start, "
                 f"session_end::TIMESTAMP AS session_end, pageview_count, landing_url, exit_url, "
@@ -751,14 +796,7 @@ def compare_results(duck_out: Path, backfill_wh: Path, baseline_wh: Path) -> dic
         ("full_recompute_vs_backfill_sessions", baseline, backfill,
          " OR a.revision IS DISTINCT FROM b.revision"),
     ):
-        row = con.execute(
-            f"SELECT count(*) FILTER (WHERE b.session_id IS NULL), "
-            f"count(*) FILTER (WHERE a.session_id IS NULL), "
-            f"count(*) FILTER (WHERE a.session_id IS NOT NULL AND b.session_id IS NOT NULL "
-            f"AND ({differs}{extra})), count(*) "
-            f"FROM {left} a FULL OUTER JOIN {right} b USING (session_id)").fetchone()
-        out[name] = {"only_left": row[0], "only_right": row[1], "different": row[2],
-                     "rows": row[3], "equal": row[0] == row[1] == row[2] == 0}
+        out[name] = compare(left, right, "session_id", differs + extra)
 
     def attributions(files: list[str]) -> str:
         return f"(SELECT order_id, session_id FROM read_parquet({files!r}))"
@@ -771,14 +809,7 @@ def compare_results(duck_out: Path, backfill_wh: Path, baseline_wh: Path) -> dic
          attributions(client_files(baseline_wh / "attributions", CLIENT)),
          attributions(client_files(backfill_wh / "attributions", CLIENT))),
     ):
-        row = con.execute(
-            f"SELECT count(*) FILTER (WHERE b.order_id IS NULL), "
-            f"count(*) FILTER (WHERE a.order_id IS NULL), "
-            f"count(*) FILTER (WHERE a.session_id IS DISTINCT FROM b.session_id "
-            f"AND a.order_id IS NOT NULL AND b.order_id IS NOT NULL), count(*) "
-            f"FROM {left} a FULL OUTER JOIN {right} b USING (order_id)").fetchone()
-        out[name] = {"only_left": row[0], "only_right": row[1], "different": row[2],
-                     "rows": row[3], "equal": row[0] == row[1] == row[2] == 0}
+        out[name] = compare(left, right, "order_id", "a.session_id IS DISTINCT FROM b.session_id")
     con.close()
     return out
 

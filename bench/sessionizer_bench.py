@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -1111,6 +1111,19 @@ class Pacer:
 # ------------------------------------------------------------------------------------------
 
 
+def delta_commits(table: Path) -> Iterator[tuple[Path, int | None, list[str]]]:
+    """(log file, commit timestamp ms or None, data files added) of every commit, in order."""
+    for entry in sorted((table / "_delta_log").glob("*.json")):
+        commit_ms, added = None, []
+        for line in entry.read_text().splitlines():
+            action = json.loads(line)
+            if "commitInfo" in action:
+                commit_ms = action["commitInfo"].get("timestamp")
+            elif "add" in action:
+                added.append(unquote(action["add"]["path"]))
+        yield entry, commit_ms, added
+
+
 def pageview_commit_latencies(table: Path) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     """Latency (ms) of every bench-marked pageview, keyed by phase, and one row per version.
 
@@ -1122,15 +1135,7 @@ def pageview_commit_latencies(table: Path) -> tuple[dict[str, np.ndarray], list[
 
     by_phase: dict[str, list[np.ndarray]] = {}
     versions = []
-    for entry in sorted((table / "_delta_log").glob("*.json")):
-        commit_ms = None
-        added = []
-        for line in entry.read_text().splitlines():
-            action = json.loads(line)
-            if "commitInfo" in action:
-                commit_ms = action["commitInfo"].get("timestamp")
-            elif "add" in action:
-                added.append(unquote(action["add"]["path"]))
+    for entry, commit_ms, added in delta_commits(table):
         if commit_ms is None:
             commit_ms = int(entry.stat().st_mtime * 1000)
         rows = 0
@@ -1571,14 +1576,7 @@ def latency_windows(table: Path, t0: float, window_s: float = 10.0) -> list[dict
     import pyarrow.parquet as pq
 
     rows: list[tuple[np.ndarray, np.ndarray]] = []
-    for entry in sorted((table / "_delta_log").glob("*.json")):
-        commit_ms, added = None, []
-        for line in entry.read_text().splitlines():
-            action = json.loads(line)
-            if "commitInfo" in action:
-                commit_ms = action["commitInfo"].get("timestamp")
-            elif "add" in action:
-                added.append(unquote(action["add"]["path"]))
+    for _entry, commit_ms, added in delta_commits(table):
         for rel in added:
             refs = pq.read_table(table / rel, columns=["referrer"]).column("referrer")
             refs = pc.filter(refs, pc.starts_with(refs, MARK + "m/"))

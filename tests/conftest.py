@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,3 +47,14 @@ def broker() -> Iterator[EmbeddedBroker]:
 def kafka_config(config: Config, broker: EmbeddedBroker) -> Config:
     """The per-test Config (temp folders) with KAFKA_BOOTSTRAP_SERVERS set to the broker."""
     return config.replace(kafka_bootstrap_servers=broker.bootstrap_servers)
+
+
+@pytest.fixture
+def stream_config(kafka_config: Config, broker: EmbeddedBroker) -> Config:
+    """Own topics per test, so tests sharing the broker never see each other's records."""
+    suffix = uuid.uuid4().hex[:8]
+    topics = {"events_topic": f"events-{suffix}", "sessions_topic": f"sessions-{suffix}",
+              "attributions_topic": f"attributions-{suffix}"}
+    for name in topics.values():
+        broker.create_topic(name, 4)
+    return kafka_config.replace(**topics)

@@ -17,7 +17,6 @@ from pyspark.sql import SparkSession
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
@@ -29,16 +28,6 @@ from tests.reference import reference_sessions
 START = datetime(2026, 11, 1, tzinfo=UTC)
 GAP_MS = 30 * 60_000
 TABLES = ("pageviews", "orders", "sessions", "attributions", "corrections", "quarantine")
-
-
-@pytest.fixture
-def bf_config(kafka_config: Config, broker: EmbeddedBroker) -> Config:
-    suffix = uuid.uuid4().hex[:8]
-    topics = {"events_topic": f"events-{suffix}", "sessions_topic": f"sessions-{suffix}",
-              "attributions_topic": f"attributions-{suffix}"}
-    for name in topics.values():
-        broker.create_topic(name, 4)
-    return kafka_config.replace(**topics)
 
 
 def ms(value: datetime) -> int:
@@ -100,7 +89,7 @@ def assert_tables_equal_from_scratch(config: Config, spark: SparkSession,
 
 
 def test_invariant_after_stream_orders_backfill_pageview_backfill_and_recompute(
-    bf_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession
 ) -> None:
     scale = Scale(clients=2, users_per_client=10, minutes=6 * 60, start=START,
                   sessions_per_user_per_day=8)
@@ -110,7 +99,7 @@ def test_invariant_after_stream_orders_backfill_pageview_backfill_and_recompute(
     records.append(("client-01/flush", json.dumps({
         "event_id": "flush", "client_id": "client-01", "user_id": "flush",
         "event_type": "pageview", "ts": flush_ts.isoformat(), "url": "/"})))
-    config = bf_config.replace(max_events_per_trigger=80)
+    config = stream_config.replace(max_events_per_trigger=80)
     produce(config, records)
     run_sessionizer(config, until_caught_up=True, spark=spark)
 
@@ -145,77 +134,79 @@ def order_row(order_id: str, user: str, minutes: float, amount: str = "10.00",
 
 
 def test_orders_before_their_pageviews_are_kept_then_attributed(
-    bf_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession
 ) -> None:
-    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "o", [order_row("o1", "u", 5)], "parquet"))
-    assert [r["session_id"] for r in table_rows(bf_config, spark, "attributions")] == [None]
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "o", [order_row("o1", "u", 5)], "parquet"))
+    assert [r["session_id"] for r in table_rows(stream_config, spark, "attributions")] == [None]
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
                                  "parquet"))
-    (attribution,) = table_rows(bf_config, spark, "attributions")
-    (session,) = table_rows(bf_config, spark, "sessions")
+    (attribution,) = table_rows(stream_config, spark, "attributions")
+    (session,) = table_rows(stream_config, spark, "sessions")
     assert attribution["session_id"] == session["session_id"]
     assert attribution["revision"] == 2
     assert (session["order_count"], session["revenue"]) == (1, Decimal("10.0000"))
-    assert_tables_equal_from_scratch(bf_config, spark)
+    assert_tables_equal_from_scratch(stream_config, spark)
 
 
 def test_pageview_batch_merges_sessions_and_retracts_the_old_ones(
-    bf_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession
 ) -> None:
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
                                  "parquet"))
-    before = {r["session_id"] for r in table_rows(bf_config, spark, "sessions")}
+    before = {r["session_id"] for r in table_rows(stream_config, spark, "sessions")}
     assert len(before) == 2
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "p2", [pv_row("b", "u", 25)], "parquet"))
-    (merged,) = table_rows(bf_config, spark, "sessions")
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet"))
+    (merged,) = table_rows(stream_config, spark, "sessions")
     assert merged["pageview_count"] == 3 and merged["revision"] == 2
-    changes = {(r["key"], r["change"]) for r in table_rows(bf_config, spark, "corrections")
+    changes = {(r["key"], r["change"]) for r in table_rows(stream_config, spark, "corrections")
                if r["cause"].endswith(tuple("0123456789abcdef")) and r["entity"] == "session"}
     retracted = {k for k, c in changes if c == "retracted"}
     assert retracted == before - {merged["session_id"]}
-    assert read_compacted(bf_config, bf_config.sessions_topic).keys() == {merged["session_id"]}
+    topic = read_compacted(stream_config, stream_config.sessions_topic)
+    assert topic.keys() == {merged["session_id"]}
 
 
-def test_rerunning_the_same_batch_changes_nothing(bf_config: Config,
+def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
                                                   spark: SparkSession) -> None:
-    path = write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "csv")
-    opath = write_rows(bf_config, "o", [order_row("o1", "u", 2)], "jsonl")
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
-    run_backfill(bf_config, kind="orders", client_id="client-00", path=opath, spark=spark)
-    after_first = versions(bf_config, spark)
-    corrections = len(table_rows(bf_config, spark, "corrections"))
-    rerun = run_backfill(bf_config, kind="orders", client_id="client-00", path=opath,
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "csv")
+    opath = write_rows(stream_config, "o", [order_row("o1", "u", 2)], "jsonl")
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
+    run_backfill(stream_config, kind="orders", client_id="client-00", path=opath, spark=spark)
+    after_first = versions(stream_config, spark)
+    corrections = len(table_rows(stream_config, spark, "corrections"))
+    rerun = run_backfill(stream_config, kind="orders", client_id="client-00", path=opath,
                          spark=spark)
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
-    assert versions(bf_config, spark) == after_first
-    assert len(table_rows(bf_config, spark, "corrections")) == corrections
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
+    assert versions(stream_config, spark) == after_first
+    assert len(table_rows(stream_config, spark, "corrections")) == corrections
     assert rerun.rows_merged == 0 and rerun.duplicates_skipped == 1
 
 
 def test_a_later_batch_with_the_same_order_id_updates_that_order(
-    bf_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession
 ) -> None:
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 300)],
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 300)],
                                  "parquet"))
-    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "o1", [order_row("o1", "u", 1, "5.00")], "parquet"))
-    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "o2", [order_row("o1", "u", 301, "7.50")],
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "o1", [order_row("o1", "u", 1, "5.00")], "parquet"))
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "o2", [order_row("o1", "u", 301, "7.50")],
                                  "parquet"))
-    (order,) = table_rows(bf_config, spark, "orders")
+    (order,) = table_rows(stream_config, spark, "orders")
     assert order["amount"] == Decimal("7.5000")
-    sessions = sorted(table_rows(bf_config, spark, "sessions"), key=lambda r: r["session_start"])
+    sessions = sorted(table_rows(stream_config, spark, "sessions"),
+                      key=lambda r: r["session_start"])
     assert [s["order_count"] for s in sessions] == [0, 1]
     assert [s["revision"] for s in sessions] == [3, 2]
-    assert_tables_equal_from_scratch(bf_config, spark)
+    assert_tables_equal_from_scratch(stream_config, spark)
 
 
-def test_bad_rows_are_quarantined_with_reasons(bf_config: Config, spark: SparkSession) -> None:
+def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: SparkSession) -> None:
     rows = [
         {**order_row("good", "u", 1)},
         {**order_row("neg", "u", 2, amount="-3.00")},
@@ -229,39 +220,40 @@ def test_bad_rows_are_quarantined_with_reasons(bf_config: Config, spark: SparkSe
     for row in rows:
         row["ts"] = row["ts"].isoformat()
     rows.append({**order_row("badts", "u", 7), "ts": "last tuesday"})
-    summary = run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                           path=write_rows(bf_config, "o", rows, "jsonl"))
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path=write_rows(stream_config, "o", rows, "jsonl"))
     reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
-               for r in table_rows(bf_config, spark, "quarantine")}
+               for r in table_rows(stream_config, spark, "quarantine")}
     assert set(reasons) == {"neg", "other", "cur", "dup", "badts"}
     assert "negative" in reasons["neg"]
     assert "is not the batch's client 'client-00'" in reasons["other"]
     assert "ISO 4217" in reasons["cur"]
     assert "appears 2 times in the batch with different content" in reasons["dup"]
     assert "neither ISO-8601" in reasons["badts"]
-    assert sorted(r["order_id"] for r in table_rows(bf_config, spark, "orders")) == [
+    assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
     assert summary.quarantined == 6 and summary.rows_merged == 2
 
 
-def test_refused_batches_change_no_table(bf_config: Config, spark: SparkSession) -> None:
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0)], "parquet"))
-    before = versions(bf_config, spark)
+def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSession) -> None:
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0)], "parquet"))
+    before = versions(stream_config, spark)
     missing = [{k: v for k, v in order_row("o", "u", 1).items() if k != "amount"}]
     with pytest.raises(BatchRefusedError, match="lacks required orders columns: amount"):
-        run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                     path=write_rows(bf_config, "m", missing, "parquet"))
-    outside = Path(bf_config.landing).parent / "elsewhere"
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, "m", missing, "parquet"))
+    outside = Path(stream_config.landing).parent / "elsewhere"
     outside.mkdir()
     (outside / "x.csv").write_text("order_id\n1\n")
     for path in ("../elsewhere", str(outside), "m/../../elsewhere/x.csv"):
         with pytest.raises(BatchRefusedError, match="outside the landing folder"):
-            run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark, path=path)
-    (bf_config.landing / "link").symlink_to(outside)
+            run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                         path=path)
+    (stream_config.landing / "link").symlink_to(outside)
     with pytest.raises(BatchRefusedError, match="outside the landing folder"):
-        run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark, path="link")
-    assert versions(bf_config, spark) == before
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="link")
+    assert versions(stream_config, spark) == before
 
 
 batch_rows = st.lists(
@@ -273,10 +265,10 @@ batch_rows = st.lists(
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(batch_rows, min_size=1, max_size=3))
 def test_incremental_batches_equal_a_from_scratch_recomputation(
-    bf_config: Config, spark: SparkSession, batches: list
+    stream_config: Config, spark: SparkSession, batches: list
 ) -> None:
-    config = bf_config.replace(warehouse=bf_config.warehouse / uuid.uuid4().hex,
-                               landing=bf_config.landing / uuid.uuid4().hex)
+    config = stream_config.replace(warehouse=stream_config.warehouse / uuid.uuid4().hex,
+                               landing=stream_config.landing / uuid.uuid4().hex)
     counter = 0
     for number, batch in enumerate(batches):
         pageviews, orders = [], []
@@ -299,17 +291,17 @@ def test_incremental_batches_equal_a_from_scratch_recomputation(
 
 
 def test_full_recompute_rewrites_the_same_sessions_and_keeps_revisions(
-    bf_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession
 ) -> None:
     from clickstream.jobs.recompute import run_full_recompute
 
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 45),
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 45),
                                                   pv_row("c", "v", 1)], "parquet"))
-    run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                 path=write_rows(bf_config, "o", [order_row("o1", "u", 2)], "parquet"))
-    before = sorted(table_rows(bf_config, spark, "sessions"), key=lambda r: r["session_id"])
-    summary = run_full_recompute(bf_config, client_id="client-00", spark=spark)
-    after = sorted(table_rows(bf_config, spark, "sessions"), key=lambda r: r["session_id"])
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "o", [order_row("o1", "u", 2)], "parquet"))
+    before = sorted(table_rows(stream_config, spark, "sessions"), key=lambda r: r["session_id"])
+    summary = run_full_recompute(stream_config, client_id="client-00", spark=spark)
+    after = sorted(table_rows(stream_config, spark, "sessions"), key=lambda r: r["session_id"])
     assert summary.sessions == 3 and after == before
-    assert_tables_equal_from_scratch(bf_config, spark)
+    assert_tables_equal_from_scratch(stream_config, spark)

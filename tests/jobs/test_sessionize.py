@@ -23,17 +23,6 @@ SCALE = Scale(clients=2, users_per_client=12, minutes=8 * 60,
               start=datetime(2026, 11, 1, tzinfo=UTC), sessions_per_user_per_day=6)
 
 
-@pytest.fixture
-def stream_config(kafka_config: Config, broker: EmbeddedBroker) -> Config:
-    """Own topics per test, so tests sharing the broker never see each other's records."""
-    suffix = uuid.uuid4().hex[:8]
-    topics = {"events_topic": f"events-{suffix}", "sessions_topic": f"sessions-{suffix}",
-              "attributions_topic": f"attributions-{suffix}"}
-    for name in topics.values():
-        broker.create_topic(name, 4)
-    return kafka_config.replace(**topics)
-
-
 def produce(config: Config, records: list[tuple[str | None, str]]) -> None:
     producer = make_producer(config)
     for key, value in records:

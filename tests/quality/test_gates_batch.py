@@ -44,7 +44,7 @@ def unchanged(before: dict, after: dict, *names: str) -> None:
     ("dates as ts", r"ts_column_type = date, expected one of \[string, timestamp, integer\]"),
 ])
 def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
-    bf_config: Config, spark: SparkSession, case: str, message: str
+    stream_config: Config, spark: SparkSession, case: str, message: str
 ) -> None:
     rows = [order_row("o1", "u", 1), order_row("o2", "u", 2), order_row("o3", "u", 3),
             order_row("o4", "u", 4)]
@@ -55,31 +55,31 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
         rows = [{**row, "client_id": "client-01"} for row in rows]
     else:
         rows = [{**row, "ts": row["ts"].date()} for row in rows]
-    before = versions(bf_config, spark)
+    before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
             r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [12] of "
             rf"14 expectations failed: .*quality gate historical_batch: {message} .*the batch "
             r"was refused as a whole: nothing was merged")):
-        run_backfill(bf_config, kind="orders", client_id="client-00", spark=spark,
-                     path=write_rows(bf_config, "o", rows, "parquet"), progress=lambda _: None)
-    after = versions(bf_config, spark)
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, "o", rows, "parquet"), progress=lambda _: None)
+    after = versions(stream_config, spark)
     unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
     assert after["quarantine"] > before["quarantine"]
-    bad = quarantined(bf_config, spark, "historical_batch")
+    bad = quarantined(stream_config, spark, "historical_batch")
     expected = {"negative amounts": {"o2", "o3", "o4"}}.get(case, {"o1", "o2", "o3", "o4"})
     assert {json.loads(r["raw"])["order_id"] for r in bad} == expected
     assert all(message.split(",")[0].replace("\\", "") in r["reason"] for r in bad)
 
 
 def test_a_refused_batch_is_one_line_and_exit_1_on_the_command_line(
-    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
 ) -> None:
     for name, variable in ENV_NAMES.items():
         if name != "kafka_options":
-            monkeypatch.setenv(variable, str(getattr(bf_config, name)))
+            monkeypatch.setenv(variable, str(getattr(stream_config, name)))
     rows = [{**order_row(f"o{i}", "u", i), "currency": "XXX"} for i in range(3)]
-    path = write_rows(bf_config, "cli", rows, "jsonl")
+    path = write_rows(stream_config, "cli", rows, "jsonl")
     assert main(["backfill", "--kind", "orders", "--client", "client-00", "--path", path]) == 1
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1
@@ -89,7 +89,7 @@ def test_a_refused_batch_is_one_line_and_exit_1_on_the_command_line(
 
 
 def test_tables_after_merge_stops_before_any_correction(
-    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_merge = backfill.merge_pageviews
 
@@ -97,24 +97,24 @@ def test_tables_after_merge_stops_before_any_correction(
         return real_merge(tables, valid.unionByName(valid), *args)
 
     monkeypatch.setattr(backfill, "merge_pageviews", merge_twice)
-    before = versions(bf_config, spark)
+    before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate tables_after_merge failed for backfill pageviews-client-00-\w+: 2 of "
             r"2 expectations failed: quality gate tables_after_merge: rows_after = 4, expected "
             r"expected_rows_after \(2\) .*; quality gate tables_after_merge: duplicate_keys = 2, "
             r"expected 0 .*; 3 rows quarantined .*no session was recomputed")):
-        run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
-                     path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 5)],
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 5)],
                                      "parquet"), progress=lambda _: None)
-    after = versions(bf_config, spark)
+    after = versions(stream_config, spark)
     unchanged(before, after, "sessions", "attributions", "corrections")
-    rows = [json.loads(r["raw"]) for r in quarantined(bf_config, spark, "tables_after_merge")]
+    rows = [json.loads(r["raw"]) for r in quarantined(stream_config, spark, "tables_after_merge")]
     assert sorted(r.get("event_id", "the check results") for r in rows) == [
         "a", "b", "the check results"]  # the duplicated rows, and why the counts disagree
 
 
 def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_succeeds(
-    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_recompute = corrections.recompute
 
@@ -124,32 +124,32 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
             SESSIONS.schema["revenue"].dataType)), attributions
 
     monkeypatch.setattr(corrections, "recompute", wrong_revenue)
-    path = write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "parquet")
-    before = versions(bf_config, spark)
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "parquet")
+    before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate recomputed_sessions failed for backfill pageviews-client-00-\w+: 1 of"
             r" 9 expectations failed: quality gate recomputed_sessions: revenue_mismatch = 2, "
             r"expected 0 .*; 2 rows quarantined .*no correction was recorded")):
-        run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                      path=path, progress=lambda _: None)
-    after = versions(bf_config, spark)
+    after = versions(stream_config, spark)
     unchanged(before, after, "sessions", "attributions", "corrections")
-    assert read_compacted(bf_config, bf_config.sessions_topic) == {}
-    assert len(quarantined(bf_config, spark, "recomputed_sessions")) == 2
+    assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+    assert len(quarantined(stream_config, spark, "recomputed_sessions")) == 2
 
     monkeypatch.setattr(corrections, "recompute", real_recompute)
-    summary = run_backfill(bf_config, kind="pageviews", client_id="client-00", spark=spark,
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                            path=path, progress=lambda _: None)
     assert summary.corrections.sessions_created == 2
-    assert len(read_compacted(bf_config, bf_config.sessions_topic)) == 2
+    assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2
 
 
 def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
-    bf_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     quiet = {"progress": lambda _: None, "spark": spark}
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", **quiet,
-                 path=write_rows(bf_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
+                 path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
                                  "parquet"))
     real_publish = corrections.publish
 
@@ -157,25 +157,25 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
         return real_publish(config, topic, ((k, v) for k, v in changes if v is not None))
 
     monkeypatch.setattr(corrections, "publish", without_tombstones)
-    merge = write_rows(bf_config, "p2", [pv_row("b", "u", 25)], "parquet")
+    merge = write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet")
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
             r"expectations failed: quality gate publish: retractions_without_tombstone = 1, "
             r"expected 0 .*; 1 rows quarantined .*rerunning the run republishes")):
-        run_backfill(bf_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
-    (retraction,) = quarantined(bf_config, spark, "publish")
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    (retraction,) = quarantined(stream_config, spark, "publish")
     assert json.loads(retraction["raw"])["change"] == "retracted"
-    assert len(read_compacted(bf_config, bf_config.sessions_topic)) == 2  # stale view
+    assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2  # stale view
 
     monkeypatch.setattr(corrections, "publish", real_publish)
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
-    (session,) = table_rows(bf_config, spark, "sessions")
-    topic = read_compacted(bf_config, bf_config.sessions_topic)
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    (session,) = table_rows(stream_config, spark, "sessions")
+    topic = read_compacted(stream_config, stream_config.sessions_topic)
     assert set(topic) == {session["session_id"]}
     assert topic[session["session_id"]]["revision"] == session["revision"] == 2
 
 
-def test_good_batches_and_a_recompute_pass_every_gate(bf_config: Config,
+def test_good_batches_and_a_recompute_pass_every_gate(stream_config: Config,
                                                       spark: SparkSession) -> None:
     from clickstream.io.delta_tables import open_tables
     from clickstream.jobs.recompute import run_recompute
@@ -183,15 +183,15 @@ def test_good_batches_and_a_recompute_pass_every_gate(bf_config: Config,
     from clickstream.tables import PAGEVIEWS, RECOMPUTE_QUEUE
 
     quiet = {"progress": lambda _: None, "spark": spark}
-    run_backfill(bf_config, kind="pageviews", client_id="client-00", **quiet,
-                 path=write_rows(bf_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 10),
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 10),
                                                   pv_row("c", "v", 60 * 26)], "parquet"))
-    run_backfill(bf_config, kind="orders", client_id="client-00", **quiet,
-                 path=write_rows(bf_config, "o", [order_row("o1", "u", 11, "12.50"),
+    run_backfill(stream_config, kind="orders", client_id="client-00", **quiet,
+                 path=write_rows(stream_config, "o", [order_row("o1", "u", 11, "12.50"),
                                                   order_row("o2", "v", 60 * 26, "4.00")],
                                  "jsonl"))
     # A late pageview the stream queued: the recompute folds it in (and extends u's session).
-    tables = open_tables(bf_config, spark)
+    tables = open_tables(stream_config, spark)
     late = START + timedelta(minutes=20)
     tables.append_once(PAGEVIEWS.name, spark.createDataFrame(
         [("late", "client-00", "u", late, "/late", "", "stream", late.date())],
@@ -201,10 +201,10 @@ def test_good_batches_and_a_recompute_pass_every_gate(bf_config: Config,
         [("client-00", "u", "pageview", "late", late, "test", late.date())],
         RECOMPUTE_QUEUE.schema), app_id="test", version=1,
         partition_by=RECOMPUTE_QUEUE.partition_by, metadata={"run_id": "test", "cause": "test"})
-    summary = run_recompute(bf_config, **quiet)
+    summary = run_recompute(stream_config, **quiet)
     assert summary.corrections["client-00"].sessions_updated == 1
 
-    entries = read_entries(reports_dir(bf_config))
+    entries = read_entries(reports_dir(stream_config))
     gates = {(e.job, e.title.split(" ")[0]) for e in entries if e.kind == "validation"}
     assert gates >= {("backfill", g) for g in ("historical_batch", "tables_after_merge",
                                                  "recomputed_sessions", "publish")}
@@ -213,8 +213,8 @@ def test_good_batches_and_a_recompute_pass_every_gate(bf_config: Config,
     reports = {(e.job, e.run_id): e for e in entries if e.kind == "corrections"}
     assert len(reports) == 3
     orders_report = next(e for (job, run), e in reports.items() if run.startswith("orders"))
-    text = (reports_dir(bf_config) / orders_report.href).read_text()
+    text = (reports_dir(stream_config) / orders_report.href).read_text()
     assert "<svg" in text and "+12.5000" in text and "+4.0000" in text
     assert str(date(2026, 11, 2)) in text
     assert "attributed to a session</td><td class=num>2" in text
-    assert assert_every_link_resolves(reports_dir(bf_config)) > 0
+    assert assert_every_link_resolves(reports_dir(stream_config)) > 0

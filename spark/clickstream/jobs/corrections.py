@@ -183,20 +183,36 @@ def _attribution_rows(emitted: DataFrame) -> DataFrame:
         F.to_date(F.timestamp_millis("record_ts_ms")).alias("order_date"))
 
 
-def window_orders(run: Run, windows: DataFrame) -> DataFrame:
+@dataclass(frozen=True)
+class Windows:
+    """Per user [lo_ms, hi_ms], and the range they span together (for partition pruning)."""
+
+    per_user: DataFrame
+    lo_ms: int | None
+    hi_ms: int | None
+
+    @classmethod
+    def of(cls, per_user: DataFrame) -> Windows:
+        """The range is None, None when there are no windows."""
+        lo, hi = per_user.agg(F.min("lo_ms"), F.max("hi_ms")).first()
+        return cls(per_user, lo, hi)
+
+    def rows_of(self, run: Run, spec, date_column: str, ts: str, hi_pad_ms: int) -> DataFrame:
+        """The client's stored rows of ``spec`` inside the windows (plus ``hi_pad_ms``)."""
+        stored = _read(run, spec, date_column, self.lo_ms, self.hi_ms + run.gap_ms)
+        return _in_windows(stored, self.per_user, ts, hi_pad_ms)
+
+
+def window_orders(run: Run, windows: Windows) -> DataFrame:
     """The stored orders inside the windows (attributable to their sessions)."""
-    bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
-    lo, hi = bounds[0], bounds[1] + run.gap_ms
-    return _in_windows(_read(run, ORDERS, "event_date", lo, hi), windows, "ts", run.gap_ms)
+    return windows.rows_of(run, ORDERS, "event_date", "ts", run.gap_ms)
 
 
-def recompute(run: Run, windows: DataFrame, old_sessions: DataFrame, orders: DataFrame,
+def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataFrame,
               orders_only: bool) -> tuple[DataFrame, DataFrame]:
     """New sessions and attributions inside the windows (no revision yet)."""
     if not orders_only:
-        bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
-        lo, hi = bounds[0], bounds[1] + run.gap_ms
-        pageviews = _in_windows(_read(run, PAGEVIEWS, "event_date", lo, hi), windows, "ts", 0)
+        pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 0)
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
         return _session_rows(emitted), _attribution_rows(emitted)
     attributions = _attribution_rows(attribute_frames(old_sessions, orders, run.gap_ms,
@@ -254,7 +270,8 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             windows = windows.where(~open_tail)
             old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
                                              ["client_id", "user_id"], "left_semi")
-        if windows.isEmpty():
+        windows = Windows.of(windows)
+        if windows.lo_ms is None:  # an empty scope, or every user left to the stream
             for frame in grown:
                 frame.unpersist()
             return None
@@ -263,12 +280,12 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         grown = (*grown, orders)
         new_sessions, new_attributions = (frame.persist() for frame in recompute(
             run, windows, old_sessions, orders, orders_only))
+        # Computed here, so the gate (which also reads them) is timed for its checks alone.
+        new_attributions.count(), new_sessions.count()
         # Before anything is recorded: a failing gate leaves no plan to resume (C3).
         gate_recomputed_sessions(run, new_sessions, new_attributions, orders)
-        bounds = windows.agg(F.min("lo_ms"), F.max("hi_ms")).first()
-        old_attributions = _in_windows(
-            _read(run, ATTRIBUTIONS, "order_date", bounds[0], bounds[1] + run.gap_ms),
-            windows, "order_ts", run.gap_ms)
+        old_attributions = windows.rows_of(run, ATTRIBUTIONS, "order_date", "order_ts",
+                                           run.gap_ms)
         run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
         changes = diff(old_sessions, new_sessions, "session_id", SESSION_CONTENT,
                        "session_date", "session", run, run_seq).unionByName(

@@ -93,7 +93,7 @@ def simulate(scale: Scale, seed: int, client: str | None = None) -> tuple[pa.Tab
     pv_session = np.repeat(np.arange(n_sessions), pages)
     think = np.minimum(rng.exponential(scale.mean_think_seconds * 1000, len(pv_session)),
                        20 * 60_000).astype(np.int64)
-    first_of_session = np.r_[True, pv_session[1:] != pv_session[:-1]]
+    first_of_session = np.r_[True, pv_session[1:] != pv_session[:-1]][: len(pv_session)]
     think[first_of_session] = 0
     offsets = np.cumsum(think) - np.repeat(np.cumsum(think)[first_of_session], pages)
     pv_ts = session_start[pv_session] + offsets
@@ -102,7 +102,7 @@ def simulate(scale: Scale, seed: int, client: str | None = None) -> tuple[pa.Tab
     n_pv = len(pv_ts)
     urls = _url(rng, n_pv)
     referrers = np.array(REFERRERS, dtype=object)[rng.integers(0, len(REFERRERS), n_pv)]
-    previous_url = np.r_[np.array([""], dtype=object), urls[:-1]]
+    previous_url = np.r_[np.array([""], dtype=object), urls[:-1]][:n_pv]
     referrers = np.where(first_of_session, referrers, previous_url)
     pv_user = session_user[pv_session]
     pageviews = pa.table({
