@@ -5,11 +5,10 @@ an inline SVG chart: no plotting library is installed here, and the page must st
 file). Written to ``reports/corrections/<job>-<run>.html`` and listed in the reports index
 next to the run's gate validations.
 
-Everything is read around the run's apply commits (time travel): revenue per day from the
-``sessions`` table just before and at the run's commit, new attributions from the run's plan
-(the ``corrections`` rows carry them) and old ones from ``attributions`` just before its commit.
-So the report is the same whether the run went straight through or resumed after a crash. If
-a commit is too far back in the history, values before it are reported as unknown.
+The new values come from the run's plan (the ``corrections`` rows carry them); the old values
+from the ``sessions`` and ``attributions`` tables read just before the run's apply commit (time
+travel), so the report is the same whether the run went straight through or resumed after a
+crash. If that commit is too far back in the history, old values are reported as unknown.
 """
 
 from __future__ import annotations
@@ -46,35 +45,26 @@ def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: 
         changes.select(F.col("key").alias(key)), key, "left_semi")
 
 
-def revenue_by_day(run: Run, dates: list) -> tuple[list[tuple[Any, Decimal, Decimal]], bool]:
-    """[(day, the day's revenue before, after)] over the days the run changed; False if the
-    values before are unknown.
-
-    Whole partitions summed at the versions around the run's apply commit: sessions the run
-    left alone add the same on both sides, so the change per day is the run's, and two
-    narrow scans replace a join of every changed session with its old row (a year of orders
-    changes millions of sessions).
-    """
-    applied = run_commit_version(run.tables, SESSIONS.name, run.run_id)
-    if applied is None or not dates:
-        return [], False
+def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool
+                   ) -> tuple[list[tuple[Any, Decimal, Decimal]], bool]:
+    """[(day, revenue before, revenue after)] of the changed sessions; False if the before
+    values are unknown (``updates``: some changes are not creations)."""
     money = "decimal(30,4)"
-
-    def day_totals(version: int, side: str) -> DataFrame:
-        rows = run.tables.read(SESSIONS.name, ["session_date", "revenue"],
-                               {"client_id": run.client_id, "session_date": dates},
-                               version=version)
-        other = "old" if side == "new" else "new"
-        return rows.select(F.col("session_date").alias("day"),
-                           F.col("revenue").cast(money).alias(side),
-                           F.lit(0).cast(money).alias(other))
-
-    frames = day_totals(applied, "new")
-    if applied > 0:  # the run created the table otherwise: nothing before
-        frames = frames.unionByName(day_totals(applied - 1, "old"))
+    needed = "session_date date, revenue " + SESSIONS.schema["revenue"].dataType.simpleString()
+    frames = sessions.where(F.col("new_value").isNotNull()).select(
+        F.from_json("new_value", needed).alias("v")).select(
+        F.col("v.session_date").alias("day"), F.lit(0).cast(money).alias("old"),
+        F.col("v.revenue").cast(money).alias("new"))
+    old = _old_rows(run, SESSIONS, "session_date", sessions, dates,
+                    ["session_id", "session_date", "revenue"]) if updates else None
+    if old is not None:
+        frames = frames.unionByName(old.select(
+            F.col("session_date").alias("day"), F.col("revenue").cast(money).alias("old"),
+            F.lit(0).cast(money).alias("new")))
     rows = frames.groupBy("day").agg(F.sum("old").alias("old"), F.sum("new").alias("new")
                                      ).orderBy("day").collect()
-    return [(r.day, r.old or Decimal(0), r.new or Decimal(0)) for r in rows], True
+    return ([(r.day, r.old or Decimal(0), r.new or Decimal(0)) for r in rows],
+            old is not None or not updates)
 
 
 def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
@@ -132,14 +122,15 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
             F.sort_array(F.collect_set("partition_date")).alias("dates"),
             F.count_if(F.col("change") != "created").alias("updates")).collect()}
         known = []
-        if "session" in shape:
-            by_day, ok = revenue_by_day(run, list(shape["session"].dates))
-            known.append(ok)
-        if "attribution" in shape:
-            moved, ok = reattributions(run, plan.where(F.col("entity") == "attribution"),
-                                       list(shape["attribution"].dates),
-                                       shape["attribution"].updates > 0)
-            known.append(ok)
+        for entity, compute in (("session", revenue_by_day), ("attribution", reattributions)):
+            if entity in shape:
+                value, ok = compute(run, plan.where(F.col("entity") == entity),
+                                    list(shape[entity].dates), shape[entity].updates > 0)
+                known.append(ok)
+                if entity == "session":
+                    by_day = value
+                else:
+                    moved = value
         old_known = all(known)
         if owned:
             plan.unpersist()
@@ -169,7 +160,7 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         "<li class='muted'>none recorded</li>")
     day_rows = [[str(day), f"{old:,.4f}", f"{new:,.4f}", f"{new - old:+,.4f}"]
                 for day, old, new in by_day]
-    day_table = reports.table(["day", "day's revenue before", "after", "change"], day_rows,
+    day_table = reports.table(["day", "revenue before", "revenue after", "change"], day_rows,
                               {1, 2, 3})
     if len(day_rows) > 31:
         day_table = f"<details><summary>{len(day_rows)} days</summary>{day_table}</details>"
@@ -178,9 +169,8 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         + ("" if old_known else "<p class='muted'>The run's apply commit is beyond the "
            "searched table history: values before the run are unknown, so 'before' shows 0."
            "</p>")
-        + "<h2>Revenue moved by day</h2><p class='muted'>Revenue of the client's sessions "
-        "per session day, before and after the run, on the days it changed (green up, red "
-        "down; hover a bar for its value).</p>"
+        + "<h2>Revenue moved by day</h2><p class='muted'>Change of the affected sessions' "
+        "revenue per session day (green up, red down; hover a bar for its value).</p>"
         + reports.svg_bar_chart(days)
         + (day_table if day_rows else "<p>No session revenue changed.</p>")
         + "<h2>Orders re-attributed</h2>"
