@@ -981,21 +981,25 @@ GATE_LINE = re.compile(r"quality gate (\w+) \(suite v[^)]*\): \w+, .* in (\d+(?:
 
 def gate_seconds(phase: dict[str, Any]) -> dict[str, float]:
     """Seconds of each quality gate (its Spark checks, GX, Data Docs) in a phase, from the
-    product's own progress lines, plus the correction report (issue #4's overhead)."""
+    product's own progress lines: issue #4's overhead bar is for the gates."""
     seconds: dict[str, float] = {}
     for entry in phase.get("progress", []):
         match = GATE_LINE.search(entry["line"])
         if match:
             seconds[match.group(1)] = seconds.get(match.group(1), 0.0) + float(match.group(2))
-    report = phase.get("correction_steps", {}).get("correction report")
-    if report is not None:
-        seconds["correction report"] = float(report)
     return seconds
+
+
+def report_seconds(phase: dict[str, Any]) -> float:
+    """Seconds of the run's correction report (a report, not a gate; reported next to them)."""
+    return float(phase.get("correction_steps", {}).get("correction report", 0.0))
 
 
 def goals(result: dict[str, Any]) -> dict[str, Any]:
     backfill = result["backfill"]["wall_s"]
-    gates = gate_seconds(result["backfill"])
+    gates = {k: v for k, v in gate_seconds(result["backfill"]).items()
+             if k != "correction report"}  # result files before the split counted it here
+    report = report_seconds(result["backfill"])
     full = result["baseline"]["wall_s"]
     duck = result["duckdb"]["wall_s"]
     ratio_bytes = result["bytes"]["ratio_read_vs_affected_before"]
@@ -1011,6 +1015,9 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
         "gate_seconds": gates,
         "gates_share_of_backfill": round(sum(gates.values()) / backfill, 3),
         "gates_share_met": sum(gates.values()) / backfill <= GOALS["gates_share_of_backfill"],
+        "correction_report_s": report,
+        "gates_and_report_share_of_backfill": round((sum(gates.values()) + report) / backfill,
+                                                    3),
     }
 
 
@@ -1081,7 +1088,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"quality gates {sum(g['gate_seconds'].values()):.1f}s = "
         f"{g['gates_share_of_backfill']:.1%} of the backfill (goal <= "
         f"{GOALS['gates_share_of_backfill']:.0%}: {'met' if g['gates_share_met'] else 'NOT met'}"
-        "): " + ", ".join(f"{k} {v:.1f}s" for k, v in g["gate_seconds"].items()),
+        "): " + ", ".join(f"{k} {v:.1f}s" for k, v in g["gate_seconds"].items())
+        + f"; with the correction report ({g['correction_report_s']:.1f}s) "
+        f"{g['gates_and_report_share_of_backfill']:.1%}",
         "scanned by table: " + ", ".join(
             f"{t} {_mib(v['bytes'])} ({v['scans']} scans)"
             for t, v in sorted(io["scan_file_bytes_by_table"].items(),
@@ -1090,7 +1099,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any], path: Path) -> str:
-    g, b = result["goals"], result["bytes"]
+    g, b = goals(result), result["bytes"]  # recomputed: older files predate the report split
     gen = result["setup"]["generate"]
     back, base = result["backfill"], result["baseline"]
     rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
@@ -1117,6 +1126,9 @@ def markdown(result: dict[str, Any], path: Path) -> str:
         f"| quality gates inside the backfill (issue #4: {', '.join(g['gate_seconds'])}) | "
         f"{sum(g['gate_seconds'].values()):.1f} s = {g['gates_share_of_backfill']:.1%} | "
         f"<= 15% | {'met' if g['gates_share_met'] else '**not met**'} |",
+        f"| the gates plus the correction report (a report, not a gate) | "
+        f"{sum(g['gate_seconds'].values()) + g['correction_report_s']:.1f} s = "
+        f"{g['gates_and_report_share_of_backfill']:.1%} | | |",
     ]
     affected = ", ".join(
         f"{name} {a['partitions']} partitions ({_mib(a['bytes_before'])} before, "
