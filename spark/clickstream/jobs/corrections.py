@@ -280,8 +280,8 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         grown = (*grown, orders)
         new_sessions, new_attributions = (frame.persist() for frame in recompute(
             run, windows, old_sessions, orders, orders_only))
-        # Computed here, so the gate (which also reads them) is timed for its checks alone.
-        new_attributions.count(), new_sessions.count()
+        for frame in (new_attributions, new_sessions):  # computed here, so that the gate
+            frame.count()  # reading them is timed for its own checks alone
         # Before anything is recorded: a failing gate leaves no plan to resume (C3).
         gate_recomputed_sessions(run, new_sessions, new_attributions, orders)
         old_attributions = windows.rows_of(run, ATTRIBUTIONS, "order_date", "order_ts",

@@ -308,7 +308,6 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
     # A session_id is a function of (client, user, start): two sessions with one id sit next
     # to each other in their user's order, so one window finds duplicates and overlaps.
     by_user = Window.partitionBy("client_id", "user_id").orderBy("session_start", "session_id")
-
     joined = (sessions
               .withColumn("_previous_end", F.lag("session_end").over(by_user))
               .withColumn("_previous_id", F.lag("session_id").over(by_user))
