@@ -151,12 +151,12 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
                  path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
                                  "parquet"))
-    real_publish = corrections.publish
+    real_produce = corrections.produce_records
 
-    def without_tombstones(config, topic, changes):  # a publishing bug
-        return real_publish(config, topic, ((k, v) for k, v in changes if v is not None))
+    def without_tombstones(config, topic, records):  # a publishing bug
+        return real_produce(config, topic, ((k, v) for k, v in records if v is not None))
 
-    monkeypatch.setattr(corrections, "publish", without_tombstones)
+    monkeypatch.setattr(corrections, "produce_records", without_tombstones)
     merge = write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet")
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
@@ -167,7 +167,7 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     assert json.loads(retraction["raw"])["change"] == "retracted"
     assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2  # stale view
 
-    monkeypatch.setattr(corrections, "publish", real_publish)
+    monkeypatch.setattr(corrections, "produce_records", real_produce)
     run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     topic = read_compacted(stream_config, stream_config.sessions_topic)

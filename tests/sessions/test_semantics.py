@@ -11,6 +11,7 @@ from clickstream.sessions.semantics import (
     PAGEVIEW_COLUMNS,
     closed_sessions,
     next_wakeup,
+    reattribute,
     session_id,
     sessionize,
 )
@@ -151,3 +152,31 @@ def test_matches_a_straightforward_reference(events: list[tuple[str, int]]) -> N
     got = sorted(zip(result.sessions.user_id, result.sessions.start_ms, result.sessions.end_ms,
                      result.sessions.pageview_count, strict=True))
     assert got == (naive_sessions(by_user) if events else [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("uv"), st.integers(0, 6 * GAP)), min_size=1,
+                max_size=30),
+       st.lists(st.tuples(st.sampled_from("uvw"), st.integers(-GAP, 7 * GAP),
+                          st.integers(0, 10**9), st.integers(0, 5)), max_size=20))
+def test_reattributing_orders_equals_sessionizing_with_them(
+        views: list[tuple[str, int]], order_rows: list[tuple[str, int, int, int]]) -> None:
+    """The orders-only correction's path: orders over sessions computed without them give the
+    sessions and attributions a from-scratch run with them gives (duplicates included)."""
+    page = pd.DataFrame([("c", u, f"e{i}", ts, f"/{i}") for i, (u, ts) in enumerate(views)],
+                        columns=PAGEVIEW_COLUMNS).astype({"ts_ms": "int64"})
+    order = pd.DataFrame([("c", u, f"o{n}", ts, amount, "EUR")
+                          for u, ts, amount, n in order_rows],
+                         columns=ORDER_COLUMNS).astype({"ts_ms": "int64", "amount_e4": "int64"})
+    expected = sessionize(page, order, GAP)
+    bare = sessionize(page, NO_ORDERS, GAP).sessions
+    sessions, attributions = reattribute(
+        bare[["client_id", "user_id", "session_id", "start_ms", "end_ms"]], order, GAP)
+
+    def by_id(frame: pd.DataFrame, key: str, columns: list[str]) -> dict:
+        return {row[key]: tuple(row[c] for c in columns) for row in frame.to_dict("records")}
+
+    totals = ["order_count", "revenue_e4"]
+    assert by_id(sessions, "session_id", totals) == by_id(expected.sessions, "session_id", totals)
+    assert by_id(attributions, "order_id", ["session_id"]) == by_id(
+        expected.attributions, "order_id", ["session_id"])

@@ -11,12 +11,20 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clickstream.config import Config
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, produce_json
 
+if TYPE_CHECKING:
+    from pyspark.sql import Column
+    from pyspark.sql.types import StructType
+
 FLUSH_TIMEOUT_SECONDS = 60.0
+# Spark's ``to_json`` options that write a row as ``row_value`` does (the session time zone is
+# UTC, so XXX is a Z): ISO-8601 timestamps with milliseconds, null fields kept.
+SPARK_JSON_OPTIONS = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSXXX",
+                      "ignoreNullFields": "false"}
 
 
 def _jsonable(value: Any) -> Any:
@@ -34,6 +42,24 @@ def row_value(row: Any) -> dict[str, Any]:
     """JSON-ready dict of a Spark Row or mapping (timestamps ISO-8601 UTC, decimals as text)."""
     data = row.asDict() if hasattr(row, "asDict") else dict(row)
     return {key: _jsonable(value) for key, value in data.items()}
+
+
+def spark_row_value(columns: Mapping[str, Column], schema: StructType) -> Column:
+    """The changelog value of a row as a JSON string computed in Spark: the same value
+    :func:`row_value` gives the row (the table's columns in its order, nulls included,
+    timestamps ISO-8601 UTC with milliseconds, decimals as strings), so a plan can store it and
+    publish it as is, and consumers see one shape whichever job published a row.
+
+    Args:
+        columns: an expression for every column of ``schema``, by name.
+        schema: the table's schema (``TableSpec.schema``).
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import DecimalType
+
+    return F.to_json(F.struct(*[
+        (columns[f.name].cast("string") if isinstance(f.dataType, DecimalType)
+         else columns[f.name]).alias(f.name) for f in schema.fields]), SPARK_JSON_OPTIONS)
 
 
 def publish(

@@ -29,7 +29,6 @@ Known edge cases, cited inline as (C1)..(C4):
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,10 +40,11 @@ from pyspark.sql import functions as F
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import DeltaTables
-from clickstream.io.kafka_changelog import publish
+from clickstream.io.kafka_changelog import spark_row_value
+from clickstream.io.kafka_clients import produce_records
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_publish, gate_recomputed_sessions, publish_started
-from clickstream.sessions.batch_adapter import attribute_frames, sessionize_frames
+from clickstream.sessions.batch_adapter import reattribute_frames, sessionize_frames
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
 BUCKETS = 16
@@ -215,27 +215,25 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
         pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 0)
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
         return _session_rows(emitted), _attribution_rows(emitted)
-    attributions = _attribution_rows(attribute_frames(old_sessions, orders, run.gap_ms,
-                                                      BUCKETS))  # (C2)
-    totals = attributions.where(F.col("session_id").isNotNull()).join(
-        orders.select("order_id", "amount"), "order_id").groupBy("session_id").agg(
-        F.count("*").cast("int").alias("n"), F.sum("amount").alias("r"))
-    sessions = old_sessions.join(totals, "session_id", "left").select(
-        *(c for c in SESSIONS.schema.fieldNames() if c not in ("order_count", "revenue",
-                                                              "revision")),
-        F.coalesce("n", F.lit(0)).alias("order_count"),
-        F.coalesce("r", F.lit(0)).cast(SESSIONS.schema["revenue"].dataType).alias("revenue"))
-    return sessions, attributions
+    emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
+    totals = _session_rows(emitted).select("session_id", "order_count", "revenue")
+    # Every old session comes back with its totals; a missing one would stay null and fail
+    # the recomputed_sessions gate, never pass as zero.
+    sessions = old_sessions.drop("order_count", "revenue").join(totals, "session_id", "left")
+    return (sessions.select(*(c for c in SESSIONS.schema.fieldNames() if c != "revision")),
+            _attribution_rows(emitted))
 
 
 def _differs(columns: tuple[str, ...]) -> Column:
     return ~F.expr(" AND ".join(f"(o.{c} <=> n.{c})" for c in columns))
 
 
-def diff(old: DataFrame, new: DataFrame, key: str, content: tuple[str, ...],
+def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
          date_column: str, entity: str, run: Run, run_seq: int,
          retract: bool = True) -> DataFrame:
-    """Correction rows (CORRECTIONS layout) for every key whose content changed."""
+    """Correction rows (CORRECTIONS layout) for every key whose content changed; a row's
+    ``new_value`` is its changelog value, published as is."""
+    key = spec.key[0]
     joined = old.alias("o").join(new.alias("n"), F.col(f"o.{key}") == F.col(f"n.{key}"),
                                  "full_outer")
     change = (F.when(F.col(f"o.{key}").isNull(), F.lit("created"))
@@ -243,9 +241,8 @@ def diff(old: DataFrame, new: DataFrame, key: str, content: tuple[str, ...],
               .when(_differs(content), F.lit("updated")))
     new_revision = F.when(F.col(f"o.{key}").isNull(), F.lit(1)).when(
         F.col(f"n.{key}").isNotNull(), F.col("o.revision") + 1)
-    new_value = F.when(F.col(f"n.{key}").isNotNull(), F.to_json(F.struct(
-        *[F.col(f"n.{c}").alias(c) for c in new.columns if c != "revision"],
-        new_revision.alias("revision"))))
+    new_value = F.when(F.col(f"n.{key}").isNotNull(), spark_row_value(
+        {**{c: F.col(f"n.{c}") for c in new.columns}, "revision": new_revision}, spec.schema))
     return joined.select(
         F.lit(run.run_id).alias("run_id"), F.lit(run_seq).cast("long").alias("run_seq"),
         F.lit(run.client_id).alias("client_id"), F.lit(entity).alias("entity"),
@@ -287,9 +284,9 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         old_attributions = windows.rows_of(run, ATTRIBUTIONS, "order_date", "order_ts",
                                            run.gap_ms)
         run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
-        changes = diff(old_sessions, new_sessions, "session_id", SESSION_CONTENT,
+        changes = diff(old_sessions, new_sessions, SESSIONS, SESSION_CONTENT,
                        "session_date", "session", run, run_seq).unionByName(
-            diff(old_attributions, new_attributions, "order_id", ATTRIBUTION_CONTENT,
+            diff(old_attributions, new_attributions, ATTRIBUTIONS, ATTRIBUTION_CONTENT,
                  "order_date", "attribution", run, run_seq, retract=False)).persist()
         counts = {(r.entity, r.change): r["count"] for r in
                   changes.groupBy("entity", "change").count().collect()}
@@ -361,9 +358,8 @@ def publish_changes(run: Run, changes: DataFrame) -> int:
     for entity, topic in (("session", run.config.sessions_topic),
                           ("attribution", run.config.attributions_topic)):
         rows = changes.where(F.col("entity") == entity).select("key", "new_value")
-        sent += publish(run.config, topic, (
-            (r.key, None if r.new_value is None else json.loads(r.new_value))
-            for r in rows.toLocalIterator()))
+        sent += produce_records(run.config, topic, (
+            (r.key, r.new_value) for r in rows.toLocalIterator()))
     gate_publish(run, changes, since)
     return sent
 

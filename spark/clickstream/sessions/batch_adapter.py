@@ -1,8 +1,8 @@
 """The batch adapter: applies ``semantics`` to Spark DataFrames (the recompute's path).
 
 Rows are grouped by the same user bucket as the stream, and each bucket's pageviews and orders
-go through ``semantics.sessionize`` / ``semantics.attribute`` in one vectorised call, so the
-recompute and the stream share one definition of a session.
+go through ``semantics.sessionize`` / ``semantics.reattribute`` in one vectorised call, so the
+recompute and the stream share one definition of a session and of its orders.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pyspark.sql import functions as F
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
-    SESSION_COLUMNS,
-    attribute,
+    reattribute,
     sessionize,
 )
 from clickstream.sessions.stream_adapter import OUTPUT_COLUMNS, OUTPUT_SCHEMA
@@ -96,20 +95,19 @@ def sessionize_frames(pageviews: DataFrame, orders: DataFrame, gap_ms: int,
     return data.groupBy("bucket").applyInPandas(apply, schema=OUTPUT_SCHEMA)
 
 
-def attribute_frames(sessions: DataFrame, orders: DataFrame, gap_ms: int,
-                     buckets: int) -> DataFrame:
-    """Session of each order among the given (unchanged) sessions: orders never move
-    boundaries, so an orders-only correction needs no pageviews. Attribution rows only."""
+def reattribute_frames(sessions: DataFrame, orders: DataFrame, gap_ms: int,
+                       buckets: int) -> DataFrame:
+    """Each order's session among the given sessions (boundaries unchanged: orders never move
+    them, so an orders-only correction needs no pageviews), and each session's new
+    ``order_count`` / ``revenue_e4``. Session rows carry only those and their identity
+    (client, user, id, start, end); the caller keeps the rest of each session."""
 
     def apply(frame: pd.DataFrame) -> pd.DataFrame:
         known = frame[frame["kind"] == "session"][
             ["client_id", "user_id", "session_id", "start_ms", "end_ms"]
         ].astype({"start_ms": "int64", "end_ms": "int64"})
         _, order = _split(frame)
-        attributions = attribute(known.assign(**{c: None for c in SESSION_COLUMNS
-                                                 if c not in known}), order, gap_ms)
-        return _as_output(pd.DataFrame(columns=SESSION_COLUMNS), attributions)
+        return _as_output(*reattribute(known, order, gap_ms))
 
     data = _session_input(sessions, buckets).unionByName(_order_input(orders, buckets))
     return data.groupBy("bucket").applyInPandas(apply, schema=OUTPUT_SCHEMA)
-

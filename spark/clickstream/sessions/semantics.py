@@ -117,14 +117,34 @@ def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Se
     })
     pageview_session = pd.Series(ids[number] if n else [], index=ordered.index, dtype=object)
     attributions = attribute(sessions, orders, gap_ms)
+    return Sessionized(with_order_totals(sessions, attributions, orders),
+                       pageview_session.reindex(pageviews.index), attributions)
+
+
+def reattribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(sessions with new ``order_count`` / ``revenue_e4``, attributions) for ``orders`` over
+    sessions whose boundaries are known: orders never move them, so an orders-only correction
+    needs no pageviews. ``sessions`` needs client_id, user_id, session_id, start_ms, end_ms;
+    its other SESSION_COLUMNS are passed through (None where absent)."""
+    orders = dedupe(orders, "order_id")
+    attributions = attribute(sessions, orders, gap_ms)
+    known = sessions.assign(**{c: None for c in SESSION_COLUMNS if c not in sessions})
+    return with_order_totals(known, attributions, orders), attributions
+
+
+def with_order_totals(sessions: pd.DataFrame, attributions: pd.DataFrame,
+                      orders: pd.DataFrame) -> pd.DataFrame:
+    """``sessions`` (SESSION_COLUMNS) with ``order_count`` and ``revenue_e4``: how many of
+    ``orders`` (one row per order_id) are attributed to each, and the sum of their amounts."""
     counts = attributions.dropna(subset=["session_id"]).merge(
         orders[["order_id", "amount_e4"]], on="order_id", how="left"
     ).groupby("session_id").agg(order_count=("order_id", "size"), revenue_e4=("amount_e4", "sum"))
-    sessions = sessions.join(counts, on="session_id")
+    sessions = sessions.drop(columns=["order_count", "revenue_e4"], errors="ignore").join(
+        counts, on="session_id")
     sessions["order_count"] = sessions["order_count"].fillna(0).astype(np.int64)
     sessions["revenue_e4"] = sessions["revenue_e4"].fillna(0).astype(np.int64)
-    return Sessionized(sessions[SESSION_COLUMNS].reset_index(drop=True),
-                       pageview_session.reindex(pageviews.index), attributions)
+    return sessions[SESSION_COLUMNS].reset_index(drop=True)
 
 
 def _user_time_order(pageviews: pd.DataFrame) -> np.ndarray:

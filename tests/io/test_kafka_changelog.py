@@ -1,0 +1,51 @@
+"""A row's changelog value computed in Spark (what a correction stores and publishes) is the
+value the stream publishes for it, and reads back into the same row."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, date, datetime
+from decimal import Decimal
+
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from clickstream.io.kafka_changelog import row_value, spark_row_value
+from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
+
+SESSION = {"session_id": "s", "client_id": "c", "user_id": "u",
+           "session_start": datetime(2026, 11, 1, 8, 30, tzinfo=UTC),
+           "session_end": datetime(2026, 11, 1, 8, 45, 0, 125_000, tzinfo=UTC),
+           "pageview_count": 3, "landing_url": "/a?q=\"x\"", "exit_url": None,
+           "order_count": 1, "revenue": Decimal("12.5000"), "revision": 2,
+           "session_date": date(2026, 11, 1)}
+UNATTRIBUTED = {"order_id": "o", "client_id": "c", "user_id": "u",
+                "order_ts": datetime(2026, 11, 1, 8, 30, tzinfo=UTC), "session_id": None,
+                "revision": 1, "order_date": date(2026, 11, 1)}
+
+
+def spark_value(spark: SparkSession, spec: TableSpec, row: dict) -> str:
+    frame = spark.createDataFrame([tuple(row[f.name] for f in spec.schema.fields)],
+                                  spec.schema)
+    columns = {name: F.col(name) for name in spec.schema.fieldNames()}
+    return frame.select(spark_row_value(columns, spec.schema)).first()[0]
+
+
+def test_a_session_reads_like_the_streams_value_and_back(spark: SparkSession) -> None:
+    value = spark_value(spark, SESSIONS, SESSION)
+    parsed = json.loads(value)
+    assert parsed == row_value(SESSION)
+    assert list(parsed) == SESSIONS.schema.fieldNames()
+    assert parsed["revenue"] == "12.5000" and parsed["exit_url"] is None
+    assert parsed["session_end"] == "2026-11-01T08:45:00.125Z"
+    # The apply step reads a plan's values back into rows with the table's schema.
+    back = spark.createDataFrame([(value,)], "v string").select(
+        F.from_json("v", SESSIONS.schema).alias("r")).select("r.*").first().asDict()
+    assert back == {**SESSION, "session_start": SESSION["session_start"].replace(tzinfo=None),
+                    "session_end": SESSION["session_end"].replace(tzinfo=None)}
+
+
+def test_an_unattributed_order_keeps_its_null_session(spark: SparkSession) -> None:
+    parsed = json.loads(spark_value(spark, ATTRIBUTIONS, UNATTRIBUTED))
+    assert parsed == row_value(UNATTRIBUTED)
+    assert "session_id" in parsed and parsed["session_id"] is None
