@@ -216,12 +216,16 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
         return _session_rows(emitted), _attribution_rows(emitted)
     emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
-    totals = _session_rows(emitted).select("session_id", "order_count", "revenue")
-    # Every old session comes back with its totals; a missing one would stay null and fail
-    # the recomputed_sessions gate, never pass as zero.
-    sessions = old_sessions.drop("order_count", "revenue").join(totals, "session_id", "left")
-    return (sessions.select(*(c for c in SESSIONS.schema.fieldNames() if c != "revision")),
-            _attribution_rows(emitted))
+    changed = _session_rows(emitted).select(
+        "session_id", F.col("order_count").alias("new_count"),
+        F.col("revenue").alias("new_revenue"))
+    # Sessions without a row keep their totals (the recomputed_sessions gate re-adds them).
+    kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
+            "revenue": F.coalesce("new_revenue", "revenue")}
+    sessions = old_sessions.join(changed, "session_id", "left").select(
+        *(kept.get(c, F.col(c)).alias(c) for c in SESSIONS.schema.fieldNames()
+          if c != "revision"))
+    return sessions, _attribution_rows(emitted)
 
 
 def _differs(columns: tuple[str, ...]) -> Column:

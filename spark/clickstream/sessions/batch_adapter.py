@@ -12,6 +12,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from clickstream.sessions.semantics import (
+    AMOUNT_SCALE,
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
     reattribute,
@@ -52,7 +53,9 @@ def _session_input(sessions: DataFrame, buckets: int) -> DataFrame:
         F.lit(None).cast("long").alias("ts_ms"), F.lit(None).cast("string").alias("url"),
         F.lit(None).cast("long").alias("amount_e4"), F.lit(None).cast("string").alias("currency"),
         "session_id", F.unix_millis("session_start").alias("start_ms"),
-        F.unix_millis("session_end").alias("end_ms"))
+        F.unix_millis("session_end").alias("end_ms"),
+        F.col("order_count").cast("long").alias("order_count"),
+        (F.col("revenue") * AMOUNT_SCALE).cast("long").alias("revenue_e4"))
 
 
 def _split(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -97,17 +100,24 @@ def sessionize_frames(pageviews: DataFrame, orders: DataFrame, gap_ms: int,
 
 def reattribute_frames(sessions: DataFrame, orders: DataFrame, gap_ms: int,
                        buckets: int) -> DataFrame:
-    """Each order's session among the given sessions (boundaries unchanged: orders never move
-    them, so an orders-only correction needs no pageviews), and each session's new
-    ``order_count`` / ``revenue_e4``. Session rows carry only those and their identity
-    (client, user, id, start, end); the caller keeps the rest of each session."""
+    """Each order's session among the given stored sessions (boundaries unchanged: orders
+    never move them, so an orders-only correction needs no pageviews), and the new
+    ``order_count`` / ``revenue_e4`` of the sessions where they change. Session rows carry only
+    those and the session's identity (client, user, id, start, end): the caller keeps the rest
+    of each session, and its stored totals where no row says otherwise (most sessions of a
+    large window keep theirs, and not sending them back through Arrow is most of the cost)."""
 
     def apply(frame: pd.DataFrame) -> pd.DataFrame:
-        known = frame[frame["kind"] == "session"][
-            ["client_id", "user_id", "session_id", "start_ms", "end_ms"]
-        ].astype({"start_ms": "int64", "end_ms": "int64"})
+        stored = frame[frame["kind"] == "session"]
+        known = stored[["client_id", "user_id", "session_id", "start_ms", "end_ms"]].astype(
+            {"start_ms": "int64", "end_ms": "int64"})
         _, order = _split(frame)
-        return _as_output(*reattribute(known, order, gap_ms))
+        totals, attributions = reattribute(known, order, gap_ms)  # rows in ``known``'s order
+        columns = ["order_count", "revenue_e4"]
+        changed = (totals[columns].to_numpy()
+                   != stored[columns].astype("int64").to_numpy()).any(axis=1)
+        return _as_output(totals[changed], attributions)
 
-    data = _session_input(sessions, buckets).unionByName(_order_input(orders, buckets))
+    data = _session_input(sessions, buckets).unionByName(_order_input(orders, buckets),
+                                                         allowMissingColumns=True)
     return data.groupBy("bucket").applyInPandas(apply, schema=OUTPUT_SCHEMA)
