@@ -85,8 +85,3 @@ def publish_attributions(config: Config, rows: Iterable[Any]) -> int:
     """Publish attribution rows keyed by order_id."""
     return publish(config, config.attributions_topic,
                    ((value["order_id"], value) for value in map(row_value, rows)))
-
-
-def publish_tombstones(config: Config, topic: str, keys: Iterable[str]) -> int:
-    """Retract keys: a compacted reader drops them."""
-    return publish(config, topic, ((key, None) for key in keys))

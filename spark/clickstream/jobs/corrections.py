@@ -219,7 +219,8 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
     changed = _session_rows(emitted).select(
         "session_id", F.col("order_count").alias("new_count"),
         F.col("revenue").alias("new_revenue"))
-    # Sessions without a row keep their totals (the recomputed_sessions gate re-adds them).
+    # Sessions without a row keep their stored totals; the recomputed_sessions gate sums
+    # every session's attributed orders again, so a wrong total cannot pass.
     kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
             "revenue": F.coalesce("new_revenue", "revenue")}
     sessions = old_sessions.join(changed, "session_id", "left").select(
