@@ -488,6 +488,7 @@ def _delta(before: dict[str, Any], after: dict[str, Any], probe: SparkProbe) -> 
         "sql_executions": len(executions),
         "sql_seconds_total": round(sum(e["seconds"] or 0 for e in executions), 1),
         "top_call_sites": top_sites,
+        "executions": executions,  # per SQL execution: call site, seconds, files per table
     }
 
 

@@ -60,6 +60,7 @@ from clickstream.jobs.corrections import (
     Run,
     Timer,
     apply,
+    count_plan,
     grow_windows,
     plan,
     publish_changes,
@@ -235,10 +236,12 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         scope = scope_of(batch.tables, valid, kind, client_id)
         in_reach = 0
         if valid_rows and batch.tables.exists(SESSIONS.name):
-            windows, inside = grow_windows(batch.correction_run(progress), scope)
+            run = batch.correction_run(progress)
+            windows, inside = grow_windows(run, scope)
             in_reach = inside.count()
             windows.unpersist()
             inside.unpersist()
+            run.release_snapshots()
         check = BatchCheck(
             run_id=batch.run_id, kind=kind, client_id=client_id, path=path,
             root=str(batch.files.root), file_count=len(batch.files.files),
@@ -283,15 +286,6 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         batch.close()
 
 
-def _count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
-    counts = {(r.entity, r.change): r["count"] for r in
-              changes.groupBy("entity", "change").count().collect()}
-    summary.sessions_created = counts.get(("session", "created"), 0)
-    summary.sessions_updated = counts.get(("session", "updated"), 0)
-    summary.sessions_retracted = counts.get(("session", "retracted"), 0)
-    summary.attributions_changed = sum(v for (e, _), v in counts.items() if e == "attribution")
-
-
 @releases_cache
 def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path: str,
                        run_id: str, spark: SparkSession | None = None,
@@ -313,7 +307,7 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         changes = stored_plan(run)
         if changes is not None:
             summary.resumed = True
-            _count_plan(changes, summary)
+            count_plan(changes, summary)
         else:
             changes = plan(run, scope, kind == "orders", summary, timer, watermark)
         if changes is not None:

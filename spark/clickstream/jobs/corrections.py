@@ -22,9 +22,13 @@ Known edge cases, cited inline as (C1)..(C4):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
   C2. Orders never move boundaries: an orders-only correction reads no pageviews at all.
-  C3. The plan is the ``corrections`` rows of the run; apply and publish read it back.
+  C3. The plan is the ``corrections`` rows of the run. The run that records it goes on with
+      the recorded frame itself; a resumed run (or a later step) reads it back.
   C4. Sessions the stream has not closed yet (end + gap after the stream's watermark) belong
       to the stream: scopes reaching them are deferred and stay queued.
+  C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
+      version, the client's days in reach), kept until apply rewrites those days from it: each
+      affected partition is read once. If the table moved in between, apply reads it again.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, date, datetime, timedelta
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -77,6 +81,15 @@ class CorrectionSummary:
                 + (" [resumed a planned run]" if self.resumed else "") + f"; {steps}")
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A client's rows of one table over some days at one table version, persisted (C5)."""
+
+    version: int
+    dates: frozenset[date]
+    rows: DataFrame
+
+
 @dataclass
 class Run:
     """One correction run of one client."""
@@ -88,6 +101,12 @@ class Run:
     run_id: str
     cause: str
     progress: Callable[[str], None] = print
+    snapshots: dict[str, Snapshot] = field(default_factory=dict)
+
+    def release_snapshots(self) -> None:
+        for snapshot in self.snapshots.values():
+            snapshot.rows.unpersist()
+        self.snapshots.clear()
 
     @property
     def app_id(self) -> str:
@@ -118,31 +137,42 @@ def _ms(column: str | Column) -> Column:
     return F.unix_millis(F.col(column) if isinstance(column, str) else column)
 
 
-def _dates(lo_ms: int, hi_ms: int, pad_days: int = 1) -> list:
+def _dates(lo_ms: int, hi_ms: int, pad_days: int = 1) -> list[date]:
     """Calendar days (UTC) covering [lo, hi], padded, for partition pruning."""
-    from datetime import UTC, datetime
-
     first = datetime.fromtimestamp(lo_ms / 1000, tz=UTC).date() - timedelta(days=pad_days)
     last = datetime.fromtimestamp(hi_ms / 1000, tz=UTC).date() + timedelta(days=pad_days)
     return [first + timedelta(days=i) for i in range((last - first).days + 1)]
 
 
-def _read(run: Run, spec, date_column: str, lo_ms: int, hi_ms: int) -> DataFrame:
-    return run.tables.read(spec.name, partition_filter={
-        "client_id": run.client_id, date_column: _dates(lo_ms, hi_ms)}, schema=spec.schema)
+def _snapshot(run: Run, spec, date_column: str, lo_ms: int, hi_ms: int) -> DataFrame:
+    """The client's rows of ``spec`` over the days of [lo, hi], kept for apply (C5)."""
+    dates = _dates(lo_ms, hi_ms)
+    version = run.tables.version(spec.name)
+    rows = run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
+                                                        date_column: dates},
+                           schema=spec.schema, version=version if version >= 0 else None)
+    previous = run.snapshots.get(spec.name)
+    if previous is not None:
+        previous.rows.unpersist()
+    run.snapshots[spec.name] = Snapshot(version, frozenset(dates), rows.persist())
+    rows.count()  # one scan fills the cache; two uses in one job would both scan the files
+    return rows
 
 
 def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
-    """(windows per user [lo_ms, hi_ms], stored sessions inside them) (C1)."""
+    """(windows per user [lo_ms, hi_ms], persisted; stored sessions inside them) (C1).
+
+    The sessions are a filter of the run's snapshot (C5), cheap to evaluate again: caching a
+    second copy of most of a client's sessions would cost more memory than it saves."""
     scope = scope.groupBy("client_id", "user_id").agg(F.min("lo_ms").alias("lo_ms"),
                                                       F.max("hi_ms").alias("hi_ms"))
     bounds = scope.agg(F.min("lo_ms"), F.max("hi_ms")).first()
     if bounds is None or bounds[0] is None:
         return scope, run.spark.createDataFrame([], SESSIONS.schema)
-    # The scope's users' stored sessions in the range, read once for both joins below.
-    sessions = _read(run, SESSIONS, "session_date", bounds[0] - run.gap_ms,
-                     bounds[1] + run.gap_ms).join(
-        scope.select("client_id", "user_id"), ["client_id", "user_id"], "left_semi").persist()
+    # The scope's users' stored sessions in the range, read once for both joins below (C5).
+    sessions = _snapshot(run, SESSIONS, "session_date", bounds[0] - run.gap_ms,
+                         bounds[1] + run.gap_ms).join(
+        scope.select("client_id", "user_id"), ["client_id", "user_id"], "left_semi")
     near = sessions.join(scope, ["client_id", "user_id"]).where(
         (_ms("session_start") - run.gap_ms < F.col("hi_ms"))
         & (_ms("session_end") + run.gap_ms > F.col("lo_ms")))
@@ -153,9 +183,7 @@ def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
         F.greatest("hi_ms", F.coalesce("s_hi", "hi_ms")).alias("hi_ms")).persist()
     inside = sessions.join(windows, ["client_id", "user_id"]).where(
         (_ms("session_start") >= F.col("lo_ms")) & (_ms("session_end") <= F.col("hi_ms"))
-    ).select(*SESSIONS.schema.fieldNames()).persist()
-    inside.count()  # materialises windows and inside, so the read can be released
-    sessions.unpersist()
+    ).select(*SESSIONS.schema.fieldNames())
     return windows, inside
 
 
@@ -197,9 +225,14 @@ class Windows:
         lo, hi = per_user.agg(F.min("lo_ms"), F.max("hi_ms")).first()
         return cls(per_user, lo, hi)
 
-    def rows_of(self, run: Run, spec, date_column: str, ts: str, hi_pad_ms: int) -> DataFrame:
+    def rows_of(self, run: Run, spec, date_column: str, ts: str, hi_pad_ms: int,
+                keep_for_apply: bool = False) -> DataFrame:
         """The client's stored rows of ``spec`` inside the windows (plus ``hi_pad_ms``)."""
-        stored = _read(run, spec, date_column, self.lo_ms, self.hi_ms + run.gap_ms)
+        lo, hi = self.lo_ms, self.hi_ms + run.gap_ms
+        stored = (_snapshot(run, spec, date_column, lo, hi) if keep_for_apply else
+                  run.tables.read(spec.name, partition_filter={
+                      "client_id": run.client_id, date_column: _dates(lo, hi)},
+                      schema=spec.schema))
         return _in_windows(stored, self.per_user, ts, hi_pad_ms)
 
 
@@ -208,25 +241,69 @@ def window_orders(run: Run, windows: Windows) -> DataFrame:
     return windows.rows_of(run, ORDERS, "event_date", "ts", run.gap_ms)
 
 
+@dataclass(frozen=True)
+class Recomputed:
+    """What a recompute produced (no revisions yet)."""
+
+    sessions: DataFrame  # every session of the windows as it now is: what the gate checks
+    before: DataFrame  # the stored sessions to diff ...
+    after: DataFrame  # ... against these (persisted)
+    attributions: DataFrame  # every order of the windows and its session (persisted)
+    retract: bool  # whether a stored session missing from ``after`` is retracted
+    held: tuple[DataFrame, ...]  # the persisted frames all of the above are computed from
+
+    def release(self) -> None:
+        for frame in self.held:
+            frame.unpersist()
+
+
 def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataFrame,
-              orders_only: bool) -> tuple[DataFrame, DataFrame]:
-    """New sessions and attributions inside the windows (no revision yet)."""
-    if not orders_only:
+              orders_only: bool) -> Recomputed:
+    """New sessions and attributions inside the windows.
+
+    Both come from one pass of the Python worker, kept until both are materialised (each
+    would otherwise run it again)."""
+    if orders_only:
+        emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
+    else:
         pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 0)
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
-        return _session_rows(emitted), _attribution_rows(emitted)
-    emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
-    changed = _session_rows(emitted).select(
-        "session_id", F.col("order_count").alias("new_count"),
-        F.col("revenue").alias("new_revenue"))
-    # Sessions without a row keep their stored totals; the recomputed_sessions gate sums
-    # every session's attributed orders again, so a wrong total cannot pass.
-    kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
-            "revenue": F.coalesce("new_revenue", "revenue")}
-    sessions = old_sessions.join(changed, "session_id", "left").select(
-        *(kept.get(c, F.col(c)).alias(c) for c in SESSIONS.schema.fieldNames()
-          if c != "revision"))
-    return sessions, _attribution_rows(emitted)
+    emitted = emitted.persist()
+    attributions = _attribution_rows(emitted).persist()
+    attributions.count()
+    if orders_only:
+        result = _reattributed(_session_rows(emitted), old_sessions, attributions)
+    else:
+        sessions = _session_rows(emitted).persist()
+        sessions.count()
+        result = Recomputed(sessions, old_sessions, sessions, attributions, retract=True,
+                            held=(sessions, attributions))
+    emitted.unpersist()
+    return result
+
+
+def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: DataFrame
+                  ) -> Recomputed:
+    """Orders only: the sessions whose totals changed are diffed, the rest keep their stored
+    rows; the gate still sees every session of the windows with its totals, so a total the
+    Python worker wrongly reported as unchanged cannot pass."""
+    totals = changed.select("session_id", F.col("order_count").alias("new_count"),
+                            F.col("revenue").alias("new_revenue")).persist()
+    columns = [c for c in SESSIONS.schema.fieldNames() if c != "revision"]
+
+    def with_totals(how: str) -> DataFrame:
+        kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
+                "revenue": F.coalesce("new_revenue", "revenue")}
+        return old_sessions.join(totals, "session_id", how).select(
+            *(kept.get(c, F.col(c)).alias(c) for c in columns))
+
+    after = with_totals("inner").persist()
+    after.count()  # fills both caches
+    return Recomputed(
+        sessions=with_totals("left"),
+        before=old_sessions.join(totals.select("session_id"), "session_id", "left_semi"),
+        after=after, attributions=attributions, retract=False,
+        held=(totals, after, attributions))
 
 
 def _differs(columns: tuple[str, ...]) -> Column:
@@ -265,7 +342,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     """Compute and store the run's corrections (the plan); None when nothing changes."""
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
-        grown = (windows, old_sessions)  # persisted: released when the plan is stored
+        grown = (windows,)  # persisted: released when the plan is stored
         if stream_watermark_ms is not None:  # (C4)
             open_tail = F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms)
             summary.deferred_users = windows.where(open_tail).count()
@@ -276,44 +353,55 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         if windows.lo_ms is None:  # an empty scope, or every user left to the stream
             for frame in grown:
                 frame.unpersist()
+            run.release_snapshots()
             return None
     with timer.step("recompute sessions and attributions"):
         orders = window_orders(run, windows).persist()
         grown = (*grown, orders)
-        new_sessions, new_attributions = (frame.persist() for frame in recompute(
-            run, windows, old_sessions, orders, orders_only))
-        for frame in (new_attributions, new_sessions):  # computed here, so that the gate
-            frame.count()  # reading them is timed for its own checks alone
+        # Computed here, so that the gate reading them is timed for its own checks alone.
+        new = recompute(run, windows, old_sessions, orders, orders_only)
         # Before anything is recorded: a failing gate leaves no plan to resume (C3).
-        gate_recomputed_sessions(run, new_sessions, new_attributions, orders)
+        gate_recomputed_sessions(run, new.sessions, new.attributions, orders)
         old_attributions = windows.rows_of(run, ATTRIBUTIONS, "order_date", "order_ts",
-                                           run.gap_ms)
+                                           run.gap_ms, keep_for_apply=True)
         run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
-        changes = diff(old_sessions, new_sessions, SESSIONS, SESSION_CONTENT,
-                       "session_date", "session", run, run_seq).unionByName(
-            diff(old_attributions, new_attributions, ATTRIBUTIONS, ATTRIBUTION_CONTENT,
-                 "order_date", "attribution", run, run_seq, retract=False)).persist()
+        changes = diff(new.before, new.after, SESSIONS, SESSION_CONTENT, "session_date",
+                       "session", run, run_seq, retract=new.retract).unionByName(
+            diff(old_attributions, new.attributions, ATTRIBUTIONS, ATTRIBUTION_CONTENT,
+                 "order_date", "attribution", run, run_seq, retract=False)
+        ).localCheckpoint()  # computed once; every later use plans a scan, not its lineage
         counts = {(r.entity, r.change): r["count"] for r in
                   changes.groupBy("entity", "change").count().collect()}
-        attributed = new_attributions.groupBy(F.col("session_id").isNotNull().alias("a")).count()
-        by_kind = {r.a: r["count"] for r in attributed.collect()}
-    summary.sessions_created = counts.get(("session", "created"), 0)
-    summary.sessions_updated = counts.get(("session", "updated"), 0)
-    summary.sessions_retracted = counts.get(("session", "retracted"), 0)
-    summary.attributions_changed = sum(v for (e, _), v in counts.items() if e == "attribution")
+        attributed = new.attributions.groupBy(F.col("session_id").isNotNull().alias("a"))
+        by_kind = {r.a: r["count"] for r in attributed.count().collect()}
+    _count_changes(counts, summary)
     summary.orders_attributed = by_kind.get(True, 0)
     summary.orders_unattributed = by_kind.get(False, 0)
+    new.release()
+    for frame in grown:
+        frame.unpersist()
     if not counts:
-        for frame in (changes, new_sessions, new_attributions, *grown):
-            frame.unpersist()
+        changes.unpersist()
+        run.release_snapshots()
         return None
     with timer.step("record corrections"):
         run.tables.append_once(CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
                                partition_by=CORRECTIONS.partition_by,
                                metadata={"run_id": run.run_id, "cause": run.cause})
-    for frame in (changes, new_sessions, new_attributions, *grown):
-        frame.unpersist()
-    return stored_plan(run)
+    return changes  # what was recorded: no need to read the plan back (C3)
+
+
+def _count_changes(counts: dict[tuple[str, str], int], summary: CorrectionSummary) -> None:
+    summary.sessions_created = counts.get(("session", "created"), 0)
+    summary.sessions_updated = counts.get(("session", "updated"), 0)
+    summary.sessions_retracted = counts.get(("session", "retracted"), 0)
+    summary.attributions_changed = sum(v for (e, _), v in counts.items() if e == "attribution")
+
+
+def count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
+    """Fill the summary's change counts from a stored plan (a resumed run)."""
+    _count_changes({(r.entity, r.change): r["count"] for r in
+                    changes.groupBy("entity", "change").count().collect()}, summary)
 
 
 def stored_plan(run: Run) -> DataFrame | None:
@@ -335,9 +423,14 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
     if not dates:
         return
     keys = mine.select(F.col("key").alias(spec.key[0]))
-    current = run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
-                                                          date_column: dates},
-                              schema=spec.schema)
+    snapshot = run.snapshots.get(spec.name)
+    if (snapshot is not None and snapshot.dates.issuperset(dates)
+            and run.tables.version(spec.name) == snapshot.version):  # (C5)
+        current = snapshot.rows.where(F.col(date_column).isin(dates))
+    else:
+        current = run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
+                                                              date_column: dates},
+                                  schema=spec.schema)
     kept = current.join(keys, spec.key[0], "left_anti")
     fresh = mine.where(F.col("new_value").isNotNull()).select(
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
@@ -353,6 +446,7 @@ def apply(run: Run, changes: DataFrame) -> None:
     run_seq = changes.select("run_seq").first()[0]
     _apply_table(run, changes, "session", SESSIONS, "session_date", run_seq)
     _apply_table(run, changes, "attribution", ATTRIBUTIONS, "order_date", run_seq)
+    run.release_snapshots()
 
 
 def publish_changes(run: Run, changes: DataFrame) -> int:
@@ -383,13 +477,7 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
     changes = stored_plan(run)
     if changes is not None:
         summary.resumed = True
-        counts = {(r.entity, r.change): r["count"] for r in
-                  changes.groupBy("entity", "change").count().collect()}
-        summary.sessions_created = counts.get(("session", "created"), 0)
-        summary.sessions_updated = counts.get(("session", "updated"), 0)
-        summary.sessions_retracted = counts.get(("session", "retracted"), 0)
-        summary.attributions_changed = sum(v for (e, _), v in counts.items()
-                                           if e == "attribution")
+        count_plan(changes, summary)
     else:
         changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms)
     if changes is not None:

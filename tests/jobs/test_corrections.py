@@ -1,0 +1,61 @@
+"""A correction run plans from a snapshot of the tables and applies from it (corrections C5)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+from pyspark.sql import SparkSession
+
+from clickstream.config import Config
+from clickstream.io.delta_tables import open_tables
+from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.backfill_steps import locate_batch, merge_batch
+from clickstream.jobs.corrections import CorrectionSummary, Run, Timer, apply, plan
+from clickstream.tables import SESSIONS
+from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
+from tests.jobs.test_sessionize import table_rows
+
+
+def quiet(_: str) -> None:
+    """Progress lines are not what these tests check."""
+
+
+def test_apply_reads_again_the_days_another_writer_changed_after_the_plan(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    config = stream_config
+    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
+                                 "parquet"))
+    orders = write_rows(config, "o", [order_row("o1", "u", 5)], "parquet")
+    batch = locate_batch(config, kind="orders", client_id="client-00", path=orders)
+    merge_batch(config, kind="orders", client_id="client-00", path=orders,
+                run_id=batch["run_id"], spark=spark, progress=quiet)
+    tables = open_tables(config, spark)
+    run = Run(spark, config, tables, "client-00", "test-run", "test", quiet)
+    order_ms = ms(START + timedelta(minutes=5))
+    scope = spark.createDataFrame([("client-00", "u", order_ms, order_ms)],
+                                  "client_id string, user_id string, lo_ms long, hi_ms long")
+    summary = CorrectionSummary()
+    changes = plan(run, scope, True, summary, Timer(summary, quiet), None)
+    assert changes is not None and summary.sessions_updated == 1
+    assert run.snapshots["sessions"].version == tables.version("sessions")
+
+    # Meanwhile another writer (the stream) stores a session on the same day: the plan's
+    # snapshot does not hold it, so apply must not rewrite the day from the snapshot.
+    other = {"session_id": "other", "client_id": "client-00", "user_id": "w",
+             "session_start": START + timedelta(hours=2),
+             "session_end": START + timedelta(hours=2), "pageview_count": 1,
+             "landing_url": "/x", "exit_url": "/x", "order_count": 0,
+             "revenue": Decimal("0.0000"), "revision": 1, "session_date": START.date()}
+    tables.append_once(SESSIONS.name, spark.createDataFrame([other], SESSIONS.schema),
+                       app_id="test-stream", version=1, partition_by=SESSIONS.partition_by,
+                       metadata={"run_id": "test-stream", "cause": "test"})
+    apply(run, changes)
+    changes.unpersist()
+
+    sessions = {r["user_id"]: r for r in table_rows(config, spark, "sessions")}
+    assert sessions.keys() == {"u", "w"}
+    assert (sessions["u"]["order_count"], sessions["u"]["revision"]) == (1, 2)
+    assert run.snapshots == {}  # released once applied
