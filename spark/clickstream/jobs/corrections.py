@@ -286,7 +286,8 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
                   ) -> Recomputed:
     """Orders only: the sessions whose totals changed are diffed, the rest keep their stored
     rows; the gate still sees every session of the windows with its totals, so a total the
-    Python worker wrongly reported as unchanged cannot pass."""
+    Python worker wrongly reported as unchanged cannot pass (without the URLs, which it does
+    not check and which are most of a session's bytes)."""
     totals = changed.select("session_id", F.col("order_count").alias("new_count"),
                             F.col("revenue").alias("new_revenue")).persist()
     columns = [c for c in SESSIONS.schema.fieldNames() if c != "revision"]
@@ -299,11 +300,13 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
 
     after = with_totals("inner").persist()
     after.count()  # fills both caches
+    checked = with_totals("left").drop("landing_url", "exit_url").persist()
+    checked.count()
     return Recomputed(
-        sessions=with_totals("left"),
+        sessions=checked,
         before=old_sessions.join(totals.select("session_id"), "session_id", "left_semi"),
         after=after, attributions=attributions, retract=False,
-        held=(totals, after, attributions))
+        held=(totals, after, checked, attributions))
 
 
 def _differs(columns: tuple[str, ...]) -> Column:
