@@ -34,7 +34,8 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # A broadcast hash relation holds at least one whole memory page, and the driver keeps
         # it until the plans using it are garbage: at the default page size (64 MiB here) a
         # long-lived session (the sessionizer, the test suite) retained ~64 MiB per broadcast
-        # join (measured: a 4 GiB test session ran out of heap after a dozen small backfills).
+        # join (measured in the test session: ~340 MiB of heap kept per small backfill, ~110
+        # MiB at 4 MiB pages; BENCHMARKS.md).
         .config("spark.buffer.pageSize", "4m")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
         # Takes effect when this call starts the JVM (not under spark-submit, whose

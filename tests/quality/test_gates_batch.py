@@ -4,6 +4,7 @@ failed expectation as the reason, and names the problem; good data passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import date, timedelta
 
@@ -119,9 +120,10 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
     real_recompute = corrections.recompute
 
     def wrong_revenue(*args, **kwargs):  # a semantics bug: revenue off by one
-        sessions, attributions = real_recompute(*args, **kwargs)
-        return sessions.withColumn("revenue", (F.col("revenue") + 1).cast(
-            SESSIONS.schema["revenue"].dataType)), attributions
+        result = real_recompute(*args, **kwargs)
+        wrong = result.sessions.withColumn("revenue", (F.col("revenue") + 1).cast(
+            SESSIONS.schema["revenue"].dataType))
+        return dataclasses.replace(result, sessions=wrong, after=wrong)
 
     monkeypatch.setattr(corrections, "recompute", wrong_revenue)
     path = write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "parquet")

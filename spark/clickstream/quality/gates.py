@@ -446,7 +446,9 @@ def gate_tables_after_merge(tables: DeltaTables, config: Config, *, kind: str, c
 def gate_recomputed_sessions(run: Run, sessions: DataFrame, attributions: DataFrame,
                              orders: DataFrame) -> GateResult | None:
     """The ``recomputed_sessions`` gate on a run's recomputed windows, before the plan is
-    recorded. ``orders`` are the stored orders inside the windows (their amounts).
+    recorded. ``orders`` are the stored orders inside the windows (their amounts). The
+    recompute hands ``sessions`` and ``attributions`` over materialised, so the gate's time is
+    its checks alone.
 
     Raises:
         QualityGateFailedError: nothing recorded, applied or published.
