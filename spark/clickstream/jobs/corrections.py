@@ -144,13 +144,19 @@ def _dates(lo_ms: int, hi_ms: int, pad_days: int = 1) -> list[date]:
     return [first + timedelta(days=i) for i in range((last - first).days + 1)]
 
 
+def _read_days(run: Run, spec, date_column: str, dates: list[date],
+               version: int | None = None) -> DataFrame:
+    """The client's rows of ``spec`` on ``dates`` (partition pruning on client and day)."""
+    return run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
+                                                        date_column: dates},
+                           schema=spec.schema, version=version)
+
+
 def _snapshot(run: Run, spec, date_column: str, lo_ms: int, hi_ms: int) -> DataFrame:
     """The client's rows of ``spec`` over the days of [lo, hi], kept for apply (C5)."""
     dates = _dates(lo_ms, hi_ms)
     version = run.tables.version(spec.name)
-    rows = run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
-                                                        date_column: dates},
-                           schema=spec.schema, version=version if version >= 0 else None)
+    rows = _read_days(run, spec, date_column, dates, version if version >= 0 else None)
     previous = run.snapshots.get(spec.name)
     if previous is not None:
         previous.rows.unpersist()
@@ -230,9 +236,7 @@ class Windows:
         """The client's stored rows of ``spec`` inside the windows (plus ``hi_pad_ms``)."""
         lo, hi = self.lo_ms, self.hi_ms + run.gap_ms
         stored = (_snapshot(run, spec, date_column, lo, hi) if keep_for_apply else
-                  run.tables.read(spec.name, partition_filter={
-                      "client_id": run.client_id, date_column: _dates(lo, hi)},
-                      schema=spec.schema))
+                  _read_days(run, spec, date_column, _dates(lo, hi)))
         return _in_windows(stored, self.per_user, ts, hi_pad_ms)
 
 
@@ -345,7 +349,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     """Compute and store the run's corrections (the plan); None when nothing changes."""
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
-        grown = (windows,)  # persisted: released when the plan is stored
+        grown = (windows,)  # persisted: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)
             open_tail = F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms)
             summary.deferred_users = windows.where(open_tail).count()
@@ -431,9 +435,7 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
             and run.tables.version(spec.name) == snapshot.version):  # (C5)
         current = snapshot.rows.where(F.col(date_column).isin(dates))
     else:
-        current = run.tables.read(spec.name, partition_filter={"client_id": run.client_id,
-                                                              date_column: dates},
-                                  schema=spec.schema)
+        current = _read_days(run, spec, date_column, dates)
     kept = current.join(keys, spec.key[0], "left_anti")
     fresh = mine.where(F.col("new_value").isNotNull()).select(
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
