@@ -8,6 +8,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
@@ -125,6 +126,27 @@ def test_file_statistics_prune_exactly(tables, spark):
     assert len(table.file_uris(file_pruning_predicate="ts <= '2024-03-01T12:30:15.000005Z'")) == 1
     # delta-rs widens maxima by 1 ms (other writers truncate them), so test past that.
     assert table.file_uris(file_pruning_predicate="ts > '2024-03-01T12:30:15.002Z'") == []
+
+
+def test_rows_spread_over_partitions_are_written_in_whole_row_groups(tables, spark):
+    """Spark hands the writer small Arrow batches interleaving every partition; each
+    partition's rows still land in one file with one row group (edge case 13)."""
+    rows = [(f"o{i}", f"c{i % 2}", (D1, D2, D3)[i % 3], "1") for i in range(1200)]
+    previous = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "50")
+    try:
+        tables.append_once("orders", orders(spark, *rows), app_id="a", version=1,
+                           partition_by=PARTS, metadata=META)
+    finally:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", previous)
+
+    root = Path(tables.table_path("orders"))
+    files = files_of(tables, "orders", "c0") | files_of(tables, "orders", "c1")
+    assert len(files) == 6  # one per (client, day)
+    layout = [pq.ParquetFile(root / f).metadata for f in files]
+    assert [m.num_row_groups for m in layout] == [1] * 6
+    assert sum(m.num_rows for m in layout) == 1200
+    assert tables.read("orders").count() == 1200
 
 
 def test_empty_batch_records_the_step_so_a_replay_is_skipped(tables, spark):

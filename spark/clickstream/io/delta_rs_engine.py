@@ -44,6 +44,12 @@ Known edge cases (cited inline as "edge case N"):
 12. delta-rs takes ``AddAction``/``RemoveAction`` paths as named on disk and URI-encodes them into
     the log itself; an already-encoded path double-encodes, and a remove then silently matches
     no file. ``get_add_actions()`` returns the encoded form, so paths are decoded first.
+13. Spark hands a write task its rows in Arrow batches of ~10k rows spread over every table
+    partition of the task; writing each batch's slice as it comes made row groups of ~100 rows
+    (poor compression, slow scans for every reader). Rows are therefore sorted by the partition
+    columns within each task (as Spark's own partitioned writer does) and buffered into row
+    groups of up to ``ROW_GROUP_ROWS`` rows / ``ROW_GROUP_BYTES``; a file is closed as soon as
+    its partition's rows end, so a task holds one buffer at a time.
 """
 
 from __future__ import annotations
@@ -101,6 +107,8 @@ _MAX_STAT_STRING = 64
 # Spark's ExternalCatalogUtils.escapePathName set, plus '}' so no folder looks like a glob.
 _ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^")
 _FILE_ROWS = "path string, size long, partition_values string, modification_time long, stats string"
+ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
+ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
 
 
 @dataclass(frozen=True)
@@ -539,7 +547,8 @@ class DeltaRsTables(DeltaTables):
         task = functools.partial(
             _write_task, root=self.table_path(name), partition_by=parts, file_schema=file_schema
         )
-        spark_df = df.repartition(*parts) if parts else df
+        # Sorted by partition within each task: one open file at a time, whole row groups (13).
+        spark_df = df.repartition(*parts).sortWithinPartitions(*parts) if parts else df
         rows = spark_df.mapInArrow(task, _FILE_ROWS).collect()
         files = [
             _WrittenFile(
@@ -693,6 +702,9 @@ class _OpenFile:
         self.full = os.path.join(root, rel)
         os.makedirs(os.path.dirname(self.full), exist_ok=True)
         self.writer = pq.ParquetWriter(self.full, schema, compression="snappy")
+        self.pending: list[pa.Table] = []  # rows of the next row group (edge case 13)
+        self.pending_rows = 0
+        self.pending_bytes = 0
         self.rows = 0
         self.nulls = dict.fromkeys(schema.names, 0)
         self.low: dict[str, Any] = {}
@@ -700,7 +712,11 @@ class _OpenFile:
         self.skip: set[str] = set()
 
     def write(self, table: pa.Table) -> None:
-        self.writer.write_table(table)
+        self.pending.append(table)
+        self.pending_rows += table.num_rows
+        self.pending_bytes += table.nbytes
+        if self.pending_rows >= ROW_GROUP_ROWS or self.pending_bytes >= ROW_GROUP_BYTES:
+            self.flush()
         self.rows += table.num_rows
         for name in table.column_names:
             column = table.column(name)
@@ -717,7 +733,15 @@ class _OpenFile:
             self.low[name] = low if name not in self.low else min(self.low[name], low)
             self.high[name] = high if name not in self.high else max(self.high[name], high)
 
+    def flush(self) -> None:
+        """Write the buffered rows as one row group."""
+        if self.pending:
+            self.writer.write_table(pa.concat_tables(self.pending),
+                                    row_group_size=max(self.pending_rows, 1))
+            self.pending, self.pending_rows, self.pending_bytes = [], 0, 0
+
     def close(self) -> tuple[int, int, str]:
+        self.flush()
         self.writer.close()
         kept = [n for n in self.low if n not in self.skip]
         stats = {
@@ -737,13 +761,26 @@ def _write_task(
     partition_by: list[str],
     file_schema: pa.Schema,
 ) -> Iterator[pa.RecordBatch]:
-    """Write one Spark partition's rows as one Parquet file per table partition."""
+    """Write one Spark partition's rows as one Parquet file per table partition (sorted by
+    partition, a file is complete once a batch holds none of its rows)."""
     from pyspark import TaskContext
 
     context = TaskContext.get()
     task = context.partitionId() if context is not None else 0
     files: dict[tuple, _OpenFile] = {}
     keys: dict[tuple, dict[str, str | None]] = {}
+    out: dict[str, list] = {"path": [], "size": [], "partition_values": [],
+                            "modification_time": [], "stats": []}
+
+    def finish(key: tuple) -> None:
+        handle = files.pop(key)
+        size, mtime, stats = handle.close()
+        out["path"].append(handle.rel)
+        out["size"].append(size)
+        out["partition_values"].append(json.dumps(keys.pop(key)))
+        out["modification_time"].append(mtime)
+        out["stats"].append(stats)
+
     try:
         for batch in batches:
             if batch.num_rows == 0:
@@ -753,9 +790,11 @@ def _write_task(
                 table.select(partition_by).group_by(partition_by).aggregate([]).to_pylist()
                 if partition_by else [{}]
             )
+            touched = set()
             for group in groups:
                 values = {c: partition_string(group[c]) for c in partition_by}
                 key = tuple(values.values())
+                touched.add(key)
                 if key not in files:
                     folder = "/".join(
                         f"{_hive_escape(c)}={HIVE_NULL if v is None else _hive_escape(v)}"
@@ -767,15 +806,10 @@ def _write_task(
                     keys[key] = values
                 rows = table.filter(_group_mask(table, group)) if partition_by else table
                 files[key].write(rows.select(file_schema.names).cast(file_schema))
-        out = {"path": [], "size": [], "partition_values": [], "modification_time": [], "stats": []}
-        for key, handle in files.items():
-            size, mtime, stats = handle.close()
-            out["path"].append(handle.rel)
-            out["size"].append(size)
-            out["partition_values"].append(json.dumps(keys[key]))
-            out["modification_time"].append(mtime)
-            out["stats"].append(stats)
-        files.clear()
+            for key in [k for k in files if k not in touched]:  # its rows ended (13)
+                finish(key)
+        for key in list(files):
+            finish(key)
         yield pa.RecordBatch.from_pydict(
             out,
             schema=pa.schema([
