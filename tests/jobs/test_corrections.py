@@ -11,7 +11,15 @@ from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.backfill_steps import locate_batch, merge_batch
-from clickstream.jobs.corrections import CorrectionSummary, Run, Timer, apply, plan
+from clickstream.jobs.corrections import (
+    CorrectionSummary,
+    Run,
+    Timer,
+    _figures_before_apply,
+    apply,
+    plan,
+)
+from clickstream.quality.correction_report import correction_figures
 from clickstream.tables import SESSIONS
 from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
 from tests.jobs.test_sessionize import table_rows
@@ -59,3 +67,41 @@ def test_apply_reads_again_the_days_another_writer_changed_after_the_plan(
     assert sessions.keys() == {"u", "w"}
     assert (sessions["u"]["order_count"], sessions["u"]["revision"]) == (1, 2)
     assert run.snapshots == {}  # released once applied
+
+
+def test_report_figures_from_the_snapshot_equal_those_by_time_travel(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """A run that goes straight through reports old values from its snapshot; a resumed run
+    (or the report as a later DAG step) reads them by time travel: the same figures."""
+    config = stream_config
+    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(config, "p1", [pv_row("a", "u", 0), pv_row("b", "u", 3),
+                                                pv_row("c", "u", 100)], "parquet"))
+    run_backfill(config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(config, "o", [order_row("o1", "u", 5, "10.00"),
+                                               order_row("o2", "u", 101, "7.50")], "parquet"))
+    # Pageviews filling the gap merge the two sessions: one updated, one retracted, o2 moves.
+    late = write_rows(config, "p2", [pv_row(e, "u", m) for e, m in
+                                     (("d", 25), ("e", 50), ("f", 75))], "parquet")
+    batch = locate_batch(config, kind="pageviews", client_id="client-00", path=late)
+    merge_batch(config, kind="pageviews", client_id="client-00", path=late,
+                run_id=batch["run_id"], spark=spark, progress=quiet)
+    run = Run(spark, config, open_tables(config, spark), "client-00", "test-run", "test", quiet)
+    scope = spark.createDataFrame(
+        [("client-00", "u", ms(START + timedelta(minutes=25)), ms(START + timedelta(minutes=75)))],
+        "client_id string, user_id string, lo_ms long, hi_ms long")
+    summary = CorrectionSummary()
+    changes = plan(run, scope, False, summary, Timer(summary, quiet), None)
+    assert changes is not None
+    assert (summary.sessions_updated, summary.sessions_retracted) == (1, 1)
+
+    from_snapshot = _figures_before_apply(run, changes)
+    apply(run, changes)
+    by_time_travel = correction_figures(run, changes)
+    changes.unpersist()
+
+    assert from_snapshot == by_time_travel
+    assert from_snapshot.old_known
+    assert from_snapshot.by_day == [(START.date(), Decimal("17.5000"), Decimal("17.5000"))]
+    assert from_snapshot.moved == {"moved to another session": 1}

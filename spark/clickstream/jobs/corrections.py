@@ -46,7 +46,12 @@ from clickstream.config import Config
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import spark_row_value
 from clickstream.io.kafka_clients import produce_records
-from clickstream.quality.correction_report import write_correction_report
+from clickstream.quality.correction_report import (
+    CorrectionFigures,
+    correction_figures,
+    write_correction_report,
+)
+from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.quality.gates import gate_publish, gate_recomputed_sessions, publish_started
 from clickstream.sessions.batch_adapter import reattribute_frames, sessionize_frames
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
@@ -468,6 +473,16 @@ def publish_changes(run: Run, changes: DataFrame) -> int:
     return sent
 
 
+def _figures_before_apply(run: Run, changes: DataFrame) -> CorrectionFigures | None:
+    """The correction report's figures from the snapshot the plan was diffed against, while
+    it is still held (C5): the report then reads no table again. None when the report is off
+    or a snapshot is missing (the report then travels back in the tables' history)."""
+    names = (SESSIONS.name, ATTRIBUTIONS.name)
+    if not gates_enabled(run.config) or not all(n in run.snapshots for n in names):
+        return None
+    return correction_figures(run, changes, {n: run.snapshots[n].rows for n in names})
+
+
 def correct(run: Run, scope: DataFrame, *, orders_only: bool,
             stream_watermark_ms: int | None = None,
             summary: CorrectionSummary | None = None) -> CorrectionSummary:
@@ -479,19 +494,25 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
     """
     summary = summary or CorrectionSummary()
     timer = Timer(summary, run.progress)
+    figures = None
     changes = stored_plan(run)
     if changes is not None:
         summary.resumed = True
         count_plan(changes, summary)
     else:
         changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms)
+        if changes is not None:
+            with timer.step("correction report"):
+                figures = _figures_before_apply(run, changes)
     if changes is not None:
         with timer.step("apply to tables"):
             apply(run, changes)
         with timer.step("publish to Kafka"):
             publish_changes(run, changes)
     with timer.step("correction report"):
-        write_correction_report(run, summary, changes)
+        if figures is None and changes is not None and gates_enabled(run.config):
+            figures = correction_figures(run, changes)  # old values by time travel
+        write_correction_report(run, summary, figures or CorrectionFigures())
     if changes is not None:
         changes.unpersist()
     return summary

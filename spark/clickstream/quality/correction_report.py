@@ -5,16 +5,20 @@ an inline SVG chart: no plotting library is installed here, and the page must st
 file). Written to ``reports/corrections/<job>-<run>.html`` and listed in the reports index
 next to the run's gate validations.
 
-The new values come from the run's plan (the ``corrections`` rows carry them); the old values
-from the ``sessions`` and ``attributions`` tables read just before the run's apply commit (time
-travel), so the report is the same whether the run went straight through or resumed after a
-crash. If that commit is too far back in the history, old values are reported as unknown.
+The new values come from the run's plan (the ``corrections`` rows carry them). The old values
+come from the rows the plan was diffed against: the run's snapshot of the tables when the
+report's figures are computed before apply (a run that goes straight through: no second read),
+else the ``sessions`` and ``attributions`` tables as they were just before the run's apply
+commit (time travel: a resumed run, or the report as a later DAG step). Both are the same
+rows, so the report does not depend on the path. If that commit is too far back in the
+history, old values are reported as unknown.
 """
 
 from __future__ import annotations
 
 import html
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,19 +37,34 @@ if TYPE_CHECKING:
 DEPTH = 1  # corrections/<page>.html
 
 
+@dataclass(frozen=True)
+class CorrectionFigures:
+    """What the report shows about a run's changes, computed from its plan and old values."""
+
+    by_day: list[tuple[Any, Decimal, Decimal]] = field(default_factory=list)  # day, before, after
+    moved: dict[str, int] = field(default_factory=dict)  # what happened to the orders -> count
+    old_known: bool = True
+
+
 def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: list,
-              columns: list[str]) -> DataFrame | None:
-    """Rows of ``spec`` for the changed keys as they were before the run's apply commit."""
-    version = run_commit_version(run.tables, spec.name, run.run_id)
-    if version is None or version < 1 or not dates:
-        return None
+              columns: list[str], stored: Mapping[str, DataFrame] | None) -> DataFrame | None:
+    """Rows of ``spec`` for the changed keys as they were before the run's apply commit: from
+    ``stored`` (the plan's snapshot, before apply) or else by time travel."""
     key = spec.key[0]
-    return run.tables.read(spec.name, columns, {"client_id": run.client_id, date_column: dates},
-                           version=version - 1).join(
-        changes.select(F.col("key").alias(key)), key, "left_semi")
+    if stored is not None:
+        rows = stored[spec.name].select(*columns)
+    else:
+        version = run_commit_version(run.tables, spec.name, run.run_id)
+        if version is None or version < 1 or not dates:
+            return None
+        rows = run.tables.read(spec.name, columns,
+                               {"client_id": run.client_id, date_column: dates},
+                               version=version - 1)
+    return rows.join(changes.select(F.col("key").alias(key)), key, "left_semi")
 
 
-def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool
+def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
+                   stored: Mapping[str, DataFrame] | None
                    ) -> tuple[list[tuple[Any, Decimal, Decimal]], bool]:
     """[(day, revenue before, revenue after)] of the changed sessions; False if the before
     values are unknown (``updates``: some changes are not creations)."""
@@ -56,7 +75,7 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool
         F.col("v.session_date").alias("day"), F.lit(0).cast(money).alias("old"),
         F.col("v.revenue").cast(money).alias("new"))
     old = _old_rows(run, SESSIONS, "session_date", sessions, dates,
-                    ["session_id", "session_date", "revenue"]) if updates else None
+                    ["session_id", "session_date", "revenue"], stored) if updates else None
     if old is not None:
         frames = frames.unionByName(old.select(
             F.col("session_date").alias("day"), F.col("revenue").cast(money).alias("old"),
@@ -67,13 +86,13 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool
             old is not None or not updates)
 
 
-def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
-                   ) -> tuple[dict[str, int], bool]:
+def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool,
+                   stored: Mapping[str, DataFrame] | None) -> tuple[dict[str, int], bool]:
     """How the run's attribution changes moved orders between sessions."""
     new = attributions.select("key", "change", F.get_json_object("new_value", "$.session_id")
                               .alias("new_session"))
     old = _old_rows(run, ATTRIBUTIONS, "order_date", attributions, dates,
-                    ["order_id", "session_id"]) if updates else None
+                    ["order_id", "session_id"], stored) if updates else None
     if old is not None:
         new = new.join(old.select(F.col("order_id").alias("key"),
                                   F.col("session_id").alias("old_session")), "key", "left")
@@ -91,15 +110,35 @@ def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
     return counts, old is not None or not updates
 
 
+def correction_figures(run: Run, plan: DataFrame,
+                       stored: Mapping[str, DataFrame] | None = None) -> CorrectionFigures:
+    """The report's figures of a plan. ``stored``: the snapshot the plan was diffed against
+    (table name -> rows), given before apply; without it, old values come by time travel."""
+    shape = {r.entity: r for r in plan.groupBy("entity").agg(
+        F.sort_array(F.collect_set("partition_date")).alias("dates"),
+        F.count_if(F.col("change") != "created").alias("updates")).collect()}
+    figures: dict[str, Any] = {}
+    known = []
+    for entity, compute, name in (("session", revenue_by_day, "by_day"),
+                                  ("attribution", reattributions, "moved")):
+        if entity in shape:
+            figures[name], ok = compute(run, plan.where(F.col("entity") == entity),
+                                        list(shape[entity].dates), shape[entity].updates > 0,
+                                        stored)
+            known.append(ok)
+    return CorrectionFigures(**figures, old_known=all(known))
+
+
 def write_correction_report(run: Run, summary: CorrectionSummary,
-                            plan: DataFrame | None = None) -> Path | None:
+                            figures: CorrectionFigures | None = None) -> Path | None:
     """Write the run's correction report and list it in the reports index.
 
     Args:
         run: the correction run (backfill or recompute of one client).
         summary: what the run did.
-        plan: the run's ``corrections`` rows, already applied; when None they are read from
-            the ``corrections`` table (none there: nothing changed).
+        figures: the plan's figures, computed before apply from the run's snapshot; when
+            None they are computed from the ``corrections`` table (none there: nothing
+            changed) and time travel.
 
     Returns:
         The page's path (None when ``CLICKSTREAM_QUALITY_GATES=off``).
@@ -109,31 +148,15 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
     config = run.config
     job, run_id = split_run_id(run.run_id)
     moment = reports.now_utc()
-    owned = plan is None
-    if owned:
+    if figures is None:
         from clickstream.jobs.corrections import stored_plan
 
         plan = stored_plan(run)
-    by_day: list[tuple[Any, Decimal, Decimal]] = []
-    moved: dict[str, int] = {}
-    old_known = True
-    if plan is not None:
-        shape = {r.entity: r for r in plan.groupBy("entity").agg(
-            F.sort_array(F.collect_set("partition_date")).alias("dates"),
-            F.count_if(F.col("change") != "created").alias("updates")).collect()}
-        known = []
-        for entity, compute in (("session", revenue_by_day), ("attribution", reattributions)):
-            if entity in shape:
-                value, ok = compute(run, plan.where(F.col("entity") == entity),
-                                    list(shape[entity].dates), shape[entity].updates > 0)
-                known.append(ok)
-                if entity == "session":
-                    by_day = value
-                else:
-                    moved = value
-        old_known = all(known)
-        if owned:
+        figures = CorrectionFigures()
+        if plan is not None:
+            figures = correction_figures(run, plan)
             plan.unpersist()
+    by_day, moved, old_known = figures.by_day, figures.moved, figures.old_known
     reattributed = sum(v for k, v in moved.items()
                        if k in ("attributed to a session", "moved to another session",
                                 "no longer attributed (kept, unattributed)"))
