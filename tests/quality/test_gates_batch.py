@@ -220,3 +220,43 @@ def test_good_batches_and_a_recompute_pass_every_gate(stream_config: Config,
     assert str(date(2026, 11, 2)) in text
     assert "attributed to a session</td><td class=num>2" in text
     assert assert_every_link_resolves(reports_dir(stream_config)) > 0
+
+
+def _without_session_totals(real):
+    """A semantics bug: the Python worker reports no session total as changed (the
+    attributions are still right)."""
+    def broken(*args, **kwargs):
+        emitted = real(*args, **kwargs)
+        return emitted.where(F.col("kind") != "session")
+    return broken
+
+
+def test_recomputed_sessions_catches_totals_wrongly_reported_unchanged_in_orders_runs(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Orders-only runs check the sessions their orders touch: one an order is attributed to
+    now, and one that held an order before, even when the worker says neither changed."""
+    real = corrections.reattribute_frames
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3),
+                                                      pv_row("c", "v", 0)], "parquet"),
+                 progress=lambda _: None)
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "o1", [order_row("o1", "u", 5)], "parquet"),
+                 progress=lambda _: None)
+    monkeypatch.setattr(corrections, "reattribute_frames", _without_session_totals(real))
+    # o1 moves out of u's session (to no session); o2 lands in v's session.
+    path = write_rows(stream_config, "o2", [order_row("o1", "u", 300), order_row("o2", "v", 1)],
+                      "parquet")
+    before = versions(stream_config, spark)
+    with pytest.raises(QualityGateFailedError, match=(
+            r"quality gate recomputed_sessions failed .*revenue_mismatch = 2.*"
+            r"order_count_mismatch = 2")):
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                     path=path, progress=lambda _: None)
+    unchanged(before, versions(stream_config, spark), "sessions", "attributions", "corrections")
+
+    monkeypatch.setattr(corrections, "reattribute_frames", real)
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path=path, progress=lambda _: None)
+    assert summary.corrections.sessions_updated == 2

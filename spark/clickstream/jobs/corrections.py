@@ -254,7 +254,7 @@ def window_orders(run: Run, windows: Windows) -> DataFrame:
 class Recomputed:
     """What a recompute produced (no revisions yet)."""
 
-    sessions: DataFrame  # every session of the windows as it now is: what the gate checks
+    sessions: DataFrame  # the sessions as they now are that the gate checks (see _reattributed)
     before: DataFrame  # the stored sessions to diff ...
     after: DataFrame  # ... against these (persisted)
     attributions: DataFrame  # every order of the windows and its session (persisted)
@@ -294,22 +294,30 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
 def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: DataFrame
                   ) -> Recomputed:
     """Orders only: the sessions whose totals changed are diffed, the rest keep their stored
-    rows; the gate still sees every session of the windows with its totals, so a total the
-    Python worker wrongly reported as unchanged cannot pass (without the URLs, which it does
-    not check and which are most of a session's bytes)."""
+    rows (C2).
+
+    The gate sees every session the run's orders touch with its totals: the changed ones, the
+    ones an order is attributed to, and the ones that held orders before. So a total the
+    Python worker wrongly reported as unchanged still cannot pass (such a session has orders
+    now or had some before), while sessions without orders before or after, whose boundaries
+    and totals the run cannot change, are not checked again: the gate's work grows with the
+    batch, not with the client's history. URLs are left out (not checked; most of a
+    session's bytes)."""
     totals = changed.select("session_id", F.col("order_count").alias("new_count"),
                             F.col("revenue").alias("new_revenue")).persist()
     columns = [c for c in SESSIONS.schema.fieldNames() if c != "revision"]
-
-    def with_totals(how: str) -> DataFrame:
-        kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
-                "revenue": F.coalesce("new_revenue", "revenue")}
-        return old_sessions.join(totals, "session_id", how).select(
-            *(kept.get(c, F.col(c)).alias(c) for c in columns))
-
-    after = with_totals("inner").persist()
-    after.count()  # fills both caches
-    checked = with_totals("left").drop("landing_url", "exit_url").persist()
+    kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
+            "revenue": F.coalesce("new_revenue", "revenue")}
+    after = old_sessions.join(totals, "session_id").select(
+        *(kept.get(c, F.col(c)).alias(c) for c in columns)).persist()
+    after.count()
+    touched = totals.join(attributions.where(F.col("session_id").isNotNull())
+                          .select("session_id").distinct(), "session_id", "full_outer"
+                          ).withColumn("_touched", F.lit(True))
+    checked = old_sessions.drop("landing_url", "exit_url").join(touched, "session_id", "left"
+                                                                ).where(
+        F.col("_touched") | (F.col("order_count") > 0)).select(
+        *(kept.get(c, F.col(c)).alias(c) for c in columns if not c.endswith("_url"))).persist()
     checked.count()
     return Recomputed(
         sessions=checked,
