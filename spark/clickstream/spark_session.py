@@ -34,9 +34,12 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # A broadcast hash relation holds at least one whole memory page, and the driver keeps
         # it until the plans using it are garbage: at the default page size (64 MiB here) a
         # long-lived session (the sessionizer, the test suite) retained ~64 MiB per broadcast
-        # join (measured in the test session: ~340 MiB of heap kept per small backfill, ~110
-        # MiB at 4 MiB pages; BENCHMARKS.md).
-        .config("spark.buffer.pageSize", "4m")
+        # join (~340 MiB of heap kept per small backfill in the test session; BENCHMARKS.md).
+        # A page is one long[] on the heap, and G1 keeps any object of at least half a region
+        # (regions are 1-4 MiB here) "humongous", in whole regions of its own: 4 MiB pages
+        # took 6-8 MiB each, and validating a year of pageviews (10.5M rows) ran out of an
+        # 8 GiB heap. Pages just under 512 KiB are never humongous.
+        .config("spark.buffer.pageSize", "511k")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
         # Takes effect when this call starts the JVM (not under spark-submit, whose
         # --driver-memory then applies).

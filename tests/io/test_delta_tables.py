@@ -359,6 +359,31 @@ def test_replace_refuses_when_a_concurrent_commit_changed_the_range(config, spar
     assert tables.app_version("orders", "recompute") is None
 
 
+def test_replace_computed_from_an_older_version_is_refused_only_if_its_range_changed(
+        tables, spark):
+    """``read_version``: the rows were computed from that version; a commit into the range
+    since then refuses the replace, a commit elsewhere does not."""
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1"), ("o2", "c1", D2, "1")),
+                       app_id="stream", version=1, partition_by=PARTS, metadata=META)
+    read_at = tables.version("orders")
+    tables.append_once("orders", orders(spark, ("late", "c1", D1, "1")), app_id="stream",
+                       version=2, partition_by=PARTS, metadata=META)
+
+    with pytest.raises(CommitConflictError, match="Recompute the range"):
+        tables.replace_partitions("orders", orders(spark, ("o1b", "c1", D1, "2")),
+                                  predicate={"client_id": "c1", "event_date": [D1]},
+                                  app_id="recompute", version=1, metadata=META,
+                                  read_version=read_at)
+    assert ids(tables.read("orders")) == ["late", "o1", "o2"]
+    assert tables.app_version("orders", "recompute") is None
+
+    assert tables.replace_partitions("orders", orders(spark, ("o2b", "c1", D2, "2")),
+                                     predicate={"client_id": "c1", "event_date": [D2]},
+                                     app_id="recompute", version=1, metadata=META,
+                                     read_version=read_at)
+    assert ids(tables.read("orders")) == ["late", "o1", "o2b"]
+
+
 def test_missing_table_read_needs_a_schema(tables):
     with pytest.raises(ClickstreamError, match=r"table 'orders' does not exist.*pass schema="):
         tables.read("orders")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
 
-from pyspark.sql import SparkSession
+import pytest
+from pyspark.sql import DataFrame, SparkSession
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
@@ -29,10 +31,10 @@ def quiet(_: str) -> None:
     """Progress lines are not what these tests check."""
 
 
-def test_apply_reads_again_the_days_another_writer_changed_after_the_plan(
-    stream_config: Config, spark: SparkSession
-) -> None:
-    config = stream_config
+def planned_orders_run(config: Config, spark: SparkSession,
+                       progress: Callable[[str], None] = quiet) -> tuple[Run, DataFrame]:
+    """Two pageviews of user ``u`` and an order merged but not yet corrected: the planned run
+    and its changes (one session updated)."""
     run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
                  path=write_rows(config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
                                  "parquet"))
@@ -41,7 +43,7 @@ def test_apply_reads_again_the_days_another_writer_changed_after_the_plan(
     merge_batch(config, kind="orders", client_id="client-00", path=orders,
                 run_id=batch["run_id"], spark=spark, progress=quiet)
     tables = open_tables(config, spark)
-    run = Run(spark, config, tables, "client-00", "test-run", "test", quiet)
+    run = Run(spark, config, tables, "client-00", "test-run", "test", progress)
     order_ms = ms(START + timedelta(minutes=5))
     scope = spark.createDataFrame([("client-00", "u", order_ms, order_ms)],
                                   "client_id string, user_id string, lo_ms long, hi_ms long")
@@ -49,23 +51,39 @@ def test_apply_reads_again_the_days_another_writer_changed_after_the_plan(
     changes = plan(run, scope, True, summary, Timer(summary, quiet), None)
     assert changes is not None and summary.sessions_updated == 1
     assert run.snapshots["sessions"].version == tables.version("sessions")
+    return run, changes
 
-    # Meanwhile another writer (the stream) stores a session on the same day: the plan's
-    # snapshot does not hold it, so apply must not rewrite the day from the snapshot.
+
+def other_writer_stores_a_session(config: Config, spark: SparkSession, day_offset: int) -> None:
+    """The stream commits a session of user ``w``, ``day_offset`` days after the run's day."""
+    start = START + timedelta(days=day_offset, hours=2)
     other = {"session_id": "other", "client_id": "client-00", "user_id": "w",
-             "session_start": START + timedelta(hours=2),
-             "session_end": START + timedelta(hours=2), "pageview_count": 1,
+             "session_start": start, "session_end": start, "pageview_count": 1,
              "landing_url": "/x", "exit_url": "/x", "order_count": 0,
-             "revenue": Decimal("0.0000"), "revision": 1, "session_date": START.date()}
-    tables.append_once(SESSIONS.name, spark.createDataFrame([other], SESSIONS.schema),
-                       app_id="test-stream", version=1, partition_by=SESSIONS.partition_by,
-                       metadata={"run_id": "test-stream", "cause": "test"})
+             "revenue": Decimal("0.0000"), "revision": 1, "session_date": start.date()}
+    open_tables(config, spark).append_once(
+        SESSIONS.name, spark.createDataFrame([other], SESSIONS.schema), app_id="test-stream",
+        version=1, partition_by=SESSIONS.partition_by,
+        metadata={"run_id": "test-stream", "cause": "test"})
+
+
+@pytest.mark.parametrize("day_offset", [0, 5], ids=["same day", "another day"])
+def test_apply_reads_again_only_the_days_another_writer_changed_after_the_plan(
+    stream_config: Config, spark: SparkSession, day_offset: int
+) -> None:
+    """The plan's snapshot does not hold the other writer's session: on the same day apply
+    must not rewrite the day from the snapshot; on another day the snapshot still serves."""
+    lines: list[str] = []
+    run, changes = planned_orders_run(stream_config, spark, lines.append)
+    other_writer_stores_a_session(stream_config, spark, day_offset)
     apply(run, changes)
     changes.unpersist()
 
-    sessions = {r["user_id"]: r for r in table_rows(config, spark, "sessions")}
+    sessions = {r["user_id"]: r for r in table_rows(stream_config, spark, "sessions")}
     assert sessions.keys() == {"u", "w"}
     assert (sessions["u"]["order_count"], sessions["u"]["revision"]) == (1, 2)
+    read_again = [line for line in lines if "changed under the run" in line]
+    assert len(read_again) == (1 if day_offset == 0 else 0)
     assert run.snapshots == {}  # released once applied
 
 

@@ -304,6 +304,7 @@ class DeltaRsTables(DeltaTables):
         app_id: str,
         version: int,
         metadata: Mapping[str, Any],
+        read_version: int | None = None,
     ) -> bool:
         """See :meth:`DeltaTables.replace_partitions`. Delivery: exactly once per step."""
         properties = _commit_properties(metadata, app_id, version, "replace_partitions")
@@ -319,7 +320,11 @@ class DeltaRsTables(DeltaTables):
         except BaseException:
             self._discard(name, files)
             raise
-        in_range_before = {f.log_path for f in self._files_in(name, table, predicate)}
+        read = table if read_version is None else self._load(name, read_version)
+        if read is None:
+            raise ClickstreamError(f"replace_partitions on table {name!r}: version "
+                                   f"{read_version} is not in the table's history")
+        in_range_before = {f.log_path for f in self._files_in(name, read, predicate)}
 
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):

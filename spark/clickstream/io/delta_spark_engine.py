@@ -275,6 +275,7 @@ class DeltaSparkTables(DeltaTables):
         app_id: str,
         version: int,
         metadata: Mapping[str, Any],
+        read_version: int | None = None,
     ) -> bool:
         """See :meth:`DeltaTables.replace_partitions`. Delivery: exactly once per step."""
         if _done(self.app_version(name, app_id), version):
@@ -285,6 +286,14 @@ class DeltaSparkTables(DeltaTables):
             predicate if isinstance(predicate, str)
             else filter_to_sql(predicate, _types(df.schema))
         )
+        if read_version is not None and self._range_files(name, where, read_version) != (
+                self._range_files(name, where, None)):
+            # Delta's own conflict check starts at the write's snapshot, not at the caller's;
+            # a commit between this comparison and that snapshot is not seen (a short window).
+            raise CommitConflictError(
+                f"replace_partitions on table {name!r}: a commit after version {read_version} "
+                f"changed the range {where}; nothing was committed. Recompute the range, then "
+                "retry.")
         writer = (
             df.write.format("delta").mode("overwrite").option("replaceWhere", where)
             .option("txnAppId", app_id).option("txnVersion", version)
@@ -300,6 +309,12 @@ class DeltaSparkTables(DeltaTables):
                 f"{where}; nothing was committed ({exc}). Recompute the range, then retry."
             ) from exc
         return True
+
+    def _range_files(self, name: str, where: str, version: int | None) -> set[str]:
+        reader = self._spark.read.format("delta")
+        if version is not None:
+            reader = reader.option("versionAsOf", version)
+        return set(reader.load(self.table_path(name)).where(where).inputFiles())
 
     # -- readers ---------------------------------------------------------------------------
 

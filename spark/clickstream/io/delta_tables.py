@@ -192,15 +192,17 @@ class DeltaTables(ABC):
         app_id: str,
         version: int,
         metadata: Mapping[str, Any],
+        read_version: int | None = None,
     ) -> bool:
         """Atomically replace every row in the partitions matching ``predicate`` with ``df``.
 
         Delivery guarantee: exactly once per ``(app_id, version)``; one commit removes the old
         files and adds the new ones, so readers see the old rows or the new rows, never a mix.
         An empty ``df`` deletes the range. Every row of ``df`` must fall inside ``predicate``.
-        If a concurrent commit changes files inside the range, the replace is refused
-        (:class:`~clickstream.errors.CommitConflictError`): ``df`` was computed from rows that
-        are no longer the whole range, so the caller must recompute, not retry blindly.
+        If a commit after ``read_version`` (or, without it, during the call) changed files
+        inside the range, the replace is refused (:class:`~clickstream.errors.CommitConflictError`):
+        ``df`` was computed from rows that are no longer the whole range, so the caller must
+        recompute, not retry blindly. Commits outside the range do not matter.
 
         Args:
             name: table name under the warehouse.
@@ -210,6 +212,7 @@ class DeltaTables(ABC):
             app_id: stable id of the writer.
             version: step number.
             metadata: commit metadata (``run_id``, ``cause``).
+            read_version: the table version ``df`` was computed from (a snapshot read earlier).
 
         Returns:
             Whether this call committed (false when the step was already committed) and how

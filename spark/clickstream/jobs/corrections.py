@@ -28,7 +28,9 @@ Known edge cases, cited inline as (C1)..(C4):
       to the stream: scopes reaching them are deferred and stay queued.
   C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
       version, the client's days in reach), kept until apply rewrites those days from it: each
-      affected partition is read once. If the table moved in between, apply reads it again.
+      affected partition is read once. The replace names the version it was computed from, so
+      if another writer committed into those days since, the table layer refuses it and
+      apply reads the days again at the new version (commits to other days do not matter).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
+from clickstream.errors import CommitConflictError
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import spark_row_value
 from clickstream.io.kafka_clients import produce_records
@@ -436,6 +439,9 @@ def stored_plan(run: Run) -> DataFrame | None:
     return rows
 
 
+APPLY_ATTEMPTS = 5
+
+
 def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: str,
                  run_seq: int) -> None:
     mine = changes.where(F.col("entity") == entity)
@@ -443,20 +449,36 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
     if not dates:
         return
     keys = mine.select(F.col("key").alias(spec.key[0]))
-    snapshot = run.snapshots.get(spec.name)
-    if (snapshot is not None and snapshot.dates.issuperset(dates)
-            and run.tables.version(spec.name) == snapshot.version):  # (C5)
-        current = snapshot.rows.where(F.col(date_column).isin(dates))
-    else:
-        current = _read_days(run, spec, date_column, dates)
-    kept = current.join(keys, spec.key[0], "left_anti")
     fresh = mine.where(F.col("new_value").isNotNull()).select(
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
-    replacement = kept.unionByName(fresh.select(*spec.schema.fieldNames()))
-    run.tables.replace_partitions(
-        spec.name, replacement, predicate={"client_id": run.client_id, date_column: dates},
-        partition_by=spec.partition_by, app_id=run.app_id, version=run_seq,
-        metadata={"run_id": run.run_id, "cause": run.cause})
+    for attempt in range(1, APPLY_ATTEMPTS + 1):
+        snapshot = run.snapshots.get(spec.name)
+        if snapshot is not None and snapshot.dates.issuperset(dates):  # (C5)
+            read_version = snapshot.version
+            current = snapshot.rows.where(F.col(date_column).isin(dates))
+        else:
+            read_version = run.tables.version(spec.name)
+            current = _read_days(run, spec, date_column, dates,
+                                 read_version if read_version >= 0 else None)
+        replacement = current.join(keys, spec.key[0], "left_anti").unionByName(
+            fresh.select(*spec.schema.fieldNames()))
+        try:
+            run.tables.replace_partitions(
+                spec.name, replacement,
+                predicate={"client_id": run.client_id, date_column: dates},
+                partition_by=spec.partition_by, app_id=run.app_id, version=run_seq,
+                metadata={"run_id": run.run_id, "cause": run.cause},
+                read_version=read_version if read_version >= 0 else None)
+            return
+        except CommitConflictError:
+            if attempt == APPLY_ATTEMPTS:
+                raise
+            # Another writer (the stream) committed into these days since they were read:
+            # read them again at the new version; the plan's changes still apply (C5).
+            if snapshot is not None:
+                run.snapshots.pop(spec.name).rows.unpersist()
+            run.progress(f"  apply: {spec.name} changed under the run (attempt {attempt}); "
+                         "reading its days again")
 
 
 def apply(run: Run, changes: DataFrame) -> None:
