@@ -16,13 +16,14 @@ from clickstream.jobs.backfill_steps import locate_batch, merge_batch
 from clickstream.jobs.corrections import (
     CorrectionSummary,
     Run,
+    Snapshot,
     Timer,
     _figures_before_apply,
     apply,
     plan,
 )
 from clickstream.quality.correction_report import correction_figures
-from clickstream.tables import SESSIONS
+from clickstream.tables import ORDERS, SESSIONS
 from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
 from tests.jobs.test_sessionize import table_rows
 
@@ -123,3 +124,41 @@ def test_report_figures_from_the_snapshot_equal_those_by_time_travel(
     assert from_snapshot.old_known
     assert from_snapshot.by_day == [(START.date(), Decimal("17.5000"), Decimal("17.5000"))]
     assert from_snapshot.moved == {"moved to another session": 1}
+
+
+def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """The orders read once at the merge commit (for its gate) serve the recompute only while
+    the table is still at that version: an order the stream stored since is attributed too."""
+    config = stream_config
+    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
+                                 "parquet"))
+    orders = write_rows(config, "o", [order_row("o1", "u", 5)], "parquet")
+    batch = locate_batch(config, kind="orders", client_id="client-00", path=orders)
+    merge_batch(config, kind="orders", client_id="client-00", path=orders,
+                run_id=batch["run_id"], spark=spark, progress=quiet)
+    tables = open_tables(config, spark)
+    run = Run(spark, config, tables, "client-00", "test-run", "test", quiet)
+    merged_at = tables.version(ORDERS.name)
+    run.snapshots[ORDERS.name] = Snapshot(merged_at, None, tables.read(
+        ORDERS.name, partition_filter={"client_id": "client-00"}, schema=ORDERS.schema,
+        version=merged_at).persist())
+    live = {"order_id": "o2", "event_id": None, "client_id": "client-00", "user_id": "u",
+            "ts": START + timedelta(minutes=6), "amount": Decimal("2.5000"),
+            "currency": "EUR", "source": "test", "event_date": START.date()}
+    tables.append_once(ORDERS.name, spark.createDataFrame([live], ORDERS.schema),
+                       app_id="test-stream", version=1, partition_by=ORDERS.partition_by,
+                       metadata={"run_id": "test-stream", "cause": "test"})
+
+    order_ms = ms(START + timedelta(minutes=5))
+    scope = spark.createDataFrame([("client-00", "u", order_ms, order_ms)],
+                                  "client_id string, user_id string, lo_ms long, hi_ms long")
+    summary = CorrectionSummary()
+    changes = plan(run, scope, True, summary, Timer(summary, quiet), None)
+    assert changes is not None
+    apply(run, changes)
+    changes.unpersist()
+    (session,) = table_rows(config, spark, "sessions")
+    assert (session["order_count"], session["revenue"]) == (2, Decimal("12.5000"))

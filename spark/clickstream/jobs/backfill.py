@@ -28,14 +28,16 @@ from clickstream.jobs.batch_input import (
     read_batch,
     validate_batch,
 )
-from clickstream.jobs.corrections import CorrectionSummary, Run, correct
+from clickstream.jobs.corrections import CorrectionSummary, Run, Snapshot, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.quality.checks import run_commit_version
 from clickstream.quality.gates import (
     GateResult,
     gate_historical_batch,
     gate_tables_after_merge,
     warm_up,
 )
+from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, RECOMPUTE_QUEUE
 
@@ -148,17 +150,29 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
 
 
 def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind: BatchKind,
-                     client_id: str, run_id: str, progress: Callable[[str], None]) -> int:
+                     client_id: str, run_id: str, progress: Callable[[str], None],
+                     snapshots: dict[str, Snapshot] | None = None) -> int:
     """Merge the batch's valid rows (one per key) exactly once, then check the tables with
-    the ``tables_after_merge`` gate; returns the rows written."""
+    the ``tables_after_merge`` gate; returns the rows written.
+
+    ``snapshots``: the correction run's, when it follows in this process. The gate of an
+    orders batch reads all of the client's orders; they are then read once, at the merge
+    commit, and kept there for the recompute's windows (which would read them again)."""
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
         merged = merge_pageviews(tables, valid, client_id, run_id, dates)
     else:
         merged = merge_orders(tables, valid, client_id, run_id)
+    stored = None
+    version = run_commit_version(tables, ORDERS.name, run_id) if kind == "orders" else None
+    if snapshots is not None and version is not None and gates_enabled(config):
+        stored = Snapshot(version, None, tables.read(
+            ORDERS.name, partition_filter={"client_id": client_id}, schema=ORDERS.schema,
+            version=version).persist())
+        snapshots[ORDERS.name] = stored
     gate = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
-                                   run_id=run_id, valid=valid, dates=dates)
+                                   run_id=run_id, valid=valid, dates=dates, stored=stored)
     if gate is not None:
         progress(f"  {gate.describe()}")
     return merged
@@ -199,15 +213,15 @@ def run_backfill(
     step("validate", started)
 
     started = time.monotonic()
+    run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
+              progress)
     summary.rows_merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id,
-                                           progress)
+                                           progress, run.snapshots)
     summary.duplicates_skipped = summary.rows_read - summary.quarantined - summary.rows_merged
     step("merge", started)
 
     started = time.monotonic()
     watermark = stream_watermark_ms(config)
-    run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
-              progress)
     scope = scope_of(tables, valid, kind, client_id).persist()
     summary.corrections = correct(run, scope, orders_only=kind == "orders",
                                   stream_watermark_ms=watermark)

@@ -94,8 +94,11 @@ class Snapshot:
     """A client's rows of one table over some days at one table version, persisted (C5)."""
 
     version: int
-    dates: frozenset[date]
+    dates: frozenset[date] | None  # None: all of the client's days
     rows: DataFrame
+
+    def covers(self, dates: list[date]) -> bool:
+        return self.dates is None or self.dates.issuperset(dates)
 
 
 @dataclass
@@ -241,10 +244,18 @@ class Windows:
 
     def rows_of(self, run: Run, spec, date_column: str, ts: str, hi_pad_ms: int,
                 keep_for_apply: bool = False) -> DataFrame:
-        """The client's stored rows of ``spec`` inside the windows (plus ``hi_pad_ms``)."""
+        """The client's stored rows of ``spec`` inside the windows (plus ``hi_pad_ms``); from
+        the run's snapshot of ``spec`` if it holds those days at the table's current version."""
         lo, hi = self.lo_ms, self.hi_ms + run.gap_ms
-        stored = (_snapshot(run, spec, date_column, lo, hi) if keep_for_apply else
-                  _read_days(run, spec, date_column, _dates(lo, hi)))
+        dates = _dates(lo, hi)
+        held = run.snapshots.get(spec.name)
+        if keep_for_apply:
+            stored = _snapshot(run, spec, date_column, lo, hi)
+        elif (held is not None and held.covers(dates)
+              and held.version == run.tables.version(spec.name)):
+            stored = held.rows.where(F.col(date_column).isin(dates))
+        else:
+            stored = _read_days(run, spec, date_column, dates)
         return _in_windows(stored, self.per_user, ts, hi_pad_ms)
 
 
@@ -453,7 +464,7 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
     for attempt in range(1, APPLY_ATTEMPTS + 1):
         snapshot = run.snapshots.get(spec.name)
-        if snapshot is not None and snapshot.dates.issuperset(dates):  # (C5)
+        if snapshot is not None and snapshot.covers(dates):  # (C5)
             read_version = snapshot.version
             current = snapshot.rows.where(F.col(date_column).isin(dates))
         else:

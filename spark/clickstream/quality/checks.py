@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
@@ -52,6 +52,9 @@ from clickstream.config import Config
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, PartitionFilter
 from clickstream.tables import TableSpec
+
+if TYPE_CHECKING:
+    from clickstream.jobs.corrections import Snapshot
 
 EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$"
 HISTORY_DEPTH = 200  # commits searched for a run's merge or apply commit (K3)
@@ -228,7 +231,7 @@ def run_commit_version(tables: DeltaTables, table: str, run_id: str) -> int | No
 
 def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: str,
                               client_id: str, batch_keys: DataFrame,
-                              scope: PartitionFilter) -> Checks:
+                              scope: PartitionFilter, stored: Snapshot | None = None) -> Checks:
     """Row-count reconciliation and key uniqueness of ``spec``'s table around the merge.
 
     One scan of the merged range counts its rows and duplicated keys; the batch's keys are
@@ -241,6 +244,8 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
         client_id: the batch's client.
         batch_keys: one column, the key, one row per key: the batch's accepted keys.
         scope: the partitions the merge may touch (client, and for pageviews the batch's days).
+        stored: the table's rows in ``scope`` at the merge commit, already read (a
+            ``corrections.Snapshot``, kept for the recompute), or None to read them here.
     """
     key = spec.key[0]
     values = {"rows_before": 0, "batch_keys": batch_keys.count(), "keys_already_stored": 0,
@@ -253,7 +258,9 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
     merged = run_commit_version(tables, spec.name, run_id)
     after_version = merged if merged is not None else tables.version(spec.name)
     before_version = after_version - 1 if merged is not None else after_version
-    after = tables.read(spec.name, [key], scope, version=after_version)
+    whole = (stored.rows if stored is not None and stored.version == after_version
+             else tables.read(spec.name, None, scope, version=after_version))
+    after = whole.select(key)
     before = (tables.read(spec.name, [key], scope, version=before_version)
               if before_version >= 0 else None)
     values["rows_before"] = before.count() if before is not None else 0
@@ -276,8 +283,7 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
     values["table"] = spec.name
     if duplicated:  # whole rows, for the quarantine
         twice = after.groupBy(key).count().where(F.col("count") > 1).select(key)
-        offending = tables.read(spec.name, None, scope, version=after_version).join(
-            twice, key, "left_semi")
+        offending = whole.join(twice, key, "left_semi")
         checks.rows["duplicate_keys"] = (offending, F.lit(True))
         checks.keys[id(offending)] = key
     return checks

@@ -63,7 +63,7 @@ from clickstream.tables import ORDERS, PAGEVIEWS, QUARANTINE
 
 if TYPE_CHECKING:
     from clickstream.io.delta_tables import DeltaTables
-    from clickstream.jobs.corrections import Run
+    from clickstream.jobs.corrections import Run, Snapshot
 
 STREAM_WARNING_REPORT_SECONDS = 600.0  # (Q4)
 
@@ -415,11 +415,13 @@ def gate_historical_batch(batch: DataFrame, raw_schema: StructType, *, kind: str
 
 
 def gate_tables_after_merge(tables: DeltaTables, config: Config, *, kind: str, client_id: str,
-                            run_id: str, valid: DataFrame, dates: Sequence[Any] | None
-                            ) -> GateResult | None:
+                            run_id: str, valid: DataFrame, dates: Sequence[Any] | None,
+                            stored: Snapshot | None = None) -> GateResult | None:
     """The ``tables_after_merge`` gate: row counts reconcile and keys stay unique.
 
-    ``valid`` is the batch's accepted rows, one per key (as merged).
+    ``valid`` is the batch's accepted rows, one per key (as merged); ``stored`` the merged
+    table's rows of the client at the merge commit if already read (see
+    ``tables_after_merge_checks``).
 
     Raises:
         QualityGateFailedError: before any session is recomputed; the merge stays committed.
@@ -433,7 +435,7 @@ def gate_tables_after_merge(tables: DeltaTables, config: Config, *, kind: str, c
         scope["event_date"] = list(dates)
     checks = C.tables_after_merge_checks(
         tables, spec, run_id=run_id, client_id=client_id,
-        batch_keys=valid.select(spec.key[0]), scope=scope)
+        batch_keys=valid.select(spec.key[0]), scope=scope, stored=stored)
     result = run_gate("tables_after_merge", checks, config=config, job="backfill",
                       run_id=run_id, client_id=client_id, label=spec.name,
                       started=started)
