@@ -32,10 +32,10 @@ def quiet(_: str) -> None:
     """Progress lines are not what these tests check."""
 
 
-def planned_orders_run(config: Config, spark: SparkSession,
-                       progress: Callable[[str], None] = quiet) -> tuple[Run, DataFrame]:
-    """Two pageviews of user ``u`` and an order merged but not yet corrected: the planned run
-    and its changes (one session updated)."""
+def merged_orders_run(config: Config, spark: SparkSession,
+                      progress: Callable[[str], None] = quiet) -> tuple[Run, DataFrame]:
+    """Two pageviews of user ``u`` and an order at minute 5 merged but not yet corrected: the
+    correction run and its scope."""
     run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
                  path=write_rows(config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
                                  "parquet"))
@@ -43,15 +43,23 @@ def planned_orders_run(config: Config, spark: SparkSession,
     batch = locate_batch(config, kind="orders", client_id="client-00", path=orders)
     merge_batch(config, kind="orders", client_id="client-00", path=orders,
                 run_id=batch["run_id"], spark=spark, progress=quiet)
-    tables = open_tables(config, spark)
-    run = Run(spark, config, tables, "client-00", "test-run", "test", progress)
+    run = Run(spark, config, open_tables(config, spark), "client-00", "test-run", "test",
+              progress)
     order_ms = ms(START + timedelta(minutes=5))
     scope = spark.createDataFrame([("client-00", "u", order_ms, order_ms)],
                                   "client_id string, user_id string, lo_ms long, hi_ms long")
+    return run, scope
+
+
+def planned_orders_run(config: Config, spark: SparkSession,
+                       progress: Callable[[str], None] = quiet) -> tuple[Run, DataFrame]:
+    """The run of ``merged_orders_run``, planned: the run and its changes (one session
+    updated)."""
+    run, scope = merged_orders_run(config, spark, progress)
     summary = CorrectionSummary()
     changes = plan(run, scope, True, summary, Timer(summary, quiet), None)
     assert changes is not None and summary.sessions_updated == 1
-    assert run.snapshots["sessions"].version == tables.version("sessions")
+    assert run.snapshots["sessions"].version == run.tables.version("sessions")
     return run, changes
 
 
@@ -132,15 +140,8 @@ def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(
     """The orders read once at the merge commit (for its gate) serve the recompute only while
     the table is still at that version: an order the stream stored since is attributed too."""
     config = stream_config
-    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
-                 path=write_rows(config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 3)],
-                                 "parquet"))
-    orders = write_rows(config, "o", [order_row("o1", "u", 5)], "parquet")
-    batch = locate_batch(config, kind="orders", client_id="client-00", path=orders)
-    merge_batch(config, kind="orders", client_id="client-00", path=orders,
-                run_id=batch["run_id"], spark=spark, progress=quiet)
-    tables = open_tables(config, spark)
-    run = Run(spark, config, tables, "client-00", "test-run", "test", quiet)
+    run, scope = merged_orders_run(config, spark)
+    tables = run.tables
     merged_at = tables.version(ORDERS.name)
     run.snapshots[ORDERS.name] = Snapshot(merged_at, None, tables.read(
         ORDERS.name, partition_filter={"client_id": "client-00"}, schema=ORDERS.schema,
@@ -152,9 +153,6 @@ def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(
                        app_id="test-stream", version=1, partition_by=ORDERS.partition_by,
                        metadata={"run_id": "test-stream", "cause": "test"})
 
-    order_ms = ms(START + timedelta(minutes=5))
-    scope = spark.createDataFrame([("client-00", "u", order_ms, order_ms)],
-                                  "client_id string, user_id string, lo_ms long, hi_ms long")
     summary = CorrectionSummary()
     changes = plan(run, scope, True, summary, Timer(summary, quiet), None)
     assert changes is not None
