@@ -165,12 +165,13 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     else:
         merged = merge_orders(tables, valid, client_id, run_id)
     stored = None
-    version = run_commit_version(tables, ORDERS.name, run_id) if kind == "orders" else None
-    if snapshots is not None and version is not None and gates_enabled(config):
-        stored = Snapshot(version, None, tables.read(
-            ORDERS.name, partition_filter={"client_id": client_id}, schema=ORDERS.schema,
-            version=version).persist())
-        snapshots[ORDERS.name] = stored
+    if kind == "orders" and snapshots is not None and gates_enabled(config):
+        version = run_commit_version(tables, ORDERS.name, run_id)
+        if version is not None:
+            stored = Snapshot(version, None, tables.read(
+                ORDERS.name, partition_filter={"client_id": client_id}, schema=ORDERS.schema,
+                version=version).persist())
+            snapshots[ORDERS.name] = stored
     gate = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
                                    run_id=run_id, valid=valid, dates=dates, stored=stored)
     if gate is not None:

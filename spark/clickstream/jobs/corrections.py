@@ -464,13 +464,11 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
     for attempt in range(1, APPLY_ATTEMPTS + 1):
         snapshot = run.snapshots.get(spec.name)
-        if snapshot is not None and snapshot.covers(dates):  # (C5)
-            read_version = snapshot.version
-            current = snapshot.rows.where(F.col(date_column).isin(dates))
-        else:
-            read_version = run.tables.version(spec.name)
-            current = _read_days(run, spec, date_column, dates,
-                                 read_version if read_version >= 0 else None)
+        held = snapshot is not None and snapshot.covers(dates)  # (C5)
+        version = snapshot.version if held else run.tables.version(spec.name)
+        read_version = version if version >= 0 else None  # -1: the table did not exist yet
+        current = (snapshot.rows.where(F.col(date_column).isin(dates)) if held
+                   else _read_days(run, spec, date_column, dates, read_version))
         replacement = current.join(keys, spec.key[0], "left_anti").unionByName(
             fresh.select(*spec.schema.fieldNames()))
         try:
@@ -479,7 +477,7 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
                 predicate={"client_id": run.client_id, date_column: dates},
                 partition_by=spec.partition_by, app_id=run.app_id, version=run_seq,
                 metadata={"run_id": run.run_id, "cause": run.cause},
-                read_version=read_version if read_version >= 0 else None)
+                read_version=read_version)
             return
         except CommitConflictError:
             if attempt == APPLY_ATTEMPTS:

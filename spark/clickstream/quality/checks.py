@@ -255,10 +255,12 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
         values["expected_rows_after"] = values["batch_keys"]
         values["table"] = spec.name
         return checks
-    merged = run_commit_version(tables, spec.name, run_id)
+    # The caller's rows were read at the merge commit: no second search of the history.
+    merged = stored.version if stored is not None else run_commit_version(tables, spec.name,
+                                                                           run_id)
     after_version = merged if merged is not None else tables.version(spec.name)
     before_version = after_version - 1 if merged is not None else after_version
-    whole = (stored.rows if stored is not None and stored.version == after_version
+    whole = (stored.rows if stored is not None
              else tables.read(spec.name, None, scope, version=after_version))
     after = whole.select(key)
     before = (tables.read(spec.name, [key], scope, version=before_version)
