@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -30,6 +31,7 @@ from clickstream.io.kafka_clients import (
     check_no_data_loss,
     consumer_config,
     flush_or_raise,
+    gc_paused,
     make_producer,
     produce_json,
     produce_records,
@@ -245,6 +247,21 @@ def test_client_configs_layer_defaults_options_and_extra(config: Config) -> None
     assert consumed["group.id"] == "g1" and consumed["enable.auto.commit"] is False
     assert consumed["session.timeout.ms"] <= 10_000 and consumed["linger.ms"] == "50"
     assert consumer_config(cfg)["group.id"] != consumer_config(cfg)["group.id"]
+
+
+def test_gc_paused_restores_the_collectors_state_even_on_errors() -> None:
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a loop failed")
+    assert gc.isenabled()
+    gc.disable()  # a caller that runs without the collector keeps it off
+    try:
+        with gc_paused(), gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_read_compacted_keeps_last_value_per_key_without_tombstones(

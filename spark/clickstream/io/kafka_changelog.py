@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from clickstream.config import Config
-from clickstream.io.kafka_clients import flush_or_raise, make_producer, produce_json
+from clickstream.io.kafka_clients import flush_or_raise, gc_paused, make_producer, produce_json
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -68,9 +68,10 @@ def publish(
     """Send (key, value-or-None) pairs and wait for every delivery; returns how many."""
     producer = make_producer(config)
     sent = 0
-    for key, value in changes:
-        produce_json(producer, topic, key, None if value is None else dict(value))
-        sent += 1
+    with gc_paused():
+        for key, value in changes:
+            produce_json(producer, topic, key, None if value is None else dict(value))
+            sent += 1
     flush_or_raise(producer, FLUSH_TIMEOUT_SECONDS)
     return sent
 

@@ -20,10 +20,12 @@ Delivery guarantees:
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
@@ -46,6 +48,23 @@ from clickstream.errors import (
 )
 
 KafkaConfig = dict[str, Any]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a loop over up to millions of records.
+
+    Such loops allocate a container object per record (Messages, Rows, tuples) and create no
+    reference cycles, yet each allocation burst makes the collector re-scan everything alive,
+    which in a Spark driver is millions of objects: reading back a million records took 7.0 s
+    with it and 3.7 s without. Restored on exit; cycles made meanwhile are collected then."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 # Why each default: lz4 packs JSON ~3x (and the embedded broker's per-partition cap counts
 # compressed bytes); a short linger batches without adding visible latency; acks=all plus
@@ -243,22 +262,23 @@ def produce_records(config: Config, topic: str,
     producer = make_producer(config)
     started = time.monotonic()
     sent = 0
-    for key, value in records:
-        if rate_per_second:
-            ahead = sent / rate_per_second - (time.monotonic() - started)
-            if ahead > 0:
-                producer.poll(ahead)  # serve delivery reports while waiting
-        raw_key = key.encode() if isinstance(key, str) else key
-        raw_value = value.encode() if isinstance(value, str) else value
-        while True:
-            try:
-                producer.produce(topic, value=raw_value, key=raw_key)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        sent += 1
-        if sent % 1000 == 0:
-            producer.poll(0)
+    with gc_paused():
+        for key, value in records:
+            if rate_per_second:
+                ahead = sent / rate_per_second - (time.monotonic() - started)
+                if ahead > 0:
+                    producer.poll(ahead)  # serve delivery reports while waiting
+            raw_key = key.encode() if isinstance(key, str) else key
+            raw_value = value.encode() if isinstance(value, str) else value
+            while True:
+                try:
+                    producer.produce(topic, value=raw_value, key=raw_key)
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+            sent += 1
+            if sent % 1000 == 0:
+                producer.poll(0)
     flush_or_raise(producer, flush_timeout_s)
     return sent
 

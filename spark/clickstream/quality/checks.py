@@ -30,11 +30,12 @@ Known edge cases, cited inline as (K1)..(K6):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BooleanType,
@@ -293,6 +294,20 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
 
 # --- recomputed_sessions ---------------------------------------------------------------------
 
+@contextmanager
+def _join_on_partitioning_by_a_subset_of_keys(spark: SparkSession) -> Iterator[None]:
+    """Let a join keep its sides' partitioning by some of its keys (both sides hashed the
+    same way) instead of shuffling both again by all of them. Off by default in Spark for
+    fear of skew, which partitioning by (client, user) does not have. Restored afterwards."""
+    name = "spark.sql.requireAllClusterKeysForCoPartition"
+    before = spark.conf.get(name)
+    spark.conf.set(name, "false")
+    try:
+        yield
+    finally:
+        spark.conf.set(name, before)
+
+
 def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions: DataFrame,
                                orders: DataFrame) -> Checks:
     """Invariants of the recomputed sessions and attributions of the affected windows.
@@ -312,7 +327,8 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
             ``amount``): their amounts are what the revenue must add up to.
     """
     attributed = attributions.where(F.col("session_id").isNotNull()).join(
-        orders.select("order_id", "amount"), "order_id", "left")
+        orders.select("order_id", "amount"), "order_id", "left"
+    ).repartition("client_id", "user_id")  # as the window below: the join needs no shuffle
     totals = attributed.groupBy("client_id", "user_id", "session_id").agg(
         F.count(F.lit(1)).alias("_orders"), F.sum("amount").alias("_revenue"),
         F.min("order_ts").alias("_first_order"), F.max("order_ts").alias("_last_order"))
@@ -345,13 +361,15 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
         "attributions_to_unknown_sessions": ~is_session,
     }
     predicates = {name: F.coalesce(p, F.lit(False)) for name, p in checks.items()}
-    row = joined.agg(
+    counted = joined.agg(
         F.count_if(is_session).alias("sessions"),
         F.sum(F.when(~is_session, F.col("_orders")).otherwise(0)).alias(
             "attributions_to_unknown_sessions"),
         *(F.count_if(p).alias(name) for name, p in predicates.items()
           if name != "attributions_to_unknown_sessions"),
-    ).first().asDict()
+    )
+    with _join_on_partitioning_by_a_subset_of_keys(counted.sparkSession):
+        row = counted.first().asDict()
     values = {name: int(value or 0) for name, value in row.items()}
     shown = joined.drop("_previous_id", "_session")
     return Checks(values, {name: (shown, p) for name, p in predicates.items()},
@@ -373,16 +391,17 @@ def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
     """Per topic, every (key, revision) written after ``since`` (revision None = tombstone).
     Pairs in one set rather than a set of revisions per key: at a million records the
     per-key sets cost more than reading them."""
-    from clickstream.io.kafka_clients import read_offset_ranges
+    from clickstream.io.kafka_clients import gc_paused, read_offset_ranges
 
     now = topic_ends(config, list(since))
     seen: dict[str, set[tuple[str, int | None]]] = {}
-    for topic, ends in now.items():
-        pairs = seen.setdefault(topic, set())
-        ranges = {p: (since[topic].get(p, 0), end) for p, end in ends.items()}
-        for batch in read_offset_ranges(config, topic, ranges):  # one consumer per topic
-            pairs.update((key.decode(), _revision(message.value()))
-                         for message in batch if (key := message.key()) is not None)
+    with gc_paused():
+        for topic, ends in now.items():
+            pairs = seen.setdefault(topic, set())
+            ranges = {p: (since[topic].get(p, 0), end) for p, end in ends.items()}
+            for batch in read_offset_ranges(config, topic, ranges):  # one consumer per topic
+                pairs.update((key.decode(), _revision(message.value()))
+                             for message in batch if (key := message.key()) is not None)
     return seen
 
 
@@ -409,6 +428,8 @@ def _revision(value: bytes | None) -> int | None:
 def publish_checks(changes: DataFrame, config: Config,
                    published: Mapping[str, set[tuple[str, int | None]]]) -> Checks:
     """What the run's plan (``corrections`` rows) says was published vs what the topics hold."""
+    from clickstream.io.kafka_clients import gc_paused
+
     sessions_seen = published.get(config.sessions_topic, set())
     attributions_seen = published.get(config.attributions_topic, set())
     missing: dict[str, list[str]] = {"sessions_missing_at_revision": [],
@@ -416,17 +437,18 @@ def publish_checks(changes: DataFrame, config: Config,
                                      "attributions_missing_at_revision": []}
     counts = {"session": 0, "attribution": 0}
     plan = changes.select("entity", "key", "change", "new_revision").toArrow().to_pydict()
-    for entity, key, change, revision in zip(plan["entity"], plan["key"], plan["change"],
-                                             plan["new_revision"], strict=True):
-        counts[entity] = counts.get(entity, 0) + 1
-        if entity == "session" and change == "retracted":
-            if (key, None) not in sessions_seen:
-                missing["retractions_without_tombstone"].append(key)
-        elif entity == "session":
-            if (key, revision) not in sessions_seen:
-                missing["sessions_missing_at_revision"].append(key)
-        elif (key, revision) not in attributions_seen:
-            missing["attributions_missing_at_revision"].append(key)
+    with gc_paused():
+        for entity, key, change, revision in zip(plan["entity"], plan["key"], plan["change"],
+                                                 plan["new_revision"], strict=True):
+            counts[entity] = counts.get(entity, 0) + 1
+            if entity == "session" and change == "retracted":
+                if (key, None) not in sessions_seen:
+                    missing["retractions_without_tombstone"].append(key)
+            elif entity == "session":
+                if (key, revision) not in sessions_seen:
+                    missing["sessions_missing_at_revision"].append(key)
+            elif (key, revision) not in attributions_seen:
+                missing["attributions_missing_at_revision"].append(key)
     values: dict[str, Any] = {"session_changes": counts["session"],
                               "attribution_changes": counts["attribution"]}
     values.update({name: len(keys) for name, keys in missing.items()})
