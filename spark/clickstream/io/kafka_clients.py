@@ -55,9 +55,11 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a loop over up to millions of records.
 
     Such loops allocate a container object per record (Messages, Rows, tuples) and create no
-    reference cycles, yet each allocation burst makes the collector re-scan everything alive,
-    which in a Spark driver is millions of objects: reading back a million records took 7.0 s
-    with it and 3.7 s without. Restored on exit; cycles made meanwhile are collected then."""
+    reference cycles, yet the collector runs every few hundred allocations, and as the loop's
+    survivors pile up its full collections re-scan everything alive (in a Spark driver,
+    millions of objects): reading back a million records took 7.0 s with it and 3.7-4.6 s
+    without (against the embedded broker). Restored on exit; cycles made meanwhile are
+    collected then."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -171,6 +171,10 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
             stored = Snapshot(version, None, tables.read(
                 ORDERS.name, partition_filter={"client_id": client_id}, schema=ORDERS.schema,
                 version=version).persist())
+            # Read here rather than inside the gate, which then times its checks alone (as
+            # recomputed_sessions does): for a batch that spans the client's history, as a
+            # year of orders does, the recompute's windows would read all these rows anyway.
+            stored.rows.count()
             snapshots[ORDERS.name] = stored
     gate = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
                                    run_id=run_id, valid=valid, dates=dates, stored=stored)
