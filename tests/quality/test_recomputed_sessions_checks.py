@@ -92,3 +92,10 @@ def test_each_defect_is_counted_by_its_check(spark: SparkSession) -> None:
         "overlapping_sessions": 2, "sessions_within_gap": 3,
         "revenue_mismatch": 1, "order_count_mismatch": 1, "sessions_with_orders_outside": 1,
         "attributions_to_unknown_sessions": 3}
+
+
+def test_the_checks_leave_the_sessions_join_setting_as_it_was(spark: SparkSession) -> None:
+    name = "spark.sql.requireAllClusterKeysForCoPartition"  # turned off for the checks' join
+    before = spark.conf.get(name)
+    values(spark, GOOD_SESSIONS, GOOD_ORDERS)
+    assert spark.conf.get(name) == before

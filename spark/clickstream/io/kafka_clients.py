@@ -68,6 +68,7 @@ def gc_paused() -> Iterator[None]:
         if enabled:
             gc.enable()
 
+
 # Why each default: lz4 packs JSON ~3x (and the embedded broker's per-partition cap counts
 # compressed bytes); a short linger batches without adding visible latency; acks=all plus
 # idempotence gives ordered, duplicate-free retries.
