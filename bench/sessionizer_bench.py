@@ -60,6 +60,8 @@ from urllib.parse import unquote
 
 import numpy as np
 
+from clickstream.io.kafka_clients import PACED_LINGER_MS, produce_waiting
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
 VENV_BIN = Path(sys.executable).parent
@@ -696,6 +698,7 @@ class Workspace:
         self.event_log = not args.no_event_log
         self.broker: Any = None
         self.partitions = args.partitions
+        self.linger_ms = args.linger_ms
         self.producers: list[Any] = []
 
     def __enter__(self) -> Workspace:
@@ -710,7 +713,7 @@ class Workspace:
 
     def producer(self) -> Any:
         """A producer with the product's settings; closed before the broker stops."""
-        made = make_bench_producer(self.bootstrap)
+        made = make_bench_producer(self.bootstrap, self.linger_ms)
         self.producers.append(made)
         return made
 
@@ -772,25 +775,21 @@ class Workspace:
         return topic_watermarks(Config(kafka_bootstrap_servers=self.bootstrap), TOPIC)
 
 
-def make_bench_producer(bootstrap: str) -> Any:
+def make_bench_producer(bootstrap: str, linger_ms: float) -> Any:
     from clickstream.config import Config
     from clickstream.io.kafka_clients import make_producer
 
-    # The product's producer settings (lz4, linger 5 ms, acks=all, idempotence) with a larger
-    # local queue so bulk loading does not stall on BufferError.
+    # The product's producer settings (lz4, acks=all, idempotence) with the given linger and a
+    # larger local queue so bulk loading does not stall on BufferError.
     return make_producer(Config(kafka_bootstrap_servers=bootstrap), **{
+        "linger.ms": linger_ms,
         "queue.buffering.max.messages": 1_000_000,
         "queue.buffering.max.kbytes": 1_048_576,
     })
 
 
 def produce_one(producer: Any, key: bytes | None, value: bytes) -> None:
-    while True:
-        try:
-            producer.produce(TOPIC, value=value, key=key)
-            return
-        except BufferError:
-            producer.poll(0.05)
+    produce_waiting(producer, TOPIC, key=key, value=value)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1429,9 +1428,10 @@ class SessionizerDied(RuntimeError):
 
 
 def continuous_env(ws: Workspace, args: argparse.Namespace) -> dict[str, str]:
+    memory = {"CLICKSTREAM_DRIVER_MEMORY": args.driver_memory} if args.driver_memory else {}
     return ws.env(CLICKSTREAM_TRIGGER_INTERVAL=str(args.trigger_interval),
                   CLICKSTREAM_MAX_EVENTS_PER_TRIGGER=str(args.max_events_per_trigger),
-                  CLICKSTREAM_SHUFFLE_PARTITIONS=str(args.shuffle_partitions))
+                  CLICKSTREAM_SHUFFLE_PARTITIONS=str(args.shuffle_partitions), **memory)
 
 
 def wait_first_commit(sess: Sessionizer, pacer: Pacer, timeout: float) -> float:
@@ -1522,6 +1522,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         result["settings"] = {
             "rate": args.rate, "duration_s": args.duration, "warmup_s": args.warmup,
             "ts": "now (produce time)", "trigger_interval_s": args.trigger_interval,
+            "producer_linger_ms": args.linger_ms,
             "max_events_per_trigger": args.max_events_per_trigger,
             "duplicate_fraction": args.duplicate_fraction, "bad_fraction": args.bad_fraction,
             "late_fraction": args.late_fraction, "clients": args.clients,
@@ -1610,6 +1611,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         result["settings"] = {
             "minutes": args.minutes, "rate": args.rate, "time_scale": args.time_scale,
             "event_start": args.event_start.isoformat(), "ts": "simulated, compressed",
+            "producer_linger_ms": args.linger_ms,
             "trigger_interval_s": args.trigger_interval,
             "max_events_per_trigger": args.max_events_per_trigger, "clients": args.clients,
             "sessions_per_user_per_day": args.sessions_per_user_per_day,
@@ -1771,6 +1773,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not enable Spark's event log (used for streaming progress)")
     common.add_argument("--partitions", type=int, default=EVENT_PARTITIONS,
                         help="partitions of the events topic (product default 16)")
+    common.add_argument("--linger-ms", type=float, default=PACED_LINGER_MS,
+                        help="the feeding producer's linger.ms (default: the product's paced "
+                             "producers'; the embedded broker stores one batch per produce "
+                             "request and reads tiny batches slowly, see kafka_broker limit 7)")
     common.add_argument("--shuffle-partitions", type=int, default=4,
                         help="CLICKSTREAM_SHUFFLE_PARTITIONS (product default 4)")
     common.add_argument("--wait-quiet", type=float, default=900, metavar="SECONDS",
@@ -1821,6 +1827,9 @@ def build_parser() -> argparse.ArgumentParser:
     continuous.add_argument("--trigger-interval", type=float, default=1.0,
                             help="CLICKSTREAM_TRIGGER_INTERVAL in seconds")
     continuous.add_argument("--max-events-per-trigger", type=int, default=200_000)
+    continuous.add_argument("--driver-memory", default=None, metavar="SIZE",
+                            help="CLICKSTREAM_DRIVER_MEMORY of the sessionizer (default: the "
+                                 "product's, 4g)")
     continuous.add_argument("--sessions-per-user-per-day", type=float, default=6.0)
     continuous.add_argument("--late-fraction", type=float, default=0.001)
     continuous.add_argument("--late-seconds", type=float, default=20.0,

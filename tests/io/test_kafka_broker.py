@@ -35,6 +35,7 @@ from clickstream.io.kafka_clients import (
     make_producer,
     produce_json,
     produce_records,
+    produce_waiting,
     producer_config,
     read_compacted,
     topic_watermarks,
@@ -361,6 +362,22 @@ def test_plain_producer_is_flushed_too(kafka_config: Config,
     produce_json(producer, topic, "k", {"v": 1})
     flush_or_raise(producer, 10)
     assert read_compacted(kafka_config, topic) == {"k": {"v": 1}}
+
+
+def test_produce_waiting_rides_out_a_full_local_queue(kafka_config: Config,
+                                                      make_topic: Callable[..., str]) -> None:
+    topic = make_topic(1)
+    producer = Producer(producer_config(kafka_config, **{"queue.buffering.max.messages": 5,
+                                                         "linger.ms": 200}))
+    for i in range(5):
+        producer.produce(topic, value=str(i).encode())
+    with pytest.raises(BufferError):  # the queue is full until the lingering batch is sent
+        producer.produce(topic, value=b"5")
+    for i in range(5, 30):
+        produce_waiting(producer, topic, value=str(i).encode())
+    flush_or_raise(producer, 10)
+    assert [m.value() for m in _consume(kafka_config, topic, 30)] == [
+        str(i).encode() for i in range(30)]
 
 
 def test_produce_records_sends_raw_values_at_a_rate(kafka_config: Config,
