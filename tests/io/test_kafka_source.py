@@ -17,7 +17,7 @@ from clickstream.io.kafka_clients import (
     read_offset_ranges,
     topic_watermarks,
 )
-from clickstream.io.kafka_source import _rate_limit, read_kafka_stream
+from clickstream.io.kafka_source import _rate_limit, group_ranges, read_kafka_stream
 from clickstream.tables import KAFKA_SCHEMA
 
 
@@ -77,6 +77,17 @@ def test_rate_limit_gives_every_partition_with_backlog_a_share() -> None:
     latest = {"0": 1000, "1": 101, "2": 5}
     limited = _rate_limit(start, latest, 10)
     assert limited["1"] == 101 and limited["2"] == 5 and 0 < limited["0"] <= 10
+
+
+def test_read_tasks_cover_every_range_once_balanced_by_rows() -> None:
+    ranges = {0: (0, 100), 1: (5, 15), 2: (0, 60), 3: (40, 90), 4: (7, 8)}
+    tasks = group_ranges("t", ranges, 2)
+    assert len(tasks) == 2
+    assert sorted(p for t in tasks for p in t.ranges) == [0, 1, 2, 3, 4]
+    assert {p: r for t in tasks for p, r in t.ranges.items()} == ranges
+    assert sorted(t.rows for t in tasks) == [110, 111]  # 100+10+1 vs 60+50
+    assert len(group_ranges("t", ranges, 8)) == 5  # never an empty task
+    assert group_ranges("t", {}, 2) == []
 
 
 def test_reading_a_range_the_broker_dropped_raises_data_loss(

@@ -8,7 +8,7 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K4):
+Known edge cases, cited inline as (K1)..(K5):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. We stop with
       DataLossError, like Spark's ``failOnDataLoss=true``, instead of skipping silently.
@@ -19,6 +19,11 @@ Known edge cases, cited inline as (K1)..(K4):
   K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
       their backlog, and every partition with a backlog gets at least one record, so no
       partition starves.
+  K5. A micro-batch reads its partitions in at most ``readTasks`` Spark tasks (the session's
+      default parallelism), each with one consumer for several partitions, balanced by rows.
+      A task per partition cost every micro-batch a consumer start per partition, twice (the
+      sessionizer's two branches each scan the source): a ~15k-record micro-batch took ~5.6 s
+      with 16 tasks and ~3.5 s with 2 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from clickstream.config import Config
-from clickstream.io.kafka_clients import check_no_data_loss, read_offset_range, topic_watermarks
+from clickstream.io.kafka_clients import check_no_data_loss, read_offset_ranges, topic_watermarks
 from clickstream.tables import KAFKA_SCHEMA
 
 SOURCE_NAME = "clickstream_kafka"
@@ -59,14 +64,30 @@ _ARROW_SCHEMA = pa.schema([
 
 
 class KafkaRange(InputPartition):
-    """Offsets ``[start, end)`` of one topic-partition: one Spark task."""
+    """Offsets ``[start, end)`` of some topic-partitions, read with one consumer: one Spark task."""
 
-    def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
-        super().__init__((topic, partition, start, end))
+    def __init__(self, topic: str, ranges: Mapping[int, tuple[int, int]]) -> None:
+        super().__init__((topic, tuple(sorted(ranges.items()))))
         self.topic = topic
-        self.partition = partition
-        self.start = start
-        self.end = end
+        self.ranges = dict(ranges)
+
+    @property
+    def rows(self) -> int:
+        return sum(end - start for start, end in self.ranges.values())
+
+
+def group_ranges(topic: str, ranges: Mapping[int, tuple[int, int]], tasks: int
+                 ) -> list[KafkaRange]:
+    """At most ``tasks`` read tasks of about equal rows (largest range first, onto the task with
+    the fewest rows) (K5)."""
+    groups: list[dict[int, tuple[int, int]]] = [{} for _ in range(max(1, tasks))]
+    load = [0] * len(groups)
+    largest_first = sorted(ranges.items(), key=lambda item: (item[1][0] - item[1][1], item[0]))
+    for partition, (start, end) in largest_first:
+        target = load.index(min(load))
+        groups[target][partition] = (start, end)
+        load[target] += end - start
+    return [KafkaRange(topic, group) for group in groups if group]
 
 
 def _kafka_config(options: Mapping[str, str]) -> Config:
@@ -87,6 +108,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.topic = options["topic"]
         self.max_rows = int(options.get("maxOffsetsPerTrigger", "0")) or None
         self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
+        self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
 
     def initialOffset(self) -> dict:
@@ -117,12 +139,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {str(p): high for p, (_low, high) in _watermarks(self.options, self.topic).items()}
 
     def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
-        ranges = []
-        for key, stop in sorted(end.items(), key=lambda item: int(item[0])):
-            begin = int(start.get(key, stop))
-            if stop > begin:
-                ranges.append(KafkaRange(self.topic, int(key), begin, int(stop)))
-        return ranges
+        ranges = {int(key): (int(start.get(key, stop)), int(stop)) for key, stop in end.items()
+                  if int(stop) > int(start.get(key, stop))}
+        return group_ranges(self.topic, ranges, self.read_tasks or len(ranges))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaRange)
@@ -148,11 +167,11 @@ def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str,
 def read_range(
     options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True
 ) -> Iterator[pa.RecordBatch]:
-    """Read one offset range as Arrow batches; raises DataLossError on dropped records (K2)."""
-    batches = read_offset_range(
-        _kafka_config(options), kafka_range.topic, kafka_range.partition, kafka_range.start,
-        kafka_range.end, fail_on_gaps=fail_on_gaps,
-        idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
+    """Read one task's offset ranges as Arrow batches; raises DataLossError on dropped records
+    (K2)."""
+    batches = read_offset_ranges(
+        _kafka_config(options), kafka_range.topic, kafka_range.ranges,
+        fail_on_gaps=fail_on_gaps, idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
     )
     for messages in batches:
         columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
@@ -162,7 +181,7 @@ def read_range(
             columns["key"].append(message.key())
             columns["value"].append(message.value())
             columns["topic"].append(kafka_range.topic)
-            columns["partition"].append(kafka_range.partition)
+            columns["partition"].append(message.partition())
             columns["offset"].append(message.offset())
             columns["timestamp"].append(datetime.fromtimestamp(millis / 1000, tz=UTC))
             columns["timestampType"].append(max(kind - 1, 0))
@@ -207,5 +226,6 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str) -> DataFr
         .option("topic", topic)
         .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
         .option("kafkaOptions", json.dumps(dict(config.kafka_options)))
+        .option("readTasks", str(spark.sparkContext.defaultParallelism))  # (K5)
         .load()
     )
