@@ -60,7 +60,13 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from clickstream.io.kafka_clients import PACED_LINGER_MS, produce_waiting
+from clickstream.config import Config
+from clickstream.io.kafka_clients import (
+    PACED_LINGER_MS,
+    make_producer,
+    produce_waiting,
+    topic_watermarks,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -769,16 +775,10 @@ class Workspace:
         return ProgressLog(self.root / "eventlog")
 
     def topic_watermarks(self) -> dict[int, tuple[int, int]]:
-        from clickstream.config import Config
-        from clickstream.io.kafka_clients import topic_watermarks
-
         return topic_watermarks(Config(kafka_bootstrap_servers=self.bootstrap), TOPIC)
 
 
 def make_bench_producer(bootstrap: str, linger_ms: float) -> Any:
-    from clickstream.config import Config
-    from clickstream.io.kafka_clients import make_producer
-
     # The product's producer settings (lz4, acks=all, idempotence) with the given linger and a
     # larger local queue so bulk loading does not stall on BufferError.
     return make_producer(Config(kafka_bootstrap_servers=bootstrap), **{
@@ -1362,7 +1362,6 @@ def cmd_stages(args: argparse.Namespace) -> int:
         del records
         from pyspark.sql import functions as F
 
-        from clickstream.config import Config
         from clickstream.events.parse import parse_kafka_records
         from clickstream.io.kafka_source import read_kafka_stream
         from clickstream.jobs.sessionize import build_stream
