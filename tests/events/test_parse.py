@@ -1,0 +1,99 @@
+"""The parser's contract, record by record: what a valid event becomes (fields as text, time
+from ``ts``) and the first rule each bad record breaks (its quarantine reason)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from clickstream.events.parse import parse_kafka_records
+from clickstream.tables import KAFKA_SCHEMA
+
+T0 = datetime(2026, 11, 1, 9, tzinfo=UTC)
+PAGEVIEW = {"event_id": "e1", "client_id": "client-00", "user_id": "u1",
+            "event_type": "pageview", "ts": "2026-11-01T09:00:00Z", "url": "/a", "referrer": ""}
+ORDER = {**PAGEVIEW, "event_type": "order", "order_id": "o1", "amount": "12.50",
+         "currency": "EUR"}
+KEY = "client-00/u1"
+
+
+def parse(spark: SparkSession, *records: tuple[str | None, str | None]) -> list[dict[str, Any]]:
+    rows = [(None if k is None else k.encode(), None if v is None else v.encode(), "events", 0,
+             offset, T0, 0, None) for offset, (k, v) in enumerate(records)]
+    parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA))
+    return [row.asDict() for row in parsed.orderBy("source").collect()]
+
+
+def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> str | None:
+    (row,) = parse(spark, (key, value))
+    return row["error"]
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    (None, "value is empty"),
+    ("  ", "value is empty"),
+    ("{not json", "value is not valid JSON"),
+    ('{"event_id": "e1", "event_id": "e2"}', "value is not valid JSON"),  # duplicate key
+    ("[1, 2, 3]", "value is not a JSON object"),
+    ('"text"', "value is not a JSON object"),
+    (json.dumps({k: v for k, v in PAGEVIEW.items() if k != "user_id"}),
+     "missing field user_id"),
+    (json.dumps({**PAGEVIEW, "client_id": " "}), "missing field client_id"),
+    (json.dumps({k: v for k, v in PAGEVIEW.items() if k != "ts"}), "missing field ts"),
+    (json.dumps({**PAGEVIEW, "ts": "yesterday"}),
+     "ts 'yesterday' is neither ISO-8601 with a time zone nor epoch milliseconds"),
+    (json.dumps({**PAGEVIEW, "ts": "2026-11-01T09:00:00"}),
+     "ts '2026-11-01T09:00:00' is neither ISO-8601 with a time zone nor epoch milliseconds"),
+    (json.dumps({**PAGEVIEW, "ts": "1999-12-31T00:00:00Z"}),
+     "ts '1999-12-31T00:00:00Z' is outside the plausible range 2000-01-01..2100-01-01"),
+    (json.dumps({**PAGEVIEW, "url": ""}), "pageview without url"),
+    (json.dumps({k: v for k, v in ORDER.items() if k != "order_id"}),
+     "missing field order_id"),
+    (json.dumps({**ORDER, "amount": "-5.00"}), "amount '-5.00' is negative"),
+    (json.dumps({**ORDER, "amount": "1.23456"}),
+     "amount '1.23456' is not a decimal string with at most 4 decimals"),
+    (json.dumps({**ORDER, "currency": "EURO"}), "currency 'EURO' is not an ISO 4217 code"),
+])
+def test_a_bad_record_is_marked_with_the_first_rule_it_breaks(
+    spark: SparkSession, value: str | None, reason: str
+) -> None:
+    assert error_of(spark, value) == reason
+
+
+def test_a_key_that_does_not_name_the_user_is_an_error(spark: SparkSession) -> None:
+    assert error_of(spark, json.dumps(PAGEVIEW), key="client-00/u2") == (
+        "key 'client-00/u2' does not match client_id/user_id 'client-00/u1'")
+    assert error_of(spark, json.dumps(PAGEVIEW), key=None) is None  # a key is optional
+
+
+def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
+    spark: SparkSession
+) -> None:
+    epoch_ms = int(T0.timestamp() * 1000) + 1
+    pageview, order, numeric, nested = parse(
+        spark,
+        (KEY, json.dumps(PAGEVIEW)),
+        (KEY, json.dumps({**ORDER, "ts": "2026-11-01T10:30:00.250+01:30"})),
+        # JSON numbers and other non-strings come out as their JSON text
+        (KEY, json.dumps({**ORDER, "ts": epoch_ms, "amount": 12.5, "order_id": 7})),
+        (KEY, json.dumps({**PAGEVIEW, "url": {"path": "/b"}, "referrer": True, "extra": [1]})),
+    )
+    assert pageview["error"] is None and pageview["event_type"] == "pageview"
+    assert (pageview["event_id"], pageview["url"], pageview["referrer"]) == ("e1", "/a", "")
+    assert pageview["ts"].astimezone(UTC) == T0
+    assert pageview["raw"] == json.dumps(PAGEVIEW)
+    assert pageview["source"] == "kafka:events/0/0"
+    assert order["error"] is None
+    assert order["ts"].astimezone(UTC) == datetime(2026, 11, 1, 9, 0, 0, 250_000, tzinfo=UTC)
+    assert (order["order_id"], order["amount"], order["currency"]) == (
+        "o1", Decimal("12.5000"), "EUR")
+    assert numeric["error"] is None
+    assert numeric["ts"].astimezone(UTC) == datetime(2026, 11, 1, 9, 0, 0, 1000, tzinfo=UTC)
+    assert (numeric["order_id"], numeric["amount"]) == ("7", Decimal("12.5000"))
+    assert (nested["error"], nested["url"], nested["referrer"]) == (None, '{"path":"/b"}', "true")
+    assert pageview["amount"] is None and pageview["order_id"] is None
