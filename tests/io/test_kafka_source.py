@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 
 from clickstream.config import Config
 from clickstream.errors import DataLossError
@@ -20,12 +21,16 @@ from clickstream.io.kafka_clients import (
 from clickstream.io.kafka_source import _rate_limit, group_ranges, read_kafka_stream
 from clickstream.tables import KAFKA_SCHEMA
 
+CREATED_MS = 1_763_640_000_000  # the producer's timestamps: CREATED_MS + i for record i
+
 
 def produce(config: Config, topic: str, count: int, start: int = 0) -> None:
+    """Record i: key k<i % 3> (none when i % 3 == 2), value v<i>, header h=<i> when i is even."""
     producer = make_producer(config)
     for i in range(start, start + count):
-        producer.produce(topic, key=f"k{i % 3}".encode(), value=f"v{i}".encode(),
-                         headers=[("h", f"{i}".encode())])
+        producer.produce(topic, key=f"k{i % 3}".encode() if i % 3 != 2 else None,
+                         value=f"v{i}".encode(), timestamp=CREATED_MS + i,
+                         headers=[("h", f"{i}".encode())] if i % 2 == 0 else None)
     flush_or_raise(producer, 30)
 
 
@@ -54,10 +59,15 @@ def test_records_arrive_in_kafka_layout_exactly_once_across_runs(
               for row in batch]
     assert sorted(r.value.decode() for r in first) == sorted(f"v{i}" for i in range(7))
     assert sorted(r.value.decode() for r in second) == sorted(f"v{i}" for i in range(7, 12))
-    row = first[0]
-    assert list(row.asDict()) == KAFKA_SCHEMA.fieldNames()
-    assert row.topic == topic and row.partition in (0, 1) and row.offset >= 0
-    assert row.key.decode().startswith("k") and row.headers[0].key == "h"
+    assert list(first[0].asDict()) == KAFKA_SCHEMA.fieldNames()
+    for row in first + second:
+        i = int(row.value.decode()[1:])
+        assert row.topic == topic and row.partition in (0, 1) and row.offset >= 0
+        assert row.key == (f"k{i % 3}".encode() if i % 3 != 2 else None)
+        assert row.timestamp.astimezone(UTC) == datetime.fromtimestamp(
+            (CREATED_MS + i) / 1000, tz=UTC)
+        assert row.timestampType == 0  # CreateTime
+        assert row.headers == ([Row(key="h", value=f"{i}".encode())] if i % 2 == 0 else None)
 
 
 def test_rate_limit_splits_work_into_micro_batches(
