@@ -57,6 +57,13 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
 
 
+@pytest.mark.parametrize("size", ["1536", "0g", "4 g", "lots"])
+def test_driver_memory_needs_a_jvm_size_with_a_unit(size: str) -> None:
+    assert Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": "1536m"}).driver_memory == "1536m"
+    with pytest.raises(ConfigError, match=r"CLICKSTREAM_DRIVER_MEMORY=.* with a unit"):
+        Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": size})
+
+
 def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
     landing = tmp_path / "landing"
     (landing / "b").mkdir(parents=True)

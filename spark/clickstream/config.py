@@ -45,7 +45,8 @@ ENV_NAMES: dict[str, str] = {
     "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
 }
 
-_MEMORY = re.compile(r"^\d+[kmgt]?$", re.IGNORECASE)
+# A unit is required: Spark reads a bare number as MiB and the JVM's -Xms as bytes.
+_MEMORY = re.compile(r"^[1-9]\d*[kmgt]$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
 
@@ -111,7 +112,7 @@ class Config:
                 raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {value}")
         if not _MEMORY.match(self.driver_memory):
             raise ConfigError(f"{ENV_NAMES['driver_memory']}={self.driver_memory!r} is not a "
-                              "JVM memory size; use e.g. 4g or 2048m")
+                              "JVM memory size with a unit; use e.g. 4g or 2048m")
         for name in ("warehouse", "home", "landing"):
             object.__setattr__(self, name, Path(getattr(self, name)).expanduser().resolve())
 

@@ -16,8 +16,17 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = False) -> SparkSession:
-    """Get or create the session for ``config``; the UI is off unless asked for."""
+def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = False,
+                long_running: bool = False) -> SparkSession:
+    """Get or create the session for ``config``; the UI is off unless asked for.
+
+    A ``long_running`` driver (the continuous sessionizer) takes its whole heap when it starts
+    (``-Xms`` equal to ``CLICKSTREAM_DRIVER_MEMORY``, pages touched up front): otherwise G1
+    grows the committed heap toward its cap over the first minutes and keeps it, so the
+    process slowly claims memory other jobs on the machine counted on, and its RSS mixes heap
+    sizing with real growth. Fixed, the memory a service needs is known at start, and RSS
+    growth is growth outside the heap. Batch jobs keep a heap that grows only when needed.
+    """
     # Executors must run the same interpreter as the driver (the project's venv).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -49,7 +58,11 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         .config("spark.sql.streaming.stateStore.providerClass",
                 "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
         .config("spark.sql.warehouse.dir", str(config.home / "spark-warehouse"))
-        .config("spark.driver.extraJavaOptions", f"-Dderby.system.home={config.home}")
+        .config("spark.driver.extraJavaOptions", " ".join((
+            f"-Dderby.system.home={config.home}",
+            *((f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch")
+              if long_running else ()),
+        )))
     )
     if local:
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(

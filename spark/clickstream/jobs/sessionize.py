@@ -372,7 +372,7 @@ def run_sessionizer(
 ) -> SessionizeSummary:
     """Run the streaming sessionizer until stopped (SIGTERM/SIGINT) or, with
     ``until_caught_up``, until everything available at start is processed and committed."""
-    spark = spark or build_spark(config, "clickstream-sessionize")
+    spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
     checkpoint = config.checkpoint_path(JOB)
     checkpoint.mkdir(parents=True, exist_ok=True)
