@@ -115,10 +115,15 @@ def _ms_to_ts(column: str | Column) -> Column:
 def build_stream(spark: SparkSession, config: Config) -> DataFrame:
     """The unioned stream the sink consumes: ``branch`` = 'emitted' | 'record'."""
     records = parse_kafka_records(read_kafka_stream(spark, config, config.events_topic))
+    # One predicate, not a conjunction: Spark would push a conjunct on ``event_type`` alone
+    # below the parse, where it parses every record's JSON a second time to read that field.
+    is_session_input = F.coalesce(
+        F.col("error").isNull()
+        & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER)
+        & raw_events_admitted(config),  # what the sink's gate quarantines
+        F.lit(False))
     session_input = (
-        records.where(F.col("error").isNull()
-                      & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER)
-                      & raw_events_admitted(config))  # what the sink's gate quarantines
+        records.where(is_session_input)
         .select(
             user_bucket(STATE_BUCKETS).alias("bucket"),
             "client_id", "user_id", "event_type", "event_id", "ts",
