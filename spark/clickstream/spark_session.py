@@ -26,6 +26,7 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
     process slowly claims memory other jobs on the machine counted on, and its RSS mixes heap
     sizing with real growth. Fixed, the memory a service needs is known at start, and RSS
     growth is growth outside the heap. Batch jobs keep a heap that grows only when needed.
+    Like the driver memory, it applies only when this call starts the JVM.
     """
     # Executors must run the same interpreter as the driver (the project's venv).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

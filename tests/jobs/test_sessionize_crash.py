@@ -46,6 +46,22 @@ def start_sessionizer(config: Config, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def java_args(process_group: int) -> list[str]:
+    """The command line of the JVM in a process group (the sessionizer's Spark driver)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != process_group:
+                continue
+            args = (proc / "cmdline").read_bytes().decode().split("\0")
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue  # ended while we looked
+        if Path(args[0]).name == "java":
+            return args
+    raise AssertionError(f"no JVM in process group {process_group}")
+
+
 def wait_for_batches(log: Path, at_least: int, timeout_s: float = 480) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -62,7 +78,8 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(
     suffix = uuid.uuid4().hex[:8]
     config = kafka_config.replace(
         events_topic=f"events-{suffix}", sessions_topic=f"sessions-{suffix}",
-        attributions_topic=f"attributions-{suffix}", max_events_per_trigger=80)
+        attributions_topic=f"attributions-{suffix}", max_events_per_trigger=80,
+        driver_memory="1g")
     for topic in (config.events_topic, config.sessions_topic, config.attributions_topic):
         broker.create_topic(topic, 4)
     scale = Scale(**{**SCALE.__dict__, "clients": 3})
@@ -79,6 +96,9 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(
         try:
             batches_seen += 1
             wait_for_batches(log, batches_seen)
+            if round_number == 0:  # the long-running driver takes its whole heap at start
+                assert {"-Xmx1g", "-Xms1g", "-XX:+AlwaysPreTouch"} <= set(
+                    java_args(process.pid))
             time.sleep(rng.uniform(0.0, 3.0))  # a random point inside the next batches
         finally:
             os.killpg(process.pid, signal.SIGKILL)
