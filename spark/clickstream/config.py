@@ -45,7 +45,7 @@ ENV_NAMES: dict[str, str] = {
     "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
 }
 
-# A unit is required: Spark reads a bare number as MiB and the JVM's -Xms as bytes.
+# A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
 _MEMORY = re.compile(r"^[1-9]\d*[kmgt]$", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
