@@ -26,7 +26,9 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
 * **SparkSubmitOperator** runs `spark/entrypoints/sessionize.py` through `spark-submit` with
   the **`spark_default`** connection: `local[*]` in the embedded profile
   (`AIRFLOW_CONN_SPARK_DEFAULT=spark://local%5B%2A%5D`, set by `scripts/airflow.sh`), the
-  Spark master in the cluster profile (docker-compose). The driver runs in its own process,
+  Spark master in the cluster profile (docker-compose). The driver's memory is
+  `CLICKSTREAM_DRIVER_MEMORY` of the worker's environment, taken whole at start (`-Xms`), and
+  passed to spark-submit when the task runs. The driver runs in its own process,
   so stopping the task (mark failed/success, or a DAG pause followed by a kill) sends SIGTERM
   and the job stops cleanly at a micro-batch boundary.
 * Param `until_caught_up` (off by default): process what is available now, commit, and end
@@ -53,7 +55,7 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
 )
 def sessionizer():
     spark_job("sessionize", "sessionize",
-              "{{ ['--until-caught-up'] if params.until_caught_up else [] }}")
+              "{{ ['--until-caught-up'] if params.until_caught_up else [] }}", long_running=True)
 
 
 sessionizer()

@@ -64,6 +64,12 @@ def test_driver_memory_needs_a_jvm_size_with_a_unit(size: str) -> None:
         Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": size})
 
 
+@pytest.mark.parametrize(("size", "mib"), [("1536m", 1536), ("4G", 4096), ("2097152k", 2048),
+                                           ("1t", 1024 * 1024)])
+def test_driver_memory_in_mib_reads_every_jvm_unit(size: str, mib: int) -> None:
+    assert Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": size}).driver_memory_mib == mib
+
+
 def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
     landing = tmp_path / "landing"
     (landing / "b").mkdir(parents=True)

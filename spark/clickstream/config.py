@@ -47,6 +47,7 @@ ENV_NAMES: dict[str, str] = {
 
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
 _MEMORY = re.compile(r"^[1-9]\d*[kmgt]$", re.IGNORECASE)
+_UNIT_MIB = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
 
@@ -115,6 +116,10 @@ class Config:
                               "JVM memory size with a unit; use e.g. 4g or 2048m")
         for name in ("warehouse", "home", "landing"):
             object.__setattr__(self, name, Path(getattr(self, name)).expanduser().resolve())
+
+    @property
+    def driver_memory_mib(self) -> int:
+        return int(int(self.driver_memory[:-1]) * _UNIT_MIB[self.driver_memory[-1].lower()])
 
     @property
     def session_gap_ms(self) -> int:

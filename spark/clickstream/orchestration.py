@@ -2,17 +2,21 @@
 how product errors end a task.
 
 DAG files (``dags/``) are wiring: they build the :class:`~clickstream.config.Config` inside a
-task (never at parse time) and call one library function. This module keeps the two pieces
-of Airflow glue they have in common in one place. ``airflow.sdk`` is imported lazily, so the
+task (never at parse time) and call one library function. This module keeps the Airflow
+glue they have in common in one place. ``airflow.sdk`` is imported lazily, so the
 library itself does not need Airflow to run.
 
-Known edge cases, cited inline as (O1)..(O2):
+Known edge cases, cited inline as (O1)..(O3):
   O1. A refused batch, a bad setting or a failed quality gate gives the same result on every
       retry, so the task fails at once (no retries) with the product's one-line reason;
       transient failures (broker unavailable, commit conflicts, delivery) keep Airflow's
       retries, and every step is idempotent, so a retry resumes rather than doubles.
   O2. Asset URIs name a table, not a folder: the warehouse location is configuration and
       must not be read while the DAG file is parsed.
+  O3. Configuration is read when a task runs, in the worker's environment, never while the
+      DAG file is parsed (the scheduler's environment is not the worker's): settings a
+      submitted job needs before its JVM starts (the driver's memory) are added to the
+      spark-submit command just before it runs.
 """
 
 from __future__ import annotations
@@ -64,21 +68,38 @@ def task_errors() -> Iterator[None]:
         raise AirflowFailException(f"{type(error).__name__}: {error}") from error
 
 
-def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (),
-              **operator_args: Any) -> SparkSubmitOperator:
+def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
+              long_running: bool = False, **operator_args: Any) -> SparkSubmitOperator:
     """A task that runs ``spark/entrypoints/<entrypoint>.py`` through ``spark-submit`` with
     the ``spark_default`` connection: ``local[*]`` in the embedded profile, the Spark master
     in the cluster profile (the entry point takes the submitted master as its own).
+
+    spark-submit starts the driver's JVM before the job's own settings are read, so the
+    driver's memory (``CLICKSTREAM_DRIVER_MEMORY``) and heap options are passed to it as
+    ``--conf``, from the worker's environment when the task runs (O3).
 
     Args:
         task_id: the task's id.
         entrypoint: file name under ``spark/entrypoints`` without ``.py``.
         args: the entry point's arguments (Jinja-templated), or one template rendering a list.
+        long_running: a service's driver (the sessionizer): its whole heap is taken at start
+            (``spark_session.driver_launch_conf``).
         operator_args: more ``SparkSubmitOperator`` arguments (``outlets``, ``retries``...).
     """
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
+    def size_the_driver(context: Any) -> None:
+        from clickstream.config import Config
+        from clickstream.spark_session import driver_launch_conf
+
+        with task_errors():
+            config = Config.from_env()
+        operator = context["task"]
+        operator.conf = {**driver_launch_conf(config, long_running=long_running),
+                         **(operator.conf or {})}
+
     return SparkSubmitOperator(
         task_id=task_id, application=str(ENTRYPOINTS / f"{entrypoint}.py"),
         conn_id="spark_default", name=f"clickstream-{task_id.replace('_', '-')}",
-        application_args=args if isinstance(args, str) else list(args), **operator_args)
+        application_args=args if isinstance(args, str) else list(args),
+        pre_execute=size_the_driver, **operator_args)

@@ -10,7 +10,7 @@ from typing import ParamSpec, TypeVar
 
 from pyspark.sql import SparkSession
 
-from clickstream.config import Config
+from clickstream.config import ENV_NAMES, Config
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -20,13 +20,9 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
                 long_running: bool = False) -> SparkSession:
     """Get or create the session for ``config``; the UI is off unless asked for.
 
-    A ``long_running`` driver (the continuous sessionizer) takes its whole heap when it starts
-    (``-Xms`` equal to ``CLICKSTREAM_DRIVER_MEMORY``, pages touched up front): otherwise G1
-    grows the committed heap toward its cap over the first minutes and keeps it, so the
-    process slowly claims memory other jobs on the machine counted on, and its RSS mixes heap
-    sizing with real growth. Fixed, the memory a service needs is known at start, and RSS
-    growth is growth outside the heap. Batch jobs keep a heap that grows only when needed.
-    Like the driver memory, it applies only when this call starts the JVM.
+    The driver's JVM settings (:func:`driver_launch_conf`) apply only when this call starts
+    the JVM; under ``spark-submit`` they must be passed to it (``orchestration.spark_job``
+    does), and a driver heap well below ``CLICKSTREAM_DRIVER_MEMORY`` is reported on stderr.
     """
     # Executors must run the same interpreter as the driver (the project's venv).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -51,24 +47,49 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # 8 GiB heap. Pages just under 512 KiB are never humongous.
         .config("spark.buffer.pageSize", "511k")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
-        # Takes effect when this call starts the JVM (not under spark-submit, whose
-        # --driver-memory then applies).
-        .config("spark.driver.memory", config.driver_memory)
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stateStore.providerClass",
                 "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
         .config("spark.sql.warehouse.dir", str(config.home / "spark-warehouse"))
-        .config("spark.driver.extraJavaOptions", " ".join((
-            f"-Dderby.system.home={config.home}",
-            *((f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch")
-              if long_running else ()),
-        )))
     )
+    for key, value in driver_launch_conf(config, long_running=long_running).items():
+        builder = builder.config(key, value)
     if local:
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1")
-    return builder.getOrCreate()
+    spark = builder.getOrCreate()
+    heap_mib = driver_heap_mib(spark)
+    if heap_mib < 0.9 * config.driver_memory_mib:
+        print(f"warning: {ENV_NAMES['driver_memory']}={config.driver_memory}, but this "
+              f"driver's JVM has a {heap_mib} MiB heap: it was started before the setting "
+              "could apply (spark-submit without --driver-memory, or a session that already "
+              "existed); pass --conf spark.driver.memory=... to spark-submit or set it in "
+              "spark-defaults.conf", file=sys.stderr, flush=True)
+    return spark
+
+
+def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[str, str]:
+    """The Spark settings that size the driver's JVM, for whoever starts it: this module's
+    :func:`build_spark`, or ``spark-submit --conf`` (``orchestration.spark_job``).
+
+    A ``long_running`` driver (the continuous sessionizer) takes its whole heap when it starts
+    (``-Xms`` equal to ``CLICKSTREAM_DRIVER_MEMORY``, pages touched up front): otherwise G1
+    grows the committed heap toward its cap over the first minutes and keeps it, so the
+    process slowly claims memory other jobs on the machine counted on, and its RSS mixes heap
+    sizing with real growth. Fixed, the memory a service needs is known at start, and RSS
+    growth is growth outside the heap. Batch jobs keep a heap that grows only when needed.
+    """
+    java_options = [f"-Dderby.system.home={config.home}"]
+    if long_running:
+        java_options += [f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch"]
+    return {"spark.driver.memory": config.driver_memory,
+            "spark.driver.extraJavaOptions": " ".join(java_options)}
+
+
+def driver_heap_mib(spark: SparkSession) -> int:
+    """The running driver JVM's maximum heap (its -Xmx), in MiB."""
+    return spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory() // 2**20
 
 
 def submitted_master() -> str | None:

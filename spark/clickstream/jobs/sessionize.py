@@ -56,7 +56,7 @@ from clickstream.io.kafka_source import read_kafka_stream
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import user_bucket
 from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
-from clickstream.spark_session import build_spark
+from clickstream.spark_session import build_spark, driver_heap_mib
 from clickstream.tables import (
     ATTRIBUTIONS,
     ORDERS,
@@ -380,6 +380,8 @@ def run_sessionizer(
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
     checkpoint = config.checkpoint_path(JOB)
+    print(f"sessionize: {config.events_topic} -> {config.warehouse}, checkpoint {checkpoint}, "
+          f"driver heap {driver_heap_mib(spark)} MiB", flush=True)
     checkpoint.mkdir(parents=True, exist_ok=True)
     summary = SessionizeSummary()
     started = time.monotonic()
