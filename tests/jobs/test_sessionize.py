@@ -16,7 +16,7 @@ from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
 from clickstream.jobs.generate import Delivery, Scale, live_records
-from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.jobs.sessionize import build_stream, run_sessionizer
 from tests.reference import reference_sessions, valid_events
 
 SCALE = Scale(clients=2, users_per_client=12, minutes=8 * 60,
@@ -176,3 +176,13 @@ def test_data_loss_is_detected_instead_of_skipped(
     broker.delete_records(topic, 0, 15)  # the broker drops 10..14 before we read them
     with pytest.raises(DataLossError, match=r"records 10\.\.14 were dropped"):
         run_sessionizer(config, until_caught_up=True, spark=spark)
+
+
+def test_each_branch_parses_a_record_once(stream_config: Config, spark: SparkSession,
+                                         capsys: pytest.CaptureFixture) -> None:
+    """Spark must not push the session branch's filter on ``event_type`` below the parse,
+    where it becomes a second ``from_json`` of every record (~15% of the stream's throughput,
+    BENCHMARKS.md): one parse for the records branch, one for the session branch."""
+    build_stream(spark, stream_config).explain("formatted")
+    plan = capsys.readouterr().out
+    assert plan.count("from_json(") == 2, plan
