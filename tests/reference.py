@@ -117,3 +117,23 @@ def reference_sessions(
             sessions[owner]["order_count"] += 1
             sessions[owner]["revenue"] += Decimal(str(event["amount"]))
     return sessions, attributions
+
+
+def reference_changelog_value(row: Any) -> dict[str, Any]:
+    """A table row (Spark Row or mapping) as the changelog topics should carry it, parsed:
+    timestamps ISO-8601 UTC with milliseconds, dates ISO, decimals as text, nulls kept."""
+    from datetime import UTC, date, datetime
+
+    def jsonable(value: Any) -> Any:
+        if isinstance(value, datetime):
+            moment = value if value.tzinfo else value.replace(tzinfo=UTC)
+            return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace(
+                "+00:00", "Z")
+        if isinstance(value, date):
+            return value.isoformat()
+        if isinstance(value, Decimal):
+            return str(value)
+        return value
+
+    data = row.asDict() if hasattr(row, "asDict") else dict(row)
+    return {key: jsonable(value) for key, value in data.items()}

@@ -17,14 +17,13 @@ from pyspark.sql import SparkSession
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_changelog import row_value
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
 from tests.jobs.test_sessionize import produce, table_rows
-from tests.reference import reference_sessions
+from tests.reference import reference_changelog_value, reference_sessions
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
 GAP_MS = 30 * 60_000
@@ -82,9 +81,10 @@ def assert_tables_equal_from_scratch(config: Config, spark: SparkSession,
             assert expected_attr[order_id] == session_id, order_id
     # Value for value, whichever job (stream, backfill, recompute) published it last.
     topic = read_compacted(config, config.sessions_topic)
-    assert topic == {r["session_id"]: row_value(r) for r in sessions}
+    assert topic == {r["session_id"]: reference_changelog_value(r) for r in sessions}
     attribution_topic = read_compacted(config, config.attributions_topic)
-    assert attribution_topic == {r["order_id"]: row_value(r) for r in attribution_rows}
+    assert attribution_topic == {r["order_id"]: reference_changelog_value(r)
+                                 for r in attribution_rows}
 
 
 def test_invariant_after_stream_orders_backfill_pageview_backfill_and_recompute(

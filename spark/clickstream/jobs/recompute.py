@@ -150,8 +150,8 @@ def run_full_recompute(
         results[spec.name] = fresh
     from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 
-    publish_sessions(config, results[SESSIONS.name].toLocalIterator())
-    publish_attributions(config, results[ATTRIBUTIONS.name].toLocalIterator())
+    publish_sessions(config, results[SESSIONS.name])
+    publish_attributions(config, results[ATTRIBUTIONS.name])
     counts = {name: frame.count() for name, frame in results.items()}
     for frame in (emitted, *results.values()):
         frame.unpersist()

@@ -319,10 +319,10 @@ class MicroBatchWriter:
         # a crash before this point replays the batch, which commits nothing new but re-publishes
         # the same keys at the same revisions (idempotent for a compacted reader).
         if present.get("emitted:session"):
-            publish_sessions(self.config, _shape(sessions, SESSIONS).toLocalIterator())
+            publish_sessions(self.config, _shape(sessions, SESSIONS))
         if present.get("emitted:attribution"):
             publish_attributions(self.config,
-                                 _shape(attributions, ATTRIBUTIONS).toLocalIterator())
+                                 _shape(attributions, ATTRIBUTIONS))
         return counts
 
 
