@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z4):
+Known edge cases, cited inline as (Z1)..(Z6):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -27,6 +27,12 @@ Known edge cases, cited inline as (Z1)..(Z4):
       checkpoint (a fresh query) never collides with the batch ids of an old one.
   Z5. Counts are the rows each write committed (file statistics, no count job): a replayed
       micro-batch reports 0 for what it had already committed, and still republishes.
+  Z6. A micro-batch's outputs are written side by side, one thread each. Each write is a few
+      small Spark jobs and a Delta commit that mostly wait (py4j, planning, Python workers
+      starting, the commit's file I/O), so together they take about as long as the largest.
+      Each is idempotent on its own (``append_once`` per table) and a topic is published only
+      after its table committed, so a crash between them replays the batch as it did when
+      they ran one after another.
 """
 
 from __future__ import annotations
@@ -37,14 +43,17 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.util import inheritable_thread_target
 
 from clickstream import errors
 from clickstream.config import Config
@@ -247,8 +256,9 @@ class MicroBatchWriter:
         counts.records = sum(v for k, v in present.items() if k.startswith("record:"))
         counts.duplicates = present.get("emitted:duplicate", 0)
 
+        writes: dict[str, Callable[[], int]] = {}  # BatchCounts field -> its write (Z6)
         if present.get("record:error"):
-            counts.quarantined = self._append(
+            writes["quarantined"] = lambda: self._append(
                 QUARANTINE, records.where(F.col("error").isNotNull()).select(
                     "raw", "source", F.col("error").alias("reason"), "client_id",
                     F.current_timestamp().alias("quarantined_at"),
@@ -260,31 +270,30 @@ class MicroBatchWriter:
             F.col("record_id").alias("_dup_id"))
 
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
-            on_time_rows = present.get(f"record:{kind}", 0)
-            late_rows = present.get(f"record:{kind}:late", 0)
-            if not on_time_rows and not late_rows:
-                return 0
             rows = valid.where(F.col("event_type") == kind).dropDuplicates([key])
             parts = []
-            if on_time_rows:
+            if present.get(f"record:{kind}"):
                 on_time = rows.where(~is_late)
                 if counts.duplicates:  # (Z3)
                     on_time = on_time.join(duplicates, F.col(key) == F.col("_dup_id"),
                                            "left_anti")
                 parts.append(on_time)
-            if late_rows:
+            if present.get(f"record:{kind}:late"):
                 parts.append(_late_anti_join(self.tables, spec, rows.where(is_late), key))
             both = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
             return self._append(spec, both, batch_id, app_id)
 
-        counts.pageviews = on_time_and_late(contract.PAGEVIEW, "event_id", PAGEVIEWS)
-        counts.orders = on_time_and_late(contract.ORDER, "order_id", ORDERS)
+        for field_name, kind, key, spec in (("pageviews", contract.PAGEVIEW, "event_id", PAGEVIEWS),
+                                            ("orders", contract.ORDER, "order_id", ORDERS)):
+            if present.get(f"record:{kind}") or present.get(f"record:{kind}:late"):
+                writes[field_name] = partial(on_time_and_late, kind, key, spec)
 
         if present.get("record:other") or present.get("record:other:late"):
             others = valid.where(~F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
-            others = _late_anti_join(self.tables, OTHER_EVENTS,
-                                     others.dropDuplicates(["event_id"]), "event_id")
-            counts.other_events = self._append(OTHER_EVENTS, others, batch_id, app_id)
+            writes["other_events"] = lambda: self._append(
+                OTHER_EVENTS, _late_anti_join(self.tables, OTHER_EVENTS,
+                                              others.dropDuplicates(["event_id"]), "event_id"),
+                batch_id, app_id)
 
         if present.get(f"record:{contract.PAGEVIEW}:late") or present.get(
                 f"record:{contract.ORDER}:late"):
@@ -296,7 +305,7 @@ class MicroBatchWriter:
                 .otherwise(F.col("event_id")).alias("record_id"),
                 "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
             ).dropDuplicates(["kind", "record_id"])
-            counts.late_queued = self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
+            writes["late_queued"] = lambda: self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
 
         sessions = emitted.where(F.col("kind") == "session").select(
             "session_id", "client_id", "user_id",
@@ -310,20 +319,39 @@ class MicroBatchWriter:
             _ms_to_ts("record_ts_ms").alias("order_ts"), "session_id",
             F.lit(1).alias("revision"), F.to_date(_ms_to_ts("record_ts_ms")).alias("order_date"),
         )
-        if present.get("emitted:session"):
-            counts.sessions = self._append(SESSIONS, sessions, batch_id, app_id)
-        if present.get("emitted:attribution"):
-            counts.attributions = self._append(ATTRIBUTIONS, attributions, batch_id, app_id)
 
-        # Kafka last, and decided by what the batch holds, not by what this attempt committed:
-        # a crash before this point replays the batch, which commits nothing new but re-publishes
-        # the same keys at the same revisions (idempotent for a compacted reader).
+        def table_then_topic(spec: TableSpec, rows: DataFrame,
+                             publish: Callable[[Config, DataFrame], int]) -> Callable[[], int]:
+            # The topic after its table, and decided by what the batch holds, not by what this
+            # attempt committed: a crash before the publish replays the batch, which commits
+            # nothing new but re-publishes the same keys at the same revisions (idempotent for
+            # a compacted reader).
+            def write() -> int:
+                committed = self._append(spec, rows, batch_id, app_id)
+                publish(self.config, _shape(rows, spec))
+                return committed
+
+            return write
+
         if present.get("emitted:session"):
-            publish_sessions(self.config, _shape(sessions, SESSIONS))
+            writes["sessions"] = table_then_topic(SESSIONS, sessions, publish_sessions)
         if present.get("emitted:attribution"):
-            publish_attributions(self.config,
-                                 _shape(attributions, ATTRIBUTIONS))
+            writes["attributions"] = table_then_topic(ATTRIBUTIONS, attributions,
+                                                      publish_attributions)
+        for field_name, rows in _side_by_side(batch.sparkSession, writes).items():
+            setattr(counts, field_name, rows)
         return counts
+
+
+def _side_by_side(spark: SparkSession, writes: Mapping[str, Callable[[], int]]) -> dict[str, int]:
+    """Run every write at once, one thread each; wait for all, then raise the first failure
+    (Z6). The threads inherit the batch's Spark local properties and tags."""
+    if len(writes) < 2:
+        return {name: write() for name, write in writes.items()}
+    with ThreadPoolExecutor(max_workers=len(writes), thread_name_prefix="sink") as pool:
+        futures = {name: pool.submit(inheritable_thread_target(spark)(write))
+                   for name, write in writes.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def _outputs_present(records: DataFrame, emitted: DataFrame, is_late: Column) -> dict[str, int]:
