@@ -27,12 +27,15 @@ Known edge cases, cited inline as (Z1)..(Z6):
       checkpoint (a fresh query) never collides with the batch ids of an old one.
   Z5. Counts are the rows each write committed (file statistics, no count job): a replayed
       micro-batch reports 0 for what it had already committed, and still republishes.
-  Z6. A micro-batch's outputs are written side by side, one thread each. Each write is a few
-      small Spark jobs and a Delta commit that mostly wait (py4j, planning, Python workers
-      starting, the commit's file I/O), so together they take about as long as the largest.
-      Each is idempotent on its own (``append_once`` per table) and a topic is published only
-      after its table committed, so a crash between them replays the batch as it did when
-      they ran one after another.
+  Z6. A micro-batch writes in two waves, side by side within each (one thread per output):
+      first what it stores of its records (quarantine, pageviews, orders, other events, the
+      recompute queue), then what it derived (sessions, attributions), each topic right after
+      its own table. Each write is a few small Spark jobs and a Delta commit that mostly wait
+      (py4j, planning, Python workers starting, the commit's file I/O), so a wave takes about
+      as long as its largest write. The waves keep the order that matters to readers, a
+      concurrent recompute included: a session visible in a table or topic has its pageviews
+      and orders stored. Each write is idempotent on its own (``append_once`` per table), so a
+      crash between them replays the batch as it did when they ran one after another.
 """
 
 from __future__ import annotations
@@ -256,9 +259,9 @@ class MicroBatchWriter:
         counts.records = sum(v for k, v in present.items() if k.startswith("record:"))
         counts.duplicates = present.get("emitted:duplicate", 0)
 
-        writes: dict[str, Callable[[], int]] = {}  # BatchCounts field -> its write (Z6)
+        stored: dict[str, Callable[[], int]] = {}  # BatchCounts field -> its write (Z6)
         if present.get("record:error"):
-            writes["quarantined"] = lambda: self._append(
+            stored["quarantined"] = lambda: self._append(
                 QUARANTINE, records.where(F.col("error").isNotNull()).select(
                     "raw", "source", F.col("error").alias("reason"), "client_id",
                     F.current_timestamp().alias("quarantined_at"),
@@ -286,11 +289,11 @@ class MicroBatchWriter:
         for field_name, kind, key, spec in (("pageviews", contract.PAGEVIEW, "event_id", PAGEVIEWS),
                                             ("orders", contract.ORDER, "order_id", ORDERS)):
             if present.get(f"record:{kind}") or present.get(f"record:{kind}:late"):
-                writes[field_name] = partial(on_time_and_late, kind, key, spec)
+                stored[field_name] = partial(on_time_and_late, kind, key, spec)
 
         if present.get("record:other") or present.get("record:other:late"):
             others = valid.where(~F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
-            writes["other_events"] = lambda: self._append(
+            stored["other_events"] = lambda: self._append(
                 OTHER_EVENTS, _late_anti_join(self.tables, OTHER_EVENTS,
                                               others.dropDuplicates(["event_id"]), "event_id"),
                 batch_id, app_id)
@@ -305,7 +308,7 @@ class MicroBatchWriter:
                 .otherwise(F.col("event_id")).alias("record_id"),
                 "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
             ).dropDuplicates(["kind", "record_id"])
-            writes["late_queued"] = lambda: self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
+            stored["late_queued"] = lambda: self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
 
         sessions = emitted.where(F.col("kind") == "session").select(
             "session_id", "client_id", "user_id",
@@ -333,13 +336,15 @@ class MicroBatchWriter:
 
             return write
 
+        derived: dict[str, Callable[[], int]] = {}
         if present.get("emitted:session"):
-            writes["sessions"] = table_then_topic(SESSIONS, sessions, publish_sessions)
+            derived["sessions"] = table_then_topic(SESSIONS, sessions, publish_sessions)
         if present.get("emitted:attribution"):
-            writes["attributions"] = table_then_topic(ATTRIBUTIONS, attributions,
-                                                      publish_attributions)
-        for field_name, rows in _side_by_side(batch.sparkSession, writes).items():
-            setattr(counts, field_name, rows)
+            derived["attributions"] = table_then_topic(ATTRIBUTIONS, attributions,
+                                                       publish_attributions)
+        for wave in (stored, derived):  # (Z6)
+            for field_name, rows in _side_by_side(batch.sparkSession, wave).items():
+                setattr(counts, field_name, rows)
         return counts
 
 
