@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -15,6 +16,7 @@ from clickstream.errors import DataLossError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
+from clickstream.jobs import sessionize
 from clickstream.jobs.generate import Delivery, Scale, live_records
 from clickstream.jobs.sessionize import build_stream, run_sessionizer
 from tests.reference import reference_sessions, valid_events
@@ -186,3 +188,32 @@ def test_each_branch_parses_a_record_once(stream_config: Config, spark: SparkSes
     build_stream(spark, stream_config).explain("formatted")
     plan = capsys.readouterr().out
     assert plan.count("from_json(") == 2, plan
+
+
+def test_a_batch_stores_its_pageviews_before_the_sessions_it_closes(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Z6) The sink writes side by side, yet a session visible in ``sessions`` has its
+    pageviews in ``pageviews``: within a micro-batch the pageviews commit first, even when
+    their commit is the slow one."""
+    def slow_pageviews(table: str, attempt: int) -> None:
+        if table == "pageviews":
+            time.sleep(1.0)
+
+    monkeypatch.setattr(sessionize, "open_tables", lambda config, spark: open_tables(
+        config, spark, before_commit=slow_pageviews))
+    records = live_records(SCALE, Delivery(late_fraction=0, duplicate_fraction=0,
+                                           bad_fraction=0), seed=21)
+    config = stream_config.replace(max_events_per_trigger=50)  # sessions close mid-stream
+    produce(config, records)
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+
+    def commit_times(name: str) -> dict[str, int]:
+        """Commit time (epoch ms) by the micro-batch that made it."""
+        return {c["cause"]: c["timestamp"] for c in open_tables(config, spark).history(name)
+                if str(c.get("cause", "")).startswith("sessionize batch")}
+
+    pageviews, sessions = commit_times("pageviews"), commit_times("sessions")
+    both = sorted(set(pageviews) & set(sessions))
+    assert both, "some micro-batch should store pageviews and close sessions"
+    assert all(pageviews[batch] <= sessions[batch] for batch in both), (pageviews, sessions)
