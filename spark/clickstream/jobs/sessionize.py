@@ -324,24 +324,21 @@ class MicroBatchWriter:
         )
 
         def table_then_topic(spec: TableSpec, rows: DataFrame,
-                             publish: Callable[[Config, DataFrame], int]) -> Callable[[], int]:
+                             publish: Callable[[Config, DataFrame], int]) -> int:
             # The topic after its table, and decided by what the batch holds, not by what this
             # attempt committed: a crash before the publish replays the batch, which commits
             # nothing new but re-publishes the same keys at the same revisions (idempotent for
             # a compacted reader).
-            def write() -> int:
-                committed = self._append(spec, rows, batch_id, app_id)
-                publish(self.config, _shape(rows, spec))
-                return committed
-
-            return write
+            committed = self._append(spec, rows, batch_id, app_id)
+            publish(self.config, _shape(rows, spec))
+            return committed
 
         derived: dict[str, Callable[[], int]] = {}
         if present.get("emitted:session"):
-            derived["sessions"] = table_then_topic(SESSIONS, sessions, publish_sessions)
+            derived["sessions"] = partial(table_then_topic, SESSIONS, sessions, publish_sessions)
         if present.get("emitted:attribution"):
-            derived["attributions"] = table_then_topic(ATTRIBUTIONS, attributions,
-                                                       publish_attributions)
+            derived["attributions"] = partial(table_then_topic, ATTRIBUTIONS, attributions,
+                                              publish_attributions)
         for wave in (stored, derived):  # (Z6)
             for field_name, rows in _side_by_side(batch.sparkSession, wave).items():
                 setattr(counts, field_name, rows)
