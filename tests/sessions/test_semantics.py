@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,8 +10,11 @@ from hypothesis import strategies as st
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
+    SPAN_COLUMNS,
     closed_sessions,
+    merge_spans,
     next_wakeup,
+    pageview_spans,
     reattribute,
     session_id,
     sessionize,
@@ -117,13 +121,6 @@ def test_session_id_is_deterministic_and_distinct_per_user() -> None:
     assert len(session_id("c", "u", 1)) == 32
 
 
-def test_pageview_session_is_aligned_to_the_input() -> None:
-    frame = pageviews(("b", GAP * 3), ("a", 0))
-    result = sessionize(frame, NO_ORDERS, GAP)
-    assert list(result.pageview_session) == [session_id("c", "u", GAP * 3),
-                                             session_id("c", "u", 0)]
-
-
 def naive_sessions(ts_by_user: dict[str, list[int]]) -> list[tuple[str, int, int, int]]:
     """Straightforward reference: sort, split on gap."""
     out = []
@@ -180,3 +177,43 @@ def test_reattributing_orders_equals_sessionizing_with_them(
     assert by_id(sessions, "session_id", totals) == by_id(expected.sessions, "session_id", totals)
     assert by_id(attributions, "order_id", ["session_id"]) == by_id(
         expected.attributions, "order_id", ["session_id"])
+
+
+def fold_spans(chunks: list[pd.DataFrame]) -> pd.DataFrame:
+    """What the stream does: merge each arrival into the spans merged so far."""
+    state = merge_spans(pageview_spans(pageviews()), GAP)
+    for chunk in chunks:
+        new = pageview_spans(chunk)
+        state = merge_spans({c: np.concatenate([state[c].to_numpy(), new[c]])
+                             for c in SPAN_COLUMNS}, GAP)
+    return state
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("uv"), st.integers(0, 24)), min_size=1, max_size=40),
+       st.lists(st.integers(1, 8), min_size=1), st.randoms(use_true_random=False))
+def test_folding_spans_in_any_grouping_equals_merging_everything(
+        events: list[tuple[str, int]], chunk_sizes: list[int], shuffle) -> None:
+    """Spans are associative (the stream's state relies on it), ties and exact gaps included:
+    timestamps on a GAP/4 grid make equal times and gaps of exactly GAP common."""
+    rows = [(f"e{i:02d}", step * GAP // 4, user) for i, (user, step) in enumerate(events)]
+    shuffle.shuffle(rows)
+    frame = pageviews(*rows)
+    sizes = iter(chunk_sizes * len(rows))
+    chunks, start = [], 0
+    while start < len(frame):
+        size = next(sizes)
+        chunks.append(frame.iloc[start: start + size])
+        start += size
+    everything = merge_spans(pageview_spans(frame), GAP)
+    key = ["user_id", "start_ms"]
+    assert fold_spans(chunks).sort_values(key).reset_index(drop=True).equals(
+        everything.sort_values(key).reset_index(drop=True))
+
+    # Landing and exit are the earliest and latest (ts, event_id) of each session (E1).
+    for session in everything.itertuples():
+        members = [(ts, eid) for eid, ts, user in rows
+                   if user == session.user_id and session.start_ms <= ts <= session.end_ms]
+        assert (session.landing_event_id, session.exit_event_id) == (
+            min(members)[1], max(members)[1])
+        assert session.pageview_count == len(members)

@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from pyspark.sql.streaming.tws_tester import TwsTester
 
 from clickstream.sessions.semantics import ORDER_COLUMNS, PAGEVIEW_COLUMNS, sessionize
-from clickstream.sessions.stream_adapter import INPUT_COLUMNS, OUTPUT_COLUMNS, SessionProcessor
+from clickstream.sessions.stream_adapter import (
+    INPUT_COLUMNS,
+    OUTPUT_COLUMNS,
+    SessionProcessor,
+    encode_frame,
+)
 
 GAP = 30 * 60_000
 DELAY = 10 * 60_000
@@ -92,5 +97,29 @@ def test_stream_sessions_equal_batch_sessions(events, batch_sizes) -> None:
     assert got_attr == want_attr
 
     # Nothing is left in state once the watermark passed everything: state is bounded.
+    for name in ("open_sessions", "open_orders", "recent_pageview_ids"):
+        assert tester.peekValueState(name, 0) is None
+
+
+def test_a_checkpoint_holding_open_pageviews_is_folded_into_sessions() -> None:
+    """(S4) State written before spans (each open pageview in ``open_pageviews``) still gives
+    the batch's sessions: the next call folds those pageviews in and clears the old state."""
+    frame = to_frame([("u1", GAP, "pageview", 1), ("u1", GAP + 5, "pageview", 2),
+                      ("u2", GAP, "pageview", 3), ("u1", 2 * GAP, "pageview", 4),
+                      ("u1", GAP + 5, "pageview", 2), ("u1", 2 * GAP + 1, "order", 5)])
+    held, arriving = frame.iloc[:3], frame.iloc[3:]
+    tester = TwsTester(SessionProcessor(GAP), timeMode="EventTime",
+                       eventTimeExtractor=lambda row: int(row["ts_ms"]))
+    tester.updateValueState("open_pageviews", 0,
+                            (encode_frame(held[PAGEVIEW_COLUMNS].reset_index(drop=True)),))
+    out = pd.concat([tester.testInPandas(0, arriving.reset_index(drop=True)),
+                     tester.setWatermark(FAR_FUTURE)], ignore_index=True)
+
+    expected = sessionize(frame.loc[frame.event_type == "pageview", PAGEVIEW_COLUMNS],
+                          frame.loc[frame.event_type == "order", ORDER_COLUMNS], GAP).sessions
+    sessions = out[out["kind"] == "session"]
+    columns = ["session_id", "start_ms", "end_ms", "pageview_count", "order_count"]
+    assert sorted(map(tuple, sessions[columns].to_numpy().tolist())) == sorted(
+        map(tuple, expected[columns].to_numpy().tolist()))
+    assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]
     assert tester.peekValueState("open_pageviews", 0) is None
-    assert tester.peekValueState("open_orders", 0) is None

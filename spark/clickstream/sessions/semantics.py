@@ -28,6 +28,7 @@ Known edge cases, cited inline as (E1)..(E7):
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,10 @@ SESSION_COLUMNS = [
     "landing_url", "exit_url", "order_count", "revenue_e4",
 ]
 ATTRIBUTION_COLUMNS = ["client_id", "user_id", "order_id", "ts_ms", "session_id"]
+SPAN_COLUMNS = [
+    "client_id", "user_id", "start_ms", "end_ms", "pageview_count",
+    "landing_event_id", "landing_url", "exit_event_id", "exit_url",
+]
 
 
 def session_id(client_id: str, user_id: str, start_ms: int) -> str:
@@ -63,10 +68,9 @@ def empty_orders() -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class Sessionized:
-    """Result for a set of users: sessions, each pageview's session, each order's session."""
+    """Result for a set of users: their sessions and each order's session."""
 
     sessions: pd.DataFrame  # SESSION_COLUMNS, one row per session
-    pageview_session: pd.Series  # session_id per input pageview row (aligned to its index)
     attributions: pd.DataFrame  # ATTRIBUTION_COLUMNS, session_id None when unattributed
 
 
@@ -75,50 +79,103 @@ def dedupe(frame: pd.DataFrame, key: str) -> pd.DataFrame:
     return frame[~frame[key].duplicated(keep="first")]
 
 
+def pageview_spans(pageviews: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Each pageview as a one-pageview span: the columns (SPAN_COLUMNS) ``merge_spans`` folds."""
+    ts = pageviews["ts_ms"].to_numpy(dtype=np.int64)
+    event_id, url = pageviews["event_id"].to_numpy(), pageviews["url"].to_numpy()
+    return {
+        "client_id": pageviews["client_id"].to_numpy(), "user_id": pageviews["user_id"].to_numpy(),
+        "start_ms": ts, "end_ms": ts, "pageview_count": np.ones(len(ts), dtype=np.int64),
+        "landing_event_id": event_id, "landing_url": url, "exit_event_id": event_id,
+        "exit_url": url,
+    }
+
+
+def merge_spans(spans: pd.DataFrame | Mapping[str, np.ndarray], gap_ms: int) -> pd.DataFrame:
+    """The sessions that ``spans`` (SPAN_COLUMNS) form together, as spans.
+
+    A span is a session's summary: its pageviews are never ``gap_ms`` or more apart, so only its
+    ends matter to whatever joins it. Spans of one user closer than ``gap_ms`` merge (E2-E4);
+    landing and exit are the earliest and latest pageview, ties by event_id (E1). Merging is
+    associative: folding spans in any grouping, a pageview or a session at a time, gives the
+    sessions of all their pageviews at once. That lets the stream keep one row per open session
+    instead of its pageviews (``stream_adapter``).
+    """
+    column = {c: np.asarray(spans[c]) for c in SPAN_COLUMNS}
+    start = column["start_ms"].astype(np.int64, copy=False)
+    if not len(start):
+        return pd.DataFrame({c: column[c] for c in SPAN_COLUMNS})
+    clients, _ = pd.factorize(column["client_id"])
+    users, _ = pd.factorize(column["user_id"])
+    order = np.lexsort((start, users, clients))
+    clients, users, start = clients[order], users[order], start[order]
+    end = column["end_ms"].astype(np.int64, copy=False)[order]
+    n = len(order)
+    new_user = np.ones(n, dtype=bool)
+    new_user[1:] = (clients[1:] != clients[:-1]) | (users[1:] != users[:-1])
+    # Latest end so far within the user: spans may nest, so the previous row's end is not it.
+    reach = pd.Series(end).groupby(np.cumsum(new_user)).cummax().to_numpy()
+    starts = new_user.copy()
+    starts[1:] |= (start[1:] - reach[:-1]) >= gap_ms  # (E2)
+    first = np.flatnonzero(starts)
+    number = np.cumsum(starts) - 1
+    session_end = np.maximum.reduceat(end, first)
+    landing = order[_pick(number, start == start[first][number],
+                          column["landing_event_id"], order, np.argmin)]
+    exit_ = order[_pick(number, end == session_end[number],
+                        column["exit_event_id"], order, np.argmax)]
+    return pd.DataFrame({
+        "client_id": column["client_id"][order[first]],
+        "user_id": column["user_id"][order[first]],
+        "start_ms": start[first],
+        "end_ms": session_end,
+        "pageview_count": np.add.reduceat(
+            column["pageview_count"].astype(np.int64, copy=False)[order], first),
+        "landing_event_id": column["landing_event_id"][landing],
+        "landing_url": column["landing_url"][landing],
+        "exit_event_id": column["exit_event_id"][exit_],
+        "exit_url": column["exit_url"][exit_],
+    })
+
+
+def _pick(number: np.ndarray, candidate: np.ndarray, event_ids: np.ndarray, order: np.ndarray,
+          choose: Callable[[np.ndarray], int]) -> np.ndarray:
+    """Per session (``number``, in ``order``), the row among its ``candidate`` rows whose
+    event_id ``choose`` picks (E1). Ties are rare (equal ms of one user): settled in a loop."""
+    rows = np.flatnonzero(candidate)
+    sessions = number[rows]
+    first = np.flatnonzero(np.r_[True, sessions[1:] != sessions[:-1]])
+    picked = rows[first]
+    tied = np.flatnonzero(np.diff(np.r_[first, len(rows)]) > 1)
+    for t in tied:
+        block = rows[first[t]: first[t + 1] if t + 1 < len(first) else len(rows)]
+        picked[t] = block[choose(event_ids[order[block]])]
+    return picked
+
+
+def with_session_ids(spans: pd.DataFrame) -> pd.DataFrame:
+    """``spans`` as sessions: SESSION_COLUMNS without the order totals."""
+    ids = [session_id(c, u, s) for c, u, s in zip(
+        spans["client_id"].to_numpy(), spans["user_id"].to_numpy(),
+        spans["start_ms"].to_numpy(), strict=True)]
+    return spans.assign(session_id=np.array(ids, dtype=object))[
+        [c for c in SESSION_COLUMNS if c not in ("order_count", "revenue_e4")]]
+
+
 def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Sessionized:
     """From-scratch sessions of every user present in ``pageviews`` and ``orders``.
 
     ``pageviews`` has PAGEVIEW_COLUMNS, ``orders`` ORDER_COLUMNS; duplicates are dropped (E6).
     """
-    pageviews = dedupe(pageviews, "event_id")
-    orders = dedupe(orders, "order_id")
-    ordered = pageviews.iloc[_user_time_order(pageviews)]
-    client = ordered["client_id"].to_numpy()
-    user = ordered["user_id"].to_numpy()
-    ts = ordered["ts_ms"].to_numpy(dtype=np.int64)
-    n = len(ordered)
-    new_user = np.ones(n, dtype=bool)
-    if n:
-        new_user[1:] = (client[1:] != client[:-1]) | (user[1:] != user[:-1])
-    gap_before = np.empty(n, dtype=np.int64)
-    if n:
-        gap_before[0] = 0
-        gap_before[1:] = ts[1:] - ts[:-1]
-    starts = new_user | (gap_before >= gap_ms)  # (E2)
-    number = np.cumsum(starts) - 1
-    first = np.flatnonzero(starts)
-    last = np.r_[first[1:] - 1, n - 1] if n else first
-    start_ms = ts[first]
-    ids = np.array(
-        [session_id(c, u, s) for c, u, s in zip(client[first], user[first], start_ms,
-                                                 strict=True)],
-        dtype=object,
-    )
-    url = ordered["url"].to_numpy()
-    sessions = pd.DataFrame({
-        "client_id": client[first],
-        "user_id": user[first],
-        "session_id": ids,
-        "start_ms": start_ms,
-        "end_ms": ts[last] if n else ts[first],
-        "pageview_count": (last - first + 1).astype(np.int64),
-        "landing_url": url[first],
-        "exit_url": url[last] if n else url[first],
-    })
-    pageview_session = pd.Series(ids[number] if n else [], index=ordered.index, dtype=object)
+    spans = merge_spans(pageview_spans(dedupe(pageviews, "event_id")), gap_ms)
+    return attribute_orders(spans, dedupe(orders, "order_id"), gap_ms)
+
+
+def attribute_orders(spans: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Sessionized:
+    """Sessions of the merged ``spans`` with the totals of ``orders`` (deduplicated)."""
+    sessions = with_session_ids(spans)
     attributions = attribute(sessions, orders, gap_ms)
-    return Sessionized(with_order_totals(sessions, attributions, orders),
-                       pageview_session.reindex(pageviews.index), attributions)
+    return Sessionized(with_order_totals(sessions, attributions, orders), attributions)
 
 
 def reattribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int
@@ -145,31 +202,6 @@ def with_order_totals(sessions: pd.DataFrame, attributions: pd.DataFrame,
     sessions["order_count"] = sessions["order_count"].fillna(0).astype(np.int64)
     sessions["revenue_e4"] = sessions["revenue_e4"].fillna(0).astype(np.int64)
     return sessions[SESSION_COLUMNS].reset_index(drop=True)
-
-
-def _user_time_order(pageviews: pd.DataFrame) -> np.ndarray:
-    """Row order grouping each user's pageviews by time, ties broken by event_id (E1).
-
-    Sorting integer codes is ~5x faster than sorting the string columns; users only need to
-    be contiguous, not in any particular order.
-    """
-    clients, _ = pd.factorize(pageviews["client_id"].to_numpy())
-    users, _ = pd.factorize(pageviews["user_id"].to_numpy())
-    ts = pageviews["ts_ms"].to_numpy(dtype=np.int64)
-    order = np.lexsort((ts, users, clients))
-    if len(order) < 2:
-        return order
-    tied = (users[order][1:] == users[order][:-1]) & (clients[order][1:] == clients[order][:-1]) & (
-        ts[order][1:] == ts[order][:-1])
-    if tied.any():  # rare: equal timestamps of one user, order them by event_id
-        event_ids = pageviews["event_id"].to_numpy()
-        starts = np.flatnonzero(np.r_[True, ~tied])
-        ends = np.r_[starts[1:], len(order)]
-        for start, end in zip(starts, ends, strict=True):
-            if end - start > 1:
-                block = order[start:end]
-                order[start:end] = block[np.argsort(event_ids[block], kind="stable")]
-    return order
 
 
 def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.DataFrame:

@@ -5,20 +5,26 @@ the processor once per bucket with a pandas frame of many users, and ``semantics
 vectorised. Per-user keys would cost a state round trip per user per batch (measured: ~10k
 events/s); buckets keep the number of calls small and constant.
 
-A bucket's state holds only what the watermark has not closed: the pageviews of open sessions
-and the orders not emitted yet, each as one Arrow blob. On every call the processor
-re-sessionizes state + new rows with the same function the batch recompute uses, emits the
-sessions the watermark closes (with their attributions) and keeps the rest. So the stream equals
-the batch by construction, and state stays bounded by the watermark.
+A bucket's state holds only what the watermark has not closed, each part as one Arrow blob:
+its open sessions as spans (one summary row per session, not its pageviews), the orders not
+emitted yet, and the ids of pageviews newer than the watermark (the only ones an on-time
+duplicate can repeat). Each call merges the new pageviews into the spans with the function the
+batch recompute builds its sessions with (``semantics.merge_spans``), emits the sessions the
+watermark closes (with their attributions) and keeps the rest. So the stream equals the batch
+by construction, and a call's work grows with its input and the open sessions, not with every
+open pageview.
 
-Known edge cases, cited inline as (S1)..(S3):
+Known edge cases, cited inline as (S1)..(S4):
   S1. Within one micro-batch a bucket's input is complete, so anything the batch's watermark
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
       ``duplicate`` row, so the sink does not store it twice; copies inside one batch are
       collapsed here and de-duplicated by id in the sink as well.
   S3. Rows at or before the previous batch's watermark never reach the processor (Spark drops
-      them); the sink stores them and queues them for the recompute.
+      them); the sink stores them and queues them for the recompute. So a pageview id is kept
+      only while its ts is after the current watermark: no later copy of it can arrive on time.
+  S4. Checkpoints written before spans held each open pageview in ``open_pageviews``; the first
+      call for such a bucket folds them into the spans and clears it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.streaming.stateful_processor import (
     ExpiredTimerInfo,
     StatefulProcessor,
@@ -41,12 +48,15 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
+    SPAN_COLUMNS,
+    attribute_orders,
     closed_sessions,
     dedupe,
     empty_orders,
     empty_pageviews,
+    merge_spans,
     next_wakeup,
-    sessionize,
+    pageview_spans,
 )
 
 # Input columns the processor expects (times in epoch ms, amounts in 1/10000).
@@ -72,21 +82,33 @@ OUTPUT_COLUMNS = OUTPUT_SCHEMA.fieldNames()
 STATE_SCHEMA = StructType([StructField("blob", BinaryType(), True)])
 
 
-def encode_frame(frame: pd.DataFrame) -> bytes:
-    """Compact Arrow IPC bytes of a state frame."""
-    table = pa.Table.from_pandas(frame, preserve_index=False)
+RECENT_IDS_SCHEMA = pa.schema([("event_id", pa.string()), ("ts_ms", pa.int64())])
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
+
+
+def encode_table(table: pa.Table) -> bytes:
+    """Compact Arrow IPC bytes of a state table."""
     sink = io.BytesIO()
-    with pa.ipc.new_stream(sink, table.schema,
-                           options=pa.ipc.IpcWriteOptions(compression="lz4")) as writer:
+    with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as writer:
         writer.write_table(table)
     return sink.getvalue()
 
 
-def decode_frame(blob: bytes | None, empty: pd.DataFrame) -> pd.DataFrame:
-    if not blob:
-        return empty
+def decode_table(blob: bytes) -> pa.Table:
     with pa.ipc.open_stream(io.BytesIO(blob)) as reader:
-        return reader.read_all().to_pandas()
+        return reader.read_all()
+
+
+def encode_frame(frame: pd.DataFrame) -> bytes:
+    return encode_table(pa.Table.from_pandas(frame, preserve_index=False))
+
+
+def decode_frame(blob: bytes | None, empty: pd.DataFrame) -> pd.DataFrame:
+    return decode_table(blob).to_pandas() if blob else empty
+
+
+def empty_spans() -> pd.DataFrame:
+    return merge_spans(pageview_spans(empty_pageviews()), gap_ms=1)
 
 
 def _output(frame: pd.DataFrame) -> pd.DataFrame:
@@ -97,18 +119,34 @@ def _output(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 class BucketState:
-    """Open pageviews and unemitted orders of one bucket, and what one call emits."""
+    """Open sessions (spans), unemitted orders and recent pageview ids of one bucket."""
 
-    def __init__(self, pageviews: pd.DataFrame, orders: pd.DataFrame) -> None:
-        self.pageviews = pageviews
+    def __init__(self, spans: pd.DataFrame, orders: pd.DataFrame, recent_ids: pa.Table,
+                 gap_ms: int) -> None:
+        self.spans = spans
         self.orders = orders
+        self.recent_ids = recent_ids
+        self.gap_ms = gap_ms
+
+    def add_pageviews(self, pageviews: pd.DataFrame) -> None:
+        """Merge new, deduplicated pageviews into the open sessions and remember their ids."""
+        if pageviews.empty:
+            return
+        new = pageview_spans(pageviews)
+        self.spans = merge_spans({c: np.concatenate([self.spans[c].to_numpy(), new[c]])
+                                  for c in SPAN_COLUMNS}, self.gap_ms)
+        self.recent_ids = pa.concat_tables([self.recent_ids, pa.table({
+            "event_id": pa.array(pageviews["event_id"].to_numpy(), pa.string()),
+            "ts_ms": pa.array(pageviews["ts_ms"].to_numpy(dtype=np.int64), pa.int64()),
+        }, schema=RECENT_IDS_SCHEMA)])
 
     def add(self, events: pd.DataFrame) -> pd.DataFrame:
         """Fold new events in; returns the ``duplicate`` rows of records already held (S2)."""
         is_order = (events["event_type"] == "order").to_numpy()
         new_pv = dedupe(events.loc[~is_order, PAGEVIEW_COLUMNS], "event_id")
         new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], "order_id")
-        pv_dup = new_pv["event_id"].isin(self.pageviews["event_id"]).to_numpy()
+        pv_dup = pc.is_in(pa.array(new_pv["event_id"].to_numpy(), pa.string()),
+                          value_set=self.recent_ids["event_id"]).to_numpy(zero_copy_only=False)
         order_dup = new_orders["order_id"].isin(self.orders["order_id"]).to_numpy()
         duplicates = pd.concat([
             pd.DataFrame({"client_id": new_pv["client_id"][pv_dup],
@@ -121,15 +159,15 @@ class BucketState:
                           "record_ts_ms": new_orders["ts_ms"][order_dup]}),
         ], ignore_index=True)
         duplicates["kind"] = "duplicate"
-        self.pageviews = pd.concat([self.pageviews, new_pv[~pv_dup]], ignore_index=True)
+        self.add_pageviews(new_pv[~pv_dup])
         self.orders = pd.concat([self.orders, new_orders[~order_dup]], ignore_index=True)
         return duplicates
 
-    def close(self, watermark_ms: int, gap_ms: int) -> tuple[pd.DataFrame, int | None]:
+    def close(self, watermark_ms: int) -> tuple[pd.DataFrame, int | None]:
         """Emit what the watermark closes (E7); keep the rest. Returns (rows, next wakeup)."""
-        result = sessionize(self.pageviews, self.orders, gap_ms)
-        sessions = result.sessions
-        closed = closed_sessions(sessions, watermark_ms, gap_ms)
+        result = attribute_orders(self.spans, self.orders, self.gap_ms)
+        sessions = result.sessions  # in the spans' row order
+        closed = closed_sessions(sessions, watermark_ms, self.gap_ms)
         closed_ids = set(sessions["session_id"][closed])
         attributions = result.attributions
         session_of_order = attributions["session_id"]
@@ -139,15 +177,15 @@ class BucketState:
         emitted_sessions = sessions[closed].assign(kind="session")
         emitted_orders = attributions[in_closed | final_uncovered].rename(
             columns={"order_id": "record_id", "ts_ms": "record_ts_ms"}).assign(kind="attribution")
-        keep_pv = ~result.pageview_session.isin(closed_ids).to_numpy()
-        self.pageviews = self.pageviews[keep_pv].reset_index(drop=True)
+        self.spans = self.spans[~closed].reset_index(drop=True)
         emitted_order_ids = set(emitted_orders["record_id"])
         self.orders = self.orders[~self.orders["order_id"].isin(emitted_order_ids)]
         self.orders = self.orders.reset_index(drop=True)
-        open_sessions = sessions[~closed]
+        recent_ts = self.recent_ids["ts_ms"]
+        self.recent_ids = self.recent_ids.filter(pc.greater(recent_ts, watermark_ms))  # (S3)
         pending = attributions[uncovered & ~final_uncovered]
         rows = pd.concat([emitted_sessions, emitted_orders], ignore_index=True)
-        return rows, next_wakeup(open_sessions, pending, gap_ms)
+        return rows, next_wakeup(sessions[~closed], pending, self.gap_ms)
 
 
 class SessionProcessor(StatefulProcessor):
@@ -158,20 +196,35 @@ class SessionProcessor(StatefulProcessor):
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
-        self.pageview_state = handle.getValueState("open_pageviews", STATE_SCHEMA)
+        self.span_state = handle.getValueState("open_sessions", STATE_SCHEMA)
         self.order_state = handle.getValueState("open_orders", STATE_SCHEMA)
+        self.recent_id_state = handle.getValueState("recent_pageview_ids", STATE_SCHEMA)
+        self.legacy_pageview_state = handle.getValueState("open_pageviews", STATE_SCHEMA)
+
+    @staticmethod
+    def _blob(holder: Any) -> bytes | None:
+        value = holder.get() if holder.exists() else None
+        return value[0] if value else None
 
     def _load(self) -> BucketState:
-        pv = self.pageview_state.get() if self.pageview_state.exists() else None
-        orders = self.order_state.get() if self.order_state.exists() else None
-        return BucketState(decode_frame(pv[0] if pv else None, empty_pageviews()),
-                           decode_frame(orders[0] if orders else None, empty_orders()))
+        spans, recent = self._blob(self.span_state), self._blob(self.recent_id_state)
+        state = BucketState(decode_frame(spans, empty_spans()),
+                            decode_frame(self._blob(self.order_state), empty_orders()),
+                            decode_table(recent) if recent else RECENT_IDS_SCHEMA.empty_table(),
+                            self.gap_ms)
+        legacy = self._blob(self.legacy_pageview_state)
+        if legacy:  # (S4)
+            state.add_pageviews(decode_frame(legacy, empty_pageviews()))
+            self.legacy_pageview_state.clear()
+        return state
 
     def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int) -> None:
-        for holder, frame in ((self.pageview_state, state.pageviews),
-                              (self.order_state, state.orders)):
-            if len(frame):
-                holder.update((encode_frame(frame),))
+        for holder, blob in ((self.span_state, len(state.spans) and encode_frame(state.spans)),
+                             (self.order_state, len(state.orders) and encode_frame(state.orders)),
+                             (self.recent_id_state,
+                              state.recent_ids.num_rows and encode_table(state.recent_ids))):
+            if blob:
+                holder.update((blob,))
             else:
                 holder.clear()
         for timer in list(self.handle.listTimers()):
@@ -189,7 +242,7 @@ class SessionProcessor(StatefulProcessor):
         events["amount_e4"] = events["amount_e4"].fillna(0).astype(np.int64)
         duplicates = state.add(events)
         watermark = timerValues.getCurrentWatermarkInMs()
-        emitted, wakeup = state.close(watermark, self.gap_ms)  # (S1)
+        emitted, wakeup = state.close(watermark)  # (S1)
         self._save(state, wakeup, watermark)
         yield _output(pd.concat([duplicates, emitted], ignore_index=True))
 
@@ -198,7 +251,7 @@ class SessionProcessor(StatefulProcessor):
     ) -> Iterator[pd.DataFrame]:
         state = self._load()
         watermark = timerValues.getCurrentWatermarkInMs()
-        emitted, wakeup = state.close(watermark, self.gap_ms)
+        emitted, wakeup = state.close(watermark)
         self._save(state, wakeup, watermark)
         yield _output(emitted)
 
