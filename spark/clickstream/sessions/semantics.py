@@ -1,9 +1,10 @@
 """Session semantics: the one definition, shared by the stream and the batch recompute.
 
 Pure and vectorised (pandas/numpy only; no pyspark, kafka or deltalake imports), so Spark can
-apply it to whole Arrow batches of many users at once. Two adapters use it: the stream's
-stateful processor (``stream_adapter``) and the batch recompute (``batch_adapter``); a
-property test proves they agree.
+apply it to whole Arrow batches of many users at once. Sessions are built by ``merge_spans``:
+the batch recompute (``batch_adapter``) merges one span per pageview, the stream's stateful
+processor (``stream_adapter``) merges new pageviews into its open sessions' spans. Property
+tests prove that merging in any grouping agrees, and that the stream emits the batch's sessions.
 
 Rules (../shared/BRIEF.md, "Session semantics"):
   per (client_id, user_id), pageviews ordered by ``ts``; a new session starts when the gap to

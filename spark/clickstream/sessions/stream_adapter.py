@@ -108,7 +108,7 @@ def decode_frame(blob: bytes | None, empty: pd.DataFrame) -> pd.DataFrame:
 
 
 def empty_spans() -> pd.DataFrame:
-    return merge_spans(pageview_spans(empty_pageviews()), gap_ms=1)
+    return pd.DataFrame(pageview_spans(empty_pageviews()))
 
 
 def _output(frame: pd.DataFrame) -> pd.DataFrame:
