@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -234,9 +235,11 @@ def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.D
     return result[ATTRIBUTION_COLUMNS].reset_index(drop=True)
 
 
-def closed_sessions(sessions: pd.DataFrame, watermark_ms: int, gap_ms: int) -> np.ndarray:
-    """Mask of sessions no on-time pageview can change any more (E7)."""
-    return (sessions["end_ms"].to_numpy(dtype=np.int64) + gap_ms) <= watermark_ms
+def closed_sessions(sessions: pd.DataFrame | Mapping[str, Any], watermark_ms: int,
+                    gap_ms: int) -> np.ndarray:
+    """Mask of sessions (or spans, any table with ``end_ms``) no on-time pageview can change
+    any more (E7)."""
+    return (np.asarray(sessions["end_ms"], dtype=np.int64) + gap_ms) <= watermark_ms
 
 
 def next_wakeup(

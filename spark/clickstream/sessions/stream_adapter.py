@@ -107,8 +107,16 @@ def decode_frame(blob: bytes | None, empty: pd.DataFrame) -> pd.DataFrame:
     return decode_table(blob).to_pandas() if blob else empty
 
 
-def empty_spans() -> pd.DataFrame:
-    return pd.DataFrame(pageview_spans(empty_pageviews()))
+SPANS_SCHEMA = pa.schema([
+    (c, pa.int64() if c in ("start_ms", "end_ms", "pageview_count") else pa.string())
+    for c in SPAN_COLUMNS])
+
+
+def _users_in(spans: pa.Table, frame: pd.DataFrame) -> pa.ChunkedArray:
+    """Mask of the spans whose user_id occurs in ``frame``: a superset of its users' spans
+    (user ids of other clients match too), which is all that merging or attributing needs."""
+    users = pa.array(frame["user_id"].unique(), pa.string())
+    return pc.is_in(spans["user_id"], value_set=users)
 
 
 def _output(frame: pd.DataFrame) -> pd.DataFrame:
@@ -119,9 +127,13 @@ def _output(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 class BucketState:
-    """Open sessions (spans), unemitted orders and recent pageview ids of one bucket."""
+    """Open sessions (spans), unemitted orders and recent pageview ids of one bucket.
 
-    def __init__(self, spans: pd.DataFrame, orders: pd.DataFrame, recent_ids: pa.Table,
+    Spans and ids stay Arrow tables: a call turns into pandas only the spans of users it
+    touches (new pageviews or orders) and the spans it closes, so its cost follows its input,
+    not the bucket's open state."""
+
+    def __init__(self, spans: pa.Table, orders: pd.DataFrame, recent_ids: pa.Table,
                  gap_ms: int) -> None:
         self.spans = spans
         self.orders = orders
@@ -132,9 +144,13 @@ class BucketState:
         """Merge new, deduplicated pageviews into the open sessions and remember their ids."""
         if pageviews.empty:
             return
-        new = pageview_spans(pageviews)
-        self.spans = merge_spans({c: np.concatenate([self.spans[c].to_numpy(), new[c]])
-                                  for c in SPAN_COLUMNS}, self.gap_ms)
+        touched = _users_in(self.spans, pageviews)
+        held, new = self.spans.filter(touched).to_pandas(), pageview_spans(pageviews)
+        merged = merge_spans({c: np.concatenate([held[c].to_numpy(), new[c]])
+                              for c in SPAN_COLUMNS}, self.gap_ms)
+        self.spans = pa.concat_tables([
+            self.spans.filter(pc.invert(touched)),
+            pa.Table.from_pandas(merged, schema=SPANS_SCHEMA, preserve_index=False)])
         self.recent_ids = pa.concat_tables([self.recent_ids, pa.table({
             "event_id": pa.array(pageviews["event_id"].to_numpy(), pa.string()),
             "ts_ms": pa.array(pageviews["ts_ms"].to_numpy(dtype=np.int64), pa.int64()),
@@ -165,19 +181,24 @@ class BucketState:
 
     def close(self, watermark_ms: int) -> tuple[pd.DataFrame, int | None]:
         """Emit what the watermark closes (E7); keep the rest. Returns (rows, next wakeup)."""
-        result = attribute_orders(self.spans, self.orders, self.gap_ms)
-        sessions = result.sessions  # in the spans' row order
-        closed = closed_sessions(sessions, watermark_ms, self.gap_ms)
-        closed_ids = set(sessions["session_id"][closed])
+        closing = pa.array(closed_sessions(self.spans, watermark_ms, self.gap_ms))
+        open_spans = self.spans.filter(pc.invert(closing))
+        closed = self.spans.filter(closing).to_pandas()
+        # Orders are attributed among their users' sessions only, closed or still open.
+        with_orders = open_spans.filter(_users_in(open_spans, self.orders)).to_pandas()
+        result = attribute_orders(pd.concat([closed, with_orders], ignore_index=True),
+                                  self.orders, self.gap_ms)
+        sessions = result.sessions  # closed rows first, in that order
+        closed_ids = set(sessions["session_id"][: len(closed)])
         attributions = result.attributions
         session_of_order = attributions["session_id"]
         in_closed = session_of_order.isin(closed_ids).to_numpy()
         uncovered = session_of_order.isna().to_numpy()
         final_uncovered = uncovered & (attributions["ts_ms"].to_numpy() <= watermark_ms)
-        emitted_sessions = sessions[closed].assign(kind="session")
+        emitted_sessions = sessions[: len(closed)].assign(kind="session")
         emitted_orders = attributions[in_closed | final_uncovered].rename(
             columns={"order_id": "record_id", "ts_ms": "record_ts_ms"}).assign(kind="attribution")
-        self.spans = self.spans[~closed].reset_index(drop=True)
+        self.spans = open_spans
         emitted_order_ids = set(emitted_orders["record_id"])
         self.orders = self.orders[~self.orders["order_id"].isin(emitted_order_ids)]
         self.orders = self.orders.reset_index(drop=True)
@@ -185,7 +206,8 @@ class BucketState:
         self.recent_ids = self.recent_ids.filter(pc.greater(recent_ts, watermark_ms))  # (S3)
         pending = attributions[uncovered & ~final_uncovered]
         rows = pd.concat([emitted_sessions, emitted_orders], ignore_index=True)
-        return rows, next_wakeup(sessions[~closed], pending, self.gap_ms)
+        open_ends = pd.DataFrame({"end_ms": open_spans["end_ms"].to_numpy()})
+        return rows, next_wakeup(open_ends, pending, self.gap_ms)
 
 
 class SessionProcessor(StatefulProcessor):
@@ -208,7 +230,7 @@ class SessionProcessor(StatefulProcessor):
 
     def _load(self) -> BucketState:
         spans, recent = self._blob(self.span_state), self._blob(self.recent_id_state)
-        state = BucketState(decode_frame(spans, empty_spans()),
+        state = BucketState(decode_table(spans) if spans else SPANS_SCHEMA.empty_table(),
                             decode_frame(self._blob(self.order_state), empty_orders()),
                             decode_table(recent) if recent else RECENT_IDS_SCHEMA.empty_table(),
                             self.gap_ms)
@@ -219,7 +241,8 @@ class SessionProcessor(StatefulProcessor):
         return state
 
     def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int) -> None:
-        for holder, blob in ((self.span_state, len(state.spans) and encode_frame(state.spans)),
+        for holder, blob in ((self.span_state,
+                              state.spans.num_rows and encode_table(state.spans)),
                              (self.order_state, len(state.orders) and encode_frame(state.orders)),
                              (self.recent_id_state,
                               state.recent_ids.num_rows and encode_table(state.recent_ids))):
