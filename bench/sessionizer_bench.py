@@ -1422,6 +1422,140 @@ def cmd_stages(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------
 
 
+def bucket_sessions(args: argparse.Namespace) -> Any:
+    """One user bucket's pageviews and orders over ``--history-minutes`` + the measured window.
+
+    Each user repeats: a session of 1 + geometric(``--pageviews-per-session`` - 1) pageviews
+    10-120 s apart, then 31-110 minutes idle; a first offset spreads users over the cycle.
+    Users are as many as the bucket's share of ``--rate`` needs. 2% of sessions end in an
+    order. Returns the processor's input columns, sorted by ts.
+    """
+    rng = np.random.default_rng(args.seed)
+    per_bucket = args.rate / args.buckets
+    import pandas as pd
+
+    mean_spacing, mean_idle = 65.0, (31 + 110) / 2 * 60
+    length = args.pageviews_per_session
+    cycle_s = (length - 1) * mean_spacing + mean_idle
+    users = max(1, round(per_bucket * cycle_s / length))
+    horizon_ms = int((args.history_minutes * 60 + args.batches * args.batch_seconds) * 1000)
+    ts_parts, user_parts = [], []
+    clock = rng.uniform(-cycle_s, 0, users) * 1000  # each user's next session start
+    while (live := np.flatnonzero(clock < horizon_ms)).size:
+        count = rng.geometric(1 / length, len(live))  # pageviews per session, mean ``length``
+        first = np.cumsum(count) - count
+        gaps = rng.uniform(10_000, 120_000, int(count.sum()))
+        gaps[first] = 0.0
+        within = np.cumsum(gaps) - np.repeat(np.cumsum(gaps)[first], count)
+        ts = np.repeat(clock[live], count) + within
+        ts_parts.append(ts)
+        user_parts.append(np.repeat(live, count))
+        clock[live] = ts[first + count - 1] + rng.uniform(31, 110, len(live)) * 60_000
+    ts = np.concatenate(ts_parts).astype(np.int64)
+    user = np.concatenate(user_parts)
+    keep = (ts >= 0) & (ts < horizon_ms)
+    ts, user = ts[keep], user[keep]
+    n = len(ts)
+    is_order = rng.random(n) < 0.02 / length
+    frame = pd.DataFrame({
+        "bucket": 0, "client_id": "client-00",
+        "user_id": np.char.add("user-", user.astype(str)).astype(object),
+        "event_type": np.where(is_order, "order", "pageview").astype(object),
+        "event_id": np.char.add("ev-", np.arange(n).astype(str)).astype(object),
+        "ts_ms": ts + 1_793_491_200_000,  # 2026-11-01
+        "url": np.char.add("https://shop.example/p/", (user % 997).astype(str)).astype(object),
+        "order_id": np.where(is_order, np.char.add("o-", np.arange(n).astype(str)), None),
+        "amount_e4": np.where(is_order, 250_000, 0).astype(np.int64),
+        "currency": np.where(is_order, "EUR", None),
+    })
+    return frame.sort_values("ts_ms", kind="stable").reset_index(drop=True)
+
+
+def cmd_state(args: argparse.Namespace) -> int:
+    """Per-call cost of the session state at steady state, for one user bucket.
+
+    Drives the product's ``SessionProcessor`` with PySpark's ``TwsTester`` (the processor's own
+    state encoding, no Spark): one call with ``--history-minutes`` of events fills the state
+    as a long-running stream would have it, then ``--batches`` micro-batches of
+    ``--batch-seconds`` of events each are timed (input call plus the timers the new watermark
+    fires). The sessionizer makes ``--buckets`` such calls per micro-batch over its two cores.
+    The 2-minute ``latency`` run never reaches this state: no session closes in it.
+    """
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from clickstream.sessions.stream_adapter import INPUT_COLUMNS, SessionProcessor
+
+    gap_ms, delay_ms = 30 * 60_000, 10 * 60_000
+    started = time.perf_counter()
+    events = bucket_sessions(args)
+    dup = events.sample(frac=args.duplicate_fraction, random_state=args.seed)
+    log(f"generated {len(events):,} events for one bucket in {time.perf_counter() - started:.1f}s")
+    tester = TwsTester(SessionProcessor(gap_ms), timeMode="EventTime",
+                       eventTimeExtractor=lambda row: int(row["ts_ms"]))
+    # Late rows are dropped below, vectorised: the tester's own filter runs Python per row.
+    tester._filterLateEventsPandas = lambda frame: frame
+    base = int(events["ts_ms"].min())
+    history_end = base + int(args.history_minutes * 60_000)
+
+    def state_bytes() -> int:
+        tester.handle.setGroupingKey(0)
+        return sum(len(v.get()[0]) for v in tester.handle.value_states.values()
+                   if v.exists() and v.get())
+
+    def call(frame: pd.DataFrame, watermark: int) -> tuple[float, int]:
+        """One micro-batch in Spark's order: input under the batch's watermark, then the timers
+        it expired (``TwsTester.setWatermark`` would fire them before the input)."""
+        begin = time.perf_counter()
+        if watermark > tester._currentWatermarkMs:
+            tester._currentWatermarkMs = watermark
+            tester.handle.setWatermark(watermark)
+        emitted = [tester.testInPandas(0, frame[list(INPUT_COLUMNS)].reset_index(drop=True)),
+                   tester._handleExpiredTimers()]
+        rows = sum(len(e) for e in emitted if e is not None)
+        return time.perf_counter() - begin, rows
+
+    history = events[events["ts_ms"] < history_end]
+    max_ts = int(history["ts_ms"].max())
+    fill_s, _ = call(history, max_ts - delay_ms)
+    log(f"filled the state with {len(history):,} events in {fill_s:.1f}s: "
+        f"{state_bytes() / 2**20:.1f} MiB of state blobs")
+    with CpuWatch() as cpu:
+        batches = []
+        for index in range(args.batches):
+            lo = history_end + int(index * args.batch_seconds * 1000)
+            hi = lo + int(args.batch_seconds * 1000)
+            window = events[(events["ts_ms"] >= lo) & (events["ts_ms"] < hi)]
+            copies = dup[(dup["ts_ms"] >= lo - 60_000) & (dup["ts_ms"] < hi - 60_000)]
+            frame = pd.concat([window, copies], ignore_index=True)
+            frame = frame[frame["ts_ms"] > tester._currentWatermarkMs]  # the previous one
+            seconds, emitted = call(frame, max_ts - delay_ms)
+            max_ts = max(max_ts, int(window["ts_ms"].max()))
+            batches.append({"rows": len(frame), "seconds": round(seconds, 4),
+                            "emitted_rows": emitted, "state_bytes": state_bytes()})
+    seconds = np.array([b["seconds"] for b in batches])
+    per_call = {"mean_ms": round(1000 * float(seconds.mean()), 1),
+                "p95_ms": round(1000 * float(percentile(seconds, 95)), 1),
+                "max_ms": round(1000 * float(seconds.max()), 1)}
+    micro_batch_s = float(seconds.mean()) * args.buckets / 2
+    result = {"benchmark": "state", "argv": sys.argv, "machine": machine_info(),
+              "status": "ok", "cpu": cpu.report(), "settings": {
+                  k: getattr(args, k) for k in ("rate", "buckets", "batch_seconds",
+                                                "history_minutes", "batches",
+                                                "pageviews_per_session", "seed",
+                                                "duplicate_fraction")},
+              "history_events": len(history), "fill_seconds": round(fill_s, 2),
+              "per_call": per_call,
+              "state_mib": round(float(np.mean([b["state_bytes"] for b in batches])) / 2**20, 2),
+              "micro_batch_state_seconds": round(micro_batch_s, 2), "batches": batches}
+    summary = (f"state: {args.rate:,.0f} events/s over {args.buckets} buckets, "
+               f"{args.history_minutes:.0f} min of history ({len(history):,} events a bucket): "
+               f"{per_call['mean_ms']:.0f} ms per bucket call (p95 {per_call['p95_ms']:.0f}), "
+               f"~{micro_batch_s:.2f}s of state work per {args.batch_seconds:.0f}s micro-batch "
+               f"on 2 cores; state {result['state_mib']} MiB a bucket")
+    return finish("state", result, 0, summary)
+
+
 class SessionizerDied(RuntimeError):
     pass
 
@@ -1846,6 +1980,18 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--time-scale", type=float, default=60,
                      help="event-time compression used to simulate users (ts is still now)")
     lat.set_defaults(handler=cmd_latency)
+
+    state = commands.add_parser(
+        "state", parents=[common], help="per-call cost of the session state at steady state",
+        description="Fill one user bucket's session state with --history-minutes of realistic "
+        "sessions, then time the processor's calls for --batches micro-batches (no Spark).")
+    state.add_argument("--rate", type=float, default=5_000, help="events/s of the whole stream")
+    state.add_argument("--buckets", type=int, default=16, help="state buckets (product: 16)")
+    state.add_argument("--batch-seconds", type=float, default=5.0)
+    state.add_argument("--history-minutes", type=float, default=60.0)
+    state.add_argument("--batches", type=int, default=24)
+    state.add_argument("--pageviews-per-session", type=float, default=8.0)
+    state.set_defaults(handler=cmd_state)
 
     mem = commands.add_parser(
         "memory", parents=[common, continuous], help="RSS and state size over a long run",

@@ -1,9 +1,10 @@
 """Property: the stream's stateful processor emits exactly the batch recompute's sessions.
 
 Drives ``SessionProcessor`` with PySpark's ``TwsTester`` the way Spark does: random arrival
-batches, a watermark that trails the maximum event time, late rows (ts <= previous watermark)
-filtered before the processor. After a final watermark closes everything, the emitted sessions
-and attributions must equal ``sessionize`` over every row the processor was given.
+batches, a watermark that trails the maximum event time of earlier batches, late rows (ts <=
+the previous batch's watermark) filtered before the processor, expired timers after the
+input. After a final watermark closes everything, the emitted sessions and attributions must
+equal ``sessionize`` over every row the processor was given.
 """
 
 from __future__ import annotations
@@ -50,26 +51,43 @@ def to_frame(events: list[tuple[str, int, str, int]]) -> pd.DataFrame:
         {"ts_ms": "int64", "amount_e4": "int64"})
 
 
+def spark_like_tester() -> TwsTester:
+    tester = TwsTester(SessionProcessor(GAP), timeMode="EventTime",
+                       eventTimeExtractor=lambda row: int(row["ts_ms"]))
+    tester._filterLateEventsPandas = lambda rows: rows  # the caller drops late rows, as Spark
+    return tester
+
+
+def micro_batch(tester: TwsTester, rows: pd.DataFrame, watermark: int) -> list[pd.DataFrame]:
+    """One micro-batch in Spark's order: input rows under the batch's watermark, then the
+    timers it expired. (``TwsTester.setWatermark`` fires timers before the input instead, so
+    the watermark is moved through the tester's internals.) Rows between the previous and this
+    watermark reach the processor, and a key without rows gets no input call, as in Spark."""
+    if watermark > tester._currentWatermarkMs:
+        tester._currentWatermarkMs = watermark
+        tester.handle.setWatermark(watermark)
+    out = [tester.testInPandas(0, rows.reset_index(drop=True))] if len(rows) else []
+    return [*out, tester._handleExpiredTimers()]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(event, min_size=1, max_size=60), st.lists(st.integers(1, 15), min_size=1))
 def test_stream_sessions_equal_batch_sessions(events, batch_sizes) -> None:
     frame = to_frame(events)
-    tester = TwsTester(SessionProcessor(GAP), timeMode="EventTime",
-                       eventTimeExtractor=lambda row: int(row["ts_ms"]))
-    watermark, max_ts, start = 0, 0, 0
+    tester = spark_like_tester()
+    late_before, max_ts, start = 0, 0, 0
     delivered: list[pd.DataFrame] = []
     emitted: list[pd.DataFrame] = []
     sizes = iter(batch_sizes * len(events))
     while start < len(frame):
         batch = frame.iloc[start: start + next(sizes)]
         start += len(batch)
-        on_time = batch[batch["ts_ms"] > watermark]  # Spark drops ts <= previous watermark
+        watermark = max(late_before, max_ts - DELAY)
+        on_time = batch[batch["ts_ms"] > late_before]  # Spark drops ts <= previous watermark
         delivered.append(on_time)
-        emitted.append(tester.testInPandas(0, batch.reset_index(drop=True)))
+        emitted.extend(micro_batch(tester, on_time, watermark))
         max_ts = max(max_ts, int(batch["ts_ms"].max()))
-        if max_ts - DELAY > watermark:
-            watermark = max_ts - DELAY
-            emitted.append(tester.setWatermark(watermark))
+        late_before = watermark
     emitted.append(tester.setWatermark(FAR_FUTURE))
     parts = [e for e in emitted if e is not None and len(e)]
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=OUTPUT_COLUMNS)

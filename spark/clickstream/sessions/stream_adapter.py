@@ -14,7 +14,7 @@ watermark closes (with their attributions) and keeps the rest. So the stream equ
 by construction, and a call's work grows with its input and the open sessions, not with every
 open pageview.
 
-Known edge cases, cited inline as (S1)..(S4):
+Known edge cases, cited inline as (S1)..(S5):
   S1. Within one micro-batch a bucket's input is complete, so anything the batch's watermark
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
@@ -25,6 +25,9 @@ Known edge cases, cited inline as (S1)..(S4):
       only while its ts is after the current watermark: no later copy of it can arrive on time.
   S4. Checkpoints written before spans held each open pageview in ``open_pageviews``; the first
       call for such a bucket folds them into the spans and clears it.
+  S5. Spark fires a batch's expired timers after its input rows. A bucket with input has just
+      closed everything the watermark allows, so its expired timer is deleted instead of
+      waking it a second time in the same batch (a second state round trip for nothing).
 """
 
 from __future__ import annotations
@@ -161,8 +164,11 @@ class BucketState:
         is_order = (events["event_type"] == "order").to_numpy()
         new_pv = dedupe(events.loc[~is_order, PAGEVIEW_COLUMNS], "event_id")
         new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], "order_id")
-        pv_dup = pc.is_in(pa.array(new_pv["event_id"].to_numpy(), pa.string()),
-                          value_set=self.recent_ids["event_id"]).to_numpy(zero_copy_only=False)
+        # Probe the held ids with the batch's (hashing the few new ids, not every held one).
+        new_ids = pa.array(new_pv["event_id"].to_numpy(), pa.string())
+        held = self.recent_ids["event_id"].filter(
+            pc.is_in(self.recent_ids["event_id"], value_set=new_ids))
+        pv_dup = new_pv["event_id"].isin(held.to_pylist()).to_numpy()
         order_dup = new_orders["order_id"].isin(self.orders["order_id"]).to_numpy()
         duplicates = pd.concat([
             pd.DataFrame({"client_id": new_pv["client_id"][pv_dup],
@@ -240,7 +246,12 @@ class SessionProcessor(StatefulProcessor):
             self.legacy_pageview_state.clear()
         return state
 
-    def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int) -> None:
+    def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int,
+              closed_through_watermark: bool) -> None:
+        """Write the state back and leave one timer, at ``wakeup``. After input rows the state
+        is closed through the watermark, so a timer the watermark already passed would only
+        wake the bucket again in this batch for nothing (Spark fires timers after input):
+        it is deleted too (S5)."""
         for holder, blob in ((self.span_state,
                               state.spans.num_rows and encode_table(state.spans)),
                              (self.order_state, len(state.orders) and encode_frame(state.orders)),
@@ -251,8 +262,8 @@ class SessionProcessor(StatefulProcessor):
             else:
                 holder.clear()
         for timer in list(self.handle.listTimers()):
-            if timer > watermark_ms and timer != wakeup:  # expired ones are gone already
-                self.handle.deleteTimer(timer)
+            if timer != wakeup and (timer > watermark_ms or closed_through_watermark):
+                self.handle.deleteTimer(timer)  # a firing timer is deleted by Spark
         if wakeup is not None and wakeup not in set(self.handle.listTimers()):
             self.handle.registerTimer(wakeup)
 
@@ -266,7 +277,7 @@ class SessionProcessor(StatefulProcessor):
         duplicates = state.add(events)
         watermark = timerValues.getCurrentWatermarkInMs()
         emitted, wakeup = state.close(watermark)  # (S1)
-        self._save(state, wakeup, watermark)
+        self._save(state, wakeup, watermark, closed_through_watermark=True)
         yield _output(pd.concat([duplicates, emitted], ignore_index=True))
 
     def handleExpiredTimer(
@@ -275,7 +286,7 @@ class SessionProcessor(StatefulProcessor):
         state = self._load()
         watermark = timerValues.getCurrentWatermarkInMs()
         emitted, wakeup = state.close(watermark)
-        self._save(state, wakeup, watermark)
+        self._save(state, wakeup, watermark, closed_through_watermark=False)
         yield _output(emitted)
 
     def close(self) -> None:
