@@ -174,7 +174,8 @@ def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Se
 
 
 def attribute_orders(spans: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Sessionized:
-    """Sessions of the merged ``spans`` with the totals of ``orders`` (deduplicated)."""
+    """Sessions of the merged ``spans`` with their order totals, and each order's session.
+    ``orders`` must hold each order_id once (``dedupe``)."""
     sessions = with_session_ids(spans)
     attributions = attribute(sessions, orders, gap_ms)
     return Sessionized(with_order_totals(sessions, attributions, orders), attributions)
