@@ -1425,15 +1425,15 @@ def cmd_stages(args: argparse.Namespace) -> int:
 def bucket_sessions(args: argparse.Namespace) -> Any:
     """One user bucket's pageviews and orders over ``--history-minutes`` + the measured window.
 
-    Each user repeats: a session of 1 + geometric(``--pageviews-per-session`` - 1) pageviews
-    10-120 s apart, then 31-110 minutes idle; a first offset spreads users over the cycle.
-    Users are as many as the bucket's share of ``--rate`` needs. 2% of sessions end in an
-    order. Returns the processor's input columns, sorted by ts.
+    Each user repeats: a session of a geometric number of pageviews (at least 1, mean
+    ``--pageviews-per-session``) 10-120 s apart, then 31-110 minutes idle; a first offset
+    spreads users over the cycle. Users are as many as the bucket's share of ``--rate`` needs.
+    About 2% of sessions hold an order. Returns the processor's input columns, sorted by ts.
     """
-    rng = np.random.default_rng(args.seed)
-    per_bucket = args.rate / args.buckets
     import pandas as pd
 
+    rng = np.random.default_rng(args.seed)
+    per_bucket = args.rate / args.buckets
     mean_spacing, mean_idle = 65.0, (31 + 110) / 2 * 60
     length = args.pageviews_per_session
     cycle_s = (length - 1) * mean_spacing + mean_idle
@@ -1989,7 +1989,7 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--buckets", type=int, default=16, help="state buckets (product: 16)")
     state.add_argument("--batch-seconds", type=float, default=5.0)
     state.add_argument("--history-minutes", type=float, default=60.0)
-    state.add_argument("--batches", type=int, default=24)
+    state.add_argument("--batches", type=int, default=12)
     state.add_argument("--pageviews-per-session", type=float, default=8.0)
     state.set_defaults(handler=cmd_state)
 
