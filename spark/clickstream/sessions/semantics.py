@@ -170,23 +170,17 @@ def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Se
     ``pageviews`` has PAGEVIEW_COLUMNS, ``orders`` ORDER_COLUMNS; duplicates are dropped (E6).
     """
     spans = merge_spans(pageview_spans(dedupe(pageviews, "event_id")), gap_ms)
-    return attribute_orders(spans, dedupe(orders, "order_id"), gap_ms)
-
-
-def attribute_orders(spans: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Sessionized:
-    """Sessions of the merged ``spans`` with their order totals, and each order's session.
-    ``orders`` must hold each order_id once (``dedupe``)."""
-    sessions = with_session_ids(spans)
-    attributions = attribute(sessions, orders, gap_ms)
-    return Sessionized(with_order_totals(sessions, attributions, orders), attributions)
+    return Sessionized(*reattribute(with_session_ids(spans), orders, gap_ms))
 
 
 def reattribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int
                 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(sessions with new ``order_count`` / ``revenue_e4``, attributions) for ``orders`` over
-    sessions whose boundaries are known: orders never move them, so an orders-only correction
-    needs no pageviews. ``sessions`` needs client_id, user_id, session_id, start_ms, end_ms;
-    its other SESSION_COLUMNS are passed through (None where absent)."""
+    """(sessions with new ``order_count`` / ``revenue_e4``, in ``sessions``' row order,
+    attributions) for ``orders`` over sessions whose boundaries are known: orders never move
+    them, so an orders-only correction needs no pageviews, and ``sessionize`` and the stream
+    attribute over the sessions their spans made. ``sessions`` needs client_id, user_id,
+    session_id, start_ms, end_ms; its other SESSION_COLUMNS are passed through (None where
+    absent)."""
     orders = dedupe(orders, "order_id")
     attributions = attribute(sessions, orders, gap_ms)
     known = sessions.assign(**{c: None for c in SESSION_COLUMNS if c not in sessions})
@@ -244,10 +238,12 @@ def closed_sessions(sessions: pd.DataFrame | Mapping[str, Any], watermark_ms: in
 
 
 def next_wakeup(
-    open_sessions: pd.DataFrame, uncovered_orders: pd.DataFrame, gap_ms: int
+    open_sessions: pd.DataFrame | Mapping[str, Any], uncovered_orders: pd.DataFrame, gap_ms: int
 ) -> int | None:
-    """Earliest watermark at which something of these users can be emitted, or None."""
-    times = [int(open_sessions["end_ms"].min()) + gap_ms] if len(open_sessions) else []
+    """Earliest watermark at which something of these users can be emitted, or None.
+    ``open_sessions`` is any table with ``end_ms`` (sessions or spans)."""
+    ends = np.asarray(open_sessions["end_ms"], dtype=np.int64)
+    times = [int(ends.min()) + gap_ms] if len(ends) else []
     if len(uncovered_orders):
         times.append(int(uncovered_orders["ts_ms"].min()))
     return min(times) if times else None

@@ -52,7 +52,6 @@ from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
     SPAN_COLUMNS,
-    attribute_orders,
     closed_sessions,
     dedupe,
     empty_orders,
@@ -60,6 +59,8 @@ from clickstream.sessions.semantics import (
     merge_spans,
     next_wakeup,
     pageview_spans,
+    reattribute,
+    with_session_ids,
 )
 
 # Input columns the processor expects (times in epoch ms, amounts in 1/10000).
@@ -192,11 +193,10 @@ class BucketState:
         closed = self.spans.filter(closing).to_pandas()
         # Orders are attributed among their users' sessions only, closed or still open.
         with_orders = open_spans.filter(_users_in(open_spans, self.orders)).to_pandas()
-        result = attribute_orders(pd.concat([closed, with_orders], ignore_index=True),
-                                  self.orders, self.gap_ms)
-        sessions = result.sessions  # closed rows first, in that order
+        sessions, attributions = reattribute(
+            with_session_ids(pd.concat([closed, with_orders], ignore_index=True)),
+            self.orders, self.gap_ms)  # closed rows first, in that order
         closed_ids = set(sessions["session_id"][: len(closed)])
-        attributions = result.attributions
         session_of_order = attributions["session_id"]
         in_closed = session_of_order.isin(closed_ids).to_numpy()
         uncovered = session_of_order.isna().to_numpy()
@@ -212,8 +212,7 @@ class BucketState:
         self.recent_ids = self.recent_ids.filter(pc.greater(recent_ts, watermark_ms))  # (S3)
         pending = attributions[uncovered & ~final_uncovered]
         rows = pd.concat([emitted_sessions, emitted_orders], ignore_index=True)
-        open_ends = pd.DataFrame({"end_ms": open_spans["end_ms"].to_numpy()})
-        return rows, next_wakeup(open_ends, pending, self.gap_ms)
+        return rows, next_wakeup(open_spans, pending, self.gap_ms)
 
 
 class SessionProcessor(StatefulProcessor):
