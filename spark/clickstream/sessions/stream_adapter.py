@@ -48,6 +48,7 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
+from clickstream.sessions import tws_input
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
@@ -220,6 +221,11 @@ class SessionProcessor(StatefulProcessor):
 
     def __init__(self, gap_ms: int) -> None:
         self.gap_ms = gap_ms
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled in the Python worker, before it reads any input: read it by key runs.
+        tws_input.install()
+        self.__dict__.update(state)
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
