@@ -328,9 +328,11 @@ class MicroBatchWriter:
             # The topic after its table, and decided by what the batch holds, not by what this
             # attempt committed: a crash before the publish replays the batch, which commits
             # nothing new but re-publishes the same keys at the same revisions (idempotent for
-            # a compacted reader).
+            # a compacted reader). One partition: the publish streams partitions to the driver
+            # one Spark job each, and the persisted batch has one per branch task, most of
+            # them empty here (~0.1 s a job, sequential); a micro-batch's output fits one.
             committed = self._append(spec, rows, batch_id, app_id)
-            publish(self.config, _shape(rows, spec))
+            publish(self.config, _shape(rows, spec).coalesce(1))
             return committed
 
         derived: dict[str, Callable[[], int]] = {}
