@@ -1500,8 +1500,19 @@ def cmd_state(args: argparse.Namespace) -> int:
 
     def state_bytes() -> int:
         tester.handle.setGroupingKey(0)
-        return sum(len(v.get()[0]) for v in tester.handle.value_states.values()
-                   if v.exists() and v.get())
+        values = [v._get_value() for v in tester.handle.value_states.values()]  # uncounted
+        values += [v for m in tester.handle.map_states.values() for v in m.values()]
+        return sum(len(v[0]) for v in values if v and v[0])
+
+    moved = {"read": 0, "written": 0}  # blob bytes through the state API, as Spark would
+
+    def count(kind: str, method: Any, value_at: int) -> Any:
+        def counted(*call_args: Any) -> Any:
+            result = method(*call_args)
+            value = result if kind == "read" else call_args[value_at]
+            moved[kind] += len(value[0]) if value and value[0] else 0
+            return result
+        return counted
 
     def call(frame: pd.DataFrame, watermark: int) -> tuple[float, int]:
         """One micro-batch in Spark's order: input under the batch's watermark, then the timers
@@ -1520,6 +1531,12 @@ def cmd_state(args: argparse.Namespace) -> int:
     fill_s, _ = call(history, max_ts - delay_ms)
     log(f"filled the state with {len(history):,} events in {fill_s:.1f}s: "
         f"{state_bytes() / 2**20:.1f} MiB of state blobs")
+    for value_state in tester.handle.value_states.values():
+        value_state.get = count("read", value_state.get, 0)
+        value_state.update = count("written", value_state.update, 0)
+    for map_state in tester.handle.map_states.values():
+        map_state.getValue = count("read", map_state.getValue, 0)
+        map_state.updateValue = count("written", map_state.updateValue, 1)
     with CpuWatch() as cpu:
         batches = []
         for index in range(args.batches):
@@ -1529,10 +1546,13 @@ def cmd_state(args: argparse.Namespace) -> int:
             copies = dup[(dup["ts_ms"] >= lo - 60_000) & (dup["ts_ms"] < hi - 60_000)]
             frame = pd.concat([window, copies], ignore_index=True)
             frame = frame[frame["ts_ms"] > tester._currentWatermarkMs]  # the previous one
+            before = dict(moved)
             seconds, emitted = call(frame, max_ts - delay_ms)
             max_ts = max(max_ts, int(window["ts_ms"].max()))
             batches.append({"rows": len(frame), "seconds": round(seconds, 4),
-                            "emitted_rows": emitted, "state_bytes": state_bytes()})
+                            "emitted_rows": emitted, "state_bytes": state_bytes(),
+                            "bytes_read": moved["read"] - before["read"],
+                            "bytes_written": moved["written"] - before["written"]})
     seconds = np.array([b["seconds"] for b in batches])
     per_call = {"mean_ms": round(1000 * float(seconds.mean()), 1),
                 "p95_ms": round(1000 * float(percentile(seconds, 95)), 1),
@@ -1547,12 +1567,18 @@ def cmd_state(args: argparse.Namespace) -> int:
               "history_events": len(history), "fill_seconds": round(fill_s, 2),
               "per_call": per_call,
               "state_mib": round(float(np.mean([b["state_bytes"] for b in batches])) / 2**20, 2),
+              "state_mib_read_per_call": round(
+                  float(np.mean([b["bytes_read"] for b in batches])) / 2**20, 2),
+              "state_mib_written_per_call": round(
+                  float(np.mean([b["bytes_written"] for b in batches])) / 2**20, 2),
               "micro_batch_state_seconds": round(micro_batch_s, 2), "batches": batches}
     summary = (f"state: {args.rate:,.0f} events/s over {args.buckets} buckets, "
                f"{args.history_minutes:.0f} min of history ({len(history):,} events a bucket): "
                f"{per_call['mean_ms']:.0f} ms per bucket call (p95 {per_call['p95_ms']:.0f}), "
                f"~{micro_batch_s:.2f}s of state work per {args.batch_seconds:.0f}s micro-batch "
-               f"on 2 cores; state {result['state_mib']} MiB a bucket")
+               f"on 2 cores; state {result['state_mib']} MiB a bucket, "
+               f"{result['state_mib_read_per_call']} MiB read and "
+               f"{result['state_mib_written_per_call']} MiB written per call")
     return finish("state", result, 0, summary)
 
 

@@ -10,16 +10,20 @@ equal ``sessionize`` over every row the processor was given.
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark.sql.streaming.tws_tester import TwsTester
 
 from clickstream.sessions.semantics import ORDER_COLUMNS, PAGEVIEW_COLUMNS, sessionize
 from clickstream.sessions.stream_adapter import (
+    ID_WINDOW_MS,
     INPUT_COLUMNS,
     OUTPUT_COLUMNS,
+    RECENT_IDS_SCHEMA,
     SessionProcessor,
     encode_frame,
+    encode_table,
 )
 
 GAP = 30 * 60_000
@@ -117,6 +121,7 @@ def test_stream_sessions_equal_batch_sessions(events, batch_sizes) -> None:
     # Nothing is left in state once the watermark passed everything: state is bounded.
     for name in ("open_sessions", "open_orders", "recent_pageview_ids"):
         assert tester.peekValueState(name, 0) is None
+    assert not tester.peekMapState("recent_pageview_id_windows", 0)
 
 
 def test_a_checkpoint_holding_open_pageviews_is_folded_into_sessions() -> None:
@@ -141,3 +146,23 @@ def test_a_checkpoint_holding_open_pageviews_is_folded_into_sessions() -> None:
         map(tuple, expected[columns].to_numpy().tolist()))
     assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]
     assert tester.peekValueState("open_pageviews", 0) is None
+
+
+def test_a_checkpoint_holding_all_recent_ids_in_one_value_still_finds_retries() -> None:
+    """(S6) State written in session 13 held every recent pageview id in one value,
+    ``recent_pageview_ids``. A retry of one of them is still a duplicate; the ids move into
+    minutes, and a minute is dropped once the watermark has passed all of it."""
+    first, retried = 5 * ID_WINDOW_MS + 7, 9 * ID_WINDOW_MS + 1
+    frame = to_frame([("u1", first, "pageview", 1), ("u1", retried, "pageview", 2)])
+    tester = spark_like_tester()
+    tester.updateValueState("recent_pageview_ids", 0, (encode_table(pa.table({
+        "event_id": frame["event_id"], "ts_ms": frame["ts_ms"]}, schema=RECENT_IDS_SCHEMA)),))
+    arriving = pd.concat([to_frame([("u1", retried, "pageview", 2)]),
+                          to_frame([("u2", retried + 3, "pageview", 3)])], ignore_index=True)
+
+    out = pd.concat(micro_batch(tester, arriving, watermark=6 * ID_WINDOW_MS), ignore_index=True)
+
+    assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]
+    assert tester.peekValueState("recent_pageview_ids", 0) is None
+    windows = tester.peekMapState("recent_pageview_id_windows", 0)
+    assert sorted(windows) == [(9,)]  # minute 5 is behind the watermark; 9 holds both ids

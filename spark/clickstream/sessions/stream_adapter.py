@@ -5,16 +5,17 @@ the processor once per bucket with a pandas frame of many users, and ``semantics
 vectorised. Per-user keys would cost a state round trip per user per batch (measured: ~10k
 events/s); buckets keep the number of calls small and constant.
 
-A bucket's state holds only what the watermark has not closed, each part as one Arrow blob:
-its open sessions as spans (one summary row per session, not its pageviews), the orders not
-emitted yet, and the ids of pageviews newer than the watermark (the only ones an on-time
-duplicate can repeat). Each call merges the new pageviews into the spans with the function the
+A bucket's state holds only what the watermark has not closed, as Arrow blobs: its open
+sessions as spans (one summary row per session, not its pageviews), the orders not emitted
+yet, and the ids of pageviews newer than the watermark (the only ones an on-time duplicate can
+repeat), stored by minute of event time so that a call reads and rewrites only the minutes its
+input falls in (S6). Each call merges the new pageviews into the spans with the function the
 batch recompute builds its sessions with (``semantics.merge_spans``), emits the sessions the
 watermark closes (with their attributions) and keeps the rest. So the stream equals the batch
 by construction, and a call's work grows with its input and the open sessions, not with every
 open pageview.
 
-Known edge cases, cited inline as (S1)..(S5):
+Known edge cases, cited inline as (S1)..(S6):
   S1. Within one micro-batch a bucket's input is complete, so anything the batch's watermark
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
@@ -28,6 +29,13 @@ Known edge cases, cited inline as (S1)..(S5):
   S5. Spark fires a batch's expired timers after its input rows. A bucket with input has just
       closed everything the watermark allows, so its expired timer is deleted instead of
       waking it a second time in the same batch (a second state round trip for nothing).
+  S6. Recent pageview ids live in a map keyed by minute of event time (``ID_WINDOW_MS``). A
+      retried record is the same event, with the same ts, so its earlier copy is in the
+      minute of its own ts: a call loads only the minutes of its new pageviews, and drops a
+      minute once the watermark has passed all of it (ids kept a little longer are harmless:
+      no on-time copy can repeat them). The sink relies on the same fact for late copies (Z2).
+      Checkpoints of session 13 held all ids in one value, ``recent_pageview_ids``; the first
+      call folds it into minutes and clears it.
 """
 
 from __future__ import annotations
@@ -88,6 +96,8 @@ STATE_SCHEMA = StructType([StructField("blob", BinaryType(), True)])
 
 
 RECENT_IDS_SCHEMA = pa.schema([("event_id", pa.string()), ("ts_ms", pa.int64())])
+ID_WINDOW_MS = 60_000  # recent pageview ids are stored by minute of event time (S6)
+ID_WINDOW_KEY_SCHEMA = StructType([StructField("window", LongType(), False)])
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
@@ -124,6 +134,11 @@ def _users_in(spans: pa.Table, frame: pd.DataFrame) -> pa.ChunkedArray:
     return pc.is_in(spans["user_id"], value_set=users)
 
 
+def id_windows(ts_ms: Any) -> np.ndarray:
+    """The minute (``ID_WINDOW_MS``) each pageview id is stored under (S6)."""
+    return np.asarray(ts_ms, dtype=np.int64) // ID_WINDOW_MS
+
+
 def _output(frame: pd.DataFrame) -> pd.DataFrame:
     for column in OUTPUT_COLUMNS:
         if column not in frame:
@@ -136,7 +151,8 @@ class BucketState:
 
     Spans and ids stay Arrow tables: a call turns into pandas only the spans of users it
     touches (new pageviews or orders) and the spans it closes, so its cost follows its input,
-    not the bucket's open state."""
+    not the bucket's open state. ``recent_ids`` holds the ids of the minutes the call loaded
+    (those of its input, S6), and gains the new ones."""
 
     def __init__(self, spans: pa.Table, orders: pd.DataFrame, recent_ids: pa.Table,
                  gap_ms: int) -> None:
@@ -231,7 +247,9 @@ class SessionProcessor(StatefulProcessor):
         self.handle = handle
         self.span_state = handle.getValueState("open_sessions", STATE_SCHEMA)
         self.order_state = handle.getValueState("open_orders", STATE_SCHEMA)
-        self.recent_id_state = handle.getValueState("recent_pageview_ids", STATE_SCHEMA)
+        self.recent_id_windows = handle.getMapState("recent_pageview_id_windows",
+                                                    ID_WINDOW_KEY_SCHEMA, STATE_SCHEMA)
+        self.legacy_recent_id_state = handle.getValueState("recent_pageview_ids", STATE_SCHEMA)
         self.legacy_pageview_state = handle.getValueState("open_pageviews", STATE_SCHEMA)
 
     @staticmethod
@@ -239,17 +257,40 @@ class SessionProcessor(StatefulProcessor):
         value = holder.get() if holder.exists() else None
         return value[0] if value else None
 
-    def _load(self) -> BucketState:
-        spans, recent = self._blob(self.span_state), self._blob(self.recent_id_state)
+    def _load(self, events: pd.DataFrame | None = None) -> BucketState:
+        """The bucket's state, with the recent ids of the minutes of ``events``' pageviews."""
+        spans = self._blob(self.span_state)
+        held = []
+        if events is not None:
+            pageview_ts = events.loc[events["event_type"] != "order", "ts_ms"]
+            for window in np.unique(id_windows(pageview_ts)).tolist():
+                value = self.recent_id_windows.getValue((window,))
+                if value and value[0]:
+                    held.append(decode_table(value[0]))
+        legacy_ids = self._blob(self.legacy_recent_id_state)
+        if legacy_ids:  # (S6) every minute of it is rewritten on save; none is stored yet
+            held.append(decode_table(legacy_ids))
+            self.legacy_recent_id_state.clear()
         state = BucketState(decode_table(spans) if spans else SPANS_SCHEMA.empty_table(),
                             decode_frame(self._blob(self.order_state), empty_orders()),
-                            decode_table(recent) if recent else RECENT_IDS_SCHEMA.empty_table(),
+                            pa.concat_tables(held) if held else RECENT_IDS_SCHEMA.empty_table(),
                             self.gap_ms)
         legacy = self._blob(self.legacy_pageview_state)
         if legacy:  # (S4)
             state.add_pageviews(decode_frame(legacy, empty_pageviews()))
             self.legacy_pageview_state.clear()
         return state
+
+    def _save_recent_ids(self, recent_ids: pa.Table, watermark_ms: int) -> None:
+        """Rewrite the minutes the call loaded or added to; drop the minutes the watermark
+        passed entirely (S6)."""
+        windows = id_windows(recent_ids["ts_ms"])
+        for window in np.unique(windows).tolist():
+            rows = recent_ids.filter(pa.array(windows == window))
+            self.recent_id_windows.updateValue((window,), (encode_table(rows),))
+        for (window,) in list(self.recent_id_windows.keys()):
+            if (window + 1) * ID_WINDOW_MS - 1 <= watermark_ms:
+                self.recent_id_windows.removeKey((window,))
 
     def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int,
               closed_through_watermark: bool) -> None:
@@ -259,13 +300,12 @@ class SessionProcessor(StatefulProcessor):
         it is deleted too (S5)."""
         for holder, blob in ((self.span_state,
                               state.spans.num_rows and encode_table(state.spans)),
-                             (self.order_state, len(state.orders) and encode_frame(state.orders)),
-                             (self.recent_id_state,
-                              state.recent_ids.num_rows and encode_table(state.recent_ids))):
+                             (self.order_state, len(state.orders) and encode_frame(state.orders))):
             if blob:
                 holder.update((blob,))
             else:
                 holder.clear()
+        self._save_recent_ids(state.recent_ids, watermark_ms)
         for timer in list(self.handle.listTimers()):
             if timer != wakeup and (timer > watermark_ms or closed_through_watermark):
                 self.handle.deleteTimer(timer)  # a firing timer is deleted by Spark
@@ -275,9 +315,9 @@ class SessionProcessor(StatefulProcessor):
     def handleInputRows(
         self, key: Any, rows: Iterator[pd.DataFrame], timerValues: TimerValues
     ) -> Iterator[pd.DataFrame]:
-        state = self._load()
         events = pd.concat(list(rows), ignore_index=True)
         events["ts_ms"] = events["ts_ms"].astype(np.int64)
+        state = self._load(events)
         events["amount_e4"] = events["amount_e4"].fillna(0).astype(np.int64)
         duplicates = state.add(events)
         watermark = timerValues.getCurrentWatermarkInMs()
