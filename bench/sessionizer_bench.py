@@ -1582,6 +1582,79 @@ def cmd_state(args: argparse.Namespace) -> int:
     return finish("state", result, 0, summary)
 
 
+def cmd_tws_input(args: argparse.Namespace) -> int:
+    """How fast the state operator's Python worker reads its input: PySpark's own reader
+    (row by row) against the product's (``sessions.tws_input``, by runs of one key).
+
+    Both read the same Arrow stream, shaped like the sessionizer's session input (its columns,
+    ``--rows`` rows in 10,000-row batches, 16 buckets in runs as the JVM sends them), and hand
+    every frame on as the worker would; the results must be equal. No Spark.
+    """
+    import io
+
+    import pandas as pd
+    import pyarrow as pa
+    from pyspark.sql.pandas.serializers import TransformWithStateInPandasSerializer
+
+    from clickstream.sessions import tws_input
+
+    rng = np.random.default_rng(args.seed)
+    n = args.rows
+    ts = 1_793_000_000_000 + rng.integers(0, 3_600_000, n)
+    is_order = rng.random(n) < 0.05
+    table = pa.table({
+        "bucket": pa.array(np.sort(rng.integers(0, 16, n)), pa.int32()),
+        "client_id": pa.array([f"client-{i % 10:02d}" for i in range(n)]),
+        "user_id": pa.array([f"user-{u:06d}" for u in rng.integers(0, 50_000, n)]),
+        "event_type": pa.array(np.where(is_order, "order", "page_view")),
+        "event_id": pa.array([f"ev-{i:012d}" for i in range(n)]),
+        "event_time": pa.array(ts * 1000, pa.timestamp("us", tz="UTC")),
+        "ts_ms": pa.array(ts, pa.int64()),
+        "url": pa.array([f"https://shop.example/p/{i % 500}" for i in range(n)]),
+        "order_id": pa.array([f"o-{i}" if o else None for i, o in enumerate(is_order)]),
+        "amount_e4": pa.array([12_345 if o else None for o in is_order], pa.int64()),
+        "currency": pa.array(["EUR" if o else None for o in is_order]),
+    })
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=10_000):
+            writer.write_batch(batch)
+    stream = sink.getvalue()
+
+    def read(load_stream: Any) -> tuple[float, list[tuple[Any, pd.DataFrame | None]]]:
+        serializer = TransformWithStateInPandasSerializer(
+            timezone="UTC", safecheck=False, assign_cols_by_name=True,
+            prefer_int_ext_dtype=False, arrow_max_records_per_batch=10_000,
+            arrow_max_bytes_per_batch=2**31 - 1, int_to_decimal_coercion_enabled=False)
+        serializer.key_offsets = [0]
+        begin = time.perf_counter()
+        calls = [(key, pd.concat([frame for _, frame in group], ignore_index=True)
+                  if group is not None else None)
+                 for _, key, group in load_stream(serializer, io.BytesIO(stream))]
+        return time.perf_counter() - begin, calls
+
+    runs: dict[str, list[float]] = {"pyspark_row_by_row": [], "key_runs": []}
+    with CpuWatch() as cpu:
+        for _ in range(args.repeat):
+            upstream_s, upstream = read(tws_input.UPSTREAM_LOAD_STREAM)
+            runs_s, ours = read(tws_input.load_stream_by_key_runs)
+            runs["pyspark_row_by_row"].append(upstream_s)
+            runs["key_runs"].append(runs_s)
+    assert [key for key, _ in ours] == [key for key, _ in upstream]
+    for (_, got), (_, want) in zip(ours, upstream, strict=True):
+        if want is not None:
+            pd.testing.assert_frame_equal(got, want, check_dtype=False)
+    best = {name: min(seconds) for name, seconds in runs.items()}
+    per_row = {name: round(1e6 * seconds / n, 2) for name, seconds in best.items()}
+    result = {"benchmark": "tws-input", "argv": sys.argv, "machine": machine_info(),
+              "status": "ok", "cpu": cpu.report(), "rows": n, "columns": table.num_columns,
+              "seconds": runs, "best_us_per_row": per_row, "equal": True}
+    summary = (f"tws-input: {n:,} rows: PySpark's reader {per_row['pyspark_row_by_row']} µs a "
+               f"row, by key runs {per_row['key_runs']} µs a row (best of {args.repeat}); "
+               "same frames")
+    return finish("tws-input", result, 0, summary)
+
+
 class SessionizerDied(RuntimeError):
     pass
 
@@ -2018,6 +2091,14 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--batches", type=int, default=12)
     state.add_argument("--pageviews-per-session", type=float, default=8.0)
     state.set_defaults(handler=cmd_state)
+
+    tws = commands.add_parser(
+        "tws-input", parents=[common], help="the state operator's input reader, both ways",
+        description="Time PySpark's row-by-row transformWithStateInPandas input reader and "
+        "the product's key-run reader on the same Arrow stream (no Spark).")
+    tws.add_argument("--rows", type=int, default=200_000)
+    tws.add_argument("--repeat", type=int, default=3)
+    tws.set_defaults(handler=cmd_tws_input)
 
     mem = commands.add_parser(
         "memory", parents=[common, continuous], help="RSS and state size over a long run",
