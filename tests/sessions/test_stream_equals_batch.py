@@ -17,7 +17,6 @@ from pyspark.sql.streaming.tws_tester import TwsTester
 
 from clickstream.sessions.semantics import ORDER_COLUMNS, PAGEVIEW_COLUMNS, sessionize
 from clickstream.sessions.stream_adapter import (
-    ID_WINDOW_MS,
     INPUT_COLUMNS,
     OUTPUT_COLUMNS,
     RECENT_IDS_SCHEMA,
@@ -121,7 +120,7 @@ def test_stream_sessions_equal_batch_sessions(events, batch_sizes) -> None:
     # Nothing is left in state once the watermark passed everything: state is bounded.
     for name in ("open_sessions", "open_orders", "recent_pageview_ids"):
         assert tester.peekValueState(name, 0) is None
-    assert not tester.peekMapState("recent_pageview_id_windows", 0)
+    assert not tester.peekMapState("recent_pageview_id_slices", 0)
 
 
 def test_a_checkpoint_holding_open_pageviews_is_folded_into_sessions() -> None:
@@ -149,10 +148,10 @@ def test_a_checkpoint_holding_open_pageviews_is_folded_into_sessions() -> None:
 
 
 def test_a_checkpoint_holding_all_recent_ids_in_one_value_still_finds_retries() -> None:
-    """(S6) State written in session 13 held every recent pageview id in one value,
-    ``recent_pageview_ids``. A retry of one of them is still a duplicate; the ids move into
-    minutes, and a minute is dropped once the watermark has passed all of it."""
-    first, retried = 5 * ID_WINDOW_MS + 7, 9 * ID_WINDOW_MS + 1
+    """(S6) Earlier state held every recent pageview id in one value, ``recent_pageview_ids``.
+    A retry of one of them is still a duplicate; the ids the watermark has not passed move
+    into the call's slice, keyed by their time range."""
+    first, retried = 5 * 60_000 + 7, 9 * 60_000 + 1
     frame = to_frame([("u1", first, "pageview", 1), ("u1", retried, "pageview", 2)])
     tester = spark_like_tester()
     tester.updateValueState("recent_pageview_ids", 0, (encode_table(pa.table({
@@ -160,9 +159,24 @@ def test_a_checkpoint_holding_all_recent_ids_in_one_value_still_finds_retries() 
     arriving = pd.concat([to_frame([("u1", retried, "pageview", 2)]),
                           to_frame([("u2", retried + 3, "pageview", 3)])], ignore_index=True)
 
-    out = pd.concat(micro_batch(tester, arriving, watermark=6 * ID_WINDOW_MS), ignore_index=True)
+    out = pd.concat(micro_batch(tester, arriving, watermark=6 * 60_000), ignore_index=True)
 
     assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]
     assert tester.peekValueState("recent_pageview_ids", 0) is None
-    windows = tester.peekMapState("recent_pageview_id_windows", 0)
-    assert sorted(windows) == [(9,)]  # minute 5 is behind the watermark; 9 holds both ids
+    slices = tester.peekMapState("recent_pageview_id_slices", 0)
+    assert sorted(slices) == [(retried, retried + 3)]  # the id at minute 5 is behind the watermark
+
+
+def test_a_retry_is_recognised_while_its_slice_is_partly_behind_the_watermark() -> None:
+    """(S6) A slice is dropped only once the watermark has passed its *last* id: one of its
+    ids may still be repeated on time after the watermark passed its first."""
+    minute = 60_000
+    tester = spark_like_tester()
+    first = to_frame([("u1", 1 * minute, "pageview", 1), ("u1", 20 * minute, "pageview", 2)])
+    micro_batch(tester, first, watermark=0)
+    micro_batch(tester, to_frame([("u2", 25 * minute, "pageview", 3)]), watermark=10 * minute)
+    retry = to_frame([("u1", 20 * minute, "pageview", 2)])
+
+    out = pd.concat(micro_batch(tester, retry, watermark=15 * minute), ignore_index=True)
+
+    assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]

@@ -8,12 +8,12 @@ events/s); buckets keep the number of calls small and constant.
 A bucket's state holds only what the watermark has not closed, as Arrow blobs: its open
 sessions as spans (one summary row per session, not its pageviews), the orders not emitted
 yet, and the ids of pageviews newer than the watermark (the only ones an on-time duplicate can
-repeat), stored by minute of event time so that a call reads and rewrites only the minutes its
-input falls in (S6). Each call merges the new pageviews into the spans with the function the
-batch recompute builds its sessions with (``semantics.merge_spans``), emits the sessions the
-watermark closes (with their attributions) and keeps the rest. So the stream equals the batch
-by construction, and a call's work grows with its input and the open sessions, not with every
-open pageview.
+repeat), stored as one slice per call so that a call writes only its own ids and reads only
+the slices its pageviews' times fall in (S6). Each call merges the new pageviews into the spans
+with the function the batch recompute builds its sessions with (``semantics.merge_spans``),
+emits the sessions the watermark closes (with their attributions) and keeps the rest. So the
+stream equals the batch by construction, and a call's work grows with its input and the open
+sessions, not with every open pageview.
 
 Known edge cases, cited inline as (S1)..(S6):
   S1. Within one micro-batch a bucket's input is complete, so anything the batch's watermark
@@ -29,13 +29,16 @@ Known edge cases, cited inline as (S1)..(S6):
   S5. Spark fires a batch's expired timers after its input rows. A bucket with input has just
       closed everything the watermark allows, so its expired timer is deleted instead of
       waking it a second time in the same batch (a second state round trip for nothing).
-  S6. Recent pageview ids live in a map keyed by minute of event time (``ID_WINDOW_MS``). A
-      retried record is the same event, with the same ts, so its earlier copy is in the
-      minute of its own ts: a call loads only the minutes of its new pageviews, and drops a
-      minute once the watermark has passed all of it (ids kept a little longer are harmless:
-      no on-time copy can repeat them). The sink relies on the same fact for late copies (Z2).
-      Checkpoints of session 13 held all ids in one value, ``recent_pageview_ids``; the first
-      call folds it into minutes and clears it.
+  S6. Recent pageview ids live in a map of *slices*: each call stores the ids it added as one
+      slice, keyed by their (min ts, max ts). A retried record is the same event with the same
+      ts, so its earlier copy is in a slice whose range holds that ts: a call loads only those
+      slices, writes one new slice, and drops a slice once the watermark has passed its max ts
+      (ids kept a little longer are harmless: no on-time copy can repeat them). The sink relies
+      on the same fact for late copies (Z2). In real time a call loads the last few slices; in
+      a catch-up, where one call spans hours of event time, it still makes a handful of state
+      calls (keying ids by minute instead cost a state call per minute of event time). Earlier
+      checkpoints held all ids in one value, ``recent_pageview_ids``; the first call moves
+      them into a slice and clears it.
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ STATE_SCHEMA = StructType([StructField("blob", BinaryType(), True)])
 
 
 RECENT_IDS_SCHEMA = pa.schema([("event_id", pa.string()), ("ts_ms", pa.int64())])
-ID_WINDOW_MS = 60_000  # recent pageview ids are stored by minute of event time (S6)
-ID_WINDOW_KEY_SCHEMA = StructType([StructField("window", LongType(), False)])
+ID_SLICE_KEY_SCHEMA = StructType([StructField("min_ts_ms", LongType(), False),
+                                  StructField("max_ts_ms", LongType(), False)])  # (S6)
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
@@ -134,9 +137,11 @@ def _users_in(spans: pa.Table, frame: pd.DataFrame) -> pa.ChunkedArray:
     return pc.is_in(spans["user_id"], value_set=users)
 
 
-def id_windows(ts_ms: Any) -> np.ndarray:
-    """The minute (``ID_WINDOW_MS``) each pageview id is stored under (S6)."""
-    return np.asarray(ts_ms, dtype=np.int64) // ID_WINDOW_MS
+def slices_holding(slices: list[tuple[int, int]], ts_ms: Any) -> list[tuple[int, int]]:
+    """The id slices whose (min ts, max ts) range holds at least one of ``ts_ms`` (S6)."""
+    times = np.sort(np.asarray(ts_ms, dtype=np.int64))
+    return [(low, high) for low, high in slices
+            if np.searchsorted(times, high, side="right") > np.searchsorted(times, low)]
 
 
 def _output(frame: pd.DataFrame) -> pd.DataFrame:
@@ -151,15 +156,19 @@ class BucketState:
 
     Spans and ids stay Arrow tables: a call turns into pandas only the spans of users it
     touches (new pageviews or orders) and the spans it closes, so its cost follows its input,
-    not the bucket's open state. ``recent_ids`` holds the ids of the minutes the call loaded
-    (those of its input, S6), and gains the new ones."""
+    not the bucket's open state. Ids: ``held_ids`` are those of the slices the call loaded
+    (S6), ``new_ids`` those it adds, stored as one new slice."""
 
-    def __init__(self, spans: pa.Table, orders: pd.DataFrame, recent_ids: pa.Table,
+    def __init__(self, spans: pa.Table, orders: pd.DataFrame, held_ids: pa.Table,
                  gap_ms: int) -> None:
         self.spans = spans
         self.orders = orders
-        self.recent_ids = recent_ids
+        self.held_ids = held_ids
+        self.new_ids = RECENT_IDS_SCHEMA.empty_table()
         self.gap_ms = gap_ms
+
+    def remember_ids(self, ids: pa.Table) -> None:
+        self.new_ids = pa.concat_tables([self.new_ids, ids.cast(RECENT_IDS_SCHEMA)])
 
     def add_pageviews(self, pageviews: pd.DataFrame) -> None:
         """Merge new, deduplicated pageviews into the open sessions and remember their ids."""
@@ -172,10 +181,10 @@ class BucketState:
         self.spans = pa.concat_tables([
             self.spans.filter(pc.invert(touched)),
             pa.Table.from_pandas(merged, schema=SPANS_SCHEMA, preserve_index=False)])
-        self.recent_ids = pa.concat_tables([self.recent_ids, pa.table({
+        self.remember_ids(pa.table({
             "event_id": pa.array(pageviews["event_id"].to_numpy(), pa.string()),
             "ts_ms": pa.array(pageviews["ts_ms"].to_numpy(dtype=np.int64), pa.int64()),
-        }, schema=RECENT_IDS_SCHEMA)])
+        }, schema=RECENT_IDS_SCHEMA))
 
     def add(self, events: pd.DataFrame) -> pd.DataFrame:
         """Fold new events in; returns the ``duplicate`` rows of records already held (S2)."""
@@ -184,8 +193,9 @@ class BucketState:
         new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], "order_id")
         # Probe the held ids with the batch's (hashing the few new ids, not every held one).
         new_ids = pa.array(new_pv["event_id"].to_numpy(), pa.string())
-        held = self.recent_ids["event_id"].filter(
-            pc.is_in(self.recent_ids["event_id"], value_set=new_ids))
+        known = pa.chunked_array([*self.held_ids["event_id"].chunks,
+                                  *self.new_ids["event_id"].chunks], pa.string())
+        held = known.filter(pc.is_in(known, value_set=new_ids))
         pv_dup = new_pv["event_id"].isin(held.to_pylist()).to_numpy()
         order_dup = new_orders["order_id"].isin(self.orders["order_id"]).to_numpy()
         duplicates = pd.concat([
@@ -225,8 +235,7 @@ class BucketState:
         emitted_order_ids = set(emitted_orders["record_id"])
         self.orders = self.orders[~self.orders["order_id"].isin(emitted_order_ids)]
         self.orders = self.orders.reset_index(drop=True)
-        recent_ts = self.recent_ids["ts_ms"]
-        self.recent_ids = self.recent_ids.filter(pc.greater(recent_ts, watermark_ms))  # (S3)
+        self.new_ids = self.new_ids.filter(pc.greater(self.new_ids["ts_ms"], watermark_ms))  # S3
         pending = attributions[uncovered & ~final_uncovered]
         rows = pd.concat([emitted_sessions, emitted_orders], ignore_index=True)
         return rows, next_wakeup(open_spans, pending, self.gap_ms)
@@ -247,8 +256,8 @@ class SessionProcessor(StatefulProcessor):
         self.handle = handle
         self.span_state = handle.getValueState("open_sessions", STATE_SCHEMA)
         self.order_state = handle.getValueState("open_orders", STATE_SCHEMA)
-        self.recent_id_windows = handle.getMapState("recent_pageview_id_windows",
-                                                    ID_WINDOW_KEY_SCHEMA, STATE_SCHEMA)
+        self.recent_id_slices = handle.getMapState("recent_pageview_id_slices",
+                                                   ID_SLICE_KEY_SCHEMA, STATE_SCHEMA)
         self.legacy_recent_id_state = handle.getValueState("recent_pageview_ids", STATE_SCHEMA)
         self.legacy_pageview_state = handle.getValueState("open_pageviews", STATE_SCHEMA)
 
@@ -257,43 +266,50 @@ class SessionProcessor(StatefulProcessor):
         value = holder.get() if holder.exists() else None
         return value[0] if value else None
 
-    def _load(self, events: pd.DataFrame | None = None) -> BucketState:
-        """The bucket's state, with the recent ids of the minutes of ``events``' pageviews."""
+    def _slices(self) -> list[tuple[int, int]]:
+        keys = self.recent_id_slices.keys()  # a MapState, not a dict: no iteration of its own
+        return [(int(low), int(high)) for low, high in keys]
+
+    def _load(self, slices: list[tuple[int, int]],
+              events: pd.DataFrame | None = None) -> BucketState:
+        """The bucket's state, with the ids of the slices ``events``' pageviews may repeat."""
         spans = self._blob(self.span_state)
         held = []
         if events is not None:
             pageview_ts = events.loc[events["event_type"] != "order", "ts_ms"]
-            for window in np.unique(id_windows(pageview_ts)).tolist():
-                value = self.recent_id_windows.getValue((window,))
+            for key in slices_holding(slices, pageview_ts):
+                value = self.recent_id_slices.getValue(key)
                 if value and value[0]:
                     held.append(decode_table(value[0]))
-        legacy_ids = self._blob(self.legacy_recent_id_state)
-        if legacy_ids:  # (S6) every minute of it is rewritten on save; none is stored yet
-            held.append(decode_table(legacy_ids))
-            self.legacy_recent_id_state.clear()
         state = BucketState(decode_table(spans) if spans else SPANS_SCHEMA.empty_table(),
                             decode_frame(self._blob(self.order_state), empty_orders()),
                             pa.concat_tables(held) if held else RECENT_IDS_SCHEMA.empty_table(),
                             self.gap_ms)
+        legacy_ids = self._blob(self.legacy_recent_id_state)
+        if legacy_ids:  # (S6) saved with this call's slice
+            state.remember_ids(decode_table(legacy_ids))
+            self.legacy_recent_id_state.clear()
         legacy = self._blob(self.legacy_pageview_state)
         if legacy:  # (S4)
             state.add_pageviews(decode_frame(legacy, empty_pageviews()))
             self.legacy_pageview_state.clear()
         return state
 
-    def _save_recent_ids(self, recent_ids: pa.Table, watermark_ms: int) -> None:
-        """Rewrite the minutes the call loaded or added to; drop the minutes the watermark
-        passed entirely (S6)."""
-        windows = id_windows(recent_ids["ts_ms"])
-        for window in np.unique(windows).tolist():
-            rows = recent_ids.filter(pa.array(windows == window))
-            self.recent_id_windows.updateValue((window,), (encode_table(rows),))
-        for (window,) in list(self.recent_id_windows.keys()):
-            if (window + 1) * ID_WINDOW_MS - 1 <= watermark_ms:
-                self.recent_id_windows.removeKey((window,))
+    def _save_ids(self, new_ids: pa.Table, slices: list[tuple[int, int]],
+                  watermark_ms: int) -> None:
+        """Store the call's new ids as one slice; drop the slices the watermark passed (S6)."""
+        if new_ids.num_rows:
+            key = (pc.min(new_ids["ts_ms"]).as_py(), pc.max(new_ids["ts_ms"]).as_py())
+            if key in slices:  # the same range again: keep both calls' ids
+                earlier = self.recent_id_slices.getValue(key)
+                new_ids = pa.concat_tables([decode_table(earlier[0]), new_ids])
+            self.recent_id_slices.updateValue(key, (encode_table(new_ids),))
+        for key in slices:
+            if key[1] <= watermark_ms:
+                self.recent_id_slices.removeKey(key)
 
-    def _save(self, state: BucketState, wakeup: int | None, watermark_ms: int,
-              closed_through_watermark: bool) -> None:
+    def _save(self, state: BucketState, slices: list[tuple[int, int]], wakeup: int | None,
+              watermark_ms: int, closed_through_watermark: bool) -> None:
         """Write the state back and leave one timer, at ``wakeup``. After input rows the state
         is closed through the watermark, so a timer the watermark already passed would only
         wake the bucket again in this batch for nothing (Spark fires timers after input):
@@ -305,7 +321,7 @@ class SessionProcessor(StatefulProcessor):
                 holder.update((blob,))
             else:
                 holder.clear()
-        self._save_recent_ids(state.recent_ids, watermark_ms)
+        self._save_ids(state.new_ids, slices, watermark_ms)
         for timer in list(self.handle.listTimers()):
             if timer != wakeup and (timer > watermark_ms or closed_through_watermark):
                 self.handle.deleteTimer(timer)  # a firing timer is deleted by Spark
@@ -317,21 +333,23 @@ class SessionProcessor(StatefulProcessor):
     ) -> Iterator[pd.DataFrame]:
         events = pd.concat(list(rows), ignore_index=True)
         events["ts_ms"] = events["ts_ms"].astype(np.int64)
-        state = self._load(events)
+        slices = self._slices()
+        state = self._load(slices, events)
         events["amount_e4"] = events["amount_e4"].fillna(0).astype(np.int64)
         duplicates = state.add(events)
         watermark = timerValues.getCurrentWatermarkInMs()
         emitted, wakeup = state.close(watermark)  # (S1)
-        self._save(state, wakeup, watermark, closed_through_watermark=True)
+        self._save(state, slices, wakeup, watermark, closed_through_watermark=True)
         yield _output(pd.concat([duplicates, emitted], ignore_index=True))
 
     def handleExpiredTimer(
         self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
     ) -> Iterator[pd.DataFrame]:
-        state = self._load()
+        slices = self._slices()
+        state = self._load(slices)
         watermark = timerValues.getCurrentWatermarkInMs()
         emitted, wakeup = state.close(watermark)
-        self._save(state, wakeup, watermark, closed_through_watermark=False)
+        self._save(state, slices, wakeup, watermark, closed_through_watermark=False)
         yield _output(emitted)
 
     def close(self) -> None:
