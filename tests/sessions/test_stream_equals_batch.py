@@ -180,3 +180,22 @@ def test_a_retry_is_recognised_while_its_slice_is_partly_behind_the_watermark() 
     out = pd.concat(micro_batch(tester, retry, watermark=15 * minute), ignore_index=True)
 
     assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]
+
+
+def test_open_sessions_stay_one_record_batch_call_after_call() -> None:
+    """(S7) Each call filters the spans and appends its merged ones; stored as they are, the
+    spans would gain one record batch per call for the life of the stream, and every later
+    call would decode, filter and encode all of them."""
+    tester = spark_like_tester()
+    users = ["u1", "u2", "u3"]
+    for call in range(12):  # every session stays open: each user returns within the gap
+        ts = (call + 1) * 60_000
+        arriving = to_frame([(users[call % 3], ts, "pageview", call),
+                             (users[(call + 1) % 3], ts + 1, "pageview", 40 + call)])
+        micro_batch(tester, arriving, watermark=0)
+
+    (blob,) = tester.peekValueState("open_sessions", 0)
+    with pa.ipc.open_stream(blob) as reader:
+        record_batches = list(reader)
+    assert len(record_batches) == 1
+    assert record_batches[0].num_rows == 3

@@ -15,7 +15,7 @@ emits the sessions the watermark closes (with their attributions) and keeps the 
 stream equals the batch by construction, and a call's work grows with its input and the open
 sessions, not with every open pageview.
 
-Known edge cases, cited inline as (S1)..(S6):
+Known edge cases, cited inline as (S1)..(S7):
   S1. Within one micro-batch a bucket's input is complete, so anything the batch's watermark
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
@@ -39,6 +39,10 @@ Known edge cases, cited inline as (S1)..(S6):
       calls (keying ids by minute instead cost a state call per minute of event time). Earlier
       checkpoints held all ids in one value, ``recent_pageview_ids``; the first call moves
       them into a slice and clears it.
+  S7. State tables are stored as one record batch. Arrow's filter and concat keep chunks, so
+      spans written as they are would gain a record batch per call, for as long as the stream
+      runs: after 100 calls a bucket's spans took 4x as long to encode. Checkpoints written
+      that way are compacted by their next save.
 """
 
 from __future__ import annotations
@@ -105,10 +109,14 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
 def encode_table(table: pa.Table) -> bytes:
-    """Compact Arrow IPC bytes of a state table."""
+    """Compact Arrow IPC bytes of a state table, as one record batch.
+
+    A call filters the spans and appends its merged ones, which adds a chunk; written chunk by
+    chunk, a bucket's spans would carry one more record batch per call for the life of the
+    stream, and every later decode, filter and encode would pay for all of them (S7)."""
     sink = io.BytesIO()
     with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as writer:
-        writer.write_table(table)
+        writer.write_table(table.combine_chunks())
     return sink.getvalue()
 
 
