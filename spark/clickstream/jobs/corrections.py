@@ -316,28 +316,29 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
     now or had some before), while sessions without orders before or after, whose boundaries
     and totals the run cannot change, are not checked again: the gate's work grows with the
     batch, not with the client's history. URLs are left out (not checked; most of a
-    session's bytes)."""
+    session's bytes).
+
+    The stored sessions are joined to the new totals once: that one frame holds the checked
+    sessions, and the changed ones both as stored (``before``) and as they now are
+    (``after``). Each further join of the stored sessions would evaluate them again (a filter
+    of the snapshot by the windows) and shuffle all of them."""
     totals = changed.select("session_id", F.col("order_count").alias("new_count"),
-                            F.col("revenue").alias("new_revenue")).persist()
-    columns = [c for c in SESSIONS.schema.fieldNames() if c != "revision"]
-    kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
-            "revenue": F.coalesce("new_revenue", "revenue")}
-    after = old_sessions.join(totals, "session_id").select(
-        *(kept.get(c, F.col(c)).alias(c) for c in columns)).persist()
-    after.count()
+                            F.col("revenue").alias("new_revenue"))
     touched = totals.join(attributions.where(F.col("session_id").isNotNull())
                           .select("session_id").distinct(), "session_id", "full_outer"
                           ).withColumn("_touched", F.lit(True))
-    checked = old_sessions.drop("landing_url", "exit_url").join(touched, "session_id", "left"
-                                                                ).where(
-        F.col("_touched") | (F.col("order_count") > 0)).select(
-        *(kept.get(c, F.col(c)).alias(c) for c in columns if not c.endswith("_url"))).persist()
-    checked.count()
+    joined = old_sessions.join(touched, "session_id", "left").where(
+        F.col("_touched") | (F.col("order_count") > 0)).persist()
+    joined.count()
+    stored = SESSIONS.schema.fieldNames()
+    kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
+            "revenue": F.coalesce("new_revenue", "revenue")}
+    now = {c: kept.get(c, F.col(c)).alias(c) for c in stored if c != "revision"}
+    changed_rows = joined.where(F.col("new_count").isNotNull())
     return Recomputed(
-        sessions=checked,
-        before=old_sessions.join(totals.select("session_id"), "session_id", "left_semi"),
-        after=after, attributions=attributions, retract=False,
-        held=(totals, after, checked, attributions))
+        sessions=joined.select(*(v for c, v in now.items() if not c.endswith("_url"))),
+        before=changed_rows.select(*stored), after=changed_rows.select(*now.values()),
+        attributions=attributions, retract=False, held=(joined, attributions))
 
 
 def _differs(columns: tuple[str, ...]) -> Column:
