@@ -11,6 +11,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
+from clickstream.jobs import corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.backfill_steps import locate_batch, merge_batch
 from clickstream.jobs.corrections import (
@@ -160,3 +161,39 @@ def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(
     changes.unpersist()
     (session,) = table_rows(config, spark, "sessions")
     assert (session["order_count"], session["revenue"]) == (2, Decimal("12.5000"))
+
+
+@pytest.mark.parametrize("broadcast_max", [corrections.BROADCAST_KEYS_MAX, 0],
+                         ids=["keys broadcast", "keys shuffled"])
+def test_apply_rewrites_only_the_changed_keys_whether_broadcast_or_shuffled(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+    broadcast_max: int
+) -> None:
+    """Apply replaces the changed sessions of the affected days and keeps the others, with
+    the changed keys sent to every task (the usual case) or shuffled (above the cap)."""
+    monkeypatch.setattr(corrections, "BROADCAST_KEYS_MAX", broadcast_max)
+    threshold = "spark.sql.autoBroadcastJoinThreshold"
+    previous = spark.conf.get(threshold)
+    spark.conf.set(threshold, "-1")  # test tables are small enough to be broadcast unasked
+    try:
+        sessions = _three_backfills_of_two_users(stream_config, spark)
+    finally:
+        spark.conf.set(threshold, previous)
+    assert sessions == [("u", 5, 1, 2), ("v", 1, 0, 1)]
+
+
+def _three_backfills_of_two_users(config: Config, spark: SparkSession
+                                  ) -> list[tuple[str, int, int, int]]:
+    """(user, pageviews, orders, revision) of each session after: two users' pageviews, an
+    order of ``u``'s second session, then pageviews that merge ``u``'s two sessions."""
+    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark, progress=quiet,
+                 path=write_rows(config, "p1", [pv_row("a", "u", 0), pv_row("b", "u", 100),
+                                                pv_row("c", "v", 0)], "parquet"))
+    run_backfill(config, kind="orders", client_id="client-00", spark=spark, progress=quiet,
+                 path=write_rows(config, "o", [order_row("o1", "u", 101, "7.50")], "parquet"))
+    # Pageviews filling u's gap merge its two sessions: one updated, one retracted.
+    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark, progress=quiet,
+                 path=write_rows(config, "p2", [pv_row(e, "u", m) for e, m in
+                                                (("d", 25), ("e", 50), ("f", 75))], "parquet"))
+    return sorted((r["user_id"], r["pageview_count"], r["order_count"], r["revision"])
+                  for r in table_rows(config, spark, "sessions"))
