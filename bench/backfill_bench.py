@@ -940,6 +940,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
+    """One timed phase on a fresh copy of a previous run's frozen pre-backfill state, with a
+    fresh broker: an A/B of two commits of the backfill takes minutes, not the setup's ~10.
+    The phase imports the product from this checkout, so checking out another commit's files
+    measures that commit."""
+    from clickstream.io.kafka_broker import EmbeddedBroker
+
+    scale = SCALES[args.scale]
+    workdir = Path(args.workdir or f"/tmp/backfill-bench-{scale.name}").resolve()
+    marker = workdir / "prepared.json"
+    prepared = json.loads(marker.read_text()) if marker.exists() else None
+    if not prepared or prepared.get("scale") != asdict(scale):
+        raise SystemExit(f"no prepared {scale.name} state in {workdir}: run the benchmark once "
+                         f"with --scale {scale.name} first")
+    name = args.phase_alone
+    warehouse = workdir / f"warehouse-{name}"
+    shutil.rmtree(warehouse, ignore_errors=True)
+    shutil.copytree(workdir / "warehouse-prebackfill", warehouse)
+    shutil.rmtree(workdir / "home", ignore_errors=True)
+    result: dict[str, Any] = {
+        "benchmark": f"backfill benchmark, phase {name} alone (fresh copy of the frozen "
+                     "pre-backfill state, fresh broker)",
+        "issue": 3, "scale": asdict(scale),
+        "command": " ".join([".venv/bin/python", "bench/backfill_bench.py", *sys.argv[1:]]),
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": _machine(), "product_source": _source_fingerprint(),
+        "idle": wait_until_idle(args.max_wait_idle),
+    }
+    broker = EmbeddedBroker(port=0).start()
+    for topic, partitions in CHANGELOG_PARTITIONS.items():
+        broker.create_topic(topic, partitions)
+    try:
+        state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
+                 "orders_path": f"orders/{CLIENT}", "warehouse": str(warehouse)}
+        with BusyWatcher() as watcher:
+            result[name] = run_phase(name, state, workdir)
+        result["idle"]["during"] = watcher.summary()
+    finally:
+        broker.stop()
+        if not args.keep:
+            shutil.rmtree(warehouse, ignore_errors=True)
+    if name == "backfill":
+        result["gates"] = gate_seconds(result[name])
+    return result
+
+
 def bytes_summary(result: dict[str, Any], frozen: Path, backfill_wh: Path) -> dict[str, Any]:
     before = result["backfill"]["versions_before"]
     after = result["backfill"]["versions_after"]
@@ -1205,6 +1251,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="more pgrep -f patterns of processes to wait for (repeatable)")
     parser.add_argument("--markdown", metavar="RESULT_JSON",
                         help="print the BENCHMARKS.md section for a result file and exit")
+    parser.add_argument("--phase-alone", choices=("backfill", "baseline"),
+                        help="time only this phase on a fresh copy of the prepared state of "
+                        "a previous run in the workdir (writes backfill-phase-<scale>-<stamp>"
+                        ".json)")
     parser.add_argument("--phase", nargs=3, metavar=("NAME", "IN", "OUT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1219,9 +1269,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     OTHER_PATTERNS.extend(args.other_pattern)
     MAX_WAIT_CPU_S[0] = args.max_wait_cpu
-    result = run(args)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    if args.phase_alone:
+        result = run_phase_alone(args)
+        path = RESULTS_DIR / f"backfill-phase-{result['scale']['name']}-{stamp}.json"
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        phase = result[args.phase_alone]
+        print(f"{args.phase_alone}: {phase['wall_s']:.1f}s; steps "
+              f"{phase.get('correction_steps') or phase.get('steps') or ''}")
+        print(f"wrote {path}")
+        return 0
+    result = run(args)
     path = RESULTS_DIR / f"backfill-{result['scale']['name']}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     for line in summary_lines(result):
