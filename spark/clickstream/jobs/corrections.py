@@ -454,7 +454,7 @@ def stored_plan(run: Run) -> DataFrame | None:
 APPLY_ATTEMPTS = 5
 # Up to this many changed keys, apply sends them to every task (~70 bytes a key in memory)
 # instead of shuffling the affected partitions' rows to meet them: a year of orders changes
-# ~0.5M sessions of 2.57M, and the shuffle took a third of apply.
+# ~0.5M sessions of 2.57M, and the shuffle took about a quarter of apply.
 BROADCAST_KEYS_MAX = 2_000_000
 
 
