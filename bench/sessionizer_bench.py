@@ -2043,8 +2043,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="event-time span of the generated data (default 2.5 days)")
     tp.add_argument("--sessions-per-user-per-day", type=float, default=2.0)
     tp.add_argument("--late-fraction", type=float, default=0.01)
-    tp.add_argument("--max-events-per-trigger", type=int, default=200_000,
-                    help="CLICKSTREAM_MAX_EVENTS_PER_TRIGGER (product default 200,000)")
+    tp.add_argument("--max-events-per-trigger", type=int,
+                    default=Config.max_events_per_trigger,
+                    help="CLICKSTREAM_MAX_EVENTS_PER_TRIGGER (default: the product's, "
+                    f"{Config.max_events_per_trigger:,})")
     tp.add_argument("--timeout", type=float, default=1800, help="give up after this many s")
     tp.set_defaults(handler=cmd_throughput)
 
@@ -2063,7 +2065,8 @@ def build_parser() -> argparse.ArgumentParser:
     continuous.add_argument("--rate", type=float, default=20_000, help="events/s to produce")
     continuous.add_argument("--trigger-interval", type=float, default=1.0,
                             help="CLICKSTREAM_TRIGGER_INTERVAL in seconds")
-    continuous.add_argument("--max-events-per-trigger", type=int, default=200_000)
+    continuous.add_argument("--max-events-per-trigger", type=int,
+                            default=Config.max_events_per_trigger)
     continuous.add_argument("--driver-memory", default=None, metavar="SIZE",
                             help="CLICKSTREAM_DRIVER_MEMORY of the sessionizer (default: the "
                                  "product's, 4g)")
