@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,21 @@ def spark(spark_config: Config) -> Iterator[object]:
     session = build_spark(spark_config, "clickstream-tests")
     yield session
     session.stop()
+
+
+@pytest.fixture
+def spark_conf(spark) -> Iterator[Callable[[str, str], None]]:
+    """Sets Spark runtime settings for one test (the session is shared) and restores them
+    after it, as ``monkeypatch`` does for attributes."""
+    previous: dict[str, str] = {}
+
+    def set_conf(key: str, value: str) -> None:
+        previous.setdefault(key, spark.conf.get(key))
+        spark.conf.set(key, value)
+
+    yield set_conf
+    for key, value in previous.items():
+        spark.conf.set(key, value)
 
 
 @pytest.fixture

@@ -128,17 +128,13 @@ def test_file_statistics_prune_exactly(tables, spark):
     assert table.file_uris(file_pruning_predicate="ts > '2024-03-01T12:30:15.002Z'") == []
 
 
-def test_rows_spread_over_partitions_are_written_in_whole_row_groups(tables, spark):
+def test_rows_spread_over_partitions_are_written_in_whole_row_groups(tables, spark, spark_conf):
     """Spark hands the writer small Arrow batches interleaving every partition; each
     partition's rows still land in one file with one row group (edge case 13)."""
     rows = [(f"o{i}", f"c{i % 2}", (D1, D2, D3)[i % 3], "1") for i in range(1200)]
-    previous = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "50")
-    try:
-        tables.append_once("orders", orders(spark, *rows), app_id="a", version=1,
-                           partition_by=PARTS, metadata=META)
-    finally:
-        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", previous)
+    spark_conf("spark.sql.execution.arrow.maxRecordsPerBatch", "50")
+    tables.append_once("orders", orders(spark, *rows), app_id="a", version=1,
+                       partition_by=PARTS, metadata=META)
 
     root = Path(tables.table_path("orders"))
     files = files_of(tables, "orders", "c0") | files_of(tables, "orders", "c1")

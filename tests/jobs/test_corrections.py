@@ -167,18 +167,14 @@ def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(
                          ids=["keys broadcast", "keys shuffled"])
 def test_apply_rewrites_only_the_changed_keys_whether_broadcast_or_shuffled(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
-    broadcast_max: int
+    spark_conf: Callable[[str, str], None], broadcast_max: int
 ) -> None:
     """Apply replaces the changed sessions of the affected days and keeps the others, with
     the changed keys sent to every task (the usual case) or shuffled (above the cap)."""
     monkeypatch.setattr(corrections, "BROADCAST_KEYS_MAX", broadcast_max)
-    threshold = "spark.sql.autoBroadcastJoinThreshold"
-    previous = spark.conf.get(threshold)
-    spark.conf.set(threshold, "-1")  # test tables are small enough to be broadcast unasked
-    try:
-        sessions = _three_backfills_of_two_users(stream_config, spark)
-    finally:
-        spark.conf.set(threshold, previous)
+    # Test tables are small enough for Spark to broadcast them unasked.
+    spark_conf("spark.sql.autoBroadcastJoinThreshold", "-1")
+    sessions = _three_backfills_of_two_users(stream_config, spark)
     assert sessions == [("u", 5, 1, 2), ("v", 1, 0, 1)]
 
 
