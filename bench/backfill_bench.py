@@ -846,8 +846,6 @@ def generate(scale: BenchScale, landing: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from clickstream.io.kafka_broker import EmbeddedBroker
-
     scale = SCALES[args.scale]
     if args.users:
         scale = replace(scale, users=args.users)
@@ -857,18 +855,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     marker = workdir / "prepared.json"
     result: dict[str, Any] = {
         "benchmark": "backfill", "issue": 3, "scale": asdict(scale),
-        "client": CLIENT, "other_clients": list(OTHER_CLIENTS),
-        "command": " ".join([".venv/bin/python", "bench/backfill_bench.py", *sys.argv[1:]]),
-        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": _machine(),
-        "product_source": _source_fingerprint(),
+        "client": CLIENT, "other_clients": list(OTHER_CLIENTS), **_run_identity(),
     }
-    broker = EmbeddedBroker(port=0).start()
-    # The embedded broker keeps ~5 MiB per partition (kafka_broker limit 2): the bench's
-    # changelog topics get enough partitions for every revision the setup and the three runs
-    # publish (~4M sessions, ~0.6M attributions), so the publish gate reads all of them back.
-    for topic, partitions in CHANGELOG_PARTITIONS.items():
-        broker.create_topic(topic, partitions)
+    broker = _changelog_broker()
     try:
         state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
                  "orders_path": f"orders/{CLIENT}"}
@@ -940,13 +929,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _run_identity() -> dict[str, Any]:
+    """How a result file was made: command, start, machine and product code."""
+    return {
+        "command": " ".join([".venv/bin/python", "bench/backfill_bench.py", *sys.argv[1:]]),
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": _machine(), "product_source": _source_fingerprint(),
+    }
+
+
+def _changelog_broker() -> Any:
+    """A started embedded broker with the bench's changelog topics. It keeps ~5 MiB per
+    partition (kafka_broker limit 2): the topics get enough partitions for every revision the
+    setup and the three runs publish (~4M sessions, ~0.6M attributions), so the publish gate
+    reads all of them back."""
+    from clickstream.io.kafka_broker import EmbeddedBroker
+
+    broker = EmbeddedBroker(port=0).start()
+    for topic, partitions in CHANGELOG_PARTITIONS.items():
+        broker.create_topic(topic, partitions)
+    return broker
+
+
 def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
     """One timed phase on a fresh copy of a previous run's frozen pre-backfill state, with a
     fresh broker: an A/B of two commits of the backfill takes minutes, not the setup's ~10.
     The phase imports the product from this checkout, so checking out another commit's files
     measures that commit."""
-    from clickstream.io.kafka_broker import EmbeddedBroker
-
     scale = SCALES[args.scale]
     workdir = Path(args.workdir or f"/tmp/backfill-bench-{scale.name}").resolve()
     marker = workdir / "prepared.json"
@@ -962,15 +971,10 @@ def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": f"backfill benchmark, phase {name} alone (fresh copy of the frozen "
                      "pre-backfill state, fresh broker)",
-        "issue": 3, "scale": asdict(scale),
-        "command": " ".join([".venv/bin/python", "bench/backfill_bench.py", *sys.argv[1:]]),
-        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": _machine(), "product_source": _source_fingerprint(),
+        "issue": 3, "scale": asdict(scale), **_run_identity(),
         "idle": wait_until_idle(args.max_wait_idle),
     }
-    broker = EmbeddedBroker(port=0).start()
-    for topic, partitions in CHANGELOG_PARTITIONS.items():
-        broker.create_topic(topic, partitions)
+    broker = _changelog_broker()
     try:
         state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
                  "orders_path": f"orders/{CLIENT}", "warehouse": str(warehouse)}
