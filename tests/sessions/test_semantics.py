@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import numpy as np
 import pandas as pd
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from clickstream.sessions.semantics import (
     session_id,
     sessionize,
 )
+from tests.reference import reference_sessions
 
 GAP = 30 * 60_000
 
@@ -177,6 +180,36 @@ def test_reattributing_orders_equals_sessionizing_with_them(
     assert by_id(sessions, "session_id", totals) == by_id(expected.sessions, "session_id", totals)
     assert by_id(attributions, "order_id", ["session_id"]) == by_id(
         expected.attributions, "order_id", ["session_id"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("cd"), st.sampled_from("uv"), st.integers(0, 6 * GAP)),
+                min_size=1, max_size=30),
+       st.lists(st.tuples(st.sampled_from("cde"), st.sampled_from("uvw"),
+                          st.integers(-GAP, 7 * GAP), st.integers(0, 10**9)), max_size=20))
+def test_order_totals_and_attributions_match_a_straightforward_reference(
+        views: list[tuple[str, str, int]], order_rows: list[tuple[str, str, int, int]]) -> None:
+    """Order counts, revenue and each order's session against the naive reference, one order
+    at a time (two clients share user ids, so a user's orders must not reach the other
+    client's sessions)."""
+    events = [{"event_type": "pageview", "client_id": c, "user_id": u, "event_id": f"e{i}",
+               "ts_ms": ts, "url": f"/{i}"} for i, (c, u, ts) in enumerate(views)]
+    events += [{"event_type": "order", "client_id": c, "user_id": u, "order_id": f"o{i}",
+                "ts_ms": ts, "amount": Decimal(amount) / 10_000}
+               for i, (c, u, ts, amount) in enumerate(order_rows)]
+    page = pd.DataFrame([(e["client_id"], e["user_id"], e["event_id"], e["ts_ms"], e["url"])
+                         for e in events if e["event_type"] == "pageview"],
+                        columns=PAGEVIEW_COLUMNS).astype({"ts_ms": "int64"})
+    order = pd.DataFrame([(c, u, f"o{i}", ts, amount, "EUR")
+                          for i, (c, u, ts, amount) in enumerate(order_rows)],
+                         columns=ORDER_COLUMNS).astype({"ts_ms": "int64", "amount_e4": "int64"})
+    result = sessionize(page, order, GAP)
+    expected, owners = reference_sessions(events, GAP)
+    assert {row["session_id"]: (row["order_count"], row["revenue_e4"])
+            for row in result.sessions.to_dict("records")} == {
+        sid: (s["order_count"], int(s["revenue"] * 10_000)) for sid, s in expected.items()}
+    assert dict(zip(result.attributions.order_id, result.attributions.session_id,
+                    strict=True)) == owners
 
 
 def fold_spans(chunks: list[pd.DataFrame]) -> pd.DataFrame:

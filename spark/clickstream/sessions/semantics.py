@@ -190,15 +190,27 @@ def reattribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int
 def with_order_totals(sessions: pd.DataFrame, attributions: pd.DataFrame,
                       orders: pd.DataFrame) -> pd.DataFrame:
     """``sessions`` (SESSION_COLUMNS) with ``order_count`` and ``revenue_e4``: how many of
-    ``orders`` (one row per order_id) are attributed to each, and the sum of their amounts."""
-    counts = attributions.dropna(subset=["session_id"]).merge(
-        orders[["order_id", "amount_e4"]], on="order_id", how="left"
-    ).groupby("session_id").agg(order_count=("order_id", "size"), revenue_e4=("amount_e4", "sum"))
-    sessions = sessions.drop(columns=["order_count", "revenue_e4"], errors="ignore").join(
-        counts, on="session_id")
-    sessions["order_count"] = sessions["order_count"].fillna(0).astype(np.int64)
-    sessions["revenue_e4"] = sessions["revenue_e4"].fillna(0).astype(np.int64)
-    return sessions[SESSION_COLUMNS].reset_index(drop=True)
+    ``orders`` (one row per order_id) are attributed to each, and the sum of their amounts.
+
+    Sums by integer codes of the session ids, not a merge, a groupby and a join: those cost
+    ~200 ms for a bucket of 160k sessions and 33k orders (the backfill's recompute) and ~6 ms
+    for a stream call of 2k sessions, 15x and 3x this."""
+    attributed = attributions["session_id"].notna().to_numpy()
+    owners = attributions["session_id"].to_numpy()[attributed]
+    order_rows = pd.Index(orders["order_id"]).get_indexer(
+        attributions["order_id"].to_numpy()[attributed])
+    amounts = np.where(order_rows >= 0,
+                       orders["amount_e4"].to_numpy(dtype=np.int64)[order_rows], 0)
+    codes, uniques = pd.factorize(np.concatenate([
+        sessions["session_id"].to_numpy(dtype=object), owners.astype(object)]))
+    session_codes, owner_codes = codes[: len(sessions)], codes[len(sessions):]
+    counts = np.bincount(owner_codes, minlength=len(uniques) + 1)
+    revenue = np.zeros(len(uniques) + 1, dtype=np.int64)
+    np.add.at(revenue, owner_codes, amounts)
+    # A session without an id (code -1) picks the extra slot at the end, which stays 0.
+    return sessions.assign(order_count=counts[session_codes].astype(np.int64),
+                           revenue_e4=revenue[session_codes])[SESSION_COLUMNS].reset_index(
+        drop=True)
 
 
 def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.DataFrame:
