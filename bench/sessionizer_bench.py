@@ -244,7 +244,8 @@ def tree_rss(root: int) -> dict[str, Any]:
 
 
 def jvm_heap_mib(pid: int | None) -> dict[str, float] | None:
-    """Heap used/committed from ``jstat -gc`` (reads the JVM's perf data; no attach)."""
+    """Heap used/committed, the old generation's use and GC counts and seconds so far, from
+    ``jstat -gc`` (reads the JVM's perf data; no attach)."""
     if pid is None or shutil.which("jstat") is None:
         return None
     try:
@@ -258,7 +259,55 @@ def jvm_heap_mib(pid: int | None) -> dict[str, float] | None:
     committed = sum(row.get(k, 0.0) for k in ("S0C", "S1C", "EC", "OC"))
     return {"heap_used_mib": round(used / 1024, 1),
             "heap_committed_mib": round(committed / 1024, 1),
-            "metaspace_used_mib": round(row.get("MU", 0.0) / 1024, 1)}
+            "metaspace_used_mib": round(row.get("MU", 0.0) / 1024, 1),
+            "old_gen_used_mib": round(row.get("OU", 0.0) / 1024, 1),
+            "young_gcs": int(row.get("YGC", 0)), "full_gcs": int(row.get("FGC", 0)),
+            "concurrent_gcs": int(row.get("CGC", 0)), "gc_seconds": row.get("GCT", 0.0)}
+
+
+class PeakMemory:
+    """Samples a process tree's RSS (by part) and the JVM's heap every ``every_s`` seconds in
+    a thread and keeps the peaks: what a catch-up's large micro-batches cost in memory. The
+    heap used includes garbage not yet collected, so its peak is an upper bound of the live
+    heap; GC counts and time come from the last ``jstat`` sample."""
+
+    def __init__(self, root: int, every_s: float = 5.0) -> None:
+        self.root, self.every_s = root, every_s
+        self.peaks: dict[str, float] = {}
+        self.last_heap: dict[str, float] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            rss = tree_rss(self.root)
+            heap = jvm_heap_mib(rss.pop("jvm_pid", None)) or {}
+            rss.pop("python_worker_processes", None)
+            # A child the JVM has just forked shows the JVM's RSS until it execs ("other": one
+            # sample caught 4.7 GiB there), so the total counts the three real parts only.
+            rss["total_mib"] = round(sum(rss[k] for k in (
+                "driver_python_mib", "jvm_mib", "python_workers_mib")), 1)
+            for name, value in {**rss, **heap}.items():
+                if name.endswith("_mib"):
+                    self.peaks[name] = max(self.peaks.get(name, 0.0), value)
+            if heap:
+                self.last_heap = heap
+            self.samples += 1
+
+    def report(self) -> dict[str, Any]:
+        return {"every_s": self.every_s, "samples": self.samples,
+                "peak_mib": {k: round(v, 1) for k, v in sorted(self.peaks.items())},
+                "gc_at_last_sample": {k: v for k, v in self.last_heap.items()
+                                      if not k.endswith("_mib")}}
 
 
 def _busy_seconds() -> tuple[float, float]:
@@ -1262,12 +1311,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             sess = Sessionizer(ws.root, env, until_caught_up=True).start()
             progress = ws.progress_log()
             try:
-                code = sess.wait(timeout=args.timeout)
+                with PeakMemory(sess.pid) as memory:
+                    code = sess.wait(timeout=args.timeout)
             finally:
                 if sess.alive():
                     log("sessionizer did not finish in time; stopping it")
                 sess.stop()
         result["cpu"] = cpu.report()
+        result["memory"] = memory.report()
         wall = (sess.exited_at or time.time()) - sess.started_at
         batches = sess.snapshot()
         result["sessionizer"] = {
