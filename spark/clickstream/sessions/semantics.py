@@ -192,9 +192,9 @@ def with_order_totals(sessions: pd.DataFrame, attributions: pd.DataFrame,
     """``sessions`` (SESSION_COLUMNS) with ``order_count`` and ``revenue_e4``: how many of
     ``orders`` (one row per order_id) are attributed to each, and the sum of their amounts.
 
-    Sums by integer codes of the session ids, not a merge, a groupby and a join: those cost
-    ~200 ms for a bucket of 160k sessions and 33k orders (the backfill's recompute) and ~6 ms
-    for a stream call of 2k sessions, 15x and 3x this."""
+    Sums by integer codes of the session ids, not a merge, a groupby and a join: those took
+    205 ms for a bucket of 160k sessions and 33k orders (the backfill's recompute) and 6.3 ms
+    for a stream call of 2k sessions and 40 orders; this takes 93 and 1.5 ms."""
     attributed = attributions["session_id"].notna().to_numpy()
     owners = attributions["session_id"].to_numpy()[attributed]
     order_rows = pd.Index(orders["order_id"]).get_indexer(
