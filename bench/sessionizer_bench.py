@@ -237,7 +237,9 @@ def tree_rss(root: int) -> dict[str, Any]:
         else:
             parts["other"] += kib
     result: dict[str, Any] = {f"{k}_mib": round(v / 1024, 1) for k, v in parts.items()}
-    result["total_mib"] = round(sum(parts.values()) / 1024, 1)
+    # "other" is reported but not counted: it holds short-lived children, and a child the JVM
+    # has just forked shows the JVM's RSS until it execs (one sample caught 4.7 GiB there).
+    result["total_mib"] = round(sum(v for k, v in parts.items() if k != "other") / 1024, 1)
     result["python_worker_processes"] = workers
     result["jvm_pid"] = jvm_pid
     return result
@@ -292,10 +294,6 @@ class PeakMemory:
             rss = tree_rss(self.root)
             heap = jvm_heap_mib(rss.pop("jvm_pid", None)) or {}
             rss.pop("python_worker_processes", None)
-            # A child the JVM has just forked shows the JVM's RSS until it execs ("other": one
-            # sample caught 4.7 GiB there), so the total counts the three real parts only.
-            rss["total_mib"] = round(sum(rss[k] for k in (
-                "driver_python_mib", "jvm_mib", "python_workers_mib")), 1)
             for name, value in {**rss, **heap}.items():
                 if name.endswith("_mib"):
                     self.peaks[name] = max(self.peaks.get(name, 0.0), value)
