@@ -976,8 +976,11 @@ def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
     }
     broker = _changelog_broker()
     try:
+        orders_path = (recent_orders(workdir / "landing", args.orders_days)
+                       if args.orders_days else f"orders/{CLIENT}")
         state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
-                 "orders_path": f"orders/{CLIENT}", "warehouse": str(warehouse)}
+                 "orders_path": orders_path, "warehouse": str(warehouse)}
+        result["orders_path"] = orders_path
         with BusyWatcher() as watcher:
             result[name] = run_phase(name, state, workdir)
         result["idle"]["during"] = watcher.summary()
@@ -988,6 +991,117 @@ def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
     if name == "backfill":
         result["gates"] = gate_seconds(result[name])
     return result
+
+
+def recent_orders(landing: Path, days: int) -> str:
+    """Write the benchmark client's orders of the last ``days`` x 24 hours of its year as a
+    batch of their own in the landing folder (once); returns its path relative to the landing
+    folder."""
+    from datetime import timedelta
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    relative = f"orders-last-{days}d/{CLIENT}"
+    target = landing / relative
+    if not target.exists():
+        orders = ds.dataset(landing / "orders" / CLIENT, format="parquet").to_table()
+        cutoff = pc.max(orders["ts"]).as_py() - timedelta(days=days)
+        subset = orders.filter(pc.greater(orders["ts"], pa.scalar(cutoff, orders["ts"].type)))
+        target.mkdir(parents=True)
+        pq.write_table(subset, target / "part-00000.parquet")
+    return relative
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Backfills of the last N days of the year's orders, each against the full recompute
+    after the same merge, on fresh copies of a previous run's prepared state: how the
+    backfill's time grows with the batch while the client's history stays the same."""
+    scale = SCALES[args.scale]
+    workdir = Path(args.workdir or f"/tmp/backfill-bench-{scale.name}").resolve()
+    marker = workdir / "prepared.json"
+    prepared = json.loads(marker.read_text()) if marker.exists() else None
+    if not prepared or prepared.get("scale") != asdict(scale):
+        raise SystemExit(f"no prepared {scale.name} state in {workdir}: run the benchmark once "
+                         f"with --scale {scale.name} first")
+    try:
+        days_list = sorted({int(d) for d in args.sweep_days.split(",")})
+    except ValueError:
+        raise SystemExit(f"--sweep-days takes comma-separated whole days, e.g. 1,7,30,365; "
+                         f"got {args.sweep_days!r}") from None
+    if not days_list or days_list[0] < 1 or days_list[-1] > scale.days:
+        raise SystemExit(f"--sweep-days must lie in 1..{scale.days}; got {args.sweep_days!r}")
+    result: dict[str, Any] = {
+        "benchmark": "backfill sweep: the last N days of the year's orders, backfilled vs the "
+                     "same merge plus the full recompute (fresh copies of the frozen "
+                     "pre-backfill state, a fresh broker per phase)",
+        "issue": 3, "scale": asdict(scale), "client": CLIENT, **_run_identity(), "runs": [],
+    }
+    for days in days_list:
+        orders_path = recent_orders(workdir / "landing", days)
+        entry: dict[str, Any] = {"days": days, "orders_path": orders_path, "idle": {}}
+        for name in ("backfill", "baseline"):
+            warehouse = workdir / f"warehouse-{name}"
+            shutil.rmtree(warehouse, ignore_errors=True)
+            shutil.copytree(workdir / "warehouse-prebackfill", warehouse)
+            shutil.rmtree(workdir / "home", ignore_errors=True)
+            entry["idle"][name] = wait_until_idle(args.max_wait_idle)
+            log(f"sweep {days} days: {name}")
+            broker = _changelog_broker()
+            try:
+                state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
+                         "orders_path": orders_path, "warehouse": str(warehouse)}
+                with BusyWatcher() as watcher:
+                    entry[name] = run_phase(name, state, workdir)
+                entry["idle"][name]["during"] = watcher.summary()
+            finally:
+                broker.stop()
+            if name == "backfill":
+                versions = entry[name]
+                entry["affected"] = {
+                    table: affected_partitions(warehouse / table,
+                                               versions["versions_before"][table],
+                                               versions["versions_after"][table])
+                    for table in TABLES_OF_INTEREST}
+                entry["gates"] = gate_seconds(entry[name])
+            log(f"sweep {days} days: {name} {entry[name]['wall_s']:.1f}s")
+        for name in ("backfill", "baseline"):
+            if not args.keep:
+                shutil.rmtree(workdir / f"warehouse-{name}", ignore_errors=True)
+        entry["backfill_vs_full"] = round(entry["backfill"]["wall_s"]
+                                          / entry["baseline"]["wall_s"], 3)
+        result["runs"].append(entry)
+    return result
+
+
+def sweep_markdown(result: dict[str, Any], path: Path) -> str:
+    """The BENCHMARKS.md table of a sweep's result file."""
+    rows = [
+        f"Result file: `bench/results/{path.name}` (scale `{result['scale']['name']}`, "
+        f"{result['started_utc']}, code `{result['product_source'].get('git_head') or '?'}`).",
+        "",
+        "| orders of the last | orders | sessions updated | `sessions` partitions rewritten "
+        "| backfill | full recompute (same merge) | backfill / full | gates |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result["runs"]:
+        backfill, baseline = run["backfill"], run["baseline"]
+        corrections = backfill["corrections"]
+        rows.append(
+            f"| {run['days']} days | {backfill['rows_merged']:,} "
+            f"| {corrections['sessions_updated']:,} "
+            f"| {run['affected']['sessions']['partitions']} "
+            f"| {backfill['wall_s']:.1f} s | {baseline['wall_s']:.1f} s "
+            f"| **{run['backfill_vs_full']:.3f}** | {sum(run['gates'].values()):.1f} s |")
+    rows.append("")
+    rows.append("Backfill steps (product timings): " + "; ".join(
+        f"{run['days']} days: " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in {**run['backfill']['steps'],
+                                          **run['backfill']['correction_steps']}.items())
+        for run in result["runs"]) + ".")
+    return "\n".join(rows)
 
 
 def bytes_summary(result: dict[str, Any], frozen: Path, backfill_wh: Path) -> dict[str, Any]:
@@ -1259,6 +1373,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="time only this phase on a fresh copy of the prepared state of "
                         "a previous run in the workdir (writes backfill-phase-<scale>-<stamp>"
                         ".json)")
+    parser.add_argument("--orders-days", type=int, metavar="N",
+                        help="with --phase-alone: the orders of the last N days of the year "
+                        "only (default: the whole year)")
+    parser.add_argument("--sweep-days", metavar="N,N,...",
+                        help="on a previous run's prepared state: backfill the orders of the "
+                        "last N days of the year, and the same merge plus the full "
+                        "recompute, for each N (writes backfill-sweep-<scale>-<stamp>.json)")
     parser.add_argument("--phase", nargs=3, metavar=("NAME", "IN", "OUT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1269,12 +1390,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.markdown:
         path = Path(args.markdown).resolve()
-        print(markdown(json.loads(path.read_text()), path))
+        data = json.loads(path.read_text())
+        print(sweep_markdown(data, path) if "runs" in data else markdown(data, path))
         return 0
     OTHER_PATTERNS.extend(args.other_pattern)
     MAX_WAIT_CPU_S[0] = args.max_wait_cpu
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    if args.sweep_days:
+        result = run_sweep(args)
+        path = RESULTS_DIR / f"backfill-sweep-{result['scale']['name']}-{stamp}.json"
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(sweep_markdown(result, path))
+        print(f"wrote {path}")
+        return 0
     if args.phase_alone:
         result = run_phase_alone(args)
         path = RESULTS_DIR / f"backfill-phase-{result['scale']['name']}-{stamp}.json"

@@ -15,6 +15,10 @@ from clickstream.config import ENV_NAMES, Config
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# How much of a query plan Spark spells out in explain output and listener events (see
+# build_spark): enough to read the top of a plan, far below what nested cached plans reach.
+MAX_PLAN_STRING_CHARS = 20_000
+
 
 def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = False,
                 long_running: bool = False) -> SparkSession:
@@ -47,6 +51,13 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # 8 GiB heap. Pages just under 512 KiB are never humongous.
         .config("spark.buffer.pageSize", "511k")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
+        # Spark writes every query's plan out as text for its listeners when the query starts
+        # and again at each adaptive re-plan, UI on or off; a persisted frame's plan prints the
+        # whole plan it was cached from, so the recompute's later queries (built on several
+        # persisted frames) spent more time printing plans than running: in a warm JVM, a
+        # one-day orders backfill's recompute step took 23-32 s with full plans and 14.7 s
+        # with them cut here (BENCHMARKS.md, session 18). Only explain output is shortened.
+        .config("spark.sql.maxPlanStringLength", str(MAX_PLAN_STRING_CHARS))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stateStore.providerClass",

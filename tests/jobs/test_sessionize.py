@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -181,10 +182,12 @@ def test_data_loss_is_detected_instead_of_skipped(
 
 
 def test_each_branch_parses_a_record_once(stream_config: Config, spark: SparkSession,
+                                         spark_conf: Callable[[str, str], None],
                                          capsys: pytest.CaptureFixture) -> None:
     """Spark must not push the session branch's filter on ``event_type`` below the parse,
     where it becomes a second ``from_json`` of every record (~15% of the stream's throughput,
     BENCHMARKS.md): one parse for the records branch, one for the session branch."""
+    spark_conf("spark.sql.maxPlanStringLength", str(2**31 - 16))  # the whole plan, uncut
     build_stream(spark, stream_config).explain("formatted")
     plan = capsys.readouterr().out
     assert plan.count("from_json(") == 2, plan
