@@ -951,11 +951,8 @@ def _changelog_broker() -> Any:
     return broker
 
 
-def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
-    """One timed phase on a fresh copy of a previous run's frozen pre-backfill state, with a
-    fresh broker: an A/B of two commits of the backfill takes minutes, not the setup's ~10.
-    The phase imports the product from this checkout, so checking out another commit's files
-    measures that commit."""
+def prepared_workdir(args: argparse.Namespace) -> tuple[BenchScale, Path]:
+    """The scale and workdir of a previous run whose prepared state the later modes reuse."""
     scale = SCALES[args.scale]
     workdir = Path(args.workdir or f"/tmp/backfill-bench-{scale.name}").resolve()
     marker = workdir / "prepared.json"
@@ -963,11 +960,26 @@ def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
     if not prepared or prepared.get("scale") != asdict(scale):
         raise SystemExit(f"no prepared {scale.name} state in {workdir}: run the benchmark once "
                          f"with --scale {scale.name} first")
-    name = args.phase_alone
+    return scale, workdir
+
+
+def fresh_warehouse(workdir: Path, name: str) -> Path:
+    """A new copy of the frozen pre-backfill warehouse for phase ``name``, and an empty home."""
     warehouse = workdir / f"warehouse-{name}"
     shutil.rmtree(warehouse, ignore_errors=True)
     shutil.copytree(workdir / "warehouse-prebackfill", warehouse)
     shutil.rmtree(workdir / "home", ignore_errors=True)
+    return warehouse
+
+
+def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
+    """One timed phase on a fresh copy of a previous run's frozen pre-backfill state, with a
+    fresh broker: an A/B of two commits of the backfill takes minutes, not the setup's ~10.
+    The phase imports the product from this checkout, so checking out another commit's files
+    measures that commit."""
+    scale, workdir = prepared_workdir(args)
+    name = args.phase_alone
+    warehouse = fresh_warehouse(workdir, name)
     result: dict[str, Any] = {
         "benchmark": f"backfill benchmark, phase {name} alone (fresh copy of the frozen "
                      "pre-backfill state, fresh broker)",
@@ -1019,13 +1031,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Backfills of the last N days of the year's orders, each against the full recompute
     after the same merge, on fresh copies of a previous run's prepared state: how the
     backfill's time grows with the batch while the client's history stays the same."""
-    scale = SCALES[args.scale]
-    workdir = Path(args.workdir or f"/tmp/backfill-bench-{scale.name}").resolve()
-    marker = workdir / "prepared.json"
-    prepared = json.loads(marker.read_text()) if marker.exists() else None
-    if not prepared or prepared.get("scale") != asdict(scale):
-        raise SystemExit(f"no prepared {scale.name} state in {workdir}: run the benchmark once "
-                         f"with --scale {scale.name} first")
+    scale, workdir = prepared_workdir(args)
     try:
         days_list = sorted({int(d) for d in args.sweep_days.split(",")})
     except ValueError:
@@ -1043,10 +1049,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         orders_path = recent_orders(workdir / "landing", days)
         entry: dict[str, Any] = {"days": days, "orders_path": orders_path, "idle": {}}
         for name in ("backfill", "baseline"):
-            warehouse = workdir / f"warehouse-{name}"
-            shutil.rmtree(warehouse, ignore_errors=True)
-            shutil.copytree(workdir / "warehouse-prebackfill", warehouse)
-            shutil.rmtree(workdir / "home", ignore_errors=True)
+            warehouse = fresh_warehouse(workdir, name)
             entry["idle"][name] = wait_until_idle(args.max_wait_idle)
             log(f"sweep {days} days: {name}")
             broker = _changelog_broker()
