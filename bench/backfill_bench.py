@@ -1093,7 +1093,7 @@ def sweep_markdown(result: dict[str, Any], path: Path) -> str:
         backfill, baseline = run["backfill"], run["baseline"]
         corrections = backfill["corrections"]
         rows.append(
-            f"| {run['days']} days | {backfill['rows_merged']:,} "
+            f"| {run['days']} day{'s' if run['days'] > 1 else ''} | {backfill['rows_merged']:,} "
             f"| {corrections['sessions_updated']:,} "
             f"| {run['affected']['sessions']['partitions']} "
             f"| {backfill['wall_s']:.1f} s | {baseline['wall_s']:.1f} s "
@@ -1400,6 +1400,10 @@ def main(argv: list[str] | None = None) -> int:
     MAX_WAIT_CPU_S[0] = args.max_wait_cpu
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    if args.orders_days is not None and (not args.phase_alone or args.orders_days < 1):
+        raise SystemExit("--orders-days N (N >= 1) goes with --phase-alone; got "
+                         f"{args.orders_days} without it" if not args.phase_alone
+                         else f"--orders-days must be at least 1; got {args.orders_days}")
     if args.sweep_days:
         result = run_sweep(args)
         path = RESULTS_DIR / f"backfill-sweep-{result['scale']['name']}-{stamp}.json"

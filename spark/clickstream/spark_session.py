@@ -52,11 +52,12 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         .config("spark.buffer.pageSize", "511k")
         .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
         # Spark writes every query's plan out as text for its listeners when the query starts
-        # and again at each adaptive re-plan, UI on or off; a persisted frame's plan prints the
-        # whole plan it was cached from, so the recompute's later queries (built on several
-        # persisted frames) spent more time printing plans than running: in a warm JVM, a
-        # one-day orders backfill's recompute step took 23-32 s with full plans and 14.7 s
-        # with them cut here (BENCHMARKS.md, session 18). Only explain output is shortened.
+        # and again at each adaptive re-plan, UI on or off; a persisted frame's node prints the
+        # whole plan it was cached from (InMemoryRelation's inner child), so the recompute's
+        # later queries (built on several persisted frames) spent more time printing plans
+        # than running: in a warm JVM, a one-day orders backfill's recompute step took 23-32 s
+        # with full plans and 14.7 s with them cut here (BENCHMARKS.md, session 18). Only
+        # plan text is shortened (explain output, listener events, errors quoting a plan).
         .config("spark.sql.maxPlanStringLength", str(MAX_PLAN_STRING_CHARS))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
