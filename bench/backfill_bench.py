@@ -972,6 +972,22 @@ def fresh_warehouse(workdir: Path, name: str) -> Path:
     return warehouse
 
 
+def run_phase_with_broker(name: str, workdir: Path, warehouse: Path, orders_path: str
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Phase ``name`` on ``warehouse`` with a fresh changelog broker (its topics start
+    empty, so the publish gate reads back only this phase's records); returns the phase's
+    result and what else used the CPU meanwhile."""
+    broker = _changelog_broker()
+    try:
+        state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
+                 "orders_path": orders_path, "warehouse": str(warehouse)}
+        with BusyWatcher() as watcher:
+            result = run_phase(name, state, workdir)
+        return result, watcher.summary()
+    finally:
+        broker.stop()
+
+
 def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
     """One timed phase on a fresh copy of a previous run's frozen pre-backfill state, with a
     fresh broker: an A/B of two commits of the backfill takes minutes, not the setup's ~10.
@@ -986,18 +1002,13 @@ def run_phase_alone(args: argparse.Namespace) -> dict[str, Any]:
         "issue": 3, "scale": asdict(scale), **_run_identity(),
         "idle": wait_until_idle(args.max_wait_idle),
     }
-    broker = _changelog_broker()
+    orders_path = (recent_orders(workdir / "landing", args.orders_days)
+                   if args.orders_days else f"orders/{CLIENT}")
+    result["orders_path"] = orders_path
     try:
-        orders_path = (recent_orders(workdir / "landing", args.orders_days)
-                       if args.orders_days else f"orders/{CLIENT}")
-        state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
-                 "orders_path": orders_path, "warehouse": str(warehouse)}
-        result["orders_path"] = orders_path
-        with BusyWatcher() as watcher:
-            result[name] = run_phase(name, state, workdir)
-        result["idle"]["during"] = watcher.summary()
+        result[name], result["idle"]["during"] = run_phase_with_broker(
+            name, workdir, warehouse, orders_path)
     finally:
-        broker.stop()
         if not args.keep:
             shutil.rmtree(warehouse, ignore_errors=True)
     if name == "backfill":
@@ -1052,15 +1063,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             warehouse = fresh_warehouse(workdir, name)
             entry["idle"][name] = wait_until_idle(args.max_wait_idle)
             log(f"sweep {days} days: {name}")
-            broker = _changelog_broker()
-            try:
-                state = {"workdir": str(workdir), "bootstrap": broker.bootstrap_servers,
-                         "orders_path": orders_path, "warehouse": str(warehouse)}
-                with BusyWatcher() as watcher:
-                    entry[name] = run_phase(name, state, workdir)
-                entry["idle"][name]["during"] = watcher.summary()
-            finally:
-                broker.stop()
+            entry[name], entry["idle"][name]["during"] = run_phase_with_broker(
+                name, workdir, warehouse, orders_path)
             if name == "backfill":
                 versions = entry[name]
                 entry["affected"] = {
@@ -1079,6 +1083,10 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _days(days: int) -> str:
+    return f"{days} day" if days == 1 else f"{days} days"
+
+
 def sweep_markdown(result: dict[str, Any], path: Path) -> str:
     """The BENCHMARKS.md table of a sweep's result file."""
     rows = [
@@ -1093,14 +1101,14 @@ def sweep_markdown(result: dict[str, Any], path: Path) -> str:
         backfill, baseline = run["backfill"], run["baseline"]
         corrections = backfill["corrections"]
         rows.append(
-            f"| {run['days']} day{'s' if run['days'] > 1 else ''} | {backfill['rows_merged']:,} "
+            f"| {_days(run['days'])} | {backfill['rows_merged']:,} "
             f"| {corrections['sessions_updated']:,} "
             f"| {run['affected']['sessions']['partitions']} "
             f"| {backfill['wall_s']:.1f} s | {baseline['wall_s']:.1f} s "
             f"| **{run['backfill_vs_full']:.3f}** | {sum(run['gates'].values()):.1f} s |")
     rows.append("")
     rows.append("Backfill steps (product timings): " + "; ".join(
-        f"{run['days']} days: " + ", ".join(
+        f"{_days(run['days'])}: " + ", ".join(
             f"{k} {v:.1f} s" for k, v in {**run['backfill']['steps'],
                                           **run['backfill']['correction_steps']}.items())
         for run in result["runs"]) + ".")
@@ -1400,10 +1408,10 @@ def main(argv: list[str] | None = None) -> int:
     MAX_WAIT_CPU_S[0] = args.max_wait_cpu
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    if args.orders_days is not None and (not args.phase_alone or args.orders_days < 1):
-        raise SystemExit("--orders-days N (N >= 1) goes with --phase-alone; got "
-                         f"{args.orders_days} without it" if not args.phase_alone
-                         else f"--orders-days must be at least 1; got {args.orders_days}")
+    if args.orders_days is not None and not args.phase_alone:
+        raise SystemExit("--orders-days goes with --phase-alone (the sweep takes --sweep-days)")
+    if args.orders_days is not None and args.orders_days < 1:
+        raise SystemExit(f"--orders-days must be at least 1; got {args.orders_days}")
     if args.sweep_days:
         result = run_sweep(args)
         path = RESULTS_DIR / f"backfill-sweep-{result['scale']['name']}-{stamp}.json"
