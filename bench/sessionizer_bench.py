@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
@@ -1385,15 +1386,78 @@ REFERENCE_SCHEMA = ("event_id string, client_id string, user_id string, event_ty
                     "currency string")
 
 
+def _steady_rate(row: dict[str, Any]) -> float:
+    return row.get("events_per_s_steady_batches", row["events_per_s"])
+
+
+def _floor_sink(spark: Any, config: Config, *, sessionize: bool
+                ) -> Callable[[Any, int], None]:
+    """A lower bound for any sessionizer on this machine's components: a ``foreachBatch`` sink
+    that stores each valid pageview once (deduplicated by event_id within the micro-batch) with
+    the product's Delta writer, and with ``sessionize`` also the sessions of the micro-batch's
+    own pageviews, computed in the JVM (window functions) and stored. Strictly less than the
+    product does: no state across micro-batches (sessions split at micro-batch edges), no orders,
+    quarantine, duplicates against stored data, gates or topics."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    from clickstream.io.delta_tables import open_tables
+    from clickstream.tables import PAGEVIEWS, SESSIONS
+
+    tables = open_tables(config, spark)
+    app_id = f"bench-floor-{uuid.uuid4().hex}"  # a query of its own: --repeat appends again
+
+    def store(spec: Any, rows: Any, batch_id: int) -> None:
+        tables.append_once(
+            spec.name, rows.select(*(F.col(f.name).cast(f.dataType) for f in spec.schema.fields)),
+            app_id=app_id, version=batch_id, partition_by=spec.partition_by,
+            metadata={"cause": f"bench floor batch {batch_id}"})
+
+    def sink(batch: Any, batch_id: int) -> None:
+        pageviews = (batch.where(F.col("error").isNull() & (F.col("event_type") == "pageview"))
+                     .withColumn("event_date", F.to_date("ts")).dropDuplicates(["event_id"]))
+        if not sessionize:
+            store(PAGEVIEWS, pageviews, batch_id)
+            return
+        pageviews = pageviews.persist()
+        try:
+            store(PAGEVIEWS, pageviews, batch_id)
+            by_user = Window.partitionBy("client_id", "user_id").orderBy("ts", "event_id")
+            gap_s = config.session_gap_ms / 1000
+            starts = (F.lag("ts").over(by_user).isNull()
+                      | (F.unix_micros("ts") - F.unix_micros(F.lag("ts").over(by_user))
+                         >= F.lit(int(gap_s * 1_000_000))))
+            numbered = pageviews.withColumn(
+                "n", F.sum(starts.cast("int")).over(by_user))
+            sessions = numbered.groupBy("client_id", "user_id", "n").agg(
+                F.min("ts").alias("session_start"), F.max("ts").alias("session_end"),
+                F.count("*").alias("pageview_count"),
+                F.min_by("url", "ts").alias("landing_url"), F.max_by("url", "ts").alias("exit_url"))
+            store(SESSIONS, sessions.select(
+                F.sha2(F.concat_ws("/", "client_id", "user_id",
+                                   F.col("session_start").cast("string")), 256)
+                .alias("session_id"), "*", F.lit(0).alias("order_count"),
+                F.lit(0).alias("revenue"), F.lit(1).alias("revision"),
+                F.to_date("session_start").alias("session_date")), batch_id)
+        finally:
+            pageviews.unpersist()
+
+    return sink
+
+
 def cmd_stages(args: argparse.Namespace) -> int:
     """Time prefixes of the sessionizer's plan with Spark's ``noop`` sink, in this process.
 
     Uses the product's own functions (``read_kafka_stream``, ``parse_kafka_records``,
     ``build_stream``) over the same pre-produced events as ``throughput``, each as an
     ``availableNow`` query with a fresh checkpoint, after one warm-up pass. The difference
-    between ``build_stream`` and a full ``throughput`` run is the ``foreachBatch`` sink.
-    ``reference_from_json`` is not product code: ``from_json`` with a fixed schema and no
-    validation, to show what a cheaper parse could cost.
+    between ``build_stream`` and a full ``throughput`` run is the ``foreachBatch`` sink;
+    ``build_stream_unshared_reads`` is the same plan with each branch fetching its records from
+    Kafka (what sharing the reads saves, kafka_source K6). Not product code:
+    ``reference_from_json`` (``from_json`` with a fixed schema and no validation, what a cheaper
+    parse could cost) and the two ``floor_*`` sinks (the least any sessionizer must do here:
+    store each pageview once, and with sessions of each micro-batch alone, see
+    ``_floor_sink``), which bound what the product's throughput could reach on this machine.
     """
     records, gen_meta = generated_records(args)
     result: dict[str, Any] = {"benchmark": "stages", "argv": sys.argv, "machine": machine_info(),
@@ -1431,22 +1495,37 @@ def cmd_stages(args: argparse.Namespace) -> int:
             ("kafka_source", source),
             ("kafka_source_parse", lambda: parse_kafka_records(source())),
             ("build_stream", lambda: build_stream(spark, config)),
+            ("build_stream_unshared_reads",
+             lambda: build_stream(spark, config, share_reads=False)),
             ("reference_from_json", lambda: source().select(
                 F.from_json(F.col("value").cast("string"), REFERENCE_SCHEMA).alias("v"))
                 .select("v.*")),
+            ("floor_store_pageviews", lambda: parse_kafka_records(source())),
+            ("floor_store_and_sessionize", lambda: parse_kafka_records(source())),
         ]
+        # --repeat N: the measured variants N times over, in an order that alternates, so
+        # that pairs compare on a host whose speed drifts; each run keeps its own row.
+        warmups = [v for v in variants if v[0].startswith("warmup")]
+        measured = [v for v in variants if not v[0].startswith("warmup")]
+        rounds = [measured if r % 2 == 0 else measured[::-1] for r in range(args.repeat)]
         cpu = CpuWatch().__enter__()
         try:
-            for name, make in variants:
+            for run, (name, make) in enumerate(warmups + [v for r in rounds for v in r]):
                 t0 = time.time()
-                query = (make().writeStream.format("noop").trigger(availableNow=True)
-                         .option("checkpointLocation", str(ws.root / "stages" / name)).start())
+                writer = make().writeStream.trigger(availableNow=True)
+                if name.startswith("floor_"):
+                    writer = writer.foreachBatch(_floor_sink(
+                        spark, config, sessionize=name == "floor_store_and_sessionize"))
+                else:
+                    writer = writer.format("noop")
+                query = (writer.option("checkpointLocation",
+                                       str(ws.root / "stages" / f"{run}-{name}")).start())
                 query.awaitTermination()
                 wall = time.time() - t0
                 runs = [p for p in query.recentProgress if _input_rows(p)]
                 steady = [p["durationMs"].get("addBatch", 0) for p in runs[1:]]
                 steady_rows = sum(_input_rows(p) for p in runs[1:])
-                doubled = name == "build_stream"  # two scans of the source per batch
+                doubled = name.startswith("build_stream")  # two scans per batch
                 row = {"wall_s": round(wall, 1), "events_per_s": round(in_topic / wall),
                        "batches": len(runs),
                        "add_batch_ms": [p["durationMs"].get("addBatch") for p in runs]}
@@ -1454,15 +1533,16 @@ def cmd_stages(args: argparse.Namespace) -> int:
                     events = steady_rows / (2 if doubled else 1)
                     row["events_per_s_steady_batches"] = round(events / (sum(steady) / 1000))
                     row["us_per_event_steady"] = round(sum(steady) * 1000 / events, 1)
-                result["variants"][name] = row
+                result["variants"].setdefault(name, []).append(row)
                 log(f"stages: {name}: {row}")
         finally:
             spark.stop()
             result["cpu"] = cpu.report()
         result["records"] = in_topic
         result["status"] = "ok"
-        parts = ", ".join(f"{k} {v.get('events_per_s_steady_batches', v['events_per_s']):,}/s"
-                          for k, v in result["variants"].items() if not k.startswith("warmup"))
+        parts = ", ".join(
+            f"{k} {statistics.median(_steady_rate(v) for v in runs):,.0f}/s"
+            for k, runs in result["variants"].items() if not k.startswith("warmup"))
         return finish("stages", result, 0, f"stages (steady batches, noop sink): {parts}")
 
 
@@ -2045,6 +2125,12 @@ def _iso(text: str) -> datetime:
     return value
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bench/sessionizer_bench.py",
@@ -2101,13 +2187,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = commands.add_parser(
         "stages", parents=[common], help="time the plan's pieces with a no-op sink",
-        description="Pre-produce the throughput data, then time (in this process, noop sink) "
-        "the Kafka source, source + parse, build_stream (both branches with the stateful "
-        "operator) and a from_json reference.")
+        description="Pre-produce the throughput data, then time (in this process) the Kafka "
+        "source, source + parse, build_stream (both branches with the stateful operator, reads "
+        "shared and not) with a no-op sink, a from_json reference, and two floors (store each "
+        "pageview once; and sessions of each micro-batch alone) with foreachBatch sinks.")
     for action in tp._actions:
         if action.dest in ("events", "users", "minutes", "sessions_per_user_per_day",
                            "late_fraction", "max_events_per_trigger"):
             st._add_action(action)
+    st.add_argument("--repeat", type=_positive_int, default=1,
+                    help="run the measured variants this many times, alternating their order; "
+                    "the summary gives each variant's median (default 1)")
     st.set_defaults(handler=cmd_stages)
 
     continuous = argparse.ArgumentParser(add_help=False)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql.datasource import CaseInsensitiveDict
 
 from clickstream.config import Config
-from clickstream.errors import DataLossError
+from clickstream.errors import BrokerUnavailableError, DataLossError
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import (
     flush_or_raise,
@@ -18,7 +21,13 @@ from clickstream.io.kafka_clients import (
     read_offset_ranges,
     topic_watermarks,
 )
-from clickstream.io.kafka_source import _rate_limit, group_ranges, read_kafka_stream
+from clickstream.io.kafka_source import (
+    KafkaRange,
+    _rate_limit,
+    group_ranges,
+    read_kafka_stream,
+    read_range,
+)
 from clickstream.tables import KAFKA_SCHEMA
 
 CREATED_MS = 1_763_640_000_000  # the producer's timestamps: CREATED_MS + i for record i
@@ -127,6 +136,48 @@ def test_ranges_of_many_partitions_are_read_with_one_consumer_exactly(
     broker.delete_records(topic, busy, 3)
     with pytest.raises(DataLossError, match=r"records 1\.\.2 were dropped"):
         list(read_offset_ranges(kafka_config, topic, ranges))
+
+
+def test_extra_kafka_options_reach_the_source_consumers(
+    spark: SparkSession, kafka_config: Config, make_topic, tmp_path: Path
+) -> None:
+    """CLICKSTREAM_KAFKA_OPTIONS (credentials, TLS on real Kafka) go to every consumer the
+    source makes: an option librdkafka does not know fails the query instead of vanishing."""
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 3)
+    with pytest.raises(StreamingQueryException, match=r"no\.such\.librdkafka\.option"):
+        run_once(spark, kafka_config.replace(kafka_options={"no.such.librdkafka.option": "1"}),
+                 topic, tmp_path / "ck")
+
+
+def _source_options(config: Config, topic: str, **more: str) -> CaseInsensitiveDict:
+    """The options as Spark hands them to the source (case-insensitive)."""
+    return CaseInsensitiveDict({"bootstrap": config.kafka_bootstrap_servers, "topic": topic,
+                                "kafkaOptions": "{}", **more})
+
+
+def test_a_second_read_of_the_same_ranges_takes_the_first_reads_records(
+    kafka_config: Config, make_topic
+) -> None:
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 12)
+    ranges = {p: (0, high) for p, (_low, high) in topic_watermarks(kafka_config, topic).items()}
+    task = KafkaRange(topic, ranges)
+    shared = _source_options(kafka_config, topic, shareReads="run-1")
+    first = pa.Table.from_batches(list(read_range(shared, task)))
+    assert first.num_rows == 12
+
+    def unreachable(run: str) -> CaseInsensitiveDict:
+        """No Kafka behind this address: a read can only succeed from a kept one."""
+        return _source_options(kafka_config.replace(kafka_bootstrap_servers="127.0.0.1:9"),
+                               topic, shareReads=run, readTimeoutSeconds="2")
+
+    with pytest.raises(BrokerUnavailableError):  # another query run's read is not served
+        list(read_range(unreachable("run-2"), task))
+    second = pa.Table.from_batches(list(read_range(unreachable("run-1"), task)))
+    assert second.equals(first)
+    with pytest.raises(BrokerUnavailableError):  # taken once: a third read goes to Kafka
+        list(read_range(unreachable("run-1"), task))
 
 
 def _native_kafka_available(spark: SparkSession) -> bool:

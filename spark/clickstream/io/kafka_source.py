@@ -24,17 +24,36 @@ Known edge cases, cited inline as (K1)..(K5):
       A task per partition cost every micro-batch a consumer start per partition, twice (the
       sessionizer's two branches each scan the source): a ~15k-record micro-batch took ~5.6 s
       with 16 tasks and ~3.5 s with 2 (BENCHMARKS.md).
+  K6. A query that scans the source twice per micro-batch (the sessionizer's two branches)
+      sets ``shareReads`` to a token of its own run: the first read of a task's offset ranges
+      keeps its Arrow batches in a local file, and the second read of the same ranges takes
+      them from there (and deletes the file) instead of fetching them again. Records at given
+      offsets never change, and the token is new for every query run, so a file can only serve
+      the ranges it was read for. When the second read runs on another host, or a file is
+      missing, it reads Kafka as usual; files nobody took (a failed task) are deleted once
+      older than ``SHARED_READ_MAX_AGE_S``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
+import time
+import uuid
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pyarrow as pa
 from confluent_kafka import Message
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import (
+    CaseInsensitiveDict,
+    DataSource,
+    DataSourceStreamReader,
+    InputPartition,
+)
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -48,6 +67,7 @@ from clickstream.io.kafka_clients import check_no_data_loss, read_offset_ranges,
 from clickstream.tables import KAFKA_SCHEMA
 
 SOURCE_NAME = "clickstream_kafka"
+SHARED_READ_MAX_AGE_S = 3600  # (K6) a kept read nobody took is deleted after this long
 
 _ARROW_SCHEMA = pa.schema([
     pa.field("key", pa.binary()),
@@ -103,7 +123,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans per-partition offset ranges on the driver; executors read them with confluent-kafka."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
-        self.options = dict(options)
+        # Spark hands options over case-insensitive; a plain dict keeps them lowercased, so
+        # camelCase look-ups (kafkaOptions, shareReads) on executors would find nothing.
+        self.options = CaseInsensitiveDict(options)
         self.topic = options["topic"]
         self.max_rows = int(options.get("maxOffsetsPerTrigger", "0")) or None
         self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
@@ -167,13 +189,74 @@ def read_range(
     options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True
 ) -> Iterator[pa.RecordBatch]:
     """Read one task's offset ranges as Arrow batches; raises DataLossError on dropped records
-    (K2)."""
-    batches = read_offset_ranges(
+    (K2). With ``shareReads`` set, the second read of the same ranges takes the first's (K6)."""
+    shared = _shared_read_path(options, kafka_range)
+    if shared is not None:
+        kept = _take_shared_read(shared)
+        if kept is not None:
+            yield from kept
+            return
+    batches = (_to_arrow(kafka_range.topic, messages) for messages in read_offset_ranges(
         _kafka_config(options), kafka_range.topic, kafka_range.ranges,
         fail_on_gaps=fail_on_gaps, idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
-    )
-    for messages in batches:
-        yield _to_arrow(kafka_range.topic, messages)
+    ))
+    if shared is None:
+        yield from batches
+    else:
+        yield from _keep_shared_read(shared, batches)
+
+
+def _shared_read_path(options: Mapping[str, str], kafka_range: KafkaRange) -> Path | None:
+    """Where the read of these ranges in this query run is kept (K6), or None: not shared."""
+    token = options.get("shareReads")
+    if not token:
+        return None
+    ranges = sorted(kafka_range.ranges.items())
+    name = hashlib.sha256(f"{token}|{kafka_range.topic}|{ranges}".encode()).hexdigest()
+    return Path(tempfile.gettempdir()) / "clickstream-kafka-reads" / f"{name}.arrow"
+
+
+def _take_shared_read(path: Path) -> list[pa.RecordBatch] | None:
+    """The batches a first read kept at ``path`` (the file is deleted), or None."""
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+    except FileNotFoundError:
+        return None
+    # Views of the mapping, which they keep alive: still valid once the file is unlinked.
+    batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    path.unlink(missing_ok=True)
+    return batches
+
+
+def _keep_shared_read(path: Path, batches: Iterator[pa.RecordBatch]
+                      ) -> Iterator[pa.RecordBatch]:
+    """Yield ``batches`` while writing them to ``path``, published whole (rename) at the end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_shared_reads(path.parent)
+    partial_path = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    complete = False
+    try:
+        with pa.OSFile(str(partial_path), "wb") as sink, \
+                pa.ipc.new_file(sink, _ARROW_SCHEMA) as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+                yield batch
+        os.replace(partial_path, path)
+        complete = True
+    finally:
+        if not complete:  # a failed or abandoned read keeps nothing
+            partial_path.unlink(missing_ok=True)
+
+
+def _sweep_shared_reads(folder: Path) -> None:
+    """Delete kept reads older than SHARED_READ_MAX_AGE_S: their second read never came (K6)."""
+    oldest = time.time() - SHARED_READ_MAX_AGE_S
+    for entry in os.scandir(folder):
+        try:
+            if entry.stat().st_mtime < oldest:
+                os.unlink(entry.path)
+        except FileNotFoundError:  # taken or swept meanwhile
+            continue
 
 
 def _to_arrow(topic: str, messages: list[Message]) -> pa.RecordBatch:
@@ -208,8 +291,14 @@ class KafkaDataSource(DataSource):
         return KafkaStreamReader(self.options)
 
 
-def read_kafka_stream(spark: SparkSession, config: Config, topic: str) -> DataFrame:
-    """The events stream in Kafka layout, from the source the configuration selects."""
+def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
+                      scans_per_batch: int = 1) -> DataFrame:
+    """The events stream in Kafka layout, from the source the configuration selects.
+
+    Args:
+        scans_per_batch: how many times the query reads each micro-batch (the sessionizer's
+            two branches: 2); with 2, the second read takes the first's batches (K6).
+    """
     if config.kafka_source == "native":
         reader = (
             spark.readStream.format("kafka")
@@ -223,6 +312,8 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str) -> DataFr
         for key, value in config.kafka_options.items():
             reader = reader.option(f"kafka.{key}", value)
         return reader.load().select(*KAFKA_SCHEMA.fieldNames())
+    if scans_per_batch not in (1, 2):
+        raise ValueError(f"scans_per_batch must be 1 or 2, not {scans_per_batch}")
     spark.dataSource.register(KafkaDataSource)
     return (
         spark.readStream.format(SOURCE_NAME)
@@ -231,5 +322,6 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str) -> DataFr
         .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
         .option("kafkaOptions", json.dumps(dict(config.kafka_options)))
         .option("readTasks", str(spark.sparkContext.defaultParallelism))  # (K5)
+        .option("shareReads", uuid.uuid4().hex if scans_per_batch == 2 else "")  # (K6)
         .load()
     )

@@ -130,9 +130,16 @@ def _ms_to_ts(column: str | Column) -> Column:
     return F.timestamp_millis(F.col(column) if isinstance(column, str) else column)
 
 
-def build_stream(spark: SparkSession, config: Config) -> DataFrame:
-    """The unioned stream the sink consumes: ``branch`` = 'emitted' | 'record'."""
-    records = parse_kafka_records(read_kafka_stream(spark, config, config.events_topic))
+def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = True
+                 ) -> DataFrame:
+    """The unioned stream the sink consumes: ``branch`` = 'emitted' | 'record'.
+
+    Each branch scans the source; with ``share_reads`` the second scan of a micro-batch takes
+    the first's records instead of fetching them again (kafka_source K6; off only to measure
+    what that saves: ``bench/sessionizer_bench.py stages``).
+    """
+    records = parse_kafka_records(read_kafka_stream(
+        spark, config, config.events_topic, scans_per_batch=2 if share_reads else 1))
     # One predicate, not a conjunction: Spark would push a conjunct on ``event_type`` alone
     # below the parse, where it parses every record's JSON a second time to read that field.
     is_session_input = F.coalesce(
