@@ -1543,7 +1543,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
         parts = ", ".join(
             f"{k} {statistics.median(_steady_rate(v) for v in runs):,.0f}/s"
             for k, runs in result["variants"].items() if not k.startswith("warmup"))
-        return finish("stages", result, 0, f"stages (steady batches, noop sink): {parts}")
+        return finish("stages", result, 0, f"stages (steady batches, median of runs): {parts}")
 
 
 # ------------------------------------------------------------------------------------------

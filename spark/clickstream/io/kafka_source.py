@@ -8,7 +8,7 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K5):
+Known edge cases, cited inline as (K1)..(K6):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. We stop with
       DataLossError, like Spark's ``failOnDataLoss=true``, instead of skipping silently.
