@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -178,6 +179,23 @@ def test_a_second_read_of_the_same_ranges_takes_the_first_reads_records(
     assert second.equals(first)
     with pytest.raises(BrokerUnavailableError):  # taken once: a third read goes to Kafka
         list(read_range(unreachable("run-1"), task))
+
+
+def test_a_read_that_cannot_be_kept_still_reads_everything(
+    kafka_config: Config, make_topic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keeping a read is only a saving: where its file cannot be written (here the folder
+    is a file), the first read returns every record and the second reads Kafka again."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "clickstream-kafka-reads").write_text("not a folder")
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 8)
+    ranges = {p: (0, high) for p, (_low, high) in topic_watermarks(kafka_config, topic).items()}
+    options = _source_options(kafka_config, topic, shareReads="run-1")
+    reads = [pa.Table.from_batches(list(read_range(options, KafkaRange(topic, ranges))))
+             for _ in range(2)]
+    assert reads[0].num_rows == 8 and reads[1].equals(reads[0])
+    assert [p.name for p in tmp_path.iterdir()] == ["clickstream-kafka-reads"]
 
 
 def _native_kafka_available(spark: SparkSession) -> bool:

@@ -36,8 +36,10 @@ Known edge cases, cited inline as (K1)..(K6):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -65,6 +67,8 @@ from pyspark.sql.types import StructType
 from clickstream.config import Config
 from clickstream.io.kafka_clients import check_no_data_loss, read_offset_ranges, topic_watermarks
 from clickstream.tables import KAFKA_SCHEMA
+
+log = logging.getLogger(__name__)
 
 SOURCE_NAME = "clickstream_kafka"
 SHARED_READ_MAX_AGE_S = 3600  # (K6) a kept read nobody took is deleted after this long
@@ -220,7 +224,10 @@ def _take_shared_read(path: Path) -> list[pa.RecordBatch] | None:
     """The batches a first read kept at ``path`` (the file is deleted), or None."""
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path)))
-    except FileNotFoundError:
+    except FileNotFoundError:  # not kept (yet), or kept on another host
+        return None
+    except OSError as exc:
+        log.warning("reading Kafka instead of a kept read (%s): %s", path, exc)
         return None
     # Views of the mapping, which they keep alive: still valid once the file is unlinked.
     batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -230,22 +237,75 @@ def _take_shared_read(path: Path) -> list[pa.RecordBatch] | None:
 
 def _keep_shared_read(path: Path, batches: Iterator[pa.RecordBatch]
                       ) -> Iterator[pa.RecordBatch]:
-    """Yield ``batches`` while writing them to ``path``, published whole (rename) at the end."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_shared_reads(path.parent)
-    partial_path = path.with_suffix(f".{uuid.uuid4().hex}.partial")
-    complete = False
+    """Yield ``batches`` while writing them to ``path``, published whole (rename) at the end.
+
+    Keeping is only a saving: when the file cannot be written (a full disk), the read goes on
+    and keeps nothing, and the second read fetches from Kafka."""
+    kept = _KeptRead.open(path)
     try:
-        with pa.OSFile(str(partial_path), "wb") as sink, \
-                pa.ipc.new_file(sink, _ARROW_SCHEMA) as writer:
-            for batch in batches:
-                writer.write_batch(batch)
-                yield batch
-        os.replace(partial_path, path)
-        complete = True
+        for batch in batches:
+            if kept is not None and not kept.write(batch):
+                kept = None
+            yield batch
+        if kept is not None:
+            kept.publish()
+            kept = None
     finally:
-        if not complete:  # a failed or abandoned read keeps nothing
-            partial_path.unlink(missing_ok=True)
+        if kept is not None:  # a failed or abandoned read keeps nothing
+            kept.discard()
+
+
+class _KeptRead:
+    """A read being kept for the second scan (K6): a partial file until it is complete."""
+
+    def __init__(self, path: Path, partial: Path, sink: pa.NativeFile,
+                 writer: pa.ipc.RecordBatchFileWriter) -> None:
+        self.path, self.partial, self.sink, self.writer = path, partial, sink, writer
+
+    @classmethod
+    def open(cls, path: Path) -> _KeptRead | None:
+        partial = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _sweep_shared_reads(path.parent)
+            sink = pa.OSFile(str(partial), "wb")
+        except OSError as exc:  # nothing was created
+            log.warning("not keeping a Kafka read for its second scan (%s): %s", path, exc)
+            return None
+        try:
+            return cls(path, partial, sink, pa.ipc.new_file(sink, _ARROW_SCHEMA))
+        except OSError as exc:
+            log.warning("not keeping a Kafka read for its second scan (%s): %s", path, exc)
+            sink.close()
+            partial.unlink(missing_ok=True)
+            return None
+
+    def write(self, batch: pa.RecordBatch) -> bool:
+        """False when the batch could not be written; the partial file is gone then."""
+        try:
+            self.writer.write_batch(batch)
+            return True
+        except OSError as exc:
+            log.warning("not keeping a Kafka read for its second scan (%s): %s", self.path, exc)
+            self.discard()
+            return False
+
+    def publish(self) -> None:
+        try:
+            self.writer.close()
+            self.sink.close()
+            os.replace(self.partial, self.path)
+        except OSError as exc:
+            log.warning("not keeping a Kafka read for its second scan (%s): %s", self.path, exc)
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the partial file. Only cleanup after a failure already logged, or after an
+        abandoned read: closing may fail again (a full disk, a writer already closed)."""
+        for close in (self.writer.close, self.sink.close):
+            with contextlib.suppress(OSError, pa.ArrowInvalid):
+                close()
+        self.partial.unlink(missing_ok=True)
 
 
 def _sweep_shared_reads(folder: Path) -> None:
