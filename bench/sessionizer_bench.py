@@ -1402,6 +1402,7 @@ def _floor_sink(spark: Any, config: Config, *, sessionize: bool
     from pyspark.sql import functions as F
 
     from clickstream.io.delta_tables import open_tables
+    from clickstream.jobs.sessionize import _shape
     from clickstream.tables import PAGEVIEWS, SESSIONS
 
     tables = open_tables(config, spark)
@@ -1409,7 +1410,7 @@ def _floor_sink(spark: Any, config: Config, *, sessionize: bool
 
     def store(spec: Any, rows: Any, batch_id: int) -> None:
         tables.append_once(
-            spec.name, rows.select(*(F.col(f.name).cast(f.dataType) for f in spec.schema.fields)),
+            spec.name, _shape(rows, spec),
             app_id=app_id, version=batch_id, partition_by=spec.partition_by,
             metadata={"cause": f"bench floor batch {batch_id}"})
 
@@ -1423,10 +1424,10 @@ def _floor_sink(spark: Any, config: Config, *, sessionize: bool
         try:
             store(PAGEVIEWS, pageviews, batch_id)
             by_user = Window.partitionBy("client_id", "user_id").orderBy("ts", "event_id")
-            gap_s = config.session_gap_ms / 1000
-            starts = (F.lag("ts").over(by_user).isNull()
-                      | (F.unix_micros("ts") - F.unix_micros(F.lag("ts").over(by_user))
-                         >= F.lit(int(gap_s * 1_000_000))))
+            previous = F.lag("ts").over(by_user)
+            starts = (previous.isNull()
+                      | (F.unix_micros("ts") - F.unix_micros(previous)
+                         >= F.lit(config.session_gap_ms * 1000)))
             numbered = pageviews.withColumn(
                 "n", F.sum(starts.cast("int")).over(by_user))
             sessions = numbered.groupBy("client_id", "user_id", "n").agg(

@@ -270,12 +270,12 @@ class _KeptRead:
             _sweep_shared_reads(path.parent)
             sink = pa.OSFile(str(partial), "wb")
         except OSError as exc:  # nothing was created
-            log.warning("not keeping a Kafka read for its second scan (%s): %s", path, exc)
+            _warn_not_kept(path, exc)
             return None
         try:
             return cls(path, partial, sink, pa.ipc.new_file(sink, _ARROW_SCHEMA))
         except OSError as exc:
-            log.warning("not keeping a Kafka read for its second scan (%s): %s", path, exc)
+            _warn_not_kept(path, exc)
             sink.close()
             partial.unlink(missing_ok=True)
             return None
@@ -286,7 +286,7 @@ class _KeptRead:
             self.writer.write_batch(batch)
             return True
         except OSError as exc:
-            log.warning("not keeping a Kafka read for its second scan (%s): %s", self.path, exc)
+            _warn_not_kept(self.path, exc)
             self.discard()
             return False
 
@@ -296,7 +296,7 @@ class _KeptRead:
             self.sink.close()
             os.replace(self.partial, self.path)
         except OSError as exc:
-            log.warning("not keeping a Kafka read for its second scan (%s): %s", self.path, exc)
+            _warn_not_kept(self.path, exc)
             self.discard()
 
     def discard(self) -> None:
@@ -306,6 +306,10 @@ class _KeptRead:
             with contextlib.suppress(OSError, pa.ArrowInvalid):
                 close()
         self.partial.unlink(missing_ok=True)
+
+
+def _warn_not_kept(path: Path, exc: OSError) -> None:
+    log.warning("not keeping a Kafka read for its second scan (%s): %s", path, exc)
 
 
 def _sweep_shared_reads(folder: Path) -> None:
@@ -352,12 +356,12 @@ class KafkaDataSource(DataSource):
 
 
 def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
-                      scans_per_batch: int = 1) -> DataFrame:
+                      share_reads: bool = False) -> DataFrame:
     """The events stream in Kafka layout, from the source the configuration selects.
 
     Args:
-        scans_per_batch: how many times the query reads each micro-batch (the sessionizer's
-            two branches: 2); with 2, the second read takes the first's batches (K6).
+        share_reads: the query scans each micro-batch twice (the sessionizer's two branches):
+            the second read takes the first's batches (K6). The native source reads Kafka.
     """
     if config.kafka_source == "native":
         reader = (
@@ -372,8 +376,6 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
         for key, value in config.kafka_options.items():
             reader = reader.option(f"kafka.{key}", value)
         return reader.load().select(*KAFKA_SCHEMA.fieldNames())
-    if scans_per_batch not in (1, 2):
-        raise ValueError(f"scans_per_batch must be 1 or 2, not {scans_per_batch}")
     spark.dataSource.register(KafkaDataSource)
     return (
         spark.readStream.format(SOURCE_NAME)
@@ -382,6 +384,6 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
         .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
         .option("kafkaOptions", json.dumps(dict(config.kafka_options)))
         .option("readTasks", str(spark.sparkContext.defaultParallelism))  # (K5)
-        .option("shareReads", uuid.uuid4().hex if scans_per_batch == 2 else "")  # (K6)
+        .option("shareReads", uuid.uuid4().hex if share_reads else "")  # (K6)
         .load()
     )

@@ -139,7 +139,7 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
     what that saves: ``bench/sessionizer_bench.py stages``).
     """
     records = parse_kafka_records(read_kafka_stream(
-        spark, config, config.events_topic, scans_per_batch=2 if share_reads else 1))
+        spark, config, config.events_topic, share_reads=share_reads))
     # One predicate, not a conjunction: Spark would push a conjunct on ``event_type`` alone
     # below the parse, where it parses every record's JSON a second time to read that field.
     is_session_input = F.coalesce(
