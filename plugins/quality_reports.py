@@ -87,6 +87,15 @@ def _listing(folder: Path, root: Path) -> HTMLResponse:
     return _page(title, f"{up}<ul>{items}</ul>")
 
 
+def _inside(root: Path, path: Path) -> Path | None:
+    """``path`` resolved, or None when it leaves ``root`` or cannot name a file (Q2)."""
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError):  # a NUL byte, a symlink loop: no such report
+        return None
+    return resolved if resolved == root or root in resolved.parents else None
+
+
 def create_app() -> FastAPI:
     app = FastAPI(title="Clickstream quality reports", docs_url=None, redoc_url=None,
                   openapi_url=None, dependencies=[Depends(require_login)])
@@ -107,14 +116,14 @@ def create_app() -> FastAPI:
         root = reports_root()
         if not root.is_dir():
             return _no_reports("Quality reports", root)
-        target = (root / path).resolve()
-        if target != root and root not in target.parents:  # (Q2)
+        target = _inside(root, root / path)
+        if target is None:  # (Q2)
             return _page("Not found", "<p>No such report.</p>", 404)
         if target.is_dir():
             if path and not path.endswith("/"):  # (Q3)
                 return RedirectResponse(f"{request.url.path}/", status_code=307)
-            index = target / "index.html"
-            if index.is_file():
+            index = _inside(root, target / "index.html")  # (Q2) a linked index.html too
+            if index is not None and index.is_file():
                 return FileResponse(index, headers=HEADERS)
             return _listing(target, root)
         if target.is_file():

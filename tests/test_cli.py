@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,8 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
     assert (config.session_gap_ms, config.watermark_delay_ms) == (45_000, 3_600_000)
     with pytest.raises(ConfigError, match="not a duration"):
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
+    with pytest.raises(ConfigError, match="^--session-gap='soon' is not a duration"):
+        Config.from_env({}, session_gap_minutes="soon")  # named as the flag the user typed
 
 
 @pytest.mark.parametrize("size", ["1536", "0g", "4 g", "lots"])
@@ -83,3 +86,36 @@ def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
     assert len(result.stderr.strip().splitlines()) == 1
     assert "no result of step 'check'" in result.stderr and "run the steps in order" in \
         result.stderr
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept(tmp_path) -> None:
+    log = tmp_path / "warehouse" / "pageviews" / "_delta_log"
+    log.mkdir(parents=True)
+    (log / f"{0:020d}.json").write_text("not json\n")  # a damaged table: no product error
+    env = {"CLICKSTREAM_HOME": str(tmp_path / "home"),
+           "CLICKSTREAM_WAREHOUSE": str(tmp_path / "warehouse"), "PATH": ""}
+    result = subprocess.run([*CLI, "inspect"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clickstream inspect: unexpected error: ")
+    kept = lines[0].rsplit("traceback in ", 1)[1]
+    assert kept.startswith(str(tmp_path / "home" / "logs"))
+    assert "Traceback (most recent call last)" in Path(kept).read_text()
+
+
+def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(tmp_path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"CLICKSTREAM_HOME": str(tmp_path / "home"), "PATH": "",
+           "CLICKSTREAM_WAREHOUSE": str(tmp_path / "warehouse"),
+           "KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port}"}
+    result = subprocess.run([*CLI, "sessionize", "--until-caught-up"], capture_output=True,
+                            text=True, env=env, timeout=180)
+    assert result.returncode == 1
+    reason = result.stderr.strip().splitlines()[-1]  # above it: librdkafka's connect failures
+    assert reason.startswith(f"clickstream sessionize: error: kafka at 127.0.0.1:{port} did "
+                             "not answer")
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
+    assert not (tmp_path / "home" / "checkpoints").exists()  # nothing started

@@ -6,12 +6,13 @@ Every command exits 0 on success and non-zero with a one-line reason on failure.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from clickstream.config import ENV_NAMES, Config
+from clickstream.config import ENV_NAMES, Config, cli_flag
 from clickstream.errors import ClickstreamError, ConfigError
 
 Handler = Callable[[argparse.Namespace, Config], int]
@@ -29,8 +30,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         ("spark_master", "Spark master URL"),
         ("quality_gates", "data-quality gates: enforce (default) or off"),
     ):
-        flag = "--" + name.removesuffix("_minutes").replace("_", "-")
-        group.add_argument(flag, dest=name, default=None,
+        group.add_argument(cli_flag(name), dest=name, default=None,
                            help=f"{help_text} [env {ENV_NAMES[name]}]")
 
 
@@ -153,6 +153,16 @@ def _iso_datetime(text: str) -> datetime:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clickstream",
@@ -164,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "broker", help="run the embedded Kafka-protocol broker in the foreground",
         description="Run the embedded Kafka-protocol broker (librdkafka's mock cluster) until "
         "SIGTERM. Memory only: its data is gone when it stops.")
-    broker.add_argument("--port", type=int, default=9092, help="fixed port (default 9092)")
+    broker.add_argument("--port", type=_port, default=9092,
+                        help="fixed port, 0 for any free one (default 9092)")
     broker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     broker.set_defaults(handler=_cmd_broker)
 
@@ -272,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    config: Config | None = None
     try:
         overrides = {name: getattr(args, name, None) for name in ENV_NAMES
                      if getattr(args, name, None) is not None}
@@ -283,6 +295,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"clickstream {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # a bug or an engine's failure: one line, the traceback kept
+        lines = str(error).strip().splitlines() or [""]
+        print(f"clickstream {args.command}: unexpected error: {type(error).__name__}: "
+              f"{lines[0]}; {_keep_traceback(config, args.command)}", file=sys.stderr)
+        return 1
+
+
+def _keep_traceback(config: Config | None, command: str) -> str:
+    """Where the traceback of an unexpected error went: a file under the home's ``logs``
+    folder, or this process's stderr when that cannot be written."""
+    import tempfile
+    import traceback
+
+    folder = (config.home if config else Path(tempfile.gettempdir())) / "logs"
+    stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+    path = folder / f"clickstream-{command}-{stamp}-{os.getpid()}.traceback"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+    except OSError:
+        traceback.print_exc()
+        return "its traceback is above"
+    return f"traceback in {path}"
 
 
 if __name__ == "__main__":

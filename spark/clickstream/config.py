@@ -52,6 +52,11 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
 
 
+def cli_flag(name: str) -> str:
+    """The command-line flag of a setting: ``session_gap_minutes`` -> ``--session-gap``."""
+    return "--" + name.removesuffix("_minutes").replace("_", "-")
+
+
 def parse_minutes(text: str, name: str) -> float:
     """Parse ``"30"`` (minutes), ``"45s"``, ``"1.5h"``, ``"500ms"`` into minutes."""
     match = _DURATION.match(str(text))
@@ -156,7 +161,7 @@ class Config:
             if name not in ENV_NAMES:
                 raise ConfigError(f"unknown setting {name!r}; known: {', '.join(ENV_NAMES)}")
             if value is not None:
-                values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+                values[name] = _convert(name, value, cli_flag(name))
         return cls(**values)  # type: ignore[arg-type]
 
 

@@ -151,6 +151,25 @@ def test_extra_kafka_options_reach_the_source_consumers(
                  topic, tmp_path / "ck")
 
 
+def test_a_broker_that_lost_what_was_read_stops_the_query(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The embedded broker restarted empty (or the topic was recreated): its offsets start
+    again below the checkpoint's, and reading on from there would skip the new records."""
+    config = Config.from_env({})
+    with EmbeddedBroker(port=0) as before:
+        before.create_topic("restarted", 1)
+        first = config.replace(kafka_bootstrap_servers=before.bootstrap_servers)
+        produce(first, "restarted", 7)
+        assert sum(len(b) for b in run_once(spark, first, "restarted", tmp_path / "ck")) == 7
+    with EmbeddedBroker(port=0) as after:
+        after.create_topic("restarted", 1)
+        second = config.replace(kafka_bootstrap_servers=after.bootstrap_servers)
+        produce(second, "restarted", 3)
+        with pytest.raises(StreamingQueryException, match=r"at offset 7 but the log ends at 3"):
+            run_once(spark, second, "restarted", tmp_path / "ck")
+
+
 def _source_options(config: Config, topic: str, **more: str) -> CaseInsensitiveDict:
     """The options as Spark hands them to the source (case-insensitive)."""
     return CaseInsensitiveDict({"bootstrap": config.kafka_bootstrap_servers, "topic": topic,

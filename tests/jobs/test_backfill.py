@@ -264,6 +264,86 @@ def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSess
     assert versions(stream_config, spark) == before
 
 
+def test_names_spark_would_glob_and_linked_folders_are_refused(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    before = versions(stream_config, spark)
+    outside = Path(stream_config.landing).parent / "secrets"
+    outside.mkdir()
+    (outside / "p.csv").write_text("SECRET-LINE\n")
+    batch = stream_config.landing / "q"
+    batch.mkdir(parents=True)
+    (batch / "[p].csv").write_text("order_id,client_id,user_id,ts,amount,currency\n")
+    (batch / "p.csv").symlink_to(outside / "p.csv")  # what the pattern [p].csv matches
+    with pytest.raises(BatchRefusedError, match="Spark would read as a pattern") as refused:
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                     path="q/[p].csv")
+    assert "SECRET" not in str(refused.value)
+    (stream_config.landing / "w" / "inner").mkdir(parents=True)
+    (stream_config.landing / "w" / "linked").symlink_to(outside)
+    with pytest.raises(BatchRefusedError, match=r"holds a linked folder .*linked"):
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="w")
+    assert versions(stream_config, spark) == before
+
+
+def test_files_under_hidden_folders_are_not_part_of_a_batch(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    write_rows(stream_config, "h/orders.jsonl", [
+        {**order_row("h1", "u", 1), "ts": START.isoformat()}], "jsonl")
+    for hidden in ("_temporary", ".ipynb_checkpoints"):
+        (stream_config.landing / "h" / hidden).mkdir()
+        (stream_config.landing / "h" / hidden / "part.jsonl").write_text("{not json\n")
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path="h")
+    assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (1, 1, 0)
+
+
+def test_csv_files_must_share_one_header_and_rows_must_match_it(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    header = "order_id,client_id,user_id,ts,amount,currency\n"
+    good = "c1,client-00,u1,2026-11-01T00:00:00Z,1.00,EUR\n"
+    (stream_config.landing / "hdr").mkdir(parents=True)
+    (stream_config.landing / "hdr" / "a.csv").write_text(header + good)
+    (stream_config.landing / "hdr" / "b.csv").write_text(
+        "user_id,client_id,order_id,ts,amount,currency\n"
+        "u7,client-00,c7,2026-11-01T00:00:00Z,1.00,EUR\n")
+    before = versions(stream_config, spark)
+    with pytest.raises(BatchRefusedError, match=r"CSV headers differ .*a\.csv: order_id,client"):
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                     path="hdr")
+    assert versions(stream_config, spark) == before
+    (stream_config.landing / "rows").mkdir(parents=True)
+    (stream_config.landing / "rows" / "a.csv").write_text(
+        header + good
+        + "c2,client-00,u1,2026-11-01T00:01:00Z,2.00,EUR,TRAILING\n"
+        + "c3,client-00,u1,2026-11-01T00:02:00Z,3.00\n")
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path="rows")
+    quarantined = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
+    assert quarantined == {
+        "c2,client-00,u1,2026-11-01T00:01:00Z,2.00,EUR,TRAILING":
+            "malformed CSV row: its number of fields differs from the header's",
+        "c3,client-00,u1,2026-11-01T00:02:00Z,3.00":
+            "malformed CSV row: its number of fields differs from the header's"}
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["c1"]
+    assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (3, 1, 2)
+
+
+def test_an_integer_ts_out_of_range_is_a_rows_reason(stream_config: Config,
+                                                     spark: SparkSession) -> None:
+    rows = [{**order_row("fine", "u", 1), "ts": ms(START)},
+            {**order_row("huge", "u", 2), "ts": 2**63 - 1}]
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path=write_rows(stream_config, "big", rows, "parquet"))
+    reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
+               for r in table_rows(stream_config, spark, "quarantine")}
+    assert reasons == {"huge": f"ts '{2**63 - 1}' is neither ISO-8601 with a time zone nor "
+                               "epoch milliseconds"}
+    assert summary.rows_merged == 1
+
+
 batch_rows = st.lists(
     st.tuples(st.sampled_from(["u1", "u2"]), st.integers(0, 240), st.integers(0, 3)),
     min_size=1, max_size=25)

@@ -3,11 +3,13 @@ ends: same tables, same topics, no duplicated corrections."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,9 @@ from clickstream.config import Config
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
-from tests.jobs.test_backfill import order_row, pv_row, write_rows
-from tests.jobs.test_sessionize import table_rows
+from clickstream.jobs.sessionize import run_sessionizer, stream_watermark_ms
+from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
+from tests.jobs.test_sessionize import produce, table_rows
 from tests.jobs.test_sessionize_crash import cli_env
 
 CRASH_POINTS = ("merge:", "record corrections:", "apply to tables:")
@@ -95,3 +98,38 @@ def test_kill_9_between_steps_then_rerun_matches_a_clean_run(
 
     assert snapshot(crashed, spark) == snapshot(clean, spark)
     assert os.path.isdir(Path(crashed.warehouse) / "corrections")
+
+
+def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """Orders of a user whose session the stream still holds open are queued for the scheduled
+    recompute; a run killed after recording its plan resumes that plan, and must not lose them."""
+    def pageview(user: str, minutes: int) -> tuple[str, str]:
+        return f"client-00/{user}", json.dumps({
+            "event_id": f"{user}-{minutes}", "client_id": "client-00", "user_id": user,
+            "event_type": "pageview", "ts": (START + timedelta(minutes=minutes)).isoformat(),
+            "url": f"/{minutes}", "referrer": ""})
+
+    produce(stream_config, [pageview("open", 0), pageview("open", 20), pageview("open", 40)])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [pageview("other", 45)])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert stream_watermark_ms(stream_config) == ms(START + timedelta(minutes=45 - 10))
+    orders = [order_row("o-open", "open", 25),  # inside the session the stream holds open
+              order_row("o-old", "old", -24 * 60)]  # long closed: planned and recorded
+    write_rows(stream_config, "late", orders, "jsonl")
+
+    child = subprocess.run(
+        [sys.executable, "-c", DRIVER, "orders", "client-00", "late", "record corrections:"],
+        env=cli_env(stream_config), capture_output=True, text=True, timeout=600,
+        start_new_session=True)
+    assert child.returncode == -9, child.stdout + child.stderr
+    resumed = run_backfill(stream_config, kind="orders", client_id="client-00", path="late",
+                           spark=spark, progress=lambda _: None)
+
+    assert resumed.corrections.resumed
+    assert {r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")} == {
+        "o-open"}
+    assert {r["order_id"]: r["session_id"]
+            for r in table_rows(stream_config, spark, "attributions")} == {"o-old": None}

@@ -94,6 +94,17 @@ def test_nothing_outside_the_reports_folder_is_served(client, token: str,
     assert client.get(f"{PREFIX}/%2e%2e/secret.txt", headers=bearer(token)).status_code == 404
 
 
+def test_a_linked_index_or_an_unnameable_path_is_not_served(client, token: str,
+                                                           reports: Path) -> None:
+    (reports / "linked").mkdir()
+    (reports / "linked" / "index.html").symlink_to(reports.parent / "secret.txt")
+    response = client.get(f"{PREFIX}/linked/", headers=bearer(token))
+    assert "not a report" not in response.text
+    assert response.status_code == 200  # the folder is listed instead, its link leads nowhere
+    assert client.get(f"{PREFIX}/linked/index.html", headers=bearer(token)).status_code == 404
+    assert client.get(f"{PREFIX}/run%00.html", headers=bearer(token)).status_code == 404
+
+
 def test_a_friendly_page_when_there_are_no_reports_yet(client, token: str) -> None:
     response = client.get(f"{PREFIX}/", headers=bearer(token))
     assert response.status_code == 200

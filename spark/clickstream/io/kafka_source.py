@@ -10,8 +10,12 @@ exactly the ranges of unfinished batches; the consumer never commits to a consum
 
 Known edge cases, cited inline as (K1)..(K6):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
-      per-partition cap): the start offset is below the log start. We stop with
-      DataLossError, like Spark's ``failOnDataLoss=true``, instead of skipping silently.
+      per-partition cap): the start offset is below the log start. Or it lost records we did
+      read (the embedded broker restarted empty, the topic was recreated): the log now ends
+      below the checkpoint's offset, and reading on from that offset once the log grows back
+      would skip every new record below it. Both stop with DataLossError, like Spark's
+      ``failOnDataLoss=true``, instead of skipping silently. A log that grew back past the
+      checkpoint's offset while no query ran cannot be told from offsets alone.
   K2. A gap inside a range being read (offsets jump) means records vanished while we read;
       also DataLossError. Set ``failOnGaps=false`` for topics written by transactional
       producers on real Kafka, where control records legitimately leave gaps.
@@ -152,7 +156,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for partition, (low, high) in marks.items():
             key = str(partition)
             begin = int(start.get(key, low))  # (K3)
-            check_no_data_loss(self.topic, partition, begin, low)  # (K1)
+            check_no_data_loss(self.topic, partition, begin, low, high)  # (K1)
             if self._target is not None:
                 high = min(high, self._target.get(key, begin))
             latest[key] = max(begin, high)

@@ -28,7 +28,7 @@ from clickstream.jobs.batch_input import (
     read_batch,
     validate_batch,
 )
-from clickstream.jobs.corrections import CorrectionSummary, Run, Snapshot, correct
+from clickstream.jobs.corrections import CorrectionSummary, Defer, Run, Snapshot, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.checks import run_commit_version
 from clickstream.quality.gates import (
@@ -229,9 +229,8 @@ def run_backfill(
     watermark = stream_watermark_ms(config)
     scope = scope_of(tables, valid, kind, client_id).persist()
     summary.corrections = correct(run, scope, orders_only=kind == "orders",
-                                  stream_watermark_ms=watermark)
-    if summary.corrections.deferred_users and watermark is not None:
-        _queue_open_tail(tables, valid, kind, scope, watermark, config.session_gap_ms, run_id)
+                                  stream_watermark_ms=watermark,
+                                  defer=queue_for_the_stream(tables, valid, kind, run_id))
     step("recompute and publish", started)
     for frame in (validated, valid, scope):
         frame.unpersist()
@@ -240,14 +239,18 @@ def run_backfill(
     return summary
 
 
-def _queue_open_tail(tables: DeltaTables, valid: DataFrame, kind: BatchKind, scope: DataFrame,
-                     watermark_ms: int, gap_ms: int, run_id: str) -> None:
-    """Rows of users the stream still owns go to the recompute queue for later (C4)."""
-    tail = scope.where(F.col("hi_ms") + gap_ms > watermark_ms).select("client_id", "user_id")
-    rows = valid.join(tail, ["client_id", "user_id"], "left_semi").select(
-        "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
-        F.col(KEY[kind]).alias("record_id"), "ts", F.lit(f"backfill {run_id}").alias("queued_by"),
-        F.to_date("ts").alias("event_date"))
-    tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=f"backfill-queue-{run_id}", version=1,
-                       partition_by=RECOMPUTE_QUEUE.partition_by,
-                       metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
+                         run_id: str) -> Defer:
+    """How the batch's rows of users the stream still owns go to the recompute queue (C4):
+    once per run, whichever attempt plans it."""
+
+    def queue(users: DataFrame) -> None:
+        rows = valid.join(users, ["client_id", "user_id"], "left_semi").select(
+            "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
+            F.col(KEY[kind]).alias("record_id"), "ts",
+            F.lit(f"backfill {run_id}").alias("queued_by"), F.to_date("ts").alias("event_date"))
+        tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=f"backfill-queue-{run_id}",
+                           version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
+                           metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+
+    return queue

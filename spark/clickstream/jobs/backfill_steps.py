@@ -42,9 +42,9 @@ from clickstream.config import Config
 from clickstream.errors import BatchRefusedError, ConfigError, QualityGateFailedError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.backfill import (
-    _queue_open_tail,
     merge_valid_rows,
     quarantine_or_refuse,
+    queue_for_the_stream,
     scope_of,
 )
 from clickstream.jobs.batch_input import (
@@ -309,14 +309,12 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
             summary.resumed = True
             count_plan(changes, summary)
         else:
-            changes = plan(run, scope, kind == "orders", summary, timer, watermark)
+            changes = plan(run, scope, kind == "orders", summary, timer, watermark,
+                           queue_for_the_stream(batch.tables, valid, kind, run_id))
         if changes is not None:
             with timer.step("apply to tables"):
                 apply(run, changes)
             changes.unpersist()
-        if summary.deferred_users and watermark is not None:
-            _queue_open_tail(batch.tables, valid, kind, scope, watermark, config.session_gap_ms,
-                             run_id)
         for frame in (valid, scope):
             frame.unpersist()
         progress(f"recompute {run_id}: {summary.describe()}")

@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B4):
+Known edge cases, cited inline as (B1)..(B7):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -14,17 +14,36 @@ Known edge cases, cited inline as (B1)..(B4):
       content the batch contradicts itself, so every copy is quarantined.
   B4. A row of another client than ``--client`` is quarantined, never merged into the
       declared client's partitions.
+  B5. Spark reads a path with ``* ? [ ] { } \\`` as a glob pattern, which could match files
+      the landing check never saw (a link beside ``[x].csv`` named ``x.csv``); such names are
+      refused. Files under hidden or ``_`` folders (``.ipynb_checkpoints``, ``_temporary``) are
+      not part of a batch, and a linked folder inside it is refused, not silently skipped.
+  B6. Spark maps a CSV file's columns by position and takes the names from one file, so the
+      files of a CSV batch must share one header (else ``order_id`` of one file would be
+      ``user_id`` of another); a row with more or fewer fields than its header is quarantined,
+      not cut or padded.
+  B7. An integer ``ts`` goes through the same epoch-millis rule as a text one, so a value out
+      of range is a row's reason, not an overflow that fails the batch.
 """
 
 from __future__ import annotations
 
+import csv
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
-from pyspark.sql.types import DateType, IntegralType, StringType, TimestampType
+from pyspark.sql.types import (
+    DateType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
@@ -39,6 +58,8 @@ REQUIRED = {
     "pageviews": ("event_id", "client_id", "user_id", "ts", "url", "referrer"),
 }
 KEY = {"orders": "order_id", "pageviews": "event_id"}
+GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax (B5)
+MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a CSV batch (B6)
 
 
 @dataclass(frozen=True)
@@ -78,11 +99,33 @@ def resolve_in_landing(config: Config, path: str) -> Path:
     return resolved
 
 
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
+def _files_under(root: Path) -> list[Path]:
+    """The batch files of a folder: none under hidden folders; linked folders refused (B5)."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(name for name in subfolders if not _hidden(name))
+        for name in subfolders:
+            if (Path(folder) / name).is_symlink():
+                raise BatchRefusedError(
+                    f"batch folder {root} holds a linked folder {Path(folder) / name}, whose "
+                    "files would not be read; copy them into the batch folder or pass the "
+                    "linked folder's path instead")
+        found += [Path(folder) / name for name in names if not _hidden(name)]
+    return sorted(found)
+
+
 def list_batch_files(config: Config, path: str) -> BatchFiles:
     root = resolve_in_landing(config, path)
-    candidates = [root] if root.is_file() else sorted(
-        p for p in root.rglob("*")
-        if p.is_file() and not p.name.startswith((".", "_")))
+    candidates = [root] if root.is_file() else _files_under(root)
+    globbing = [str(p) for p in candidates if GLOB_CHARACTERS & set(str(p))]
+    if globbing:
+        raise BatchRefusedError(
+            f"batch file {globbing[0]} has one of {' '.join(sorted(GLOB_CHARACTERS))} in its "
+            "path, which Spark would read as a pattern matching other files; rename it")
     unknown = [p.name for p in candidates if p.suffix.lower() not in FORMATS]
     if unknown:
         raise BatchRefusedError(
@@ -101,17 +144,50 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
     return BatchFiles(root, tuple(candidates), formats.pop())
 
 
+def csv_header(batch: BatchFiles) -> list[str]:
+    """The one header of a CSV batch's files; refuses files whose headers differ (B6)."""
+    headers: dict[tuple[str, ...], Path] = {}
+    for path in batch.files:
+        with path.open(newline="", encoding="utf-8", errors="replace") as lines:
+            header = tuple(name.strip() for name in next(csv.reader(lines), []))
+        headers.setdefault(header, path)
+    if len(headers) > 1:
+        (first, first_file), (other, other_file) = list(headers.items())[:2]
+        raise BatchRefusedError(
+            f"batch {batch.root}: the files' CSV headers differ ({first_file.name}: "
+            f"{','.join(first) or 'none'}; {other_file.name}: {','.join(other) or 'none'}), "
+            "so their columns would be mixed up; send files with one header")
+    header = list(headers.popitem()[0]) if headers else []
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:
+        raise BatchRefusedError(
+            f"batch {batch.root}: its CSV header repeats {', '.join(repeated)}; send each "
+            "column once")
+    return [name for name in header if name]
+
+
 def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
-    """Raw rows of the batch with their file of origin; refuses missing columns."""
+    """Raw rows of the batch with their file of origin; refuses missing columns and files
+    Spark cannot read."""
     reader = spark.read
-    if batch.file_format == "csv":
-        reader = reader.option("header", "true").option("inferSchema", "false")
-    frame = reader.format(batch.file_format).load([str(p) for p in batch.files])
-    missing = [c for c in REQUIRED[kind] if c not in frame.columns]
+    if batch.file_format == "csv":  # (B6) one header, every field as text, bad rows marked
+        header = csv_header(batch)
+        reader = reader.schema(StructType(
+            [StructField(name, StringType()) for name in header]
+            + [StructField(MALFORMED_CSV_ROW, StringType())])).options(
+            header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW)
+    try:
+        frame = reader.format(batch.file_format).load([str(p) for p in batch.files])
+    except PySparkException as error:
+        raise BatchRefusedError(
+            f"batch {batch.root} could not be read as {batch.file_format}: "
+            f"{str(error).strip().splitlines()[0]}") from error
+    found = [c for c in frame.columns if c != MALFORMED_CSV_ROW]
+    missing = [c for c in REQUIRED[kind] if c not in found]
     if missing:
         raise BatchRefusedError(
             f"batch {batch.root} lacks required {kind} columns: {', '.join(missing)} (found: "
-            f"{', '.join(frame.columns) or 'none'}); required: {', '.join(REQUIRED[kind])}")
+            f"{', '.join(found) or 'none'}); required: {', '.join(REQUIRED[kind])}")
     return frame.withColumn("_file", F.input_file_name())
 
 
@@ -126,9 +202,7 @@ def _ts(frame: DataFrame) -> tuple[Column, Column]:
         return F.col("ts"), F.col("ts").cast("string")
     if isinstance(kind, DateType):
         return F.lit(None).cast("timestamp"), F.col("ts").cast("string")
-    if isinstance(kind, IntegralType):
-        return F.timestamp_millis(F.col("ts")), F.col("ts").cast("string")
-    text = F.col("ts").cast("string")
+    text = F.col("ts").cast("string")  # integers too: epoch ms by the text rule (B7)
     return ts_from_text(text), text
 
 
@@ -138,13 +212,20 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str) -> DataFra
     ts, ts_text = _ts(frame)
     key = KEY[kind]
     columns = {name: _text(frame, name) for name in REQUIRED[kind] if name != "ts"}
-    raw = F.to_json(F.struct(*[F.col(c) for c in frame.columns if c != "_file"]))
+    fields = [c for c in frame.columns if c not in ("_file", MALFORMED_CSV_ROW)]
+    raw = F.to_json(F.struct(*[F.col(c) for c in fields]))
+    malformed = F.lit(None).cast(StringType())
+    if MALFORMED_CSV_ROW in frame.columns:  # (B6) the line as it was is the raw record
+        malformed = F.col(MALFORMED_CSV_ROW)
+        raw = F.coalesce(malformed, raw)
     typed = frame.select(
         raw.alias("raw"), F.col("_file").alias("source"),
         *(c.alias(n) for n, c in columns.items()),
-        ts.alias("ts"), ts_text.alias("ts_text"))
+        ts.alias("ts"), ts_text.alias("ts_text"), malformed.alias("malformed"))
     blank = {n: F.col(n).isNull() | (F.trim(F.col(n)) == "") for n in columns}
-    checks = [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
+    checks = [F.when(F.col("malformed").isNotNull(), F.lit(
+        "malformed CSV row: its number of fields differs from the header's"))]
+    checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(ts_error(F.col("ts_text"), F.col("ts")))
     checks.append(F.when(F.col("client_id") != F.lit(client_id), F.format_string(
         "client_id '%s' is not the batch's client '%s'", F.col("client_id"),
@@ -156,11 +237,12 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str) -> DataFra
     typed = typed.withColumn("error", F.coalesce(*checks))
     if kind == "orders":
         typed = typed.withColumn("amount", F.col("amount").try_cast(AMOUNT_TYPE))
-    content = [c for c in typed.columns if c not in ("raw", "source", "error", "ts_text")]
+    content = [c for c in typed.columns
+               if c not in ("raw", "source", "error", "ts_text", "malformed")]
     by_key = Window.partitionBy(key)
     variants = F.size(F.collect_set(F.to_json(F.struct(*content))).over(by_key))
     typed = typed.withColumn("error", F.coalesce(F.col("error"), F.when(
         variants > 1, F.format_string(
             "%s '%s' appears %d times in the batch with different content", F.lit(key),
             F.col(key), F.count(F.lit(1)).over(by_key)))))  # (B3)
-    return typed.drop("ts_text")
+    return typed.drop("ts_text", "malformed")

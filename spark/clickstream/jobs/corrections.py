@@ -25,7 +25,9 @@ Known edge cases, cited inline as (C1)..(C4):
   C3. The plan is the ``corrections`` rows of the run. The run that records it goes on with
       the recorded frame itself; a resumed run (or a later step) reads it back.
   C4. Sessions the stream has not closed yet (end + gap after the stream's watermark) belong
-      to the stream: scopes reaching them are deferred and stay queued.
+      to the stream: scopes reaching them are deferred and stay queued. A backfill queues its
+      rows of the deferred users (``defer``) before the plan is recorded: a resumed run reads
+      the plan back instead of planning, so queueing after it would be skipped for good.
   C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
       version, the client's days in reach), kept until apply rewrites those days from it: each
       affected partition is read once. The replace names the version it was computed from, so
@@ -81,12 +83,15 @@ class CorrectionSummary:
 
     def describe(self) -> str:
         steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
-        return (f"sessions created {self.sessions_created}, updated {self.sessions_updated}, "
-                f"retracted {self.sessions_retracted}; orders attributed "
-                f"{self.orders_attributed}, unattributed {self.orders_unattributed} "
-                f"({self.attributions_changed} attribution changes); "
-                f"{self.deferred_users} users deferred to the stream"
-                + (" [resumed a planned run]" if self.resumed else "") + f"; {steps}")
+        changed = (f"sessions created {self.sessions_created}, updated "
+                   f"{self.sessions_updated}, retracted {self.sessions_retracted}; ")
+        if self.resumed:  # a stored plan holds the changes only, not the totals behind them
+            return (changed + f"{self.attributions_changed} attribution changes [resumed a "
+                    "planned run: its orders attributed and users deferred were counted by the "
+                    f"run that planned it]; {steps}")
+        return (changed + f"orders attributed {self.orders_attributed}, unattributed "
+                f"{self.orders_unattributed} ({self.attributions_changed} attribution changes); "
+                f"{self.deferred_users} users deferred to the stream; {steps}")
 
 
 @dataclass(frozen=True)
@@ -372,15 +377,22 @@ def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
     ).where(F.col("change").isNotNull())
 
 
+Defer = Callable[[DataFrame], None]  # called with the (client_id, user_id) left to the stream
+
+
 def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,
-         timer: Timer, stream_watermark_ms: int | None) -> DataFrame | None:
+         timer: Timer, stream_watermark_ms: int | None,
+         defer: Defer | None = None) -> DataFrame | None:
     """Compute and store the run's corrections (the plan); None when nothing changes."""
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
         grown = (windows,)  # persisted: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)
             open_tail = F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms)
-            summary.deferred_users = windows.where(open_tail).count()
+            deferred = windows.where(open_tail).select("client_id", "user_id")
+            summary.deferred_users = deferred.count()
+            if summary.deferred_users and defer is not None:
+                defer(deferred)  # before anything is recorded (C4)
             windows = windows.where(~open_tail)
             old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
                                              ["client_id", "user_id"], "left_semi")
@@ -532,12 +544,14 @@ def _figures_before_apply(run: Run, changes: DataFrame) -> CorrectionFigures | N
 
 def correct(run: Run, scope: DataFrame, *, orders_only: bool,
             stream_watermark_ms: int | None = None,
-            summary: CorrectionSummary | None = None) -> CorrectionSummary:
+            summary: CorrectionSummary | None = None,
+            defer: Defer | None = None) -> CorrectionSummary:
     """Plan (or resume), apply and publish the corrections of ``scope`` for ``run.client_id``.
 
     ``scope`` has client_id, user_id, lo_ms, hi_ms: where new or changed rows landed.
     ``stream_watermark_ms``: the running sessionizer's watermark; users whose window reaches
-    past it are left to the stream (C4) and counted in ``deferred_users``.
+    past it are left to the stream (C4), counted in ``deferred_users`` and handed to
+    ``defer``.
     """
     summary = summary or CorrectionSummary()
     timer = Timer(summary, run.progress)
@@ -547,7 +561,7 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
         summary.resumed = True
         count_plan(changes, summary)
     else:
-        changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms)
+        changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
         if changes is not None:
             with timer.step("correction report"):
                 figures = _figures_before_apply(run, changes)

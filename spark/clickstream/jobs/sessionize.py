@@ -69,6 +69,7 @@ from clickstream.events import contract
 from clickstream.events.parse import parse_kafka_records
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
+from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import read_kafka_stream
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import user_bucket
@@ -429,6 +430,8 @@ def run_sessionizer(
 ) -> SessionizeSummary:
     """Run the streaming sessionizer until stopped (SIGTERM/SIGINT) or, with
     ``until_caught_up``, until everything available at start is processed and committed."""
+    # Kafka missing fails here, in one line, before Spark starts and its read tasks retry.
+    topic_watermarks(config, config.events_topic)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
     checkpoint = config.checkpoint_path(JOB)
