@@ -56,7 +56,7 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
     assert (config.session_gap_ms, config.watermark_delay_ms) == (45_000, 3_600_000)
     with pytest.raises(ConfigError, match="not a duration"):
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
-    with pytest.raises(ConfigError, match="^--session-gap='soon' is not a duration"):
+    with pytest.raises(ConfigError, match=r"^--session-gap='soon' is not a duration"):
         Config.from_env({}, session_gap_minutes="soon")  # named as the flag the user typed
 
 

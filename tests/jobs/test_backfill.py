@@ -329,6 +329,14 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
             "malformed CSV row: its number of fields differs from the header's"}
     assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["c1"]
     assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (3, 1, 2)
+    (stream_config.landing / "nameless").mkdir(parents=True)  # a column without a name
+    (stream_config.landing / "nameless" / "a.csv").write_text(
+        "\ufefforder_id,client_id,,user_id,ts,amount,currency\n"
+        "c9,client-00,ignored,u9,2026-11-01T00:09:00Z,9.00,EUR\n")
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path="nameless")
+    assert {r["order_id"]: r["user_id"] for r in table_rows(stream_config, spark, "orders")} \
+        == {"c1": "u1", "c9": "u9"}
 
 
 def test_an_integer_ts_out_of_range_is_a_rows_reason(stream_config: Config,

@@ -148,8 +148,9 @@ def csv_header(batch: BatchFiles) -> list[str]:
     """The one header of a CSV batch's files; refuses files whose headers differ (B6)."""
     headers: dict[tuple[str, ...], Path] = {}
     for path in batch.files:
-        with path.open(newline="", encoding="utf-8", errors="replace") as lines:
-            header = tuple(name.strip() for name in next(csv.reader(lines), []))
+        with path.open(newline="", encoding="utf-8-sig", errors="replace") as lines:
+            header = tuple(name.strip() or f"_c{i}"  # Spark's name for a nameless column
+                           for i, name in enumerate(next(csv.reader(lines), [])))
         headers.setdefault(header, path)
     if len(headers) > 1:
         (first, first_file), (other, other_file) = list(headers.items())[:2]
@@ -163,7 +164,7 @@ def csv_header(batch: BatchFiles) -> list[str]:
         raise BatchRefusedError(
             f"batch {batch.root}: its CSV header repeats {', '.join(repeated)}; send each "
             "column once")
-    return [name for name in header if name]
+    return header
 
 
 def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
