@@ -3,13 +3,12 @@ ends: same tables, same topics, no duplicated corrections."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.sessionize import run_sessionizer, stream_watermark_ms
 from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
-from tests.jobs.test_sessionize import produce, table_rows
+from tests.jobs.test_sessionize import pageview, produce, table_rows
 from tests.jobs.test_sessionize_crash import cli_env
 
 CRASH_POINTS = ("merge:", "record corrections:", "apply to tables:")
@@ -105,15 +104,13 @@ def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
 ) -> None:
     """Orders of a user whose session the stream still holds open are queued for the scheduled
     recompute; a run killed after recording its plan resumes that plan, and must not lose them."""
-    def pageview(user: str, minutes: int) -> tuple[str, str]:
-        return f"client-00/{user}", json.dumps({
-            "event_id": f"{user}-{minutes}", "client_id": "client-00", "user_id": user,
-            "event_type": "pageview", "ts": (START + timedelta(minutes=minutes)).isoformat(),
-            "url": f"/{minutes}", "referrer": ""})
+    def at(minutes: int) -> datetime:
+        return START + timedelta(minutes=minutes)
 
-    produce(stream_config, [pageview("open", 0), pageview("open", 20), pageview("open", 40)])
+    produce(stream_config, [pageview("open", at(0)), pageview("open", at(20)),
+                            pageview("open", at(40))])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    produce(stream_config, [pageview("other", 45)])
+    produce(stream_config, [pageview("other", at(45))])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert stream_watermark_ms(stream_config) == ms(START + timedelta(minutes=45 - 10))
     orders = [order_row("o-open", "open", 25),  # inside the session the stream holds open

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -32,6 +32,14 @@ def produce(config: Config, records: list[tuple[str | None, str]]) -> None:
         producer.produce(config.events_topic, key=key.encode() if key else None,
                          value=value.encode())
     flush_or_raise(producer, 30)
+
+
+def pageview(user: str, at: datetime, event_id: str | None = None) -> tuple[str, str]:
+    """One pageview record of client-00 as the events topic carries it."""
+    return f"client-00/{user}", json.dumps({
+        "event_id": event_id or f"{user}-{at.isoformat()}", "client_id": "client-00",
+        "user_id": user, "event_type": "pageview", "ts": at.isoformat(), "url": "/",
+        "referrer": ""})
 
 
 def table_rows(config: Config, spark: SparkSession, name: str) -> list[dict]:
@@ -163,6 +171,24 @@ def test_late_events_are_stored_and_queued_for_the_recompute(
     on_time = [e for e in events
                if (e["order_id"] if e["event_type"] == "order" else e["event_id"]) not in queued]
     assert_sessions_match_reference(stream_config, spark, on_time)
+
+
+def test_a_late_copy_of_a_stored_pageview_is_not_queued_again(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """Z8: a retry delivered after the watermark passed its first, sessionized copy has nothing
+    left to fold in; a late pageview no one stored is queued."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    minutes = [start + timedelta(minutes=m) for m in (0, 5, 60, 61)]
+    for records in ([pageview("a", minutes[0], "p1"), pageview("b", minutes[2], "pb")],
+                    [pageview("c", minutes[3], "pc")],  # the watermark moves on
+                    [pageview("a", minutes[0], "p1"), pageview("a", minutes[1], "p2")]):
+        produce(stream_config, records)
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    queued = [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")]
+    assert queued == ["p2"]
+    pageviews = [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")]
+    assert sorted(pageviews) == ["p1", "p2", "pb", "pc"]
 
 
 def test_data_loss_is_detected_instead_of_skipped(

@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z7):
+Known edge cases, cited inline as (Z1)..(Z8):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -40,6 +40,10 @@ Known edge cases, cited inline as (Z1)..(Z7):
       the records as parsed. The gate only passes or marks: when it marked no record (the
       frame it returns is the one it got), the counts stand; otherwise they are taken again
       on the marked records. A micro-batch without bad data pays one job's wait, not two.
+  Z8. A late record goes to the recompute queue only when no other delivery stored it: a late
+      duplicate of a record an earlier micro-batch (or a backfill) stored has nothing left to
+      fold in. Deliveries are told apart by ``source`` (topic/partition/offset), so a replayed
+      micro-batch, whose own earlier attempt may have stored the record, still queues it.
 """
 
 from __future__ import annotations
@@ -200,19 +204,39 @@ def checkpoint_query_id(checkpoint: Path) -> str:
     return json.loads((checkpoint / "metadata").read_text())["id"]
 
 
-def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: str) -> DataFrame:
-    """Drop late rows already stored (Z2), reading only their (client, day) partitions."""
+def _stored_where(tables: DeltaTables, spec: TableSpec, late: DataFrame,
+                  columns: list[str]) -> DataFrame | None:
+    """The stored ``columns`` of the (client, day) partitions of ``late``; None if none."""
     if not tables.exists(spec.name):
-        return late
+        return None
     parts = late.select("client_id", "event_date").distinct().collect()
     if not parts:
-        return late
-    stored = tables.read(
-        spec.name, [key, "client_id", "event_date"],
+        return None
+    return tables.read(
+        spec.name, [*columns, "client_id", "event_date"],
         partition_filter={"client_id": sorted({p.client_id for p in parts}),
                           "event_date": sorted({p.event_date for p in parts})},
-    )
-    return late.join(stored.select(key), on=key, how="left_anti")
+    ).select(*columns)
+
+
+def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: str) -> DataFrame:
+    """Drop late rows already stored (Z2), reading only their (client, day) partitions."""
+    stored = _stored_where(tables, spec, late, [key])
+    return late if stored is None else late.join(stored, on=key, how="left_anti")
+
+
+def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame) -> DataFrame:
+    """Late pageviews and orders minus those a delivery outside ``late`` stored (Z8)."""
+    kept = []
+    for kind, key, spec in ((contract.PAGEVIEW, "event_id", PAGEVIEWS),
+                            (contract.ORDER, "order_id", ORDERS)):
+        rows = late.where(F.col("event_type") == kind)
+        stored = _stored_where(tables, spec, rows, [key, "source"])
+        if stored is not None:
+            elsewhere = stored.join(rows.select(key, "source"), [key, "source"], "left_anti")
+            rows = rows.join(elsewhere.select(key), on=key, how="left_anti")
+        kept.append(rows)
+    return kept[0].unionByName(kept[1])
 
 
 def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
@@ -323,13 +347,17 @@ class MicroBatchWriter:
                 f"record:{contract.ORDER}:late"):
             late = valid.where(
                 is_late & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
-            queue = late.select(
-                "client_id", "user_id", F.col("event_type").alias("kind"),
-                F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
-                .otherwise(F.col("event_id")).alias("record_id"),
-                "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
-            ).dropDuplicates(["kind", "record_id"])
-            stored["late_queued"] = lambda: self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
+
+            def queue_late() -> int:  # in the wave: its reads of the stored rows run in parallel
+                queue = _not_stored_by_another_delivery(self.tables, late).select(
+                    "client_id", "user_id", F.col("event_type").alias("kind"),
+                    F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
+                    .otherwise(F.col("event_id")).alias("record_id"),
+                    "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
+                ).dropDuplicates(["kind", "record_id"])
+                return self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
+
+            stored["late_queued"] = queue_late
 
         sessions = emitted.where(F.col("kind") == "session").select(
             "session_id", "client_id", "user_id",
