@@ -18,7 +18,7 @@ time range that received new or changed pageviews/orders. Steps:
 A rerun of the same run id finds its plan in ``corrections`` and resumes at apply/publish, so a
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 
-Known edge cases, cited inline as (C1)..(C4):
+Known edge cases, cited inline as (C1)..(C5):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
   C2. Orders never move boundaries: an orders-only correction reads no pageviews at all.
