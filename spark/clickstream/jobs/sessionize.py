@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from functools import partial
+from functools import partial, reduce
 from pathlib import Path
 from typing import TypeVar
 
@@ -225,18 +225,24 @@ def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: 
     return late if stored is None else late.join(stored, on=key, how="left_anti")
 
 
-def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame) -> DataFrame:
-    """Late pageviews and orders minus those a delivery outside ``late`` stored (Z8)."""
+# The records the sink stores in a table of their own: (event type, key, table).
+RECORD_TABLES = ((contract.PAGEVIEW, "event_id", PAGEVIEWS), (contract.ORDER, "order_id", ORDERS))
+
+
+def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
+                                    kinds: set[str]) -> DataFrame:
+    """Late records of ``kinds`` minus those a delivery outside ``late`` stored (Z8)."""
     kept = []
-    for kind, key, spec in ((contract.PAGEVIEW, "event_id", PAGEVIEWS),
-                            (contract.ORDER, "order_id", ORDERS)):
+    for kind, key, spec in RECORD_TABLES:
+        if kind not in kinds:
+            continue
         rows = late.where(F.col("event_type") == kind)
         stored = _stored_where(tables, spec, rows, [key, "source"])
         if stored is not None:
             elsewhere = stored.join(rows.select(key, "source"), [key, "source"], "left_anti")
             rows = rows.join(elsewhere.select(key), on=key, how="left_anti")
         kept.append(rows)
-    return kept[0].unionByName(kept[1])
+    return reduce(DataFrame.unionByName, kept)
 
 
 def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
@@ -331,10 +337,9 @@ class MicroBatchWriter:
             both = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
             return self._append(spec, both, batch_id, app_id)
 
-        for field_name, kind, key, spec in (("pageviews", contract.PAGEVIEW, "event_id", PAGEVIEWS),
-                                            ("orders", contract.ORDER, "order_id", ORDERS)):
+        for kind, key, spec in RECORD_TABLES:
             if present.get(f"record:{kind}") or present.get(f"record:{kind}:late"):
-                stored[field_name] = partial(on_time_and_late, kind, key, spec)
+                stored[spec.name] = partial(on_time_and_late, kind, key, spec)
 
         if present.get("record:other") or present.get("record:other:late"):
             others = valid.where(~F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
@@ -343,13 +348,12 @@ class MicroBatchWriter:
                                               others.dropDuplicates(["event_id"]), "event_id"),
                 batch_id, app_id)
 
-        if present.get(f"record:{contract.PAGEVIEW}:late") or present.get(
-                f"record:{contract.ORDER}:late"):
-            late = valid.where(
-                is_late & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
+        late_kinds = {kind for kind, _, _ in RECORD_TABLES if present.get(f"record:{kind}:late")}
+        if late_kinds:
+            late = valid.where(is_late & F.col("event_type").isin(*sorted(late_kinds)))
 
             def queue_late() -> int:  # in the wave: its reads of the stored rows run in parallel
-                queue = _not_stored_by_another_delivery(self.tables, late).select(
+                queue = _not_stored_by_another_delivery(self.tables, late, late_kinds).select(
                     "client_id", "user_id", F.col("event_type").alias("kind"),
                     F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
                     .otherwise(F.col("event_id")).alias("record_id"),
