@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -58,6 +59,33 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
     with pytest.raises(ConfigError, match=r"^--session-gap='soon' is not a duration"):
         Config.from_env({}, session_gap_minutes="soon")  # named as the flag the user typed
+
+
+def test_trigger_interval_reads_bare_numbers_as_seconds_and_echoes_what_was_typed() -> None:
+    assert Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "5"}).trigger_interval_seconds == 5
+    assert Config.from_env({}, trigger_interval_seconds="2m").trigger_interval_seconds == 120
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_TRIGGER_INTERVAL='0' must be greater"):
+        Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "0"})
+    with pytest.raises(ConfigError, match=r"'soon' is not a duration; use seconds \(10\)"):
+        Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "soon"})
+
+
+@pytest.mark.parametrize("master", ["local[*]", "local", "local[2]", "local[2,3]", "yarn",
+                                    "spark://h1:7077,h2:7077", "k8s://https://h:6443",
+                                    "local-cluster[2, 1, 1024]"])
+def test_spark_master_urls_spark_accepts_are_accepted(master: str) -> None:
+    assert Config.from_env({"CLICKSTREAM_SPARK_MASTER": master}).spark_master == master
+
+
+def test_a_bad_spark_master_fails_with_one_line_before_spark_starts(tmp_path) -> None:
+    env = {**os.environ, "CLICKSTREAM_HOME": str(tmp_path), "CLICKSTREAM_WAREHOUSE": str(tmp_path)}
+    result = subprocess.run([*CLI, "sessionize", "--until-caught-up", "--spark-master", "bogus"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "clickstream sessionize: error: spark master 'bogus' (CLICKSTREAM_SPARK_MASTER or "
+        "--spark-master) is not a Spark master URL; use local[*], local[2], spark://host:7077, "
+        "yarn or k8s://host:port"], result.stderr
 
 
 @pytest.mark.parametrize("size", ["1536", "0g", "4 g", "lots"])

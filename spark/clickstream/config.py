@@ -48,8 +48,12 @@ ENV_NAMES: dict[str, str] = {
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
 _MEMORY = re.compile(r"^[1-9]\d*[kmgt]$", re.IGNORECASE)
 _UNIT_MIB = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
+# The master URLs Spark 4 accepts (Mesos was removed in 4.0); checked here because a bad one
+# makes the JVM exit with a stack trace before PySpark says anything useful.
+_MASTER = re.compile(r"^(local(\[(\d+|\*)(,\d+)?\])?|local-cluster\[\d+, *\d+, *\d+\]"
+                     r"|spark://\S+|yarn|k8s://\S+)$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
-_UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0, None: 1.0}
+_UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0}
 
 
 def cli_flag(name: str) -> str:
@@ -57,14 +61,16 @@ def cli_flag(name: str) -> str:
     return "--" + name.removesuffix("_minutes").replace("_", "-")
 
 
-def parse_minutes(text: str, name: str) -> float:
-    """Parse ``"30"`` (minutes), ``"45s"``, ``"1.5h"``, ``"500ms"`` into minutes."""
+def parse_minutes(text: str, name: str, bare_unit: str = "m") -> float:
+    """Parse ``"30"`` (``bare_unit``, minutes by default), ``"45s"``, ``"1.5h"``, ``"500ms"``."""
     match = _DURATION.match(str(text))
+    bare_example = "minutes (30)" if bare_unit == "m" else "seconds (10)"
     if not match:
         raise ConfigError(
-            f"{name}={text!r} is not a duration; use minutes (30) or a unit: 500ms, 45s, 30m, 2h"
+            f"{name}={text!r} is not a duration; use {bare_example} or a unit: "
+            "500ms, 45s, 30m, 2h"
         )
-    minutes = float(match.group(1)) * _UNIT_MINUTES[match.group(2)]
+    minutes = float(match.group(1)) * _UNIT_MINUTES[match.group(2) or bare_unit]
     if minutes <= 0:
         raise ConfigError(f"{name}={text!r} must be greater than zero")
     return minutes
@@ -118,6 +124,10 @@ class Config:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {value}")
+        if not _MASTER.match(self.spark_master):
+            raise ConfigError(f"spark master {self.spark_master!r} ({ENV_NAMES['spark_master']} "
+                              f"or {cli_flag('spark_master')}) is not a Spark master URL; use "
+                              "local[*], local[2], spark://host:7077, yarn or k8s://host:port")
         if not _MEMORY.match(self.driver_memory):
             raise ConfigError(f"{ENV_NAMES['driver_memory']}={self.driver_memory!r} is not a "
                               "JVM memory size with a unit; use e.g. 4g or 2048m")
@@ -171,7 +181,7 @@ def _convert(name: str, raw: object, source: str) -> object:
     if name in ("session_gap_minutes", "watermark_delay_minutes"):
         return parse_minutes(raw, source)
     if name == "trigger_interval_seconds":
-        return parse_minutes(raw if raw.strip()[-1:].isalpha() else raw + "s", source) * 60
+        return parse_minutes(raw, source, bare_unit="s") * 60
     if name in ("shuffle_partitions", "max_events_per_trigger"):
         try:
             return int(raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import select
 import signal
@@ -16,22 +17,32 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, Producer, TopicPartition
+from confluent_kafka import (
+    TIMESTAMP_CREATE_TIME,
+    Consumer,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 
 from clickstream.config import Config
 from clickstream.errors import (
     BrokerError,
     BrokerUnavailableError,
     ClickstreamError,
+    ConfigError,
     DataLossError,
     DeliveryError,
 )
 from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker
 from clickstream.io.kafka_clients import (
+    LIBRDKAFKA_LOG,
+    RepeatedLogFilter,
     check_no_data_loss,
     consumer_config,
     flush_or_raise,
     gc_paused,
+    make_consumer,
     make_producer,
     produce_json,
     produce_records,
@@ -250,6 +261,18 @@ def test_client_configs_layer_defaults_options_and_extra(config: Config) -> None
     assert consumer_config(cfg)["group.id"] != consumer_config(cfg)["group.id"]
 
 
+def test_a_setting_librdkafka_refuses_is_named_with_its_variable(config: Config) -> None:
+    unknown = config.replace(kafka_options={"linger.ms": "5", "foo.bar": "1"})
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_KAFKA_OPTIONS: librdkafka refused "
+                                          r"'foo\.bar' \(No such configuration property"):
+        make_consumer(unknown)
+    malformed = config.replace(kafka_options={"linger.ms": "soon"})  # alias of another name
+    with pytest.raises(ConfigError, match=r"refused one of 'linger\.ms' \(Invalid value"):
+        make_producer(malformed)
+    with pytest.raises(KafkaException, match="No such configuration property"):
+        make_consumer(config, **{"no.such.setting": 1})  # the code's own: not the operator's
+
+
 def test_gc_paused_restores_the_collectors_state_even_on_errors() -> None:
     assert gc.isenabled()
     with pytest.raises(RuntimeError), gc_paused():
@@ -331,8 +354,16 @@ def test_partition_size_cap_drops_old_records_and_is_detected(
         read_compacted(kafka_config, topic)
 
 
-def test_unreachable_broker_gives_clear_errors(config: Config) -> None:
+def test_unreachable_broker_gives_clear_errors(config: Config, caplog: pytest.LogCaptureFixture,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     unreachable = _closed_port_config(config)
+    attempted: list[str] = []  # every librdkafka log record, before the repeat filter
+
+    def count(record: logging.LogRecord) -> bool:
+        attempted.append(record.getMessage())
+        return True
+
+    monkeypatch.setattr(LIBRDKAFKA_LOG, "filters", [count, *LIBRDKAFKA_LOG.filters])
     started = time.monotonic()
     with pytest.raises(BrokerUnavailableError) as caught:
         topic_watermarks(unreachable, "events", attempts=2, timeout_s=1)
@@ -340,6 +371,12 @@ def test_unreachable_broker_gives_clear_errors(config: Config) -> None:
     message = str(caught.value)
     assert unreachable.kafka_bootstrap_servers in message and "2 attempts" in message
     assert "clickstream broker" in message
+    # librdkafka retried the connection many times; the log shows it once, saying so.
+    failed_connects = [m for m in attempted if "Connect to" in m and "failed" in m]
+    shown = [r.getMessage() for r in caplog.records if r.name == LIBRDKAFKA_LOG.name]
+    assert len(failed_connects) > 5, attempted
+    assert len(shown) == 1 and "Connect to" in shown[0], shown
+    assert "repeats of this message are shown once every 60 s" in shown[0]
 
     producer = make_producer(unreachable, **{"message.timeout.ms": 1000})
     produce_json(producer, "events", "c/u", {"event_id": "e1"})
@@ -347,6 +384,26 @@ def test_unreachable_broker_gives_clear_errors(config: Config) -> None:
         flush_or_raise(producer, 10)
     assert "1 of 1 records were not acknowledged" in str(failed.value)
     assert unreachable.kafka_bootstrap_servers in str(failed.value)
+
+
+def test_repeated_librdkafka_messages_are_counted_not_printed() -> None:
+    repeats = RepeatedLogFilter(window_s=0.2)
+
+    def record(client: str, text: str) -> logging.LogRecord:  # as confluent-kafka logs them
+        return logging.LogRecord("clickstream.librdkafka", logging.ERROR, __file__, 0,
+                                 "%s [%s] %s", ("FAIL", client, text), None)
+
+    refused = ("h:1/bootstrap: Connect to ipv4#h:1 failed: Connection refused "
+               "(after {}ms in state CONNECT)")
+    first = record("c#consumer-1", refused.format(0))
+    assert repeats.filter(first) and "shown once every 0.2 s" in first.getMessage()
+    assert not repeats.filter(record("c#consumer-2", refused.format(3)))  # same, other client
+    assert repeats.filter(record("c#consumer-2", "h:2/bootstrap: Connect to ipv4#h:2 failed"))
+    assert not repeats.filter(record("c#consumer-3", refused.format(1)))
+    time.sleep(0.25)
+    again = record("c#consumer-4", refused.format(0))
+    assert repeats.filter(again)
+    assert again.getMessage().endswith("(2 more like it since it was last shown)")
 
 
 def test_unknown_topic_is_not_reported_as_unavailable(kafka_config: Config) -> None:

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
+import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import date, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import (
     Consumer,
@@ -39,15 +42,63 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from clickstream.config import Config
+from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import (
     BrokerUnavailableError,
     ClickstreamError,
+    ConfigError,
     DataLossError,
     DeliveryError,
 )
 
 KafkaConfig = dict[str, Any]
+ClientT = TypeVar("ClientT")
+
+
+# --------------------------------------------------------------------------------------------
+# librdkafka's log
+# --------------------------------------------------------------------------------------------
+
+
+class RepeatedLogFilter(logging.Filter):
+    """Let one of each librdkafka message through per ``window_s``, counting the others.
+
+    Without it, a broker that is down makes librdkafka log every reconnect attempt: a command
+    printed ~630 identical "Connect ... failed" lines in the 30 s before it gave its one-line
+    reason. Messages are told apart by facility and text, without the client's name (each
+    client is ``consumer-<n>``) and the "(after 0ms in state ...)" timing.
+    """
+
+    _TIMING = re.compile(r"\s*\(after \d+ms in state \w+[^)]*\)")
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # key -> (shown at, hidden)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        facility, text = (str(args[0]), str(args[-1])) if len(args) == 3 else ("", record.msg)
+        key = (facility, self._TIMING.sub("", str(text)))
+        now = time.monotonic()
+        with self._lock:
+            shown_at, hidden = self._seen.get(key, (None, 0))
+            if shown_at is not None and now - shown_at < self.window_s:
+                self._seen[key] = (shown_at, hidden + 1)
+                return False
+            self._seen[key] = (now, 0)
+        if shown_at is None:
+            record.msg = (f"{record.msg} (repeats of this message are shown once every "
+                          f"{self.window_s:g} s)")
+        elif hidden:
+            record.msg = f"{record.msg} ({hidden} more like it since it was last shown)"
+        return True
+
+
+# librdkafka writes its log here, not to stderr; one logger for every client of the process.
+LIBRDKAFKA_LOG = logging.getLogger("clickstream.librdkafka")
+LIBRDKAFKA_LOG.addFilter(RepeatedLogFilter())
 
 
 @contextmanager
@@ -109,7 +160,7 @@ _LOSS_ADVICE = (
 def _merge(config: Config, defaults: Mapping[str, Any], extra: Mapping[str, Any]) -> KafkaConfig:
     """Defaults < ``Config.kafka_options`` (operator) < ``extra`` (the calling code)."""
     merged: KafkaConfig = {"bootstrap.servers": config.kafka_bootstrap_servers,
-                           "client.id": "clickstream"}
+                           "client.id": "clickstream", "logger": LIBRDKAFKA_LOG}
     merged.update(defaults)
     merged.update(config.kafka_options)
     merged.update(extra)
@@ -185,12 +236,44 @@ class TrackedProducer(Producer):
         self.first_error = None
 
 
+def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
+             config: Config) -> ClientT:
+    """``factory(settings)``, pointing at the operator's settings when librdkafka refuses one."""
+    try:
+        return factory(settings)
+    except KafkaException as exc:
+        cause = exc.args[0] if exc.args else None
+        if not (isinstance(cause, KafkaError) and cause.code() == KafkaError._INVALID_ARG
+                and config.kafka_options):
+            raise
+        text = cause.str()
+        named = [key for key in config.kafka_options if f'"{key}"' in text]
+        culprit = (repr(named[0]) if named else  # aliases are reported by their canonical name
+                   f"one of {', '.join(map(repr, config.kafka_options))}")
+        raise ConfigError(
+            f"{ENV_NAMES['kafka_options']}: librdkafka refused {culprit} ({text}); fix or remove "
+            "it (settings: https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
+        ) from None
+
+
 def make_producer(config: Config, **extra: Any) -> TrackedProducer:
     """Create the product's producer (settings from :func:`producer_config`).
 
     Delivery guarantee: at-least-once, once :func:`flush_or_raise` returned without error.
+
+    Raises:
+        ConfigError: librdkafka refused a setting of ``CLICKSTREAM_KAFKA_OPTIONS``.
     """
-    return TrackedProducer(producer_config(config, **extra))
+    return _created(TrackedProducer, producer_config(config, **extra), config)
+
+
+def make_consumer(config: Config, **extra: Any) -> Consumer:
+    """Create a consumer (settings from :func:`consumer_config`; dotted names via ``**{}``).
+
+    Raises:
+        ConfigError: librdkafka refused a setting of ``CLICKSTREAM_KAFKA_OPTIONS``.
+    """
+    return _created(Consumer, consumer_config(config, **extra), config)
 
 
 def _json_default(value: object) -> object:
@@ -349,7 +432,7 @@ def topic_watermarks(config: Config, topic: str, *, attempts: int = 5, timeout_s
         ClickstreamError: The broker answers but does not know the topic.
     """
     owned = consumer is None
-    client = consumer if consumer is not None else Consumer(consumer_config(config))
+    client = consumer if consumer is not None else make_consumer(config)
     last_error = "no answer"
     unknown_topic = False
     try:
@@ -452,10 +535,10 @@ def read_compacted(config: Config, topic: str, *,
     result: dict[str, Any] = {}
     if not ends:
         return result
-    consumer = Consumer(consumer_config(config, **{
+    consumer = make_consumer(config, **{
         "auto.offset.reset": "error",  # a fetch below the log start must fail, not skip
         "enable.partition.eof": True,
-    }))
+    })
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in ends])
         deadline = time.monotonic() + timeout_s
@@ -541,11 +624,10 @@ def read_offset_ranges(
     ends = {p: ranges[p][1] for p in expected}
     if not expected:
         return
-    settings = consumer_config(config, **{"auto.offset.reset": "error",
-                                          "enable.partition.eof": False,
-                                          "fetch.max.bytes": 52_428_800,
-                                          "max.partition.fetch.bytes": 10_485_760})
-    consumer = Consumer(settings)
+    consumer = make_consumer(config, **{"auto.offset.reset": "error",
+                                        "enable.partition.eof": False,
+                                        "fetch.max.bytes": 52_428_800,
+                                        "max.partition.fetch.bytes": 10_485_760})
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
         idle = 0.0
