@@ -119,13 +119,13 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
 
 
 def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
-    from clickstream.jobs.generate import Scale, simulate, write_table
+    from clickstream.jobs.generate import Scale, history_folder, simulate, write_table
 
+    target = history_folder(config.landing, args.out, args.overwrite)
     scale = Scale(users_per_client=args.users, minutes=args.days * 24 * 60, start=args.start,
                   sessions_per_user_per_day=args.sessions_per_user_per_day,
                   order_probability=args.order_probability)
     pageviews, orders = simulate(scale, args.seed, client=args.client)
-    target = config.landing / args.out
     for name, table in (("pageviews", pageviews), ("orders", orders)):
         files = write_table(table, target / name, args.format)
         print(f"wrote {table.num_rows} {name} of {args.client} to {target / name} "
@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--seed", type=int, default=11)
     history.add_argument("--format", choices=("parquet", "csv", "jsonl"), default="parquet")
     history.add_argument("--out", default="history", help="folder relative to the landing folder")
+    history.add_argument("--overwrite", action="store_true",
+                         help="replace the batch an earlier run wrote to --out")
     _add_config_flags(history)
     history.set_defaults(handler=_cmd_generate_history)
     return parser

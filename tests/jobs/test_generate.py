@@ -1,9 +1,14 @@
 """The data generator at the edges: scales too small for any session still give (empty)
-tables with the full schema, and a seed reproduces the same data."""
+tables with the full schema, a seed reproduces the same data, and a history batch is never
+mixed into an earlier one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +39,29 @@ def test_a_seed_reproduces_the_data_and_orders_follow_pageviews() -> None:
                                    pageviews["user_id"].to_pylist(), strict=True))
     assert set(zip(orders["client_id"].to_pylist(), orders["user_id"].to_pylist(),
                    strict=True)) <= users_with_pageviews
+
+
+def test_history_refuses_to_mix_a_second_run_into_the_first_runs_batch(tmp_path: Path) -> None:
+    landing = tmp_path / "landing"
+    run = [sys.executable, "-m", "clickstream.cli", "generate", "history", "--client", "c1",
+           "--days", "0.2", "--users", "20", "--out", "late"]
+    env = {**os.environ, "CLICKSTREAM_LANDING": str(landing), "CLICKSTREAM_HOME": str(tmp_path)}
+    assert subprocess.run(run, env=env, capture_output=True, timeout=120).returncode == 0
+    first = sorted(p.name for p in (landing / "late" / "orders").iterdir())
+    assert first == ["part-00000.parquet"]
+
+    again = subprocess.run([*run, "--format", "csv"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 1
+    assert "already holds a batch (pageviews, orders); pass --overwrite" in again.stderr
+    assert sorted(p.name for p in (landing / "late" / "orders").iterdir()) == first
+
+    replaced = subprocess.run([*run, "--format", "csv", "--overwrite"], env=env, timeout=120)
+    assert replaced.returncode == 0
+    assert sorted(p.name for p in (landing / "late" / "orders").iterdir()) == ["part-00000.csv"]
+
+    outside = subprocess.run([*run[:-1], "../elsewhere"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert outside.returncode == 1
+    assert "must name a folder inside the landing folder" in outside.stderr
+    assert not (tmp_path / "elsewhere").exists()

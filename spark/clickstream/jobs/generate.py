@@ -13,6 +13,7 @@ late (beyond the watermark), some duplicates (retries) and some malformed record
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
+
+from clickstream.errors import ClickstreamError
 
 URL_PATHS = ("/", "/search", "/products", "/products/{n}", "/cart", "/checkout", "/blog/{n}",
              "/account", "/help", "/pricing")
@@ -196,6 +199,30 @@ def live_records(
         value = BAD_VALUES[int(rng.integers(0, len(BAD_VALUES)))](template)
         out.insert(int(rng.integers(0, len(out) + 1)), (None, value))
     return out
+
+
+def history_folder(landing: Path, out: str, overwrite: bool) -> Path:
+    """The folder ``generate history`` writes, checked before anything is simulated.
+
+    A second run into the same folder would leave the first run's files beside its own (a
+    batch of both, or of two formats), so it is refused unless ``overwrite``, which removes
+    the folder's ``pageviews`` and ``orders`` first.
+
+    Raises:
+        ClickstreamError: ``out`` leaves the landing folder, or already holds a batch.
+    """
+    root = landing.resolve()
+    target = (root / out).resolve()
+    if target == root or not target.is_relative_to(root):
+        raise ClickstreamError(f"--out {out!r} must name a folder inside the landing folder "
+                               f"{root} (CLICKSTREAM_LANDING); backfills read only from there")
+    held = [target / kind for kind in ("pageviews", "orders") if (target / kind).exists()]
+    if held and not overwrite:
+        raise ClickstreamError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
+                               "); pass --overwrite to replace it or choose another --out")
+    for folder in held:
+        shutil.rmtree(folder)
+    return target
 
 
 def write_table(table: pa.Table, path: Path, file_format: FileFormat,
