@@ -60,11 +60,13 @@ from clickstream.jobs.corrections import (
     Run,
     Timer,
     apply,
-    count_plan,
     grow_windows,
+    mark_published,
     plan,
     publish_changes,
+    resume,
     stored_plan,
+    unfinished_plan,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality import reports
@@ -293,7 +295,8 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
     """Recompute the sessions and attributions the merged batch affects, record the plan in
     ``corrections`` and apply it to the tables; publishing is a later step (S4).
 
-    A rerun finds the stored plan and only (re)applies it (S3). Users whose sessions the
+    A rerun finds its unpublished plan and only (re)applies it (S3); an unpublished plan of
+    another run of the client is applied and published first (C6). Users whose sessions the
     running sessionizer still holds open are queued for the scheduled recompute.
     """
     batch = _Batch(config, kind, client_id, path, spark, run_id)
@@ -304,11 +307,8 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         watermark = stream_watermark_ms(config)
         valid = batch.valid().persist()
         scope = scope_of(batch.tables, valid, kind, client_id).persist()
-        changes = stored_plan(run)
-        if changes is not None:
-            summary.resumed = True
-            count_plan(changes, summary)
-        else:
+        changes = resume(run, summary, timer)
+        if changes is None:
             changes = plan(run, scope, kind == "orders", summary, timer, watermark,
                            queue_for_the_stream(batch.tables, valid, kind, run_id))
         if changes is not None:
@@ -407,11 +407,16 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
     tables = open_tables(config, spark)
     run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
               progress)
-    changes = stored_plan(run)
+    changes = unfinished_plan(run)
+    if changes is not None and changes.select("run_id").first()[0] != run.run_id:
+        changes.unpersist()  # a later run of the client plans only once this one was published
+        changes = None
     if changes is None:
-        progress(f"publish {run_id}: no corrections to publish")
+        progress(f"publish {run_id}: nothing left to publish (no corrections, or they were "
+                 "published already)")
         return 0
     sent = publish_changes(run, changes)
+    mark_published(run, changes)
     changes.unpersist()
     progress(f"publish {run_id}: {sent} records to {config.sessions_topic} and "
              f"{config.attributions_topic} at {config.kafka_bootstrap_servers}")

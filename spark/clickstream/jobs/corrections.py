@@ -17,8 +17,9 @@ time range that received new or changed pageviews/orders. Steps:
 
 A rerun of the same run id finds its plan in ``corrections`` and resumes at apply/publish, so a
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
+Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C5):
+Known edge cases, cited inline as (C1)..(C6):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
   C2. Orders never move boundaries: an orders-only correction reads no pageviews at all.
@@ -33,6 +34,13 @@ Known edge cases, cited inline as (C1)..(C5):
       affected partition is read once. The replace names the version it was computed from, so
       if another writer committed into those days since, the table layer refuses it and
       apply reads the days again at the new version (commits to other days do not matter).
+  C6. A plan interrupted before it was published must reach Kafka before any later plan of
+      the client: a later plan is diffed against tables that may already hold the first
+      one's changes, so it would never publish them, and re-publishing an old plan after a
+      newer one would put older revisions back on the topic. Each client's plans are
+      numbered (the run's step in ``corrections``) and a marker step records the last one
+      published; a run starts by finishing the client's unpublished plan, its own (resumed)
+      or another run's. A rerun of a finished run plans again (usually: nothing changes).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import CommitConflictError
+from clickstream.errors import ClickstreamError, CommitConflictError
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import spark_row_value
 from clickstream.io.kafka_clients import produce_records
@@ -127,6 +135,11 @@ class Run:
     @property
     def app_id(self) -> str:
         return f"corrections-{self.client_id}"
+
+    @property
+    def published_app_id(self) -> str:
+        """Records, in ``corrections``, the last plan of the client that reached Kafka (C6)."""
+        return f"corrections-{self.client_id}-published"
 
     @property
     def gap_ms(self) -> int:
@@ -432,9 +445,16 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         run.release_snapshots()
         return None
     with timer.step("record corrections"):
-        run.tables.append_once(CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
-                               partition_by=CORRECTIONS.partition_by,
-                               metadata={"run_id": run.run_id, "cause": run.cause})
+        recorded = run.tables.append_once(
+            CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
+            partition_by=CORRECTIONS.partition_by,
+            metadata={"run_id": run.run_id, "cause": run.cause})
+    if not recorded:  # (C6)
+        changes.unpersist()
+        raise ClickstreamError(
+            f"{run.run_id}: another correction run of client {run.client_id} recorded its plan "
+            f"(step {run_seq}) while this one was planning; corrections of one client must run "
+            "one at a time. Nothing of this run was applied: rerun it once the other finished")
     return changes  # what was recorded: no need to read the plan back (C3)
 
 
@@ -452,15 +472,40 @@ def count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
 
 
 def stored_plan(run: Run) -> DataFrame | None:
-    """The run's corrections if it was planned before (a rerun resumes from here) (C3)."""
+    """The run's latest recorded plan (a rerun that found more to change records another)."""
     if not run.tables.exists(CORRECTIONS.name):
         return None
     rows = run.tables.read(CORRECTIONS.name, partition_filter={
-        "client_id": run.client_id, "run_id": run.run_id}).persist()
-    if rows.isEmpty():
+        "client_id": run.client_id, "run_id": run.run_id})
+    latest = rows.agg(F.max("run_seq")).first()[0]
+    if latest is None:
+        return None
+    return rows.where(F.col("run_seq") == latest).persist()
+
+
+def unfinished_plan(run: Run) -> DataFrame | None:
+    """The client's latest plan if it never reached Kafka, whichever run recorded it (C6)."""
+    if not run.tables.exists(CORRECTIONS.name):
+        return None
+    latest = run.tables.app_version(CORRECTIONS.name, run.app_id)
+    published = run.tables.app_version(CORRECTIONS.name, run.published_app_id) or 0
+    if latest is None or latest <= published:
+        return None
+    rows = run.tables.read(CORRECTIONS.name, partition_filter={"client_id": run.client_id}
+                           ).where(F.col("run_seq") == latest).persist()
+    if rows.isEmpty():  # recorded with no rows: nothing to apply or publish
         rows.unpersist()
         return None
     return rows
+
+
+def mark_published(run: Run, changes: DataFrame) -> None:
+    """Record that the plan's changes are in the tables and on Kafka (C6)."""
+    run_seq = changes.select("run_seq").first()[0]
+    run.tables.append_once(
+        CORRECTIONS.name, run.spark.createDataFrame([], CORRECTIONS.schema),
+        app_id=run.published_app_id, version=run_seq, partition_by=CORRECTIONS.partition_by,
+        metadata={"run_id": run.run_id, "cause": f"published step {run_seq}"})
 
 
 APPLY_ATTEMPTS = 5
@@ -542,6 +587,33 @@ def _figures_before_apply(run: Run, changes: DataFrame) -> CorrectionFigures | N
     return correction_figures(run, changes, {n: run.snapshots[n].rows for n in names})
 
 
+def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | None:
+    """Before planning: this run's own plan if it was interrupted (resumed from here, C3);
+    another run's interrupted plan is applied and published first, then forgotten (C6)."""
+    changes = unfinished_plan(run)
+    if changes is None:
+        return None
+    planned_by = changes.select("run_id").first()[0]
+    if planned_by == run.run_id:
+        summary.resumed = True
+        count_plan(changes, summary)
+        return changes
+    run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
+                 "them: finishing them first ...")
+    finish(run, changes, timer, step="finish an interrupted run")
+    changes.unpersist()
+    return None
+
+
+def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "") -> None:
+    """Apply a recorded plan, publish it, and record that it was published (C6)."""
+    with timer.step(f"{step}: apply to tables" if step else "apply to tables"):
+        apply(run, changes)
+    with timer.step(f"{step}: publish to Kafka" if step else "publish to Kafka"):
+        publish_changes(run, changes)
+        mark_published(run, changes)
+
+
 def correct(run: Run, scope: DataFrame, *, orders_only: bool,
             stream_watermark_ms: int | None = None,
             summary: CorrectionSummary | None = None,
@@ -556,20 +628,14 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
     summary = summary or CorrectionSummary()
     timer = Timer(summary, run.progress)
     figures = None
-    changes = stored_plan(run)
-    if changes is not None:
-        summary.resumed = True
-        count_plan(changes, summary)
-    else:
+    changes = resume(run, summary, timer)
+    if changes is None:
         changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
         if changes is not None:
             with timer.step("correction report"):
                 figures = _figures_before_apply(run, changes)
     if changes is not None:
-        with timer.step("apply to tables"):
-            apply(run, changes)
-        with timer.step("publish to Kafka"):
-            publish_changes(run, changes)
+        finish(run, changes, timer)
     with timer.step("correction report"):
         if figures is None and changes is not None and gates_enabled(run.config):
             figures = correction_figures(run, changes)  # old values by time travel

@@ -6,9 +6,15 @@ removed in one commit. Users whose sessions the running stream still holds open 
 their queue rows stay for the next run. Safe while the sessionizer runs: it only appends new
 closed sessions, and a conflicting commit makes this run recompute, not overwrite.
 
-Delivery guarantee: exactly once into the tables. The run id is derived from the queue's
-table version, so a rerun after a crash resumes the same plan; queue rows are removed only
-after their corrections are applied and published.
+Delivery guarantee: exactly once into the tables. Queue rows are removed only after their
+corrections are applied and published, and only those rows (R1). A rerun after a crash
+finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
+holds by then.
+
+Known edge case, cited inline as (R1):
+  R1. The stream queues late rows while a run works, possibly on the same client and days:
+      removing the folded-in rows rewrites those days from the queue as it is at that moment,
+      and again if the stream commits into them before the rewrite does.
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
 from clickstream.errors import CommitConflictError
-from clickstream.io.delta_tables import open_tables
+from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.corrections import CorrectionSummary, Run, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -77,20 +83,49 @@ def run_recompute(
             scope.where(F.col("hi_ms") + config.session_gap_ms > F.lit(watermark))
             .select("client_id", "user_id"), ["client_id", "user_id"], "left_semi",
         ) if watermark is not None else mine.limit(0)
-        dates = sorted({r.event_date for r in mine.select("event_date").distinct().collect()})
-        try:
-            tables.replace_partitions(
-                RECOMPUTE_QUEUE.name, deferred,
-                predicate={"client_id": client, "event_date": dates},
-                partition_by=RECOMPUTE_QUEUE.partition_by, app_id=f"recompute-queue-{client}",
-                version=queue_version, metadata={"run_id": run.run_id, "cause": run.cause})
-        except CommitConflictError:
-            # The stream queued more rows meanwhile: keep everything queued; the next run
-            # finds these corrections already applied and folds in the new rows.
-            progress(f"recompute {client}: the queue changed while running; its rows stay "
-                     "queued for the next run")
+        folded_in = mine.join(deferred, list(RECOMPUTE_QUEUE.schema.fieldNames()), "left_anti")
+        dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
         mine.unpersist()
     return summary
+
+
+QUEUE_ATTEMPTS = 5
+
+
+def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int,
+            progress: Callable[[str], None]) -> None:
+    """Remove exactly the rows the run folded in from the queue.
+
+    The stream may queue more rows of the same days while the run works: the range is
+    rewritten from the queue as it is now, minus those rows, and rewritten again if the stream
+    committed into it meanwhile (R1), so nothing queued after the run read is lost.
+    """
+    folded_in = folded_in.persist()
+    dates = sorted({r.event_date for r in folded_in.select("event_date").distinct().collect()})
+    client = run.client_id
+    try:
+        for attempt in range(1, QUEUE_ATTEMPTS + 1):
+            if not dates:
+                return
+            version = tables.version(RECOMPUTE_QUEUE.name)
+            now = tables.read(RECOMPUTE_QUEUE.name, version=version, partition_filter={
+                "client_id": client, "event_date": dates})
+            keep = now.join(folded_in, list(RECOMPUTE_QUEUE.schema.fieldNames()), "left_anti")
+            try:
+                tables.replace_partitions(
+                    RECOMPUTE_QUEUE.name, keep,
+                    predicate={"client_id": client, "event_date": dates},
+                    partition_by=RECOMPUTE_QUEUE.partition_by,
+                    app_id=f"recompute-queue-{client}", version=queue_version,
+                    read_version=version, metadata={"run_id": run.run_id, "cause": run.cause})
+                return
+            except CommitConflictError:
+                if attempt == QUEUE_ATTEMPTS:
+                    raise
+                progress(f"recompute {client}: the stream queued more rows meanwhile "
+                         f"(attempt {attempt}); removing the folded-in ones again")
+    finally:
+        folded_in.unpersist()
 
 
 @dataclass

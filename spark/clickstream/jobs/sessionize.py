@@ -190,14 +190,21 @@ def checkpoint_watermark_ms(checkpoint: Path, batch_id: int) -> int:
 
 
 def stream_watermark_ms(config: Config) -> int | None:
-    """The sessionizer's latest event-time watermark, or None if it never ran here.
+    """The watermark of the sessionizer's last committed micro-batch; None if it never ran.
 
-    Sessions ending within one gap of it are still open in the stream's state: batch
-    corrections leave them to the stream.
+    Sessions ending within one gap of it may still be open in the stream's state, or closed
+    by a micro-batch that has not finished (its sessions in the table but not yet on the
+    topic, or to be replayed after a crash): batch corrections leave them to the stream.
+    The latest micro-batch's own watermark would not do: the sessions it closes end within
+    one gap of the previous watermark, not of its own.
     """
-    offsets = config.checkpoint_path(JOB) / "offsets"
-    batches = sorted(int(p.name) for p in offsets.glob("[0-9]*")) if offsets.exists() else []
-    return checkpoint_watermark_ms(config.checkpoint_path(JOB), batches[-1]) if batches else None
+    checkpoint = config.checkpoint_path(JOB)
+    offsets = checkpoint / "offsets"
+    if not offsets.exists() or not any(offsets.glob("[0-9]*")):
+        return None
+    commits = checkpoint / "commits"
+    committed = sorted(int(p.name) for p in commits.glob("[0-9]*")) if commits.exists() else []
+    return checkpoint_watermark_ms(checkpoint, committed[-1] if committed else -1)
 
 
 def checkpoint_query_id(checkpoint: Path) -> str:

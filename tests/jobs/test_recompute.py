@@ -1,0 +1,183 @@
+"""The scheduled recompute beside a running stream, and correction runs of one client that
+interrupt each other: queued rows are never lost, and the sessions topic's compacted view
+always ends equal to the sessions table (the brief's invariant)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from itertools import count
+
+import pytest
+from pyspark.sql import SparkSession
+
+from clickstream.config import Config
+from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs import corrections, recompute, sessionize
+from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.recompute import run_recompute
+from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.tables import PAGEVIEWS, RECOMPUTE_QUEUE
+from tests.jobs.test_backfill import START, pv_row, write_rows
+from tests.jobs.test_sessionize import pageview, produce, table_rows
+
+_steps = count(1)
+
+
+class Killed(BaseException):
+    """Stands in for kill -9 at a chosen point: nothing after it runs."""
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def stored_by_the_stream(config: Config, spark: SparkSession,
+                         rows: list[tuple[str, str, str, int]]) -> None:
+    """Pageviews (event_id, client, user, minutes after START) as the sessionizer stores them."""
+    data = [{"event_id": e, "client_id": c, "user_id": u, "ts": START + timedelta(minutes=m),
+             "url": f"/{e}", "referrer": "", "source": "events/0/1",
+             "event_date": (START + timedelta(minutes=m)).date()} for e, c, u, m in rows]
+    open_tables(config, spark).append_once(
+        PAGEVIEWS.name, spark.createDataFrame(data, PAGEVIEWS.schema), app_id="test-stream",
+        version=next(_steps), partition_by=PAGEVIEWS.partition_by,
+        metadata={"run_id": "test", "cause": "test"})
+
+
+def queued_by_the_stream(config: Config, spark: SparkSession,
+                         rows: list[tuple[str, str, str, int]]) -> None:
+    data = [{"client_id": c, "user_id": u, "kind": "pageview", "record_id": e,
+             "ts": START + timedelta(minutes=m), "queued_by": "sessionize batch 7",
+             "event_date": (START + timedelta(minutes=m)).date()} for e, c, u, m in rows]
+    open_tables(config, spark).append_once(
+        RECOMPUTE_QUEUE.name, spark.createDataFrame(data, RECOMPUTE_QUEUE.schema),
+        app_id="test-stream-queue", version=next(_steps),
+        partition_by=RECOMPUTE_QUEUE.partition_by, metadata={"run_id": "test", "cause": "test"})
+
+
+def late(config: Config, spark: SparkSession, rows: list[tuple[str, str, str, int]]) -> None:
+    stored_by_the_stream(config, spark, rows)
+    queued_by_the_stream(config, spark, rows)
+
+
+def users_with_sessions(config: Config, spark: SparkSession) -> set[tuple[str, str]]:
+    return {(r["client_id"], r["user_id"]) for r in table_rows(config, spark, "sessions")}
+
+
+def assert_topic_equals_table(config: Config, spark: SparkSession) -> None:
+    table = {r["session_id"]: r["revision"] for r in table_rows(config, spark, "sessions")}
+    topic = {k: v["revision"] for k, v in read_compacted(config, config.sessions_topic).items()}
+    assert topic == table
+
+
+def test_rows_the_stream_queues_while_a_recompute_runs_stay_queued(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    stored_by_the_stream(stream_config, spark, [("p2", "c1", "u2", 5)])
+    correct = recompute.correct
+
+    def correct_while_the_stream_queues(*args, **kwargs):
+        summary = correct(*args, **kwargs)
+        queued_by_the_stream(stream_config, spark, [("p2", "c1", "u2", 5)])  # same client, day
+        return summary
+
+    monkeypatch.setattr(recompute, "correct", correct_while_the_stream_queues)
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["p2"]
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1")}
+
+    monkeypatch.setattr(recompute, "correct", correct)
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c1", "u2")}
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_recompute_killed_between_apply_and_publish_is_published_by_the_rerun(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rerun sees another queue version (client cA's rows were removed meanwhile), so it
+    # is another run id: it must still publish what the killed run applied.
+    late(stream_config, spark, [("a1", "cA", "u", 0), ("b1", "cB", "u", 0)])
+    publish = corrections.publish_changes
+
+    def killed_for_cb(run, changes):
+        if run.client_id == "cB":
+            raise Killed("after apply, before publish")
+        return publish(run, changes)
+
+    monkeypatch.setattr(corrections, "publish_changes", killed_for_cb)
+    with pytest.raises(Killed):
+        run_recompute(stream_config, spark=spark, progress=quiet)
+    monkeypatch.setattr(corrections, "publish_changes", publish)
+    assert users_with_sessions(stream_config, spark) == {("cA", "u"), ("cB", "u")}
+
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_plan_interrupted_before_apply_goes_first_when_another_run_of_the_client_starts(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    apply = corrections.apply
+
+    def killed(run, changes):
+        raise Killed("after the plan was recorded, before apply")
+
+    monkeypatch.setattr(corrections, "apply", killed)
+    with pytest.raises(Killed):
+        run_recompute(stream_config, spark=spark, progress=quiet)
+    monkeypatch.setattr(corrections, "apply", apply)
+    assert users_with_sessions(stream_config, spark) == set()
+
+    messages: list[str] = []
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark,
+                 progress=messages.append,
+                 path=write_rows(stream_config, "p", [pv_row("x", "u9", 600, client="c1")],
+                                 "parquet"))
+    assert any("interrupted before publishing them: finishing them first" in m
+               for m in messages), messages
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c1", "u9")}
+    assert_topic_equals_table(stream_config, spark)
+
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)  # the killed run again
+    assert summary.corrections["c1"].sessions_created == 0  # its changes are in already
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)
+    plans = {(r["run_id"], r["run_seq"]) for r in table_rows(stream_config, spark, "corrections")}
+    assert len(plans) == 2, plans  # the killed run's plan once, the backfill's once
+
+
+def test_a_backfill_leaves_sessions_a_crashed_micro_batch_closed_to_its_replay(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # u's session closes in a micro-batch that commits it to the table and dies before the
+    # topic and the checkpoint: the restart replays that micro-batch, publishing revision 1.
+    produce(stream_config, [pageview("u", START, "e1"),
+                            pageview("u", START + timedelta(minutes=5), "e2"),
+                            pageview("v", START + timedelta(hours=3), "e3")])
+    publish = sessionize.publish_sessions
+
+    def killed(config, rows):  # an Exception: Spark's callback server must survive it
+        raise RuntimeError("killed after the sessions commit, before the publish")
+
+    monkeypatch.setattr(sessionize, "publish_sessions", killed)
+    with pytest.raises(Exception, match="the sessionizer query failed"):
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    monkeypatch.setattr(sessionize, "publish_sessions", publish)
+    assert users_with_sessions(stream_config, spark) == {("client-00", "u")}
+
+    # Meanwhile u's pageview at minute 2 arrives in a backfill: u's session is the replay's.
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                           progress=quiet,
+                           path=write_rows(stream_config, "p", [pv_row("bf", "u", 2)],
+                                           "parquet"))
+    assert summary.corrections.deferred_users == 1
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["bf"]
+
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # replays the batch
+    assert_topic_equals_table(stream_config, spark)
+    run_recompute(stream_config, spark=spark, progress=quiet)  # the backfilled row, folded in
+    sessions = table_rows(stream_config, spark, "sessions")
+    assert [(r["user_id"], r["pageview_count"], r["revision"]) for r in sessions] == [
+        ("u", 3, 2)]
+    assert_topic_equals_table(stream_config, spark)
