@@ -4,6 +4,7 @@ always ends equal to the sessions table (the brief's invariant)."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from itertools import count
 
@@ -15,10 +16,10 @@ from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
-from clickstream.jobs.recompute import run_recompute
+from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.tables import PAGEVIEWS, RECOMPUTE_QUEUE
-from tests.jobs.test_backfill import START, pv_row, write_rows
+from tests.jobs.test_backfill import START, ms, pv_row, write_rows
 from tests.jobs.test_sessionize import pageview, produce, table_rows
 
 _steps = count(1)
@@ -180,4 +181,55 @@ def test_a_backfill_leaves_sessions_a_crashed_micro_batch_closed_to_its_replay(
     sessions = table_rows(stream_config, spark, "sessions")
     assert [(r["user_id"], r["pageview_count"], r["revision"]) for r in sessions] == [
         ("u", 3, 2)]
+    assert_topic_equals_table(stream_config, spark)
+
+
+def stream_committed_a_batch_at(config: Config, watermark_minutes: int) -> None:
+    """The sessionizer's checkpoint as Spark leaves it after a micro-batch with this watermark."""
+    checkpoint = config.checkpoint_path("sessionize")
+    for folder in ("offsets", "commits"):
+        (checkpoint / folder).mkdir(parents=True, exist_ok=True)
+    watermark = ms(START + timedelta(minutes=watermark_minutes))
+    (checkpoint / "offsets" / "0").write_text(
+        "v1\n" + json.dumps({"batchWatermarkMs": watermark, "batchTimestampMs": 0}) + "\n{}\n")
+    (checkpoint / "commits" / "0").write_text("v1\n{}\n")
+
+
+def test_a_late_pageview_inside_a_session_the_stream_holds_open_stays_queued(
+        stream_config: Config, spark: SparkSession) -> None:
+    # u's session (pageviews every 20 minutes, 0..120) is open in the stream: it ends within
+    # one gap (30 minutes) of the watermark, 135. A pageview at minute 90 came after the
+    # watermark had passed it: stored and queued. Its window [90, 90] ends before the open
+    # tail (90 + 30 < 135), but it belongs to the open session, not to a session of its own.
+    stored_by_the_stream(stream_config, spark,
+                         [(f"s{m}", "c1", "u", m) for m in range(0, 121, 20)])
+    late(stream_config, spark, [("late", "c1", "u", 90)])
+    late(stream_config, spark, [("gone", "c1", "w", 10)])  # w: nothing open, folded in now
+    stream_committed_a_batch_at(stream_config, 135)
+
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)
+    assert summary.corrections["c1"].deferred_users == 1
+    assert users_with_sessions(stream_config, spark) == {("c1", "w")}
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "late"]
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_full_recompute_retracts_merged_sessions_and_leaves_open_ones_to_the_stream(
+        stream_config: Config, spark: SparkSession) -> None:
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                                      pv_row("b", "u", 40, client="c1")],
+                                 "parquet"))
+    assert len(table_rows(stream_config, spark, "sessions")) == 2
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges them
+    # w has a session open in the stream (its last pageview is within a gap of the
+    # watermark): the full recompute must not write it, the stream will.
+    stored_by_the_stream(stream_config, spark, [("w1", "c1", "w", 100), ("w2", "c1", "w", 110)])
+    stream_committed_a_batch_at(stream_config, 120)
+
+    summary = run_full_recompute(stream_config, client_id="c1", spark=spark)
+    assert (summary.retracted, summary.users_left_to_the_stream) == (1, 1)
+    sessions = table_rows(stream_config, spark, "sessions")
+    assert [(r["user_id"], r["pageview_count"]) for r in sessions] == [("u", 3)]
     assert_topic_equals_table(stream_config, spark)

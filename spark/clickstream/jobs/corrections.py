@@ -25,10 +25,15 @@ Known edge cases, cited inline as (C1)..(C6):
   C2. Orders never move boundaries: an orders-only correction reads no pageviews at all.
   C3. The plan is the ``corrections`` rows of the run. The run that records it goes on with
       the recorded frame itself; a resumed run (or a later step) reads it back.
-  C4. Sessions the stream has not closed yet (end + gap after the stream's watermark) belong
-      to the stream: scopes reaching them are deferred and stay queued. A backfill queues its
-      rows of the deferred users (``defer``) before the plan is recorded: a resumed run reads
-      the plan back instead of planning, so queueing after it would be skipped for good.
+  C4. Sessions the stream has not closed yet belong to the stream: scopes reaching them are
+      deferred and stay queued. A scope reaches them when its window ends within one gap of
+      the watermark of the stream's last committed micro-batch, or of the start of the user's
+      open session. Open sessions are not in ``sessions``; a user has one only if a stored
+      pageview of it is later than ``watermark - gap``, and its start is bounded by the
+      user's first stored pageview from the day before that on (an open session longer than
+      a day could start earlier: not handled). A backfill queues its rows of the deferred
+      users (``defer``) before the plan is recorded: a resumed run reads the plan back
+      instead of planning, so queueing after it would be skipped for good.
   C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
       version, the client's days in reach), kept until apply rewrites those days from it: each
       affected partition is read once. The replace names the version it was computed from, so
@@ -391,6 +396,25 @@ def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
 
 
 Defer = Callable[[DataFrame], None]  # called with the (client_id, user_id) left to the stream
+_NEVER_MS = 2**62
+
+
+def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int,
+                        watermark_ms: int) -> DataFrame:
+    """(client_id, user_id, open_from_ms) of the users with a session open in the stream.
+
+    A user has an open session in the stream's state only if one of its stored pageviews is
+    later than ``watermark - gap`` (the session's last one). Its start is bounded by the
+    user's earliest stored pageview from the day before that on (C4). Reads those few recent
+    days of the client only.
+    """
+    first = datetime.fromtimestamp((watermark_ms - gap_ms) / 1000, tz=UTC).date()
+    recent = tables.read(PAGEVIEWS.name, ["client_id", "user_id", "ts"], {
+        "client_id": client_id, "event_date": [first + timedelta(days=d) for d in range(-1, 4)],
+    }, schema=PAGEVIEWS.schema)
+    return recent.groupBy("client_id", "user_id").agg(
+        F.min(_ms("ts")).alias("open_from_ms"), F.max(_ms("ts")).alias("last_ms"),
+    ).where(F.col("last_ms") > F.lit(watermark_ms - gap_ms)).drop("last_ms")
 
 
 def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,
@@ -401,12 +425,19 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         windows, old_sessions = grow_windows(run, scope)
         grown = (windows,)  # persisted: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)
-            open_tail = F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms)
+            open_from = open_session_starts(run.tables, run.client_id, run.gap_ms,
+                                            stream_watermark_ms)
+            windows = windows.join(open_from, ["client_id", "user_id"], "left")
+            open_tail = ((F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms))
+                         | (F.col("hi_ms") + run.gap_ms > F.coalesce("open_from_ms", F.lit(
+                             _NEVER_MS))))
+            windows = windows.persist()
+            grown = (*grown, windows)
             deferred = windows.where(open_tail).select("client_id", "user_id")
             summary.deferred_users = deferred.count()
             if summary.deferred_users and defer is not None:
                 defer(deferred)  # before anything is recorded (C4)
-            windows = windows.where(~open_tail)
+            windows = windows.where(~open_tail).drop("open_from_ms")
             old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
                                              ["client_id", "user_id"], "left_semi")
         windows = Windows.of(windows)

@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import CommitConflictError
+from clickstream.errors import ClickstreamError, CommitConflictError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.corrections import CorrectionSummary, Run, correct
 from clickstream.jobs.sessionize import stream_watermark_ms
@@ -77,16 +77,28 @@ def run_recompute(
                   f"recompute queue version {queue_version}", progress)
         scope = mine.groupBy("client_id", "user_id").agg(
             F.min(F.unix_millis("ts")).alias("lo_ms"), F.max(F.unix_millis("ts")).alias("hi_ms"))
-        result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark)
+        result, left = _correct(run, scope, watermark)
         summary.corrections[client] = result
-        deferred = mine.join(
-            scope.where(F.col("hi_ms") + config.session_gap_ms > F.lit(watermark))
-            .select("client_id", "user_id"), ["client_id", "user_id"], "left_semi",
-        ) if watermark is not None else mine.limit(0)
-        folded_in = mine.join(deferred, list(RECOMPUTE_QUEUE.schema.fieldNames()), "left_anti")
+        folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
+                                                        "left_anti")
         dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
         mine.unpersist()
     return summary
+
+
+def _correct(run: Run, scope: DataFrame, watermark: int | None
+             ) -> tuple[CorrectionSummary, DataFrame | None]:
+    """The run's corrections, and the users left to the stream (their rows stay queued)."""
+    left: list[DataFrame] = []
+
+    def defer(users: DataFrame) -> None:
+        left.append(users.localCheckpoint())  # its lineage reads frames released after plan
+
+    result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark, defer=defer)
+    if result.resumed:  # an interrupted plan was finished: planning again names the deferred
+        result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark,
+                         defer=defer)
+    return result, (left[0] if left else None)
 
 
 QUEUE_ATTEMPTS = 5
@@ -134,11 +146,14 @@ class FullRecomputeSummary:
     sessions: int
     attributions: int
     seconds: float
+    retracted: int = 0
+    users_left_to_the_stream: int = 0
 
     def describe(self) -> str:
         return (f"full recompute {self.client_id}: {self.sessions} sessions and "
-                f"{self.attributions} attributions rewritten and republished in "
-                f"{self.seconds:.1f}s")
+                f"{self.attributions} attributions rewritten and republished, {self.retracted} "
+                f"sessions retracted (tombstones), {self.users_left_to_the_stream} users with "
+                f"a session open in the stream left as they are, in {self.seconds:.1f}s")
 
 
 @releases_cache
@@ -149,11 +164,21 @@ def run_full_recompute(
 
     The baseline that targeted corrections are measured against (BENCHMARKS.md), and a
     repair tool: it reads the client's whole history, so it is slow by design. Revisions are
-    carried over (+1 where content changed) so compacted readers stay consistent.
+    carried over (+1 where content changed) and sessions that no longer exist are retracted
+    with tombstones, so compacted readers end with the table's view. Users with a session open
+    in the stream keep their rows (``corrections`` C4): the stream will emit that session.
+    If another writer commits into the client's rows meanwhile, the rewrite is refused.
     """
     import time
 
-    from clickstream.jobs.corrections import BUCKETS, _attribution_rows, _session_rows
+    from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
+    from clickstream.io.kafka_clients import produce_records
+    from clickstream.jobs.corrections import (
+        BUCKETS,
+        _attribution_rows,
+        _session_rows,
+        open_session_starts,
+    )
     from clickstream.sessions.batch_adapter import sessionize_frames
     from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
@@ -161,34 +186,59 @@ def run_full_recompute(
     spark = spark or build_spark(config, "clickstream-full-recompute")
     tables = open_tables(config, spark)
     mine = {"client_id": client_id}
+    watermark = stream_watermark_ms(config)
+    users = ["client_id", "user_id"]
+    active = (open_session_starts(tables, client_id, config.session_gap_ms, watermark)
+              .select(*users).localCheckpoint() if watermark is not None
+              else spark.createDataFrame([], "client_id string, user_id string"))
     pageviews = tables.read(PAGEVIEWS.name, partition_filter=mine, schema=PAGEVIEWS.schema)
     orders = tables.read(ORDERS.name, partition_filter=mine, schema=ORDERS.schema)
-    emitted = sessionize_frames(pageviews, orders, config.session_gap_ms, BUCKETS).persist()
-    results = {}
+    emitted = sessionize_frames(pageviews.join(active, users, "left_anti"),
+                                orders.join(active, users, "left_anti"),
+                                config.session_gap_ms, BUCKETS).persist()
+    results, retracted = {}, {}
     for spec, rows in ((SESSIONS, _session_rows(emitted)),
                        (ATTRIBUTIONS, _attribution_rows(emitted))):
-        old = tables.read(spec.name, partition_filter=mine, schema=spec.schema)
-        content = [c for c in rows.columns if c not in (spec.key[0], "revision")]
+        (key,) = spec.key
+        read_version = tables.version(spec.name)
+        read_version = read_version if read_version >= 0 else None
+        stored = tables.read(spec.name, partition_filter=mine, schema=spec.schema,
+                             version=read_version)
+        old = stored.join(active, users, "left_anti")
+        content = [c for c in rows.columns if c not in (key, "revision")]
         same = F.expr(" AND ".join(f"(n.{c} <=> o.{c})" for c in content))
-        fresh = rows.alias("n").join(old.alias("o"), spec.key[0], "left").select(
+        fresh = rows.alias("n").join(old.alias("o"), key, "left").select(
             *[F.col(f"n.{c}").alias(c) for c in rows.columns],
             F.when(F.col("o.revision").isNull(), F.lit(1))
             .when(same, F.col("o.revision"))
             .otherwise(F.col("o.revision") + 1).cast("int").alias("revision"),
         ).select(*spec.schema.fieldNames()).persist()
+        retracted[spec.name] = old.join(fresh.select(key), key, "left_anti").select(
+            F.col(key).alias("key")).persist()
+        retracted[spec.name].count()
         version = (tables.app_version(spec.name, f"full-recompute-{client_id}") or 0) + 1
-        tables.replace_partitions(spec.name, fresh, predicate=mine,
-                                  partition_by=spec.partition_by,
-                                  app_id=f"full-recompute-{client_id}", version=version,
-                                  metadata={"run_id": f"full-{version}",
-                                            "cause": f"full recompute of {client_id}"})
+        try:
+            tables.replace_partitions(
+                spec.name, fresh.unionByName(stored.join(active, users, "left_semi")),
+                predicate=mine, partition_by=spec.partition_by,
+                app_id=f"full-recompute-{client_id}", version=version, read_version=read_version,
+                metadata={"run_id": f"full-{version}", "cause": f"full recompute of {client_id}"})
+        except CommitConflictError as exc:
+            raise ClickstreamError(
+                f"full recompute of {client_id}: table {spec.name!r} changed while it ran (the "
+                "sessionizer or a correction run committed into the client's rows); it was "
+                f"not rewritten{' (sessions were)' if spec is ATTRIBUTIONS else ''}. Rerun it: "
+                "a full recompute is idempotent") from exc
         results[spec.name] = fresh
-    from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
-
     publish_sessions(config, results[SESSIONS.name])
     publish_attributions(config, results[ATTRIBUTIONS.name])
+    for spec, topic in ((SESSIONS, config.sessions_topic),
+                        (ATTRIBUTIONS, config.attributions_topic)):
+        produce_records(config, topic, ((r.key, None) for r in
+                                         retracted[spec.name].toLocalIterator()))
     counts = {name: frame.count() for name, frame in results.items()}
-    for frame in (emitted, *results.values()):
+    gone = retracted[SESSIONS.name].count()
+    for frame in (emitted, *results.values(), *retracted.values()):
         frame.unpersist()
     return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
-                                time.monotonic() - started)
+                                time.monotonic() - started, gone, active.count())
