@@ -12,13 +12,14 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
+from clickstream.errors import ClickstreamError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
-from clickstream.tables import PAGEVIEWS, RECOMPUTE_QUEUE
+from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE
 from tests.jobs.test_backfill import START, ms, pv_row, write_rows
 from tests.jobs.test_sessionize import pageview, produce, table_rows
 
@@ -216,20 +217,53 @@ def test_a_late_pageview_inside_a_session_the_stream_holds_open_stays_queued(
 
 
 def test_a_full_recompute_retracts_merged_sessions_and_leaves_open_ones_to_the_stream(
-        stream_config: Config, spark: SparkSession) -> None:
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
                  path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
-                                                      pv_row("b", "u", 40, client="c1")],
+                                                      pv_row("b", "u", 40, client="c1"),
+                                                      pv_row("w0", "w", 0, client="c1")],
                                  "parquet"))
-    assert len(table_rows(stream_config, spark, "sessions")) == 2
-    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges them
+    assert len(table_rows(stream_config, spark, "sessions")) == 3
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
     # w has a session open in the stream (its last pageview is within a gap of the
-    # watermark): the full recompute must not write it, the stream will.
+    # watermark): the full recompute must not write it, the stream will; w's stored session
+    # stays as it is.
     stored_by_the_stream(stream_config, spark, [("w1", "c1", "w", 100), ("w2", "c1", "w", 110)])
     stream_committed_a_batch_at(stream_config, 120)
 
-    summary = run_full_recompute(stream_config, client_id="c1", spark=spark)
-    assert (summary.retracted, summary.users_left_to_the_stream) == (1, 1)
+    # Killed after the rewrite, before the new rows were published: the rerun no longer finds
+    # the retracted session in the table, so its tombstone must have been sent already.
+    def killed(config, rows):
+        raise Killed("after the rewrite, before publishing")
+
+    monkeypatch.setattr(recompute, "publish_sessions", killed)
+    with pytest.raises(Killed):
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    monkeypatch.undo()
+    summary = run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert summary.users_left_to_the_stream == 1
     sessions = table_rows(stream_config, spark, "sessions")
-    assert [(r["user_id"], r["pageview_count"]) for r in sessions] == [("u", 3)]
+    assert sorted((r["user_id"], r["pageview_count"]) for r in sessions) == [("u", 3), ("w", 1)]
     assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_plan_recorded_by_another_run_while_this_one_planned_stops_this_one(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run on another machine (outside the lock) records step 1 of c1 while this run plans
+    # step 1 from tables that do not hold the other's changes: recording would lay a stale
+    # plan over it.
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    gate = corrections.gate_recomputed_sessions
+
+    def the_other_run_records_meanwhile(run, *args):
+        gate(run, *args)
+        open_tables(stream_config, spark).append_once(
+            CORRECTIONS.name, spark.createDataFrame([], CORRECTIONS.schema), app_id=run.app_id,
+            version=1, partition_by=CORRECTIONS.partition_by,
+            metadata={"run_id": "elsewhere", "cause": "test"})
+
+    monkeypatch.setattr(corrections, "gate_recomputed_sessions", the_other_run_records_meanwhile)
+    with pytest.raises(ClickstreamError, match="recorded a plan while this one was planning"):
+        run_recompute(stream_config, spark=spark, progress=quiet)
+    assert users_with_sessions(stream_config, spark) == set()
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["p1"]

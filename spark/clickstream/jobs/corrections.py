@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
@@ -60,10 +60,11 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError
+from clickstream.errors import ClickstreamError, CommitConflictError, QualityGateFailedError
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import spark_row_value
 from clickstream.io.kafka_clients import produce_records
+from clickstream.locks import exclusive
 from clickstream.quality.correction_report import (
     CorrectionFigures,
     correction_figures,
@@ -71,6 +72,7 @@ from clickstream.quality.correction_report import (
 )
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.quality.gates import gate_publish, gate_recomputed_sessions, publish_started
+from clickstream.quality.reports import safe_name
 from clickstream.sessions.batch_adapter import reattribute_frames, sessionize_frames
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
@@ -144,7 +146,7 @@ class Run:
     @property
     def published_app_id(self) -> str:
         """Records, in ``corrections``, the last plan of the client that reached Kafka (C6)."""
-        return f"corrections-{self.client_id}-published"
+        return f"published-corrections-{self.client_id}"  # no plan's app id starts so
 
     @property
     def gap_ms(self) -> int:
@@ -421,6 +423,9 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
          timer: Timer, stream_watermark_ms: int | None,
          defer: Defer | None = None) -> DataFrame | None:
     """Compute and store the run's corrections (the plan); None when nothing changes."""
+    # The step this plan will be: taken before anything is read, so that a plan another run
+    # recorded meanwhile (computed from tables this one did not see) is noticed (C6).
+    run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
         grown = (windows,)  # persisted: released once the plan is computed
@@ -455,7 +460,6 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         gate_recomputed_sessions(run, new.sessions, new.attributions, orders)
         old_attributions = windows.rows_of(run, ATTRIBUTIONS, "order_date", "order_ts",
                                            run.gap_ms, keep_for_apply=True)
-        run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
         changes = diff(new.before, new.after, SESSIONS, SESSION_CONTENT, "session_date",
                        "session", run, run_seq, retract=new.retract).unionByName(
             diff(old_attributions, new.attributions, ATTRIBUTIONS, ATTRIBUTION_CONTENT,
@@ -476,16 +480,18 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         run.release_snapshots()
         return None
     with timer.step("record corrections"):
-        recorded = run.tables.append_once(
+        unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
+        recorded = unchanged and run.tables.append_once(
             CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
             partition_by=CORRECTIONS.partition_by,
             metadata={"run_id": run.run_id, "cause": run.cause})
     if not recorded:  # (C6)
         changes.unpersist()
         raise ClickstreamError(
-            f"{run.run_id}: another correction run of client {run.client_id} recorded its plan "
-            f"(step {run_seq}) while this one was planning; corrections of one client must run "
-            "one at a time. Nothing of this run was applied: rerun it once the other finished")
+            f"{run.run_id}: another correction run of client {run.client_id} recorded a plan "
+            "while this one was planning (a process outside this machine's lock, C6); "
+            "corrections of one client must run one at a time. Nothing of this run was "
+            "recorded or applied: rerun it")
     return changes  # what was recorded: no need to read the plan back (C3)
 
 
@@ -618,6 +624,68 @@ def _figures_before_apply(run: Run, changes: DataFrame) -> CorrectionFigures | N
     return correction_figures(run, changes, {n: run.snapshots[n].rows for n in names})
 
 
+def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity: str, spec,
+                 date_column: str) -> tuple[int, int, list[str]]:
+    """(planned rows, rows the table does not reflect, first such keys) of one entity."""
+    mine = changes.where(F.col("entity") == entity)
+    dates = sorted({r.partition_date for r in mine.select("partition_date").distinct().collect()})
+    if not dates:
+        return 0, 0, []
+    key = spec.key[0]
+    current = tables.read(spec.name, [key, "revision"], {"client_id": client_id,
+                                                          date_column: dates},
+                          schema=spec.schema).select(F.col(key).alias("key"),
+                                                     F.col("revision").alias("stored"))
+    joined = mine.select("key", "old_revision", "new_revision",
+                         F.col("new_value").isNull().alias("retracted")).join(
+        current, "key", "left")
+    # A later run may have moved a row further on: only an older revision is a miss.
+    missing = joined.where(
+        (~F.col("retracted") & (F.col("stored").isNull()
+                                | (F.col("stored") < F.col("new_revision"))))
+        | (F.col("retracted") & F.col("stored").isNotNull()
+           & (F.col("stored") <= F.col("old_revision"))))
+    duplicated = current.groupBy("key").count().where(F.col("count") > 1).select("key")
+    bad = missing.select("key").unionByName(duplicated).distinct()
+    first = sorted(r.key for r in bad.limit(3).collect())
+    return mine.count(), bad.count(), first
+
+
+def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
+    """The gate between apply and publish: the tables hold the plan (S4 of backfill_steps).
+
+    Every planned session and attribution must be stored at (at least) its new revision,
+    retracted sessions must be gone, and keys must be unique in the affected partitions.
+
+    Returns:
+        ``{"sessions": planned session rows, "attributions": planned attribution rows}``.
+
+    Raises:
+        QualityGateFailedError: some planned rows are not reflected; publish nothing.
+    """
+    counts = {}
+    for entity, label, spec, date_column in (
+            ("session", "sessions", SESSIONS, "session_date"),
+            ("attribution", "attributions", ATTRIBUTIONS, "order_date")):
+        planned, bad, first = _not_applied(run.tables, changes, run.client_id, entity, spec,
+                                           date_column)
+        counts[label] = planned
+        if bad:
+            raise QualityGateFailedError(
+                f"{run.run_id}: {bad} of {planned} planned {label} are not what table "
+                f"{spec.name!r} holds (first: {', '.join(first)}); nothing was published to "
+                f"Kafka. Inspect corrections where run_id = '{run.run_id}'")
+    return counts
+
+
+def one_run_at_a_time(config: Config, client_id: str,
+                      progress: Callable[[str], None] = print) -> AbstractContextManager[None]:
+    """Held by every step that plans, applies or publishes corrections of the client (C6)."""
+    path = config.home / "locks" / f"corrections-{safe_name(client_id)}.lock"
+    return exclusive(path, on_wait=lambda: progress(
+        f"  waiting for another correction run of client {client_id} to finish ({path}) ..."))
+
+
 def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | None:
     """Before planning: this run's own plan if it was interrupted (resumed from here, C3);
     another run's interrupted plan is applied and published first, then forgotten (C6)."""
@@ -631,32 +699,29 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
         return changes
     run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
                  "them: finishing them first ...")
-    finish(run, changes, timer, step="finish an interrupted run")
+    finish(run, changes, timer, step="finish an interrupted run", check_applied=True)
     changes.unpersist()
     return None
 
 
-def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "") -> None:
-    """Apply a recorded plan, publish it, and record that it was published (C6)."""
+def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "",
+           check_applied: bool = False) -> None:
+    """Apply a recorded plan, publish it, and record that it was published (C6).
+
+    ``check_applied``: pass the gate the backfill DAG runs between apply and publish (another
+    run's plan: its own check may have failed, and then it must not be published either)."""
     with timer.step(f"{step}: apply to tables" if step else "apply to tables"):
         apply(run, changes)
+        if check_applied:
+            check_plan_applied(run, changes)
     with timer.step(f"{step}: publish to Kafka" if step else "publish to Kafka"):
         publish_changes(run, changes)
         mark_published(run, changes)
 
 
-def correct(run: Run, scope: DataFrame, *, orders_only: bool,
-            stream_watermark_ms: int | None = None,
-            summary: CorrectionSummary | None = None,
-            defer: Defer | None = None) -> CorrectionSummary:
-    """Plan (or resume), apply and publish the corrections of ``scope`` for ``run.client_id``.
-
-    ``scope`` has client_id, user_id, lo_ms, hi_ms: where new or changed rows landed.
-    ``stream_watermark_ms``: the running sessionizer's watermark; users whose window reaches
-    past it are left to the stream (C4), counted in ``deferred_users`` and handed to
-    ``defer``.
-    """
-    summary = summary or CorrectionSummary()
+def _correct_locked(run: Run, scope: DataFrame, orders_only: bool,
+                    stream_watermark_ms: int | None, summary: CorrectionSummary,
+                    defer: Defer | None) -> None:
     timer = Timer(summary, run.progress)
     figures = None
     changes = resume(run, summary, timer)
@@ -673,4 +738,21 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
         write_correction_report(run, summary, figures or CorrectionFigures())
     if changes is not None:
         changes.unpersist()
+
+
+def correct(run: Run, scope: DataFrame, *, orders_only: bool,
+            stream_watermark_ms: int | None = None,
+            summary: CorrectionSummary | None = None,
+            defer: Defer | None = None) -> CorrectionSummary:
+    """Plan (or resume), apply and publish the corrections of ``scope`` for ``run.client_id``.
+
+    ``scope`` has client_id, user_id, lo_ms, hi_ms: where new or changed rows landed.
+    ``stream_watermark_ms``: the watermark of the sessionizer's last committed micro-batch;
+    users whose window reaches the stream's open sessions are left to it (C4), counted in
+    ``deferred_users`` and handed to ``defer``. Runs of one client wait for each other, and
+    an unpublished plan of the client is finished first (C6).
+    """
+    summary = summary or CorrectionSummary()
+    with one_run_at_a_time(run.config, run.client_id, run.progress):
+        _correct_locked(run, scope, orders_only, stream_watermark_ms, summary, defer)
     return summary

@@ -19,6 +19,7 @@ Known edge case, cited inline as (R1):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,11 +29,25 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError
 from clickstream.io.delta_tables import DeltaTables, open_tables
-from clickstream.jobs.corrections import CorrectionSummary, Run, correct
+from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
+from clickstream.io.kafka_clients import produce_records
+from clickstream.jobs.corrections import (
+    BUCKETS,
+    CorrectionSummary,
+    Run,
+    Timer,
+    _attribution_rows,
+    _session_rows,
+    correct,
+    one_run_at_a_time,
+    open_session_starts,
+    resume,
+)
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
+from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, releases_cache
-from clickstream.tables import RECOMPUTE_QUEUE
+from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
 
 
 @dataclass
@@ -159,6 +174,7 @@ class FullRecomputeSummary:
 @releases_cache
 def run_full_recompute(
     config: Config, *, client_id: str, spark: SparkSession | None = None,
+    progress: Callable[[str], None] = print,
 ) -> FullRecomputeSummary:
     """Delete-and-rewrite every session and attribution of one client from all its data.
 
@@ -167,24 +183,23 @@ def run_full_recompute(
     carried over (+1 where content changed) and sessions that no longer exist are retracted
     with tombstones, so compacted readers end with the table's view. Users with a session open
     in the stream keep their rows (``corrections`` C4): the stream will emit that session.
-    If another writer commits into the client's rows meanwhile, the rewrite is refused.
+    If another writer commits into the client's rows meanwhile, the rewrite is refused. It
+    runs as one of the client's correction runs (C6): an unpublished plan goes first.
+    Tombstones are sent before the rows they retract are replaced: a rerun after a crash
+    finds those rows gone and could not tell them any more.
     """
-    import time
-
-    from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
-    from clickstream.io.kafka_clients import produce_records
-    from clickstream.jobs.corrections import (
-        BUCKETS,
-        _attribution_rows,
-        _session_rows,
-        open_session_starts,
-    )
-    from clickstream.sessions.batch_adapter import sessionize_frames
-    from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, SESSIONS
-
     started = time.monotonic()
     spark = spark or build_spark(config, "clickstream-full-recompute")
     tables = open_tables(config, spark)
+    with one_run_at_a_time(config, client_id, progress):
+        run = Run(spark, config, tables, client_id, f"full-recompute-{client_id}",
+                  f"full recompute of {client_id}", progress)
+        resume(run, CorrectionSummary(), Timer(CorrectionSummary(), progress))
+        return _rewrite_client(config, tables, spark, client_id, started)
+
+
+def _rewrite_client(config: Config, tables: DeltaTables, spark: SparkSession, client_id: str,
+                    started: float) -> FullRecomputeSummary:
     mine = {"client_id": client_id}
     watermark = stream_watermark_ms(config)
     users = ["client_id", "user_id"]
@@ -197,8 +212,9 @@ def run_full_recompute(
                                 orders.join(active, users, "left_anti"),
                                 config.session_gap_ms, BUCKETS).persist()
     results, retracted = {}, {}
-    for spec, rows in ((SESSIONS, _session_rows(emitted)),
-                       (ATTRIBUTIONS, _attribution_rows(emitted))):
+    for spec, rows, topic in (
+            (SESSIONS, _session_rows(emitted), config.sessions_topic),
+            (ATTRIBUTIONS, _attribution_rows(emitted), config.attributions_topic)):
         (key,) = spec.key
         read_version = tables.version(spec.name)
         read_version = read_version if read_version >= 0 else None
@@ -215,7 +231,9 @@ def run_full_recompute(
         ).select(*spec.schema.fieldNames()).persist()
         retracted[spec.name] = old.join(fresh.select(key), key, "left_anti").select(
             F.col(key).alias("key")).persist()
-        retracted[spec.name].count()
+        # Sent before the replace: a rerun would no longer find these rows to retract.
+        produce_records(config, topic, ((r.key, None) for r in
+                                        retracted[spec.name].toLocalIterator()))
         version = (tables.app_version(spec.name, f"full-recompute-{client_id}") or 0) + 1
         try:
             tables.replace_partitions(
@@ -227,15 +245,12 @@ def run_full_recompute(
             raise ClickstreamError(
                 f"full recompute of {client_id}: table {spec.name!r} changed while it ran (the "
                 "sessionizer or a correction run committed into the client's rows); it was "
-                f"not rewritten{' (sessions were)' if spec is ATTRIBUTIONS else ''}. Rerun it: "
-                "a full recompute is idempotent") from exc
+                f"not rewritten{' (sessions were)' if spec is ATTRIBUTIONS else ''} but its "
+                "tombstones were sent. Rerun it to bring table and topic in line again: a full "
+                "recompute is idempotent") from exc
         results[spec.name] = fresh
     publish_sessions(config, results[SESSIONS.name])
     publish_attributions(config, results[ATTRIBUTIONS.name])
-    for spec, topic in ((SESSIONS, config.sessions_topic),
-                        (ATTRIBUTIONS, config.attributions_topic)):
-        produce_records(config, topic, ((r.key, None) for r in
-                                         retracted[spec.name].toLocalIterator()))
     counts = {name: frame.count() for name, frame in results.items()}
     gone = retracted[SESSIONS.name].count()
     for frame in (emitted, *results.values(), *retracted.values()):

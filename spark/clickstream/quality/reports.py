@@ -28,19 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import html
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clickstream.config import Config
+from clickstream.locks import exclusive
 from clickstream.quality import suites
 
 if TYPE_CHECKING:
@@ -106,15 +106,8 @@ def now_utc() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / ".lock").open("a") as handle:  # (R1)
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _locked(root: Path) -> contextlib.AbstractContextManager[None]:
+    return exclusive(root / ".lock")  # (R1)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -1,0 +1,32 @@
+"""Exclusive locks between processes of one machine (``flock`` on a file under the home).
+
+They serialise work that must not interleave, e.g. two correction runs of one client. A lock
+is released when its holder exits, killed or not. ``flock`` does not reach across machines:
+on the cluster profile the home folder is one volume of one Docker host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if missing); ``on_wait`` is called once
+    if another process holds it, before waiting for it. Not re-entrant: a second ``exclusive``
+    on the same path in the same process waits forever."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

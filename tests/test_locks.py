@@ -1,0 +1,51 @@
+"""The inter-process lock that serialises correction runs of one client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from clickstream.locks import exclusive
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from clickstream.locks import exclusive
+with exclusive(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_second_process_waits_for_the_holder_and_is_told_so(tmp_path: Path) -> None:
+    path = tmp_path / "locks" / "corrections-c1.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), "1.5"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        told: list[float] = []
+        started = time.monotonic()
+        with exclusive(path, on_wait=lambda: told.append(time.monotonic())):
+            waited = time.monotonic() - started
+        assert len(told) == 1 and waited > 0.5  # it waited for the holder, after saying so
+        assert holder.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+
+    with exclusive(path, on_wait=lambda: told.append(-1.0)):  # free now: no wait, no message
+        pass
+    assert told[-1] != -1.0
+
+
+def test_a_killed_holder_releases_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "held.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), "60"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    holder.kill()  # SIGKILL: no cleanup runs
+    holder.wait(timeout=30)
+    started = time.monotonic()
+    with exclusive(path):
+        assert time.monotonic() - started < 5
