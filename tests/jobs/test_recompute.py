@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from decimal import Decimal
 from itertools import count
 
 import pytest
@@ -19,7 +20,7 @@ from clickstream.jobs import corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
-from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE
+from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
 from tests.jobs.test_backfill import START, ms, pv_row, write_rows
 from tests.jobs.test_sessionize import pageview, produce, table_rows
 
@@ -233,10 +234,10 @@ def test_a_full_recompute_retracts_merged_sessions_and_leaves_open_ones_to_the_s
 
     # Killed after the rewrite, before the new rows were published: the rerun no longer finds
     # the retracted session in the table, so its tombstone must have been sent already.
-    def killed(config, rows):
+    def killed(*args):
         raise Killed("after the rewrite, before publishing")
 
-    monkeypatch.setattr(recompute, "publish_sessions", killed)
+    monkeypatch.setattr(recompute, "publish_rows", killed)
     with pytest.raises(Killed):
         run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
     monkeypatch.undo()
@@ -267,3 +268,35 @@ def test_a_plan_recorded_by_another_run_while_this_one_planned_stops_this_one(
         run_recompute(stream_config, spark=spark, progress=quiet)
     assert users_with_sessions(stream_config, spark) == set()
     assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["p1"]
+
+
+def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retracted(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                                      pv_row("b", "u", 40, client="c1")],
+                                 "parquet"))
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
+    send = recompute.produce_records
+
+    def tombstones_then_the_stream_commits(config, topic, records):
+        sent = send(config, topic, records)
+        if topic == stream_config.sessions_topic:  # the stream closes another user's session
+            row = {"session_id": "s-other", "client_id": "c1", "user_id": "x",
+                   "session_start": START, "session_end": START, "pageview_count": 1,
+                   "landing_url": "/", "exit_url": "/", "order_count": 0, "revenue": Decimal(0),
+                   "revision": 1, "session_date": START.date()}
+            open_tables(stream_config, spark).append_once(
+                SESSIONS.name, spark.createDataFrame([row], SESSIONS.schema),
+                app_id="test-stream-sessions", version=next(_steps),
+                partition_by=SESSIONS.partition_by, metadata={"run_id": "t", "cause": "t"})
+        return sent
+
+    monkeypatch.setattr(recompute, "produce_records", tombstones_then_the_stream_commits)
+    with pytest.raises(ClickstreamError, match="table 'sessions' changed while it ran"):
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    table = {r["session_id"]: r["revision"] for r in table_rows(stream_config, spark, "sessions")
+             if r["user_id"] == "u"}
+    topic = {k: v["revision"] for k, v in
+             read_compacted(stream_config, stream_config.sessions_topic).items()}
+    assert len(table) == 2 and topic == table  # u's two sessions, not rewritten, still live

@@ -50,6 +50,7 @@ Known edge cases, cited inline as (C1)..(C6):
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -133,6 +134,8 @@ class Run:
     cause: str
     progress: Callable[[str], None] = print
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
+    # The step its plan will be, taken by resume() before it reads anything (C6).
+    next_seq: int | None = None
 
     def release_snapshots(self) -> None:
         for snapshot in self.snapshots.values():
@@ -423,9 +426,9 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
          timer: Timer, stream_watermark_ms: int | None,
          defer: Defer | None = None) -> DataFrame | None:
     """Compute and store the run's corrections (the plan); None when nothing changes."""
-    # The step this plan will be: taken before anything is read, so that a plan another run
-    # recorded meanwhile (computed from tables this one did not see) is noticed (C6).
-    run_seq = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
+    # The step this plan will be, taken before anything was read (by resume()), so that a
+    # plan another run recorded meanwhile (from tables this one did not see) is noticed (C6).
+    run_seq = run.next_seq or _next_seq(run)
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
         grown = (windows,)  # persisted: released once the plan is computed
@@ -518,6 +521,10 @@ def stored_plan(run: Run) -> DataFrame | None:
     if latest is None:
         return None
     return rows.where(F.col("run_seq") == latest).persist()
+
+
+def _next_seq(run: Run) -> int:
+    return (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
 
 
 def unfinished_plan(run: Run) -> DataFrame | None:
@@ -681,7 +688,8 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
 def one_run_at_a_time(config: Config, client_id: str,
                       progress: Callable[[str], None] = print) -> AbstractContextManager[None]:
     """Held by every step that plans, applies or publishes corrections of the client (C6)."""
-    path = config.home / "locks" / f"corrections-{safe_name(client_id)}.lock"
+    digest = hashlib.sha256(client_id.encode()).hexdigest()[:12]  # safe_name may merge ids
+    path = config.home / "locks" / f"corrections-{safe_name(client_id)[:60]}-{digest}.lock"
     return exclusive(path, on_wait=lambda: progress(
         f"  waiting for another correction run of client {client_id} to finish ({path}) ..."))
 
@@ -689,6 +697,7 @@ def one_run_at_a_time(config: Config, client_id: str,
 def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | None:
     """Before planning: this run's own plan if it was interrupted (resumed from here, C3);
     another run's interrupted plan is applied and published first, then forgotten (C6)."""
+    run.next_seq = _next_seq(run)  # finishing another plan records no new step
     changes = unfinished_plan(run)
     if changes is None:
         return None

@@ -27,9 +27,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError
+from clickstream.errors import ClickstreamError, CommitConflictError, QualityGateFailedError
 from clickstream.io.delta_tables import DeltaTables, open_tables
-from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
+from clickstream.io.kafka_changelog import publish_rows
 from clickstream.io.kafka_clients import produce_records
 from clickstream.jobs.corrections import (
     BUCKETS,
@@ -39,9 +39,11 @@ from clickstream.jobs.corrections import (
     _attribution_rows,
     _session_rows,
     correct,
+    mark_published,
     one_run_at_a_time,
     open_session_starts,
     resume,
+    unfinished_plan,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -81,6 +83,7 @@ def run_recompute(
     clients = [client_id] if client_id else sorted(
         r.client_id for r in queue.select("client_id").distinct().collect())
     watermark = stream_watermark_ms(config)
+    failed: dict[str, ClickstreamError] = {}
     for client in clients:
         mine = queue.where(F.col("client_id") == client).persist()
         summary.queued[client] = mine.count()
@@ -92,12 +95,23 @@ def run_recompute(
                   f"recompute queue version {queue_version}", progress)
         scope = mine.groupBy("client_id", "user_id").agg(
             F.min(F.unix_millis("ts")).alias("lo_ms"), F.max(F.unix_millis("ts")).alias("hi_ms"))
-        result, left = _correct(run, scope, watermark)
+        try:
+            result, left = _correct(run, scope, watermark)
+        except ClickstreamError as error:  # one client's trouble does not stop the others
+            progress(f"recompute {client}: failed, its rows stay queued: {error}")
+            failed[client] = error
+            mine.unpersist()
+            continue
         summary.corrections[client] = result
         folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
                                                         "left_anti")
         dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
         mine.unpersist()
+    if failed:
+        raise ClickstreamError(
+            f"recompute failed for {len(failed)} of {len(clients)} clients, whose rows stay "
+            f"queued ({'; '.join(f'{c}: {e}' for c, e in failed.items())}); the others were "
+            "folded in")
     return summary
 
 
@@ -183,8 +197,11 @@ def run_full_recompute(
     carried over (+1 where content changed) and sessions that no longer exist are retracted
     with tombstones, so compacted readers end with the table's view. Users with a session open
     in the stream keep their rows (``corrections`` C4): the stream will emit that session.
-    If another writer commits into the client's rows meanwhile, the rewrite is refused. It
-    runs as one of the client's correction runs (C6): an unpublished plan goes first.
+    If another writer (the sessionizer, or a correction run on another machine) commits into
+    the client's rows meanwhile, the rewrite of that table is refused, the rows its
+    tombstones had retracted are sent again, and the error says to rerun. It runs as one of
+    the client's correction runs (C6): an unpublished plan goes first, or, if that plan fails
+    its applied check, is superseded (this rewrite republishes every row it could change).
     Tombstones are sent before the rows they retract are replaced: a rerun after a crash
     finds those rows gone and could not tell them any more.
     """
@@ -194,7 +211,14 @@ def run_full_recompute(
     with one_run_at_a_time(config, client_id, progress):
         run = Run(spark, config, tables, client_id, f"full-recompute-{client_id}",
                   f"full recompute of {client_id}", progress)
-        resume(run, CorrectionSummary(), Timer(CorrectionSummary(), progress))
+        try:
+            resume(run, CorrectionSummary(), Timer(CorrectionSummary(), progress))
+        except QualityGateFailedError as failed:
+            progress(f"  the unpublished plan fails its applied check ({failed}); the full "
+                     "recompute supersedes it")
+            superseded = unfinished_plan(run)
+            if superseded is not None:
+                mark_published(run, superseded)
         return _rewrite_client(config, tables, spark, client_id, started)
 
 
@@ -242,15 +266,18 @@ def _rewrite_client(config: Config, tables: DeltaTables, spark: SparkSession, cl
                 app_id=f"full-recompute-{client_id}", version=version, read_version=read_version,
                 metadata={"run_id": f"full-{version}", "cause": f"full recompute of {client_id}"})
         except CommitConflictError as exc:
+            # The table keeps the rows the tombstones retracted: the topic gets them back.
+            publish_rows(config, topic, stored.join(
+                retracted[spec.name].select(F.col("key").alias(key)), key, "left_semi"), spec)
             raise ClickstreamError(
                 f"full recompute of {client_id}: table {spec.name!r} changed while it ran (the "
-                "sessionizer or a correction run committed into the client's rows); it was "
-                f"not rewritten{' (sessions were)' if spec is ATTRIBUTIONS else ''} but its "
-                "tombstones were sent. Rerun it to bring table and topic in line again: a full "
-                "recompute is idempotent") from exc
+                "sessionizer or a correction run on another machine committed into the "
+                f"client's rows); it was not rewritten"
+                f"{' (sessions were, and published)' if spec is ATTRIBUTIONS else ''}. Rerun "
+                "it, ideally with the sessionizer stopped: a full recompute is idempotent"
+            ) from exc
+        publish_rows(config, topic, fresh, spec)  # each table's view once it is committed
         results[spec.name] = fresh
-    publish_sessions(config, results[SESSIONS.name])
-    publish_attributions(config, results[ATTRIBUTIONS.name])
     counts = {name: frame.count() for name, frame in results.items()}
     gone = retracted[SESSIONS.name].count()
     for frame in (emitted, *results.values(), *retracted.values()):
