@@ -121,7 +121,7 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
 def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Scale, history_folder, simulate, write_table
 
-    target = history_folder(config.landing, args.out, args.overwrite)
+    target = history_folder(config, args.out, args.overwrite)
     scale = Scale(users_per_client=args.users, minutes=args.days * 24 * 60, start=args.start,
                   sessions_per_user_per_day=args.sessions_per_user_per_day,
                   order_probability=args.order_probability)

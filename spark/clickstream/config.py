@@ -150,6 +150,13 @@ class Config:
         """Folder of one Delta table under the warehouse."""
         return self.warehouse / table
 
+    def in_landing(self, path: str | Path) -> tuple[Path, bool]:
+        """``path`` (relative to the landing folder, or absolute) with ``..`` and links
+        resolved, and whether it is still inside the landing folder (it or below it)."""
+        candidate = Path(path)
+        resolved = (candidate if candidate.is_absolute() else self.landing / candidate).resolve()
+        return resolved, resolved == self.landing or self.landing in resolved.parents
+
     def checkpoint_path(self, job: str) -> Path:
         """Spark checkpoint folder of one streaming job under the product's home."""
         return self.home / "checkpoints" / job

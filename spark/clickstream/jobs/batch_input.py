@@ -84,10 +84,9 @@ class BatchFiles:
 
 def resolve_in_landing(config: Config, path: str) -> Path:
     """The batch path, refused unless it is inside the landing folder (B1)."""
-    landing = config.landing.resolve()
-    candidate = Path(path)
-    resolved = (candidate if candidate.is_absolute() else landing / candidate).resolve()
-    if resolved != landing and landing not in resolved.parents:
+    landing = config.landing
+    resolved, inside = config.in_landing(path)
+    if not inside:
         raise BatchRefusedError(
             f"batch path {path!r} resolves to {resolved}, which is outside the landing folder "
             f"{landing}; copy the batch into the landing folder (CLICKSTREAM_LANDING) and pass "

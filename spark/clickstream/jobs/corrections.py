@@ -719,11 +719,12 @@ def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "",
 
     ``check_applied``: pass the gate the backfill DAG runs between apply and publish (another
     run's plan: its own check may have failed, and then it must not be published either)."""
-    with timer.step(f"{step}: apply to tables" if step else "apply to tables"):
+    prefix = f"{step}: " if step else ""
+    with timer.step(f"{prefix}apply to tables"):
         apply(run, changes)
         if check_applied:
             check_plan_applied(run, changes)
-    with timer.step(f"{step}: publish to Kafka" if step else "publish to Kafka"):
+    with timer.step(f"{prefix}publish to Kafka"):
         publish_changes(run, changes)
         mark_published(run, changes)
 

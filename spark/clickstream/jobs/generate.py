@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
+from clickstream.config import Config
 from clickstream.errors import ClickstreamError
 
 URL_PATHS = ("/", "/search", "/products", "/products/{n}", "/cart", "/checkout", "/blog/{n}",
@@ -201,7 +202,7 @@ def live_records(
     return out
 
 
-def history_folder(landing: Path, out: str, overwrite: bool) -> Path:
+def history_folder(config: Config, out: str, overwrite: bool) -> Path:
     """The folder ``generate history`` writes, checked before anything is simulated.
 
     A second run into the same folder would leave the first run's files beside its own (a
@@ -211,11 +212,11 @@ def history_folder(landing: Path, out: str, overwrite: bool) -> Path:
     Raises:
         ClickstreamError: ``out`` leaves the landing folder, or already holds a batch.
     """
-    root = landing.resolve()
-    target = (root / out).resolve()
-    if target == root or not target.is_relative_to(root):
+    target, inside = config.in_landing(out)
+    if not inside or target == config.landing:
         raise ClickstreamError(f"--out {out!r} must name a folder inside the landing folder "
-                               f"{root} (CLICKSTREAM_LANDING); backfills read only from there")
+                               f"{config.landing} (CLICKSTREAM_LANDING); backfills read only "
+                               "from there")
     held = [target / kind for kind in ("pageviews", "orders") if (target / kind).exists()]
     if held and not overwrite:
         raise ClickstreamError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
