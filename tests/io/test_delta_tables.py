@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
+import subprocess
+import sys
+import time
 from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
 
 from clickstream.config import Config
@@ -380,6 +385,153 @@ def test_replace_computed_from_an_older_version_is_refused_only_if_its_range_cha
     assert ids(tables.read("orders")) == ["late", "o1", "o2b"]
 
 
+def order_rows(spark: SparkSession, ids_: range, client: str, amount: str) -> DataFrame:
+    """Orders ``o<i>`` spread over three days, all of ``amount``."""
+    day = F.date_add(F.lit(D1), (F.col("id") % 3).cast("int"))
+    return spark.range(ids_.start, ids_.stop, ids_.step).select(
+        F.concat(F.lit("o"), F.col("id").cast("string")).alias("order_id"),
+        F.lit(client).alias("client_id"), F.lit("u1").alias("user_id"),
+        F.to_utc_timestamp(F.timestamp_add("HOUR", F.lit(12), day.cast("timestamp")), "UTC")
+        .alias("ts"),
+        F.lit(amount).cast(ORDERS.schema["amount"].dataType).alias("amount"),
+        F.lit("EUR").alias("currency"), F.lit(None).cast("string").alias("event_id"),
+        F.lit("test").alias("source"), day.alias("event_date"))
+
+
+LIVE_ORDERS = """
+import datetime as dt, sys, time
+from decimal import Decimal
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError
+
+path, out = sys.argv[1], sys.argv[2]
+schema = pa.schema(DeltaTable(path).schema().to_arrow())
+day = dt.date(2024, 3, 1)
+ts = dt.datetime(2024, 3, 1, 12, tzinfo=dt.UTC)
+for i in range(600):
+    row = {"order_id": [f"live{i}"], "client_id": ["c1"], "user_id": ["u1"], "ts": [ts],
+           "amount": [Decimal(7)], "currency": ["EUR"], "event_id": [None],
+           "source": ["stream"], "event_date": [day]}
+    while True:
+        try:
+            write_deltalake(path, pa.table(row, schema=schema), mode="append")
+            break
+        except CommitFailedError:
+            time.sleep(0.01)
+    with open(out, "a") as f:
+        f.write(f"live{i}\\n")
+    time.sleep(0.1)
+"""
+
+
+def test_upsert_commits_while_another_writer_keeps_appending(tables, spark, tmp_path):
+    """A stream committing live orders of the same client and day every tenth of a second
+    (another process) does not stop a backfill's upsert: only a file it rewrites or one of
+    its keys appearing would. delta-rs ``merge`` restarted on any commit: it failed here."""
+    tables.append_once("orders", order_rows(spark, range(0, 200_000, 2), "c1", "1"),
+                       app_id="seed", version=1, partition_by=PARTS, metadata=META)
+    log_of_live = tmp_path / "live.txt"
+    log_of_live.touch()
+    stream = subprocess.Popen([sys.executable, "-c", LIVE_ORDERS, tables.table_path("orders"),
+                               str(log_of_live)])
+    try:
+        while len(log_of_live.read_text().split()) < 3:  # it commits before the upsert starts
+            assert stream.poll() is None, "the live-orders writer stopped"
+            time.sleep(0.05)
+        result = tables.upsert("orders", order_rows(spark, range(200_000), "c1", "2"),
+                               keys=["client_id", "order_id"], app_id="backfill", version=1,
+                               metadata=META)
+        assert stream.poll() is None, "the live-orders writer stopped"
+    finally:
+        stream.terminate()
+        stream.wait()
+
+    appended = log_of_live.read_text().split()
+    assert result == UpsertResult(inserted=100_000, updated=100_000)
+    rows = tables.read("orders").groupBy("order_id").agg(
+        F.count("*").alias("n"), F.max("amount").alias("amount")).collect()
+    by_id = {r.order_id: (r.n, r.amount) for r in rows}
+    assert {by_id[f"o{i}"] for i in range(200_000)} == {(1, Decimal(2))}
+    assert {by_id[i] for i in appended} == {(1, Decimal(7))}
+    assert len(by_id) - 200_000 >= len(appended)  # one more may be committed, not yet logged
+
+
+def test_upsert_reads_again_when_another_writer_adds_one_of_its_keys(config, spark, caplog):
+    other = open_tables(config, spark)
+    seen: list[int] = []
+
+    def stream_stores_o2(table: str, attempt: int) -> None:
+        seen.append(attempt)
+        if len(seen) == 1:  # the same order arrives live between the read and the commit
+            other.append_once(table, orders(spark, ("o2", "c1", D1, "5")), app_id="stream",
+                              version=2, partition_by=PARTS, metadata=META)
+
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01, before_commit=stream_stores_o2)
+    other.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="stream",
+                      version=1, partition_by=PARTS, metadata=META)
+
+    with caplog.at_level(logging.INFO, logger="clickstream.io.delta_rs_engine"):
+        result = tables.upsert("orders",
+                               orders(spark, ("o1", "c1", D2, "3"), ("o2", "c1", D2, "4")),
+                               keys=["client_id", "order_id"], app_id="backfill", version=1,
+                               metadata=META)
+
+    assert result == UpsertResult(inserted=0, updated=2)  # o2 existed when it read again
+    assert any("added with rows of its keys" in m for m in caplog.messages)
+    rows = sorted((r.order_id, r.amount, r.event_date) for r in tables.read("orders").collect())
+    assert rows == [("o1", Decimal(3), D2), ("o2", Decimal(4), D2)]
+
+
+def test_upsert_reads_again_when_a_file_it_rewrites_is_compacted(config, spark, caplog):
+    other = open_tables(config, spark)
+    seen: list[int] = []
+
+    def compact(table: str, attempt: int) -> None:
+        seen.append(attempt)
+        if len(seen) == 1:
+            other.optimize(table, partition_filter={"client_id": "c1"})
+
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01, before_commit=compact)
+    for version, order_id in enumerate(("o1", "o2"), start=1):
+        other.append_once("orders", orders(spark, (order_id, "c1", D1, "1")), app_id="stream",
+                          version=version, partition_by=PARTS, metadata=META)
+
+    with caplog.at_level(logging.INFO, logger="clickstream.io.delta_rs_engine"):
+        result = tables.upsert("orders", orders(spark, ("o1", "c1", D1, "9")),
+                               keys=["client_id", "order_id"], app_id="backfill", version=1,
+                               metadata=META)
+
+    assert result == UpsertResult(inserted=0, updated=1)
+    assert any("it rewrites were removed" in m for m in caplog.messages)
+    rows = sorted((r.order_id, r.amount) for r in tables.read("orders").collect())
+    assert rows == [("o1", Decimal(9)), ("o2", Decimal(1))]
+
+
+def test_upsert_whose_keys_keep_arriving_gives_up_and_commits_nothing(config, spark):
+    other = open_tables(config, spark)
+
+    arrivals: list[int] = []
+
+    def always_o1(table: str, attempt: int) -> None:  # before every commit, o1 arrives again
+        arrivals.append(attempt)
+        other.append_once(table, orders(spark, ("o1", "c1", D1, "5")), app_id="stream",
+                          version=len(arrivals), partition_by=PARTS, metadata=META)
+
+    tables = DeltaRsTables(config, spark, max_commit_attempts=2, backoff_seconds=0.01,
+                           before_commit=always_o1)
+    other.append_once("orders", orders(spark), app_id="seed", version=1, partition_by=PARTS,
+                      metadata=META)
+
+    with pytest.raises(CommitConflictError, match=r"upsert on table 'orders': concurrent commits "
+                       r"changed the rows it rewrites on each of 2 reads; nothing was committed"):
+        tables.upsert("orders", orders(spark, ("o1", "c1", D2, "3")),
+                      keys=["client_id", "order_id"], app_id="backfill", version=1, metadata=META)
+    # Per read: the first attempt loses the commit race, the second sees o1 added and reads again.
+    assert arrivals == [1, 2, 1, 2]
+    assert tables.app_version("orders", "backfill") is None
+    assert [r.order_id for r in tables.read("orders").collect()] == ["o1"] * 4
+
 def test_missing_table_read_needs_a_schema(tables):
     with pytest.raises(ClickstreamError, match=r"table 'orders' does not exist.*pass schema="):
         tables.read("orders")
@@ -406,16 +558,21 @@ def test_partition_values_with_special_characters_read_back_exactly(tables, spar
     odd = "shop a/b:ü%20"
     tables.append_once("orders", orders(spark, ("o1", odd, D1, "1"), ("o2", "c1", D1, "2")),
                        app_id="a", version=1, partition_by=PARTS, metadata=META)
-    # delta-rs' merge writes its own folder names (percent-encoding more than Spark does).
-    tables.upsert("orders", orders(spark, ("o3", odd, D2, "3")), keys=["client_id", "order_id"],
-                  app_id="b", version=1, metadata=META)
+    # Another engine (delta-rs' own writer) names folders its way, percent-encoding more.
+    write_deltalake(tables.table_path("orders"), orders(spark, ("o3", odd, D2, "3")).toArrow(),
+                    mode="append")
+    # The upsert rewrites the file in delta-rs' folder (o3) and adds one in its own (o4).
+    assert tables.upsert("orders", orders(spark, ("o3", odd, D2, "33"), ("o4", odd, D2, "4")),
+                         keys=["client_id", "order_id"], app_id="b", version=1,
+                         metadata=META) == UpsertResult(inserted=1, updated=1)
 
     folders = {Path(f).parts[0] for f in parquet_on_disk(tables, "orders")}
     assert {"client_id=shop a%2Fb%3Aü%2520", "client_id=shop%20a%2Fb%3A%C3%BC%2520"} < folders
-    rows = {r.order_id: r.client_id for r in tables.read("orders").collect()}
-    assert rows == {"o1": odd, "o2": "c1", "o3": odd}
-    assert ids(tables.read("orders", partition_filter={"client_id": odd})) == ["o1", "o3"]
-    assert tables.read_arrow("orders", {"client_id": odd}).num_rows == 2
+    rows = {r.order_id: (r.client_id, r.amount) for r in tables.read("orders").collect()}
+    assert rows == {"o1": (odd, Decimal(1)), "o2": ("c1", Decimal(2)), "o3": (odd, Decimal(33)),
+                    "o4": (odd, Decimal(4))}
+    assert ids(tables.read("orders", partition_filter={"client_id": odd})) == ["o1", "o3", "o4"]
+    assert tables.read_arrow("orders", {"client_id": odd}).num_rows == 3
 
 
 def test_maintenance_compacts_vacuums_and_checkpoints_without_changing_rows(tables, spark):

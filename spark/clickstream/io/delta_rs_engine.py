@@ -4,8 +4,9 @@ How a write works: Spark executors write Parquet files straight into the table f
 names, Hive-style partition folders, statistics gathered while writing) and return one small
 row per file; the driver turns those rows into Delta ``add`` actions and commits them with
 ``DeltaTable.create_write_transaction``, together with an application transaction and commit
-metadata. Upserts collect the (modest) batch to Arrow and use delta-rs ``merge``. Reads go
-through the log's active files, never through a folder listing.
+metadata. Upserts collect the (modest) batch to Arrow and rewrite, on the driver, only the files
+that hold its keys (edge case 14). Reads go through the log's active files, never through a
+folder listing.
 
 Known edge cases (cited inline as "edge case N"):
 
@@ -18,8 +19,8 @@ Known edge cases (cited inline as "edge case N"):
 3. delta-rs retries commits internally and would silently rebase a partition overwrite over a
    concurrent append into the same partition (measured with 1.6.6: both rows survive). Every
    commit here therefore runs with ``max_commit_retries=0`` and this module owns the retry loop,
-   re-validating idempotency (append), re-running the merge against the new snapshot (upsert),
-   or refusing when the replaced range changed (replace_partitions).
+   re-validating idempotency (append), re-checking what other writers added (upsert, 14), or
+   refusing when the replaced range changed (replace_partitions).
 4. Spark derives partition values from folder names (Hive escaping, ``%XX``), delta-rs from the
    log. Our writer escapes like Spark; folders written by delta-rs percent-encode more (spaces,
    non-ASCII) or hold empty values (``k=``). ``read`` checks every file's folder against the log
@@ -50,6 +51,15 @@ Known edge cases (cited inline as "edge case N"):
     columns within each task (as Spark's own partitioned writer does) and buffered into row
     groups of up to ``ROW_GROUP_ROWS`` rows / ``ROW_GROUP_BYTES``; a file is closed as soon as
     its partition's rows end, so a task holds one buffer at a time.
+14. An upsert reads the key columns of every file in its scope once, rewrites the files that
+    hold one of its keys (without those rows) and writes the source rows as new files; its
+    commit removes exactly the rewritten files. delta-rs ``merge`` was used before and
+    restarted on any commit by another writer during its run (even into other partitions), so
+    a year of orders never got through beside a stream committing orders every few seconds.
+    Now each commit attempt re-checks only what changed since the read: a rewritten file that
+    is gone (compacted, replaced) or an added file holding one of the source's keys sends the
+    upsert back to read again; anything else (the stream's appends of other orders) is left in
+    place and the commit goes through.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
@@ -86,9 +97,7 @@ from clickstream.io.delta_tables import (
     check_partition_predicate,
     filter_alternatives,
     filter_matches,
-    filter_to_sql,
     partition_string,
-    quote_ident,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +110,10 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _SKIPPED = object()  # an attempt's result when the (app_id, version) step was already committed
+
+
+class _ReadChanged(Exception):
+    """An upsert's read is stale: another writer changed rows it rewrites (edge case 14)."""
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 _PARTITION_TYPES = {"string", "integer", "long", "short", "byte", "boolean", "date"}
 _MAX_STAT_STRING = 64
@@ -241,7 +254,13 @@ class DeltaRsTables(DeltaTables):
         version: int,
         metadata: Mapping[str, Any],
     ) -> UpsertResult:
-        """See :meth:`DeltaTables.upsert`. Delivery: exactly once per (app_id, version)."""
+        """See :meth:`DeltaTables.upsert`. Delivery: exactly once per (app_id, version).
+
+        Copy-on-write by file, not delta-rs ``merge``: a merge restarts on any concurrent
+        commit, so a long one never got through beside a stream committing every few seconds.
+        Here the rows are read and written once; a commit attempt only checks what other
+        writers committed since (edge case 14).
+        """
         properties = _commit_properties(metadata, app_id, version, "upsert")
         if not keys or set(keys) - set(df.columns):
             raise ConfigError(
@@ -254,45 +273,121 @@ class DeltaRsTables(DeltaTables):
         df = _conform(df, table, name)
         source = _cast_to_table(df.toArrow(), table)
         _check_keys(source, list(keys), name)
-        types = _delta_types(table)
         scope = partition_filter
         if scope is None:  # restrict by the key columns that are partition columns
             key_parts = [k for k in keys if k in _partition_columns(table)]
             if key_parts and source.num_rows:
                 values = source.select(key_parts).group_by(key_parts).aggregate([])
                 scope = {k: values.column(k).to_pylist() for k in key_parts}
-        on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
         if scope is not None:
             _check_filter_columns(scope, _partition_columns(table), name)
-            on += f" AND ({filter_to_sql(scope, types, alias='t')})"
+        source_keys = source.select(list(keys))
+        first: _ReadChanged | None = None
+        for number in range(1, self._max_attempts + 1):
+            try:
+                outcome = self._upsert_once(name, source, source_keys, scope, properties,
+                                            app_id, version)
+            except _ReadChanged as exc:
+                first = first or exc
+                log.info("upsert on %s: read %d of %d changed under it: %s", name, number,
+                         self._max_attempts, exc)
+                continue
+            if isinstance(outcome, UpsertResult):
+                return outcome
+            return UpsertResult(0, 0, committed=False)  # edge case 2: a racing replay won
+        raise CommitConflictError(
+            f"upsert on table {name!r}: concurrent commits changed the rows it rewrites on "
+            f"each of {self._max_attempts} reads; nothing was committed (first: {first}). "
+            "Retrying the step is safe: it commits at most once per (app_id, version)."
+        )
+
+    def _upsert_once(
+        self,
+        name: str,
+        source: pa.Table,
+        source_keys: pa.Table,
+        scope: PartitionFilter | None,
+        properties: CommitProperties,
+        app_id: str,
+        version: int,
+    ) -> object:
+        """One read-write-commit pass of :meth:`upsert` (edge case 14).
+
+        Raises:
+            _ReadChanged: another writer removed a file this pass rewrites, or added rows with
+                one of the source's keys; nothing was committed, read again.
+        """
+        read = self._require(name)
+        if _done(read, app_id, version):
+            return _SKIPPED
+        seen = _within(self._active_files(read), scope)
+        holders = [(f, matched) for f in seen
+                   if (matched := self._keys_in_file(name, read, f, source_keys)).num_rows]
+        kept = [self._rows_of_file(name, read, f, source_keys) for f, _ in holders]
+        updated = (pa.concat_tables([m for _, m in holders]).group_by(source_keys.column_names)
+                   .aggregate([]).num_rows if holders else 0)
+        files = self._write_arrow(name, pa.concat_tables([source, *kept]), read)
+        rewritten = {f.log_path for f, _ in holders}
+        checked = {f.log_path for f in seen}
 
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
                 return _SKIPPED
-            if source.num_rows == 0:  # edge case 10: record the step all the same
-                current.create_write_transaction(
-                    [], mode="append", schema=current.schema(),
-                    partition_by=_partition_columns(current), commit_properties=properties,
-                )
-                return UpsertResult(0, 0)
-            metrics = (
-                current.merge(
-                    source, predicate=on, source_alias="s", target_alias="t",
-                    commit_properties=properties,
-                )
-                .when_matched_update_all()
-                .when_not_matched_insert_all()
-                .execute()
+            active = self._active_files(current)
+            gone = rewritten - {f.log_path for f in active}
+            if gone:
+                raise _ReadChanged(f"{len(gone)} file(s) it rewrites were removed, first "
+                                   f"{sorted(gone)[0]} (now version {current.version()})")
+            for added in _within(active, scope):
+                if added.log_path in checked:
+                    continue
+                if self._keys_in_file(name, current, added, source_keys).num_rows:
+                    raise _ReadChanged(f"{added.log_path} was added with rows of its keys "
+                                       f"(now version {current.version()})")
+                checked.add(added.log_path)
+            now = int(time.time() * 1000)
+            removes = [RemoveAction(f.path, True, now, f.size, f.partition_values)  # (12)
+                       for f, _ in holders]
+            current.create_write_transaction(
+                [*removes, *(f.add_action() for f in files)], mode="append",
+                schema=current.schema(), partition_by=_partition_columns(current),
+                commit_properties=properties,
             )
-            return UpsertResult(
-                int(metrics.get("num_target_rows_inserted", 0)),
-                int(metrics.get("num_target_rows_updated", 0)),
-            )
+            return UpsertResult(source.num_rows - updated, updated)
 
-        outcome = self._commit_loop(name, "upsert", attempt)
-        if isinstance(outcome, UpsertResult):
-            return outcome
-        return UpsertResult(0, 0, committed=False)  # edge case 2: a racing replay won
+        return self._commit_files(name, "upsert", files, attempt)
+
+    def _keys_in_file(
+        self, name: str, table: DeltaTable, f: _ActiveFile, keys: pa.Table
+    ) -> pa.Table:
+        """The rows of ``keys`` that the file holds (reads only its key columns)."""
+        stored = self._read_file(name, table, f, keys.column_names)
+        return stored.join(keys, keys.column_names, join_type="left semi")
+
+    def _rows_of_file(
+        self, name: str, table: DeltaTable, f: _ActiveFile, keys: pa.Table
+    ) -> pa.Table:
+        """The file's rows whose key is not in ``keys``, in the table's schema."""
+        stored = self._read_file(name, table, f, None)
+        return _cast_to_table(stored.join(keys, keys.column_names, join_type="left anti"), table)
+
+    def _read_file(
+        self, name: str, table: DeltaTable, f: _ActiveFile, columns: Sequence[str] | None
+    ) -> pa.Table:
+        """One active file's rows, partition columns filled in from the log (edge case 4)."""
+        schema = pa.schema(table.schema().to_arrow())
+        parts = _partition_columns(table)
+        wanted = list(columns) if columns is not None else schema.names
+        stored = pq.read_table(os.path.join(self.table_path(name), f.path),
+                               columns=[c for c in wanted if c not in parts])
+        for column in wanted:
+            if column in parts:
+                value = f.partition_values.get(column)
+                stored = stored.append_column(
+                    column, pa.array([value] * stored.num_rows, pa.string())
+                    .cast(schema.field(column).type))
+        target = pa.schema([schema.field(c).with_nullable(True) for c in wanted])
+        return stored.select(wanted).cast(target)
 
     def replace_partitions(
         self,
@@ -545,16 +640,26 @@ class DeltaRsTables(DeltaTables):
     def _write_files(self, name: str, df: DataFrame, table: DeltaTable) -> list[_WrittenFile]:
         """Executors write Parquet files into the table folder; returns what they wrote."""
         parts = _partition_columns(table)
-        arrow_schema = pa.schema(table.schema().to_arrow())
-        file_schema = pa.schema(
-            [f.with_nullable(True) for f in arrow_schema if f.name not in parts]
-        )
         task = functools.partial(
-            _write_task, root=self.table_path(name), partition_by=parts, file_schema=file_schema
+            _write_task, root=self.table_path(name), partition_by=parts,
+            file_schema=_file_schema(table),
         )
         # Sorted by partition within each task: one open file at a time, whole row groups (13).
         spark_df = df.repartition(*parts).sortWithinPartitions(*parts) if parts else df
-        rows = spark_df.mapInArrow(task, _FILE_ROWS).collect()
+        return self._written(name, table, spark_df.mapInArrow(task, _FILE_ROWS).collect())
+
+    def _write_arrow(self, name: str, rows: pa.Table, table: DeltaTable) -> list[_WrittenFile]:
+        """The driver writes rows it holds, as one Spark task would (edge case 13)."""
+        parts = _partition_columns(table)
+        if parts:
+            rows = rows.sort_by([(c, "ascending") for c in parts])
+        out = pa.Table.from_batches(list(_write_task(
+            iter(rows.to_batches(max_chunksize=65_536)), root=self.table_path(name),
+            partition_by=parts, file_schema=_file_schema(table),
+        )))
+        return self._written(name, table, [SimpleNamespace(**r) for r in out.to_pylist()])
+
+    def _written(self, name: str, table: DeltaTable, rows: Sequence[Any]) -> list[_WrittenFile]:
         files = [
             _WrittenFile(
                 r.path, r.size, json.loads(r.partition_values), r.modification_time, r.stats
@@ -652,8 +757,7 @@ class DeltaRsTables(DeltaTables):
                 for uri in table.file_uris(file_pruning_predicate=predicate)
             }
             return [f for f in files if f.path in chosen]
-        alternatives = filter_alternatives(predicate)
-        return [f for f in files if filter_matches(alternatives, f.partition_values)]
+        return _within(files, predicate)
 
     def _check_inside(
         self,
@@ -917,6 +1021,21 @@ def _commit_properties(
         max_commit_retries=0,
         app_transactions=[Transaction(app_id, version, int(time.time() * 1000))],
     )
+
+
+def _file_schema(table: DeltaTable) -> pa.Schema:
+    """Columns stored in a data file: all but the partition columns, nullable."""
+    parts = _partition_columns(table)
+    return pa.schema(
+        [f.with_nullable(True) for f in pa.schema(table.schema().to_arrow()) if f.name not in parts]
+    )
+
+
+def _within(files: list[_ActiveFile], scope: PartitionFilter | None) -> list[_ActiveFile]:
+    if scope is None:
+        return files
+    alternatives = filter_alternatives(scope)
+    return [f for f in files if filter_matches(alternatives, f.partition_values)]
 
 
 def _done(table: DeltaTable, app_id: str, version: int) -> bool:

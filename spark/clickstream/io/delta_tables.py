@@ -163,6 +163,8 @@ class DeltaTables(ABC):
         partitions named by ``partition_filter`` are read or rewritten; when it is None, the
         key columns that are partition columns (e.g. ``client_id``) restrict the merge to the
         source's values. A key may move between partitions (an order whose ``ts`` changed).
+        On the delta-rs engine, other writers' commits meanwhile (the stream's appends) make it
+        read again only when they change a file it rewrites or add one of its keys.
 
         Args:
             name: table name under the warehouse.
