@@ -13,7 +13,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError
+from clickstream.errors import ClickstreamError, QualityGateFailedError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import corrections, recompute, sessionize
@@ -300,3 +300,37 @@ def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retr
     topic = {k: v["revision"] for k, v in
              read_compacted(stream_config, stream_config.sessions_topic).items()}
     assert len(table) == 2 and topic == table  # u's two sessions, not rewritten, still live
+
+
+def test_a_plan_that_fails_its_applied_check_stops_the_client_until_a_full_recompute(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Killed after apply, before publish; then something outside the product deletes the
+    # rows it applied. The next run of c1 must not publish a plan the tables do not hold.
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    publish = corrections.publish_changes
+
+    def killed(run, changes):
+        raise Killed("after apply, before publish")
+
+    monkeypatch.setattr(corrections, "publish_changes", killed)
+    with pytest.raises(Killed):
+        run_recompute(stream_config, spark=spark, progress=quiet)
+    monkeypatch.setattr(corrections, "publish_changes", publish)
+    open_tables(stream_config, spark).replace_partitions(
+        SESSIONS.name, spark.createDataFrame([], SESSIONS.schema), predicate={"client_id": "c1"},
+        app_id="someone", version=1, metadata={"run_id": "t", "cause": "manual delete"})
+
+    backfill = write_rows(stream_config, "p", [pv_row("x", "u9", 600, client="c1")], "parquet")
+    for _ in range(2):  # it stays blocked: nothing was published, nothing forgotten
+        with pytest.raises(QualityGateFailedError, match=r"every correction run of client c1 "
+                           r"stops here; `clickstream recompute --client c1 --full`"):
+            run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark,
+                         progress=quiet, path=backfill)
+    assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+
+    run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c1", "u9")}
+    assert_topic_equals_table(stream_config, spark)
+    run_recompute(stream_config, spark=spark, progress=quiet)  # unblocked
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)

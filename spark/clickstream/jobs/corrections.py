@@ -681,7 +681,10 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
             raise QualityGateFailedError(
                 f"{run.run_id}: {bad} of {planned} planned {label} are not what table "
                 f"{spec.name!r} holds (first: {', '.join(first)}); nothing was published to "
-                f"Kafka. Inspect corrections where run_id = '{run.run_id}'")
+                f"Kafka. Inspect corrections where run_id = '{run.run_id}'. Until this plan "
+                f"is published, every correction run of client {run.client_id} stops here; "
+                f"`clickstream recompute --client {run.client_id} --full` rewrites the client "
+                "from its pageviews and orders and supersedes it")
     return counts
 
 
