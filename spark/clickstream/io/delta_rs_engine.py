@@ -110,10 +110,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _SKIPPED = object()  # an attempt's result when the (app_id, version) step was already committed
-
-
-class _ReadChanged(Exception):
-    """An upsert's read is stale: another writer changed rows it rewrites (edge case 14)."""
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 _PARTITION_TYPES = {"string", "integer", "long", "short", "byte", "boolean", "date"}
 _MAX_STAT_STRING = 64
@@ -122,6 +118,10 @@ _ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^")
 _FILE_ROWS = "path string, size long, partition_values string, modification_time long, stats string"
 ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
 ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
+
+
+class _ReadChanged(Exception):
+    """An upsert's read is stale: another writer changed rows it rewrites (edge case 14)."""
 
 
 @dataclass(frozen=True)
@@ -1045,11 +1045,6 @@ def _done(table: DeltaTable, app_id: str, version: int) -> bool:
 
 def _partition_columns(table: DeltaTable) -> list[str]:
     return list(table.metadata().partition_columns)
-
-
-def _delta_types(table: DeltaTable) -> dict[str, str]:
-    fields = json.loads(table.schema().to_json())["fields"]
-    return {f["name"]: f["type"] if isinstance(f["type"], str) else "struct" for f in fields}
 
 
 def _check_partition_types(schema: StructType, partition_by: Sequence[str], name: str) -> None:
