@@ -14,14 +14,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable, Field, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
 
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
-from clickstream.io.delta_rs_engine import DeltaRsTables
+from clickstream.io.delta_rs_engine import DeltaRsTables, _ActiveFile, _removes
 from clickstream.io.delta_spark_engine import delta_jars_loadable
 from clickstream.io.delta_tables import (
     DeltaTables,
@@ -531,6 +531,40 @@ def test_upsert_whose_keys_keep_arriving_gives_up_and_commits_nothing(config, sp
     assert arrivals == [1, 2, 1, 2]
     assert tables.app_version("orders", "backfill") is None
     assert [r.order_id for r in tables.read("orders").collect()] == ["o1"] * 4
+
+def test_upsert_rewrites_files_written_before_a_column_was_added(tables, spark):
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1"), ("o2", "c1", D1, "2")),
+                       app_id="a", version=1, partition_by=PARTS, metadata=META)
+    DeltaTable(tables.table_path("orders")).alter.add_columns(Field("note", "string"))
+    batch = orders(spark, ("o1", "c1", D1, "9")).withColumn("note", F.lit("fixed"))
+
+    assert tables.upsert("orders", batch, keys=["client_id", "order_id"], app_id="b", version=1,
+                         metadata=META) == UpsertResult(inserted=0, updated=1)
+    rows = sorted((r.order_id, r.amount, r.note) for r in tables.read("orders").collect())
+    assert rows == [("o1", Decimal(9), "fixed"), ("o2", Decimal(2), None)]
+
+
+def test_upsert_refuses_empty_strings_in_a_partition_key(tables, spark):
+    # Stored as the null partition (edge case 5), such a row could never be matched again.
+    with pytest.raises(ClickstreamError, match="key column 'client_id' is a partition column "
+                       "and holds empty strings"):
+        tables.upsert("orders", orders(spark, ("o1", "", D1, "1")),
+                      keys=["client_id", "order_id"], partition_by=PARTS, app_id="b",
+                      version=1, metadata=META)
+    assert tables.app_version("orders", "b") is None
+
+
+def test_files_named_raw_in_the_log_are_refused_rather_than_removed_inexactly():
+    # delta-rs encodes a remove's path itself: a raw non-ASCII log path (another engine's)
+    # would be encoded into a path that matches no file, and its rows would stay twice.
+    raw = _ActiveFile("client_id=café/p.parquet", "client_id=café/p.parquet", 1,
+                      {"client_id": "café"})
+    with pytest.raises(ClickstreamError, match=r"unencoded characters, first "
+                       r"'client_id=café/p\.parquet'.*nothing was committed"):
+        _removes([raw], "orders")
+    encoded = _ActiveFile("client_id=caf%C3%A9/p.parquet", "client_id=café/p.parquet", 1,
+                          {"client_id": "café"})
+    assert [r.path for r in _removes([encoded], "orders")] == ["client_id=café/p.parquet"]
 
 def test_missing_table_read_needs_a_schema(tables):
     with pytest.raises(ClickstreamError, match=r"table 'orders' does not exist.*pass schema="):

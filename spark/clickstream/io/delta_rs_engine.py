@@ -44,7 +44,9 @@ Known edge cases (cited inline as "edge case N"):
     supported by this engine.
 12. delta-rs takes ``AddAction``/``RemoveAction`` paths as named on disk and URI-encodes them into
     the log itself; an already-encoded path double-encodes, and a remove then silently matches
-    no file. ``get_add_actions()`` returns the encoded form, so paths are decoded first.
+    no file. ``get_add_actions()`` returns the encoded form, so paths are decoded first. A log
+   path with raw non-ASCII characters or spaces (another engine's) cannot be removed exactly:
+   rewriting that file is refused rather than leaving its rows stored twice.
 13. Spark hands a write task its rows in Arrow batches of ~10k rows spread over every table
     partition of the task; writing each batch's slice as it comes made row groups of ~100 rows
     (poor compression, slow scans for every reader). Rows are therefore sorted by the partition
@@ -281,6 +283,9 @@ class DeltaRsTables(DeltaTables):
                 scope = {k: values.column(k).to_pylist() for k in key_parts}
         if scope is not None:
             _check_filter_columns(scope, _partition_columns(table), name)
+        _check_partition_keys(source, [k for k in keys if k in _partition_columns(table)], name)
+        if source.num_rows == 0:  # edge case 10: record the step all the same
+            return self._record_step(name, properties, app_id, version)
         source_keys = source.select(list(keys))
         first: _ReadChanged | None = None
         for number in range(1, self._max_attempts + 1):
@@ -320,6 +325,7 @@ class DeltaRsTables(DeltaTables):
         read = self._require(name)
         if _done(read, app_id, version):
             return _SKIPPED
+        _check_readable(read, name)  # edge case 9: a deletion vector would be undone
         seen = _within(self._active_files(read), scope)
         holders = [(f, matched) for f in seen
                    if (matched := self._keys_in_file(name, read, f, source_keys)).num_rows]
@@ -333,6 +339,7 @@ class DeltaRsTables(DeltaTables):
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
                 return _SKIPPED
+            _check_readable(current, name)
             active = self._active_files(current)
             gone = rewritten - {f.log_path for f in active}
             if gone:
@@ -345,9 +352,7 @@ class DeltaRsTables(DeltaTables):
                     raise _ReadChanged(f"{added.log_path} was added with rows of its keys "
                                        f"(now version {current.version()})")
                 checked.add(added.log_path)
-            now = int(time.time() * 1000)
-            removes = [RemoveAction(f.path, True, now, f.size, f.partition_values)  # (12)
-                       for f, _ in holders]
+            removes = _removes([f for f, _ in holders], name)
             current.create_write_transaction(
                 [*removes, *(f.add_action() for f in files)], mode="append",
                 schema=current.schema(), partition_by=_partition_columns(current),
@@ -378,16 +383,35 @@ class DeltaRsTables(DeltaTables):
         schema = pa.schema(table.schema().to_arrow())
         parts = _partition_columns(table)
         wanted = list(columns) if columns is not None else schema.names
-        stored = pq.read_table(os.path.join(self.table_path(name), f.path),
-                               columns=[c for c in wanted if c not in parts])
+        path = os.path.join(self.table_path(name), f.path)
+        in_file = set(pq.read_schema(path).names)
+        stored = pq.read_table(path, columns=[c for c in wanted if c in in_file and c not in parts])
         for column in wanted:
             if column in parts:
                 value = f.partition_values.get(column)
                 stored = stored.append_column(
                     column, pa.array([value] * stored.num_rows, pa.string())
                     .cast(schema.field(column).type))
+            elif column not in in_file:  # an older file, from before the column was added
+                stored = stored.append_column(
+                    column, pa.nulls(stored.num_rows, schema.field(column).type))
         target = pa.schema([schema.field(c).with_nullable(True) for c in wanted])
         return stored.select(wanted).cast(target)
+
+    def _record_step(self, name: str, properties: CommitProperties, app_id: str,
+                     version: int) -> UpsertResult:
+        """A commit with no files, so a replay of the step is skipped (edge case 10)."""
+        def attempt(current: DeltaTable) -> object:
+            if _done(current, app_id, version):
+                return _SKIPPED
+            current.create_write_transaction(
+                [], mode="append", schema=current.schema(),
+                partition_by=_partition_columns(current), commit_properties=properties,
+            )
+            return UpsertResult(0, 0)
+
+        outcome = self._commit_loop(name, "upsert", attempt)
+        return outcome if isinstance(outcome, UpsertResult) else UpsertResult(0, 0, False)
 
     def replace_partitions(
         self,
@@ -431,10 +455,7 @@ class DeltaRsTables(DeltaTables):
                     f"the range {predicate!r} (now version {current.version()}); nothing was "
                     "committed. Recompute the range from the new snapshot, then retry the step."
                 )
-            now = int(time.time() * 1000)
-            removes = [  # decoded path: an encoded one silently matches no file
-                RemoveAction(f.path, True, now, f.size, f.partition_values) for f in removed
-            ]
+            removes = _removes(removed, name)
             current.create_write_transaction(
                 [*removes, *(f.add_action() for f in files)], mode="append",
                 schema=current.schema(), partition_by=columns, commit_properties=properties,
@@ -1038,6 +1059,26 @@ def _within(files: list[_ActiveFile], scope: PartitionFilter | None) -> list[_Ac
     return [f for f in files if filter_matches(alternatives, f.partition_values)]
 
 
+def _removes(files: list[_ActiveFile], name: str) -> list[RemoveAction]:
+    """Remove actions for active files (decoded paths, edge case 12).
+
+    Raises:
+        ClickstreamError: a file's log path holds characters delta-rs would encode again (a
+            raw non-ASCII path, as other engines may write): its remove would match no file
+            and the rows would end up stored twice; nothing is committed.
+    """
+    raw = [f.log_path for f in files if not f.log_path.isascii() or " " in f.log_path]
+    if raw:
+        raise ClickstreamError(
+            f"table {name!r}: {len(raw)} file(s) to rewrite are named in the log with "
+            f"unencoded characters, first {raw[0]!r} (written by another engine); delta-rs "
+            "cannot remove them exactly, so nothing was committed. Compact those partitions "
+            "with the engine that wrote them, or use CLICKSTREAM_DELTA_ENGINE=delta-spark."
+        )
+    now = int(time.time() * 1000)
+    return [RemoveAction(f.path, True, now, f.size, f.partition_values) for f in files]
+
+
 def _done(table: DeltaTable, app_id: str, version: int) -> bool:
     committed = table.transaction_version(app_id)
     return committed is not None and committed >= version
@@ -1133,6 +1174,19 @@ def _check_keys(source: pa.Table, keys: list[str], name: str) -> None:
             raise ClickstreamError(
                 f"upsert into {name!r}: {dupes.num_rows} key(s) occur more than once in the "
                 f"batch, first {first}; nothing was written. Deduplicate the batch first."
+            )
+
+
+def _check_partition_keys(source: pa.Table, keys: list[str], name: str) -> None:
+    """An empty string in a partition column is stored as null (edge case 5), which no key
+    matches: every upsert of that row would insert it again."""
+    for key in keys:
+        column = source.column(key)
+        if pa.types.is_string(column.type) and pc.any(pc.equal(column, "")).as_py():
+            raise ClickstreamError(
+                f"upsert into {name!r}: key column {key!r} is a partition column and holds "
+                "empty strings, which Delta stores as null and no upsert can match again; "
+                "nothing was written. Quarantine or fix those rows first."
             )
 
 
