@@ -5,6 +5,7 @@ always ends equal to the sessions table (the brief's invariant)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
 from itertools import count
@@ -33,6 +34,20 @@ class Killed(BaseException):
 
 def quiet(_: str) -> None:
     pass
+
+
+def killed_at(monkeypatch: pytest.MonkeyPatch, module: object, name: str,
+              run: Callable[[], object]) -> None:
+    """Run ``run`` killed when it reaches ``module.name``; the function is back afterwards."""
+    original = getattr(module, name)
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise Killed(f"at {name}")
+
+    monkeypatch.setattr(module, name, killed)
+    with pytest.raises(Killed):
+        run()
+    monkeypatch.setattr(module, name, original)
 
 
 def stored_by_the_stream(config: Config, spark: SparkSession,
@@ -122,15 +137,8 @@ def test_a_recompute_killed_between_apply_and_publish_is_published_by_the_rerun(
 def test_a_plan_interrupted_before_apply_goes_first_when_another_run_of_the_client_starts(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     late(stream_config, spark, [("p1", "c1", "u1", 0)])
-    apply = corrections.apply
-
-    def killed(run, changes):
-        raise Killed("after the plan was recorded, before apply")
-
-    monkeypatch.setattr(corrections, "apply", killed)
-    with pytest.raises(Killed):
-        run_recompute(stream_config, spark=spark, progress=quiet)
-    monkeypatch.setattr(corrections, "apply", apply)
+    killed_at(monkeypatch, corrections, "apply",  # after the plan was recorded
+              lambda: run_recompute(stream_config, spark=spark, progress=quiet))
     assert users_with_sessions(stream_config, spark) == set()
 
     messages: list[str] = []
@@ -307,15 +315,8 @@ def test_a_plan_that_fails_its_applied_check_stops_the_client_until_a_full_recom
     # Killed after apply, before publish; then something outside the product deletes the
     # rows it applied. The next run of c1 must not publish a plan the tables do not hold.
     late(stream_config, spark, [("p1", "c1", "u1", 0)])
-    publish = corrections.publish_changes
-
-    def killed(run, changes):
-        raise Killed("after apply, before publish")
-
-    monkeypatch.setattr(corrections, "publish_changes", killed)
-    with pytest.raises(Killed):
-        run_recompute(stream_config, spark=spark, progress=quiet)
-    monkeypatch.setattr(corrections, "publish_changes", publish)
+    killed_at(monkeypatch, corrections, "publish_changes",  # after apply
+              lambda: run_recompute(stream_config, spark=spark, progress=quiet))
     open_tables(stream_config, spark).replace_partitions(
         SESSIONS.name, spark.createDataFrame([], SESSIONS.schema), predicate={"client_id": "c1"},
         app_id="someone", version=1, metadata={"run_id": "t", "cause": "manual delete"})
