@@ -336,7 +336,8 @@ def affected_partitions(table_path: Path, before: int, after: int) -> dict[str, 
 
 
 def scope_bytes(table_path: Path, version: int, client: str) -> int:
-    """Bytes of one client's files at a version (what a partition-scoped merge may read)."""
+    """Bytes of one client's files at a version (what the partition-scoped orders upsert may
+    read on the driver, outside Spark's counters)."""
     return sum(f["size"] for f in active_files(table_path, version)
                if dict(f["partition"]).get("client_id") == client)
 
@@ -1335,8 +1336,9 @@ def markdown(result: dict[str, Any], path: Path) -> str:
                                                          for k, v in steps.items()) + ".",
         f"Affected partitions: {affected}. Files scanned by the backfill (Spark 'size of files "
         f"read', per table): {scanned}; bytes actually read (Hadoop FS counters, bytes run) "
-        f"{_mib(result['backfill_bytes_run']['io']['hadoop_fs_bytes_read'])}; delta-rs merge "
-        f"scope {_mib(back['io']['delta_rs_merge_scope_bytes'])}. The full recompute scanned "
+        f"{_mib(result['backfill_bytes_run']['io']['hadoop_fs_bytes_read'])}; the orders "
+        f"upsert's scope, read outside Spark {_mib(back['io']['delta_rs_merge_scope_bytes'])}. "
+        "The full recompute scanned "
         f"{_mib(b['baseline_scan_file_bytes'])} of files (scan metric).",
         "Correctness (not timed): DuckDB vs backfilled sessions "
         f"{'equal' if checks['duckdb_vs_backfill_sessions']['equal'] else 'DIFFERENT'}, "
