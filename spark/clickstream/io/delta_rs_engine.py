@@ -45,8 +45,8 @@ Known edge cases (cited inline as "edge case N"):
 12. delta-rs takes ``AddAction``/``RemoveAction`` paths as named on disk and URI-encodes them into
     the log itself; an already-encoded path double-encodes, and a remove then silently matches
     no file. ``get_add_actions()`` returns the encoded form, so paths are decoded first. A log
-   path with raw non-ASCII characters or spaces (another engine's) cannot be removed exactly:
-   rewriting that file is refused rather than leaving its rows stored twice.
+    path with raw non-ASCII characters or spaces (another engine's) cannot be removed exactly:
+    rewriting that file is refused rather than leaving its rows stored twice.
 13. Spark hands a write task its rows in Arrow batches of ~10k rows spread over every table
     partition of the task; writing each batch's slice as it comes made row groups of ~100 rows
     (poor compression, slow scans for every reader). Rows are therefore sorted by the partition
