@@ -122,6 +122,9 @@ ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
 ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
 
 
+_FILE = "__clickstream_file"  # a column of _read_files: which file a row came from
+
+
 class _ReadChanged(Exception):
     """An upsert's read is stale: another writer changed rows it rewrites (edge case 14)."""
 
@@ -326,14 +329,17 @@ class DeltaRsTables(DeltaTables):
         if _done(read, app_id, version):
             return _SKIPPED
         _check_readable(read, name)  # edge case 9: a deletion vector would be undone
+        keys = source_keys.column_names
         seen = _within(self._active_files(read), scope)
-        holders = [(f, matched) for f in seen
-                   if (matched := self._keys_in_file(name, read, f, source_keys)).num_rows]
-        kept = [self._rows_of_file(name, read, f, source_keys) for f, _ in holders]
-        updated = (pa.concat_tables([m for _, m in holders]).group_by(source_keys.column_names)
-                   .aggregate([]).num_rows if holders else 0)
-        files = self._write_arrow(name, pa.concat_tables([source, *kept]), read)
-        rewritten = {f.log_path for f, _ in holders}
+        # One join over all files, not one per file: each join hashes the whole batch's keys.
+        matched = self._keys_in_files(name, read, seen, source_keys)
+        holders = [seen[i] for i in sorted(set(matched.column(_FILE).to_pylist()))]
+        updated = matched.select(keys).group_by(keys).aggregate([]).num_rows
+        kept = self._read_files(name, read, holders, None).join(
+            source_keys, keys, join_type="left anti")
+        files = self._write_arrow(
+            name, pa.concat_tables([source, _cast_to_table(kept, read)]), read)
+        rewritten = {f.log_path for f in holders}
         checked = {f.log_path for f in seen}
 
         def attempt(current: DeltaTable) -> object:
@@ -345,14 +351,14 @@ class DeltaRsTables(DeltaTables):
             if gone:
                 raise _ReadChanged(f"{len(gone)} file(s) it rewrites were removed, first "
                                    f"{sorted(gone)[0]} (now version {current.version()})")
-            for added in _within(active, scope):
-                if added.log_path in checked:
-                    continue
-                if self._keys_in_file(name, current, added, source_keys).num_rows:
-                    raise _ReadChanged(f"{added.log_path} was added with rows of its keys "
-                                       f"(now version {current.version()})")
-                checked.add(added.log_path)
-            removes = _removes([f for f, _ in holders], name)
+            added = [f for f in _within(active, scope) if f.log_path not in checked]
+            clashing = self._keys_in_files(name, current, added, source_keys)
+            if clashing.num_rows:
+                first = added[clashing.column(_FILE)[0].as_py()].log_path
+                raise _ReadChanged(f"{first} was added with rows of its keys "
+                                   f"(now version {current.version()})")
+            checked.update(f.log_path for f in added)
+            removes = _removes(holders, name)
             current.create_write_transaction(
                 [*removes, *(f.add_action() for f in files)], mode="append",
                 schema=current.schema(), partition_by=_partition_columns(current),
@@ -362,19 +368,29 @@ class DeltaRsTables(DeltaTables):
 
         return self._commit_files(name, "upsert", files, attempt)
 
-    def _keys_in_file(
-        self, name: str, table: DeltaTable, f: _ActiveFile, keys: pa.Table
+    def _keys_in_files(
+        self, name: str, table: DeltaTable, files: list[_ActiveFile], keys: pa.Table
     ) -> pa.Table:
-        """The rows of ``keys`` that the file holds (reads only its key columns)."""
-        stored = self._read_file(name, table, f, keys.column_names)
+        """The rows of ``keys`` the files hold (only their key columns are read), each with
+        the index of its file in ``files`` as column ``_FILE``."""
+        stored = self._read_files(name, table, files, keys.column_names)
         return stored.join(keys, keys.column_names, join_type="left semi")
 
-    def _rows_of_file(
-        self, name: str, table: DeltaTable, f: _ActiveFile, keys: pa.Table
+    def _read_files(
+        self, name: str, table: DeltaTable, files: list[_ActiveFile],
+        columns: Sequence[str] | None,
     ) -> pa.Table:
-        """The file's rows whose key is not in ``keys``, in the table's schema."""
-        stored = self._read_file(name, table, f, None)
-        return _cast_to_table(stored.join(keys, keys.column_names, join_type="left anti"), table)
+        """The files' rows in one table, with the index of each row's file as ``_FILE``."""
+        schema = pa.schema(table.schema().to_arrow())
+        wanted = list(columns) if columns is not None else schema.names
+        empty = pa.schema([schema.field(c).with_nullable(True) for c in wanted])
+        parts = [
+            (stored := self._read_file(name, table, f, wanted)).append_column(
+                _FILE, pa.array([i] * stored.num_rows, pa.int32()))
+            for i, f in enumerate(files)
+        ]
+        return pa.concat_tables(parts) if parts else empty.append(
+            pa.field(_FILE, pa.int32())).empty_table()
 
     def _read_file(
         self, name: str, table: DeltaTable, f: _ActiveFile, columns: Sequence[str] | None
