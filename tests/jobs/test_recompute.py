@@ -225,6 +225,29 @@ def test_a_late_pageview_inside_a_session_the_stream_holds_open_stays_queued(
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_session_the_stream_has_held_open_for_days_keeps_its_late_pageviews_queued(
+        stream_config: Config, spark: SparkSession) -> None:
+    # u has viewed a page every 20 minutes for six days: one session, still open in the
+    # stream. A late pageview in its first hour belongs to it, not to a session of its own,
+    # however far before the watermark it lies.
+    minutes = range(0, 6 * 24 * 60 + 1, 20)
+    stored_by_the_stream(stream_config, spark, [(f"s{m}", "c1", "u", m) for m in minutes])
+    late(stream_config, spark, [("late", "c1", "u", 50)])
+    late(stream_config, spark, [("gone", "c1", "w", 10)])  # w: nothing open, folded in now
+    stream_committed_a_batch_at(stream_config, minutes[-1] + 15)
+
+    messages: list[str] = []
+    summary = run_recompute(stream_config, spark=spark, progress=messages.append)
+    assert summary.corrections["c1"].deferred_users == 1
+    assert users_with_sessions(stream_config, spark) == {("c1", "w")}
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "late"]
+    # Read back twice: two days before the recent ones, then four more.
+    assert [m.split(": ")[1] for m in messages if "session open in the stream" in m] == [
+        "reading their pageviews from 2026-11-03 on", "reading their pageviews from 2026-10-30 on"]
+    assert_topic_equals_table(stream_config, spark)
+
+
 def test_a_full_recompute_retracts_merged_sessions_and_leaves_open_ones_to_the_stream(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,

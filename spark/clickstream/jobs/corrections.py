@@ -28,10 +28,10 @@ Known edge cases, cited inline as (C1)..(C6):
   C4. Sessions the stream has not closed yet belong to the stream: scopes reaching them are
       deferred and stay queued. A scope reaches them when its window ends within one gap of
       the watermark of the stream's last committed micro-batch, or of the start of the user's
-      open session. Open sessions are not in ``sessions``; a user has one only if a stored
-      pageview of it is later than ``watermark - gap``, and its start is bounded by the
-      user's first stored pageview from the day before that on (an open session longer than
-      a day could start earlier: not handled). A backfill queues its rows of the deferred
+      (earliest) open session. Open sessions are not in ``sessions``; a user has one only if a
+      stored pageview of it is later than ``watermark - gap``, and its start is found by
+      sessionizing the user's stored pageviews, read back as many days as the session
+      reaches (``open_session_starts``). A backfill queues its rows of the deferred
       users (``defer``) before the plan is recorded: a resumed run reads the plan back
       instead of planning, so queueing after it would be skipped for good.
   C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from functools import reduce
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -78,6 +79,7 @@ from clickstream.sessions.batch_adapter import reattribute_frames, sessionize_fr
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
 BUCKETS = 16
+USER_KEY = ["client_id", "user_id"]
 SESSION_CONTENT = ("session_start", "session_end", "pageview_count", "landing_url", "exit_url",
                    "order_count", "revenue")
 ATTRIBUTION_CONTENT = ("order_ts", "session_id")
@@ -404,22 +406,60 @@ Defer = Callable[[DataFrame], None]  # called with the (client_id, user_id) left
 _NEVER_MS = 2**62
 
 
-def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int,
-                        watermark_ms: int) -> DataFrame:
-    """(client_id, user_id, open_from_ms) of the users with a session open in the stream.
+def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, watermark_ms: int,
+                        progress: Callable[[str], None] | None = None) -> DataFrame:
+    """(client_id, user_id, open_from_ms) of the users with a session open in the stream (C4).
 
-    A user has an open session in the stream's state only if one of its stored pageviews is
-    later than ``watermark - gap`` (the session's last one). Its start is bounded by the
-    user's earliest stored pageview from the day before that on (C4). Reads those few recent
-    days of the client only.
+    A session stays in the stream's state until the watermark reaches its end + gap (E7 of
+    ``semantics``), so a user has one only if a stored pageview is later than ``watermark -
+    gap``. ``open_from_ms`` is the start of the user's earliest such session, sessionized from
+    the stored pageviews with the stream's semantics: they hold every pageview of the
+    stream's state, so it is never later than the stream's. Reads the client's few recent
+    days; for the users whose open session reaches back to the first day read, twice as many
+    days before that, until none does (a session open for a week reads that week).
     """
-    first = datetime.fromtimestamp((watermark_ms - gap_ms) / 1000, tz=UTC).date()
-    recent = tables.read(PAGEVIEWS.name, ["client_id", "user_id", "ts"], {
-        "client_id": client_id, "event_date": [first + timedelta(days=d) for d in range(-1, 4)],
-    }, schema=PAGEVIEWS.schema)
-    return recent.groupBy("client_id", "user_id").agg(
-        F.min(_ms("ts")).alias("open_from_ms"), F.max(_ms("ts")).alias("last_ms"),
-    ).where(F.col("last_ms") > F.lit(watermark_ms - gap_ms)).drop("last_ms")
+    cutoff_ms = watermark_ms - gap_ms
+    since = datetime.fromtimestamp(cutoff_ms / 1000, tz=UTC).date() - timedelta(days=1)
+    last = since + timedelta(days=4)
+    settled: list[DataFrame] = []
+    users: DataFrame | None = None  # None: all of the client's users
+    days_back = 1
+    while True:
+        days = [since + timedelta(days=d) for d in range((last - since).days + 1)]
+        rows = tables.read(PAGEVIEWS.name, ["client_id", "user_id", "event_id", "ts", "url"],
+                           {"client_id": client_id, "event_date": days},
+                           schema=PAGEVIEWS.schema)
+        if users is not None:
+            rows = rows.join(users, USER_KEY, "left_semi")
+        starts = _open_starts(rows, cutoff_ms, gap_ms).localCheckpoint()
+        # Only a session that starts within one gap of the first day read can reach before it.
+        reaching = F.col("open_from_ms") < F.lit(_day_start_ms(since) + gap_ms)
+        settled.append(starts.where(~reaching))
+        users = starts.where(reaching).select(*USER_KEY).localCheckpoint()
+        reaching_users = users.count()
+        if not reaching_users:
+            return reduce(DataFrame.unionByName, settled)
+        days_back *= 2
+        since -= timedelta(days=days_back)
+        if progress is not None:
+            progress(f"  {reaching_users} users have had a session open in the stream since "
+                     f"before {days[0]}: reading their pageviews from {since} on")
+
+
+def _day_start_ms(day: date) -> int:
+    return int(datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp() * 1000)
+
+
+def _open_starts(pageviews: DataFrame, cutoff_ms: int, gap_ms: int) -> DataFrame:
+    """Per user of ``pageviews`` with a session ending after ``cutoff_ms``, the earliest such
+    session's start (``semantics``, through the batch adapter; only those users' rows)."""
+    active = pageviews.groupBy(*USER_KEY).agg(F.max("ts").alias("last")).where(
+        F.col("last") > F.timestamp_millis(F.lit(cutoff_ms))).select(*USER_KEY)
+    no_orders = pageviews.sparkSession.createDataFrame([], ORDERS.schema)
+    sessions = sessionize_frames(pageviews.join(active, USER_KEY, "left_semi"), no_orders,
+                                 gap_ms, BUCKETS)
+    return sessions.where((F.col("kind") == "session") & (F.col("end_ms") > cutoff_ms)).groupBy(
+        *USER_KEY).agg(F.min("start_ms").alias("open_from_ms"))
 
 
 def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,
@@ -434,7 +474,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         grown = (windows,)  # persisted: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)
             open_from = open_session_starts(run.tables, run.client_id, run.gap_ms,
-                                            stream_watermark_ms)
+                                            stream_watermark_ms, run.progress)
             windows = windows.join(open_from, ["client_id", "user_id"], "left")
             open_tail = ((F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms))
                          | (F.col("hi_ms") + run.gap_ms > F.coalesce("open_from_ms", F.lit(
