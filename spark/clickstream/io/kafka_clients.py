@@ -39,8 +39,10 @@ from confluent_kafka import (
     KafkaException,
     Message,
     Producer,
+    TopicCollection,
     TopicPartition,
 )
+from confluent_kafka.admin import AdminClient
 
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import (
@@ -500,6 +502,44 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
             f"topic {topic} partition {partition}: the reader is at offset {wanted_offset} but "
             f"the log ends at {high_watermark}, so acknowledged records are gone (an embedded "
             f"broker keeps data in memory only and was probably restarted); {_LOSS_ADVICE}"
+        )
+
+
+def topic_id(config: Config, topic: str, *, timeout_s: float = 10.0) -> str | None:
+    """The topic's id (KIP-516), which names one log: a topic created again gets a new one, and
+    so does every topic of the embedded broker each time it starts (it keeps no data).
+
+    Returns:
+        The id as text; None when the broker reports none (Kafka before 2.8).
+
+    Raises:
+        KafkaException: The broker did not describe the topic (unreachable, unknown topic).
+    """
+    admin = _created(AdminClient, _merge(config, {}, {}), config)
+    description = admin.describe_topics(TopicCollection([topic]),
+                                        request_timeout=timeout_s)[topic].result()
+    found = description.topic_id
+    if found is None or (found.get_most_significant_bits() == 0
+                         and found.get_least_significant_bits() == 0):
+        return None
+    return str(found)
+
+
+def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> None:
+    """Fail if offsets planned on the topic with id ``read_id`` are about to be used on another
+    log (the broker restarted empty, or the topic was created again): they name other records,
+    and reading on from them would skip every record of the new log below them, even once it
+    has grown back past them. Either id None (unknown): nothing to compare.
+
+    Raises:
+        DataLossError: The ids differ.
+    """
+    if read_id is not None and current_id is not None and read_id != current_id:
+        raise DataLossError(
+            f"topic {topic} is not the log its stored offsets were read from (topic id "
+            f"{read_id}, now {current_id}): the broker restarted empty (an embedded broker "
+            f"keeps data in memory only) or the topic was created again, so those offsets name "
+            f"other records; {_LOSS_ADVICE}"
         )
 
 

@@ -8,14 +8,14 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K6):
+Known edge cases, cited inline as (K1)..(K7):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. Or it lost records we did
       read (the embedded broker restarted empty, the topic was recreated): the log now ends
       below the checkpoint's offset, and reading on from that offset once the log grows back
       would skip every new record below it. Both stop with DataLossError, like Spark's
       ``failOnDataLoss=true``, instead of skipping silently. A log that grew back past the
-      checkpoint's offset while no query ran cannot be told from offsets alone.
+      checkpoint's offset while no query ran cannot be told from offsets alone (K7).
   K2. A gap inside a range being read (offsets jump) means records vanished while we read;
       also DataLossError. Set ``failOnGaps=false`` for topics written by transactional
       producers on real Kafka, where control records legitimately leave gaps.
@@ -36,6 +36,12 @@ Known edge cases, cited inline as (K1)..(K6):
       the ranges it was read for. When the second read runs on another host, or a file is
       missing, it reads Kafka as usual; files nobody took (a failed task) are deleted once
       older than ``SHARED_READ_MAX_AGE_S``.
+  K7. Offsets alone cannot tell a log that was replaced and grew back past the checkpoint's
+      offsets while no query ran (K1): every offset the source plans carries the topic's id
+      (KIP-516; new when a topic is created again, and at every start of the embedded
+      broker), and offsets from the checkpoint are checked against the topic's id now, once
+      per query run's reader, before they are used: a different id is DataLossError. Offsets
+      without an id (older checkpoints, brokers before Kafka 2.8) are not checked.
 """
 
 from __future__ import annotations
@@ -69,13 +75,20 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from clickstream.config import Config
-from clickstream.io.kafka_clients import check_no_data_loss, read_offset_ranges, topic_watermarks
+from clickstream.io.kafka_clients import (
+    check_no_data_loss,
+    check_same_log,
+    read_offset_ranges,
+    topic_id,
+    topic_watermarks,
+)
 from clickstream.tables import KAFKA_SCHEMA
 
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "clickstream_kafka"
 SHARED_READ_MAX_AGE_S = 3600  # (K6) a kept read nobody took is deleted after this long
+TOPIC_ID = "topicId"  # (K7) in every offset: the id of the topic the offsets were planned on
 
 _ARROW_SCHEMA = pa.schema([
     pa.field("key", pa.binary()),
@@ -139,9 +152,25 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
         self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
+        self._topic_id: str | None = None
+        self._topic_id_known = False
+
+    def _with_topic_id(self, offsets: dict[str, int]) -> dict:
+        """``offsets`` as the checkpoint stores them: with the topic's id, asked once (K7)."""
+        if not self._topic_id_known:
+            self._topic_id = topic_id(_kafka_config(self.options), self.topic)
+            self._topic_id_known = True
+        return offsets if self._topic_id is None else {**offsets, TOPIC_ID: self._topic_id}
+
+    def _check_same_log(self, *offsets: dict) -> None:
+        """Offsets from the checkpoint name records of the log they were planned on (K7)."""
+        self._with_topic_id({})
+        for planned in offsets:
+            check_same_log(self.topic, planned.get(TOPIC_ID), self._topic_id)
 
     def initialOffset(self) -> dict:
-        return {str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()}
+        return self._with_topic_id(
+            {str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()})
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_rows) if self.max_rows else ReadAllAvailable()
@@ -151,6 +180,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                         _watermarks(self.options, self.topic).items()}
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        self._check_same_log(start)
         marks = _watermarks(self.options, self.topic)
         latest: dict[str, int] = {}
         for partition, (low, high) in marks.items():
@@ -162,13 +192,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             latest[key] = max(begin, high)
         if isinstance(limit, ReadMaxRows):
             latest = _rate_limit(start, latest, limit.max_rows)
-        return latest
+        return self._with_topic_id(latest)
 
     def reportLatestOffset(self) -> dict | None:
         return {str(p): high for p, (_low, high) in _watermarks(self.options, self.topic).items()}
 
     def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
-        ranges = {int(key): (int(start.get(key, stop)), int(stop)) for key, stop in end.items()
+        self._check_same_log(start, end)  # a restart replays its last batch from here (K7)
+        ranges = {int(key): (int(start.get(key, stop)), int(stop))
+                  for key, stop in _partition_offsets(end).items()
                   if int(stop) > int(start.get(key, stop))}
         return group_ranges(self.topic, ranges, self.read_tasks or len(ranges))
 
@@ -178,6 +210,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: dict) -> None:
         """Nothing to do: offsets live in Spark's checkpoint, not in a consumer group."""
+
+
+def _partition_offsets(offsets: dict) -> dict[str, int]:
+    return {key: value for key, value in offsets.items() if key != TOPIC_ID}
 
 
 def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str, int]:
