@@ -49,6 +49,7 @@ from clickstream.io.kafka_clients import (
     produce_waiting,
     producer_config,
     read_compacted,
+    topic_id,
     topic_watermarks,
 )
 
@@ -406,10 +407,24 @@ def test_repeated_librdkafka_messages_are_counted_not_printed() -> None:
     assert again.getMessage().endswith("(2 more like it since it was last shown)")
 
 
-def test_unknown_topic_is_not_reported_as_unavailable(kafka_config: Config) -> None:
+@pytest.mark.parametrize("ask", [topic_watermarks, topic_id])
+def test_unknown_topic_is_not_reported_as_unavailable(kafka_config: Config,
+                                                      ask: Callable[..., object]) -> None:
     with pytest.raises(ClickstreamError, match="does not exist") as caught:
-        topic_watermarks(kafka_config, "missing-" + uuid.uuid4().hex, attempts=1)
+        ask(kafka_config, "missing-" + uuid.uuid4().hex, attempts=1)
     assert not isinstance(caught.value, BrokerUnavailableError)
+
+
+def test_a_topic_id_names_one_log(kafka_config: Config, make_topic: Callable[..., str]) -> None:
+    first, second = make_topic(1), make_topic(1)
+    assert topic_id(kafka_config, first) == topic_id(kafka_config, first)
+    assert topic_id(kafka_config, first) != topic_id(kafka_config, second)
+
+
+def test_no_broker_for_a_topic_id_is_reported_as_unavailable() -> None:
+    nowhere = Config.from_env({}).replace(kafka_bootstrap_servers="127.0.0.1:1")
+    with pytest.raises(BrokerUnavailableError, match="did not answer for topic 'events'"):
+        topic_id(nowhere, "events", attempts=2, timeout_s=0.5)
 
 
 def test_plain_producer_is_flushed_too(kafka_config: Config,

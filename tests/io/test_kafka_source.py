@@ -11,6 +11,7 @@ import pytest
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.datasource import CaseInsensitiveDict
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from clickstream.config import Config
 from clickstream.errors import BrokerUnavailableError, DataLossError
@@ -23,7 +24,9 @@ from clickstream.io.kafka_clients import (
     topic_watermarks,
 )
 from clickstream.io.kafka_source import (
+    TOPIC_ID,
     KafkaRange,
+    KafkaStreamReader,
     _rate_limit,
     group_ranges,
     read_kafka_stream,
@@ -108,6 +111,45 @@ def test_read_tasks_cover_every_range_once_balanced_by_rows() -> None:
     assert sorted(t.rows for t in tasks) == [110, 111]  # 100+10+1 vs 60+50
     assert len(group_ranges("t", ranges, 8)) == 5  # never an empty task
     assert group_ranges("t", {}, 2) == []
+
+
+def test_a_partition_the_planned_start_does_not_know_is_read_from_its_log_start(
+    kafka_config: Config, make_topic
+) -> None:
+    """A partition added to the topic after the start offsets were planned (K3): the batch
+    reads it from its log start, not from where it ends (which read nothing and skipped it)."""
+    topic = make_topic(partitions=2)
+    producer = make_producer(kafka_config)
+    for i in range(8):
+        producer.produce(topic, value=f"v{i}".encode(), partition=i % 2)
+    flush_or_raise(producer, 30)
+    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    marks = topic_watermarks(kafka_config, topic)
+    end = reader.latestOffset({"0": 1}, ReadAllAvailable())
+    assert {k: v for k, v in end.items() if k != TOPIC_ID} == {"0": marks[0][1], "1": marks[1][1]}
+    planned = {p: r for task in reader.partitions({"0": 1}, end) for p, r in task.ranges.items()}
+    assert planned == {0: (1, 4), 1: (0, 4)} and marks == {0: (0, 4), 1: (0, 4)}
+
+
+def test_offsets_from_another_log_are_refused_before_any_batch_is_planned(
+    kafka_config: Config, make_topic
+) -> None:
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 3)
+    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    first = reader.initialOffset()
+    assert first[TOPIC_ID] and {k: v for k, v in first.items() if k != TOPIC_ID} == {"0": 0}
+    end = reader.latestOffset(first, ReadAllAvailable())
+    assert end[TOPIC_ID] == first[TOPIC_ID] and end["0"] == 3
+    other = {**end, TOPIC_ID: "AAAAAAAAAAAAAAAAAAAAAQ"}
+    for plan in (lambda: reader.latestOffset(other, ReadAllAvailable()),
+                 lambda: reader.partitions(first, other),  # a restart's replay of its last batch
+                 lambda: reader.partitions(other, end)):
+        with pytest.raises(DataLossError, match=f"topic {topic} is not the log"):
+            plan()
+    # Offsets without an id (a checkpoint from before K7) are taken as they are.
+    legacy = {k: v for k, v in end.items() if k != TOPIC_ID}
+    assert [t.ranges for t in reader.partitions({"0": 1}, legacy)] == [{0: (1, 3)}]
 
 
 def test_reading_a_range_the_broker_dropped_raises_data_loss(

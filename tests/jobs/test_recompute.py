@@ -225,26 +225,66 @@ def test_a_late_pageview_inside_a_session_the_stream_holds_open_stays_queued(
     assert_topic_equals_table(stream_config, spark)
 
 
+def open_for_days(config: Config, spark: SparkSession, user: str, first_day: int,
+                  last_day: int) -> int:
+    """``user`` viewed a page every 20 minutes from ``first_day`` to ``last_day`` (days after
+    START): one session. Returns its last pageview's minute."""
+    minutes = range(first_day * 24 * 60, last_day * 24 * 60 + 1, 20)
+    stored_by_the_stream(config, spark, [(f"{user}{m}", "c1", user, m) for m in minutes])
+    return minutes[-1]
+
+
 def test_a_session_the_stream_has_held_open_for_days_keeps_its_late_pageviews_queued(
         stream_config: Config, spark: SparkSession) -> None:
-    # u has viewed a page every 20 minutes for six days: one session, still open in the
-    # stream. A late pageview in its first hour belongs to it, not to a session of its own,
-    # however far before the watermark it lies.
-    minutes = range(0, 6 * 24 * 60 + 1, 20)
-    stored_by_the_stream(stream_config, spark, [(f"s{m}", "c1", "u", m) for m in minutes])
-    late(stream_config, spark, [("late", "c1", "u", 50)])
+    # u's session has run for six days, v's for the last two: both still open in the stream.
+    # A late pageview in u's first hour belongs to u's open session, however far before the
+    # watermark it lies; v's late pageview, days before v's session began, is a session of
+    # its own that the recompute stores now.
+    last = open_for_days(stream_config, spark, "u", 0, 6)
+    open_for_days(stream_config, spark, "v", 4, 6)
+    late(stream_config, spark, [("late", "c1", "u", 50), ("early", "c1", "v", 10)])
     late(stream_config, spark, [("gone", "c1", "w", 10)])  # w: nothing open, folded in now
-    stream_committed_a_batch_at(stream_config, minutes[-1] + 15)
+    stream_committed_a_batch_at(stream_config, last + 15)
 
     messages: list[str] = []
     summary = run_recompute(stream_config, spark=spark, progress=messages.append)
     assert summary.corrections["c1"].deferred_users == 1
-    assert users_with_sessions(stream_config, spark) == {("c1", "w")}
+    assert users_with_sessions(stream_config, spark) == {("c1", "v"), ("c1", "w")}
     assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
         "late"]
-    # Read back twice: two days before the recent ones, then four more.
-    assert [m.split(": ")[1] for m in messages if "session open in the stream" in m] == [
-        "reading their pageviews from 2026-11-03 on", "reading their pageviews from 2026-10-30 on"]
+    # Both sessions reach back to the first day read (11-05); v's starts there, u's before.
+    assert [m.strip() for m in messages if "open in the stream since" in m] == [
+        "sessions open in the stream since before 2026-11-05 (2 users): reading their "
+        "pageviews from 2026-11-03 on",
+        "sessions open in the stream since before 2026-11-03 (1 users): reading their "
+        "pageviews from 2026-10-30 on"]
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_session_open_longer_than_the_stream_is_followed_back_holds_all_its_users_rows(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Followed back at most one day here (64 by default), u's six-day session is taken as open
+    # since ever: even a pageview days before it, a session of its own, waits until it closes.
+    monkeypatch.setattr(corrections, "OPEN_SESSION_MAX_DAYS", 1)
+    last = open_for_days(stream_config, spark, "u", 2, 6)
+    late(stream_config, spark, [("older", "c1", "u", 10)])
+    stream_committed_a_batch_at(stream_config, last + 15)
+
+    messages: list[str] = []
+    summary = run_recompute(stream_config, spark=spark, progress=messages.append)
+    assert summary.corrections["c1"].deferred_users == 1
+    assert users_with_sessions(stream_config, spark) == set()
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "older"]
+    assert [m.strip() for m in messages if "open in the stream since" in m] == [
+        "sessions open in the stream since before 2026-11-05 (1 users): their corrections "
+        "wait until they close"]
+
+    monkeypatch.setattr(corrections, "OPEN_SESSION_MAX_DAYS", 64)  # followed to its start
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)
+    assert summary.corrections["c1"].deferred_users == 0
+    assert users_with_sessions(stream_config, spark) == {("c1", "u")}
+    assert table_rows(stream_config, spark, "recompute_queue") == []
     assert_topic_equals_table(stream_config, spark)
 
 

@@ -55,6 +55,7 @@ from clickstream.errors import (
 
 KafkaConfig = dict[str, Any]
 ClientT = TypeVar("ClientT")
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,6 +414,45 @@ def flush_or_raise(producer: Producer, timeout_s: float = 60.0) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+class _UnknownTopic(Exception):
+    """The broker answers but does not know the topic (yet: it may be being created)."""
+
+
+def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, timeout_s: float
+           ) -> T:
+    """``ask()``, tried again with backoff (0.5 s, doubling, at most 5 s) while the broker
+    cannot be reached or does not know the topic.
+
+    Raises:
+        BrokerUnavailableError: No answer after ``attempts`` tries.
+        ClickstreamError: The broker answers but does not know the topic.
+    """
+    last_error = "no answer"
+    unknown_topic = False
+    for attempt in range(1, attempts + 1):
+        try:
+            return ask()
+        except _UnknownTopic as exc:
+            unknown_topic, last_error = True, str(exc)
+        except KafkaException as exc:
+            unknown_topic = False
+            cause = exc.args[0] if exc.args else None
+            last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
+        if attempt < attempts:
+            time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+    if unknown_topic:
+        raise ClickstreamError(
+            f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
+            f"({last_error}); create it (the embedded broker creates events, sessions and "
+            "attributions at start) or fix the topic name setting"
+        )
+    raise BrokerUnavailableError(
+        f"kafka at {config.kafka_bootstrap_servers} did not answer for topic {topic!r} after "
+        f"{attempts} attempts ({timeout_s:g} s each): {last_error}; start the broker "
+        f"(`clickstream broker`) or fix KAFKA_BOOTSTRAP_SERVERS, then rerun"
+    )
+
+
 def topic_watermarks(config: Config, topic: str, *, attempts: int = 5, timeout_s: float = 5.0,
                      consumer: Consumer | None = None) -> dict[int, tuple[int, int]]:
     """Low and high watermark of every partition of ``topic``, asking the broker (not a cache).
@@ -435,43 +475,77 @@ def topic_watermarks(config: Config, topic: str, *, attempts: int = 5, timeout_s
     """
     owned = consumer is None
     client = consumer if consumer is not None else make_consumer(config)
-    last_error = "no answer"
-    unknown_topic = False
+
+    def ask() -> dict[int, tuple[int, int]]:
+        found = client.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if found is None or found.error is not None or not found.partitions:
+            raise _UnknownTopic(str(found.error) if found and found.error else "topic unknown")
+        return {partition: client.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=timeout_s, cached=False)
+            for partition in sorted(found.partitions)}
+
     try:
-        for attempt in range(1, attempts + 1):
-            try:
-                metadata = client.list_topics(topic, timeout=timeout_s)
-                found = metadata.topics.get(topic)
-                if found is None or found.error is not None or not found.partitions:
-                    unknown_topic = True
-                    last_error = str(found.error) if found and found.error else "topic unknown"
-                else:
-                    watermarks: dict[int, tuple[int, int]] = {}
-                    for partition in sorted(found.partitions):
-                        low, high = client.get_watermark_offsets(
-                            TopicPartition(topic, partition), timeout=timeout_s, cached=False)
-                        watermarks[partition] = (low, high)
-                    return watermarks
-            except KafkaException as exc:
-                unknown_topic = False
-                cause = exc.args[0] if exc.args else None
-                last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
-            if attempt < attempts:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+        return _asked(config, topic, ask, attempts, timeout_s)
     finally:
         if owned:
             client.close()
-    if unknown_topic:
-        raise ClickstreamError(
-            f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
-            f"({last_error}); create it (the embedded broker creates events, sessions and "
-            "attributions at start) or fix the topic name setting"
+
+
+def topic_id(config: Config, topic: str, *, attempts: int = 5, timeout_s: float = 5.0
+             ) -> str | None:
+    """The topic's id (KIP-516), which names one log: a topic created again gets a new one, and
+    so does every topic of the embedded broker each time it starts (it keeps no data).
+
+    Retries like :func:`topic_watermarks`.
+
+    Returns:
+        The id as text; None when the broker reports none (Kafka before 2.8).
+
+    Raises:
+        BrokerUnavailableError: No answer after ``attempts`` tries.
+        ClickstreamError: The broker answers but does not know the topic.
+    """
+    admin = _created(AdminClient, _merge(config, {}, {}), config)
+
+    def ask() -> str | None:
+        try:
+            described = admin.describe_topics(TopicCollection([topic]),
+                                              request_timeout=timeout_s)[topic].result()
+        except KafkaException as exc:
+            cause = exc.args[0] if exc.args else None
+            if isinstance(cause, KafkaError) and cause.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise _UnknownTopic(cause.str()) from exc
+            raise
+        found = described.topic_id
+        if found is None or (found.get_most_significant_bits() == 0
+                             and found.get_least_significant_bits() == 0):
+            return None
+        return str(found)
+
+    return _asked(config, topic, ask, attempts, timeout_s)
+
+
+def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> None:
+    """Fail if offsets planned on the topic with id ``read_id`` are about to be used on another
+    log (the broker restarted empty, or the topic was created again): they name other records,
+    and reading on from them would skip every record of the new log below them, even once it
+    has grown back past them. Either id None (unknown): nothing to compare.
+
+    Raises:
+        DataLossError: The ids differ.
+    """
+    if read_id is not None and current_id is not None and read_id != current_id:
+        raise DataLossError(
+            f"topic {topic} is not the log its stored offsets were read from (topic id "
+            f"{read_id}, now {current_id}): the broker restarted empty (an embedded broker "
+            "keeps data in memory only) or the topic was created again. Reading on from those "
+            "offsets would skip the new log's records below them, and whatever the old log held "
+            "beyond them is gone. To read the new log from its start, delete the reader's "
+            "checkpoint (the sessionizer stores each pageview once, whatever it reads again; "
+            "the sessions that were open in the deleted checkpoint's state are rebuilt from "
+            "the stored pageviews by `clickstream recompute --client C --full`); re-send the "
+            "old log's unread records, if it had any, or load them with `clickstream backfill`"
         )
-    raise BrokerUnavailableError(
-        f"kafka at {config.kafka_bootstrap_servers} did not answer for topic {topic!r} after "
-        f"{attempts} attempts ({timeout_s:g} s each): {last_error}; start the broker "
-        f"(`clickstream broker`) or fix KAFKA_BOOTSTRAP_SERVERS, then rerun"
-    )
 
 
 def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_watermark: int,
@@ -502,44 +576,6 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
             f"topic {topic} partition {partition}: the reader is at offset {wanted_offset} but "
             f"the log ends at {high_watermark}, so acknowledged records are gone (an embedded "
             f"broker keeps data in memory only and was probably restarted); {_LOSS_ADVICE}"
-        )
-
-
-def topic_id(config: Config, topic: str, *, timeout_s: float = 10.0) -> str | None:
-    """The topic's id (KIP-516), which names one log: a topic created again gets a new one, and
-    so does every topic of the embedded broker each time it starts (it keeps no data).
-
-    Returns:
-        The id as text; None when the broker reports none (Kafka before 2.8).
-
-    Raises:
-        KafkaException: The broker did not describe the topic (unreachable, unknown topic).
-    """
-    admin = _created(AdminClient, _merge(config, {}, {}), config)
-    description = admin.describe_topics(TopicCollection([topic]),
-                                        request_timeout=timeout_s)[topic].result()
-    found = description.topic_id
-    if found is None or (found.get_most_significant_bits() == 0
-                         and found.get_least_significant_bits() == 0):
-        return None
-    return str(found)
-
-
-def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> None:
-    """Fail if offsets planned on the topic with id ``read_id`` are about to be used on another
-    log (the broker restarted empty, or the topic was created again): they name other records,
-    and reading on from them would skip every record of the new log below them, even once it
-    has grown back past them. Either id None (unknown): nothing to compare.
-
-    Raises:
-        DataLossError: The ids differ.
-    """
-    if read_id is not None and current_id is not None and read_id != current_id:
-        raise DataLossError(
-            f"topic {topic} is not the log its stored offsets were read from (topic id "
-            f"{read_id}, now {current_id}): the broker restarted empty (an embedded broker "
-            f"keeps data in memory only) or the topic was created again, so those offsets name "
-            f"other records; {_LOSS_ADVICE}"
         )
 
 

@@ -39,9 +39,11 @@ Known edge cases, cited inline as (K1)..(K7):
   K7. Offsets alone cannot tell a log that was replaced and grew back past the checkpoint's
       offsets while no query ran (K1): every offset the source plans carries the topic's id
       (KIP-516; new when a topic is created again, and at every start of the embedded
-      broker), and offsets from the checkpoint are checked against the topic's id now, once
-      per query run's reader, before they are used: a different id is DataLossError. Offsets
-      without an id (older checkpoints, brokers before Kafka 2.8) are not checked.
+      broker), and every planning of a micro-batch (``latestOffset``, and ``partitions``,
+      which a restart calls first to replay its last batch) checks the offsets it is given
+      against the topic's id now (one metadata request, ~3 ms): a different id is
+      DataLossError. Offsets without an id (older checkpoints, brokers before Kafka 2.8) are
+      not checked. A checkpoint written with ids cannot be resumed by code before K7.
 """
 
 from __future__ import annotations
@@ -152,25 +154,20 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
         self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
-        self._topic_id: str | None = None
-        self._topic_id_known = False
 
-    def _with_topic_id(self, offsets: dict[str, int]) -> dict:
-        """``offsets`` as the checkpoint stores them: with the topic's id, asked once (K7)."""
-        if not self._topic_id_known:
-            self._topic_id = topic_id(_kafka_config(self.options), self.topic)
-            self._topic_id_known = True
-        return offsets if self._topic_id is None else {**offsets, TOPIC_ID: self._topic_id}
-
-    def _check_same_log(self, *offsets: dict) -> None:
-        """Offsets from the checkpoint name records of the log they were planned on (K7)."""
-        self._with_topic_id({})
-        for planned in offsets:
-            check_same_log(self.topic, planned.get(TOPIC_ID), self._topic_id)
+    def _same_log(self, *planned: dict) -> str | None:
+        """The topic's id now (asked before its offsets, so that offsets read from a new log
+        never carry the old id), checked against the one ``planned`` offsets carry (K7)."""
+        current = topic_id(_kafka_config(self.options), self.topic)
+        for offsets in planned:
+            check_same_log(self.topic, offsets.get(TOPIC_ID), current)
+        return current
 
     def initialOffset(self) -> dict:
-        return self._with_topic_id(
-            {str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()})
+        current = self._same_log()
+        return _with_topic_id(
+            {str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()},
+            current)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_rows) if self.max_rows else ReadAllAvailable()
@@ -180,7 +177,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                         _watermarks(self.options, self.topic).items()}
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        self._check_same_log(start)
+        current = self._same_log(start)
         marks = _watermarks(self.options, self.topic)
         latest: dict[str, int] = {}
         for partition, (low, high) in marks.items():
@@ -192,16 +189,20 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             latest[key] = max(begin, high)
         if isinstance(limit, ReadMaxRows):
             latest = _rate_limit(start, latest, limit.max_rows)
-        return self._with_topic_id(latest)
+        return _with_topic_id(latest, current)
 
     def reportLatestOffset(self) -> dict | None:
         return {str(p): high for p, (_low, high) in _watermarks(self.options, self.topic).items()}
 
     def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
-        self._check_same_log(start, end)  # a restart replays its last batch from here (K7)
-        ranges = {int(key): (int(start.get(key, stop)), int(stop))
-                  for key, stop in _partition_offsets(end).items()
-                  if int(stop) > int(start.get(key, stop))}
+        self._same_log(start, end)  # a restart replays its last batch from here (K7)
+        stops = _partition_offsets(end)
+        # A partition added since ``start`` was planned from its log start (K3).
+        lows = ({str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()}
+                if set(stops) - set(start) else {})
+        ranges = {int(key): (int(start.get(key, lows.get(key, stop))), int(stop))
+                  for key, stop in stops.items()}
+        ranges = {p: (begin, stop) for p, (begin, stop) in ranges.items() if stop > begin}
         return group_ranges(self.topic, ranges, self.read_tasks or len(ranges))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -210,6 +211,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: dict) -> None:
         """Nothing to do: offsets live in Spark's checkpoint, not in a consumer group."""
+
+
+def _with_topic_id(offsets: dict[str, int], current: str | None) -> dict:
+    return offsets if current is None else {**offsets, TOPIC_ID: current}
 
 
 def _partition_offsets(offsets: dict) -> dict[str, int]:

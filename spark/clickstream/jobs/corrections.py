@@ -22,7 +22,8 @@ Plans of one client are applied and published one at a time, in order (C6).
 Known edge cases, cited inline as (C1)..(C6):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
-  C2. Orders never move boundaries: an orders-only correction reads no pageviews at all.
+  C2. Orders never move boundaries: an orders-only correction reads no pageviews (beyond the
+      few recent days C4 reads beside a running stream).
   C3. The plan is the ``corrections`` rows of the run. The run that records it goes on with
       the recorded frame itself; a resumed run (or a later step) reads it back.
   C4. Sessions the stream has not closed yet belong to the stream: scopes reaching them are
@@ -406,29 +407,59 @@ Defer = Callable[[DataFrame], None]  # called with the (client_id, user_id) left
 _NEVER_MS = 2**62
 
 
+# An open session is followed back at most this many days, then taken as open since ever:
+# every correction of its user waits until it closes (an uptime monitor would otherwise have
+# each run read the client's whole history).
+OPEN_SESSION_MAX_DAYS = 64
+
+
+def _recent_pageviews(tables: DeltaTables, client_id: str, first: date, last: date
+                      ) -> DataFrame:
+    """The client's stored pageviews of days [first, last], as far as sessions need them."""
+    days = [first + timedelta(days=d) for d in range((last - first).days + 1)]
+    return tables.read(PAGEVIEWS.name, ["client_id", "user_id", "event_id", "ts"],
+                       {"client_id": client_id, "event_date": days}, schema=PAGEVIEWS.schema)
+
+
+def _users_with_a_session_open(pageviews: DataFrame, cutoff_ms: int) -> DataFrame:
+    """A session stays in the stream's state until the watermark reaches its end + gap (E7 of
+    ``semantics``): its user has a stored pageview later than ``watermark - gap``."""
+    return pageviews.groupBy(*USER_KEY).agg(F.max("ts").alias("last")).where(
+        F.col("last") > F.timestamp_millis(F.lit(cutoff_ms))).select(*USER_KEY)
+
+
+def _recent_days(watermark_ms: int, gap_ms: int) -> tuple[date, date]:
+    cutoff = datetime.fromtimestamp((watermark_ms - gap_ms) / 1000, tz=UTC).date()
+    return cutoff - timedelta(days=1), cutoff + timedelta(days=3)
+
+
+def open_session_users(tables: DeltaTables, client_id: str, gap_ms: int, watermark_ms: int
+                       ) -> DataFrame:
+    """(client_id, user_id) of the users with a session open in the stream (C4)."""
+    first, last = _recent_days(watermark_ms, gap_ms)
+    return _users_with_a_session_open(_recent_pageviews(tables, client_id, first, last),
+                                      watermark_ms - gap_ms)
+
+
 def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, watermark_ms: int,
                         progress: Callable[[str], None] | None = None) -> DataFrame:
     """(client_id, user_id, open_from_ms) of the users with a session open in the stream (C4).
 
-    A session stays in the stream's state until the watermark reaches its end + gap (E7 of
-    ``semantics``), so a user has one only if a stored pageview is later than ``watermark -
-    gap``. ``open_from_ms`` is the start of the user's earliest such session, sessionized from
-    the stored pageviews with the stream's semantics: they hold every pageview of the
-    stream's state, so it is never later than the stream's. Reads the client's few recent
-    days; for the users whose open session reaches back to the first day read, twice as many
-    days before that, until none does (a session open for a week reads that week).
+    ``open_from_ms`` is the start of the user's earliest open session, sessionized from the
+    stored pageviews with the stream's semantics: they hold every pageview of the stream's
+    state (the sink stores a micro-batch's pageviews before it commits, and the raw_events gate
+    quarantines a record from both or neither), so it is never later than the stream's. Reads
+    the client's few recent days; for the users whose open session reaches back to the first
+    day read, twice as many days before that, until none does or OPEN_SESSION_MAX_DAYS.
     """
     cutoff_ms = watermark_ms - gap_ms
-    since = datetime.fromtimestamp(cutoff_ms / 1000, tz=UTC).date() - timedelta(days=1)
-    last = since + timedelta(days=4)
+    since, last = _recent_days(watermark_ms, gap_ms)
+    recent_since = since
     settled: list[DataFrame] = []
     users: DataFrame | None = None  # None: all of the client's users
     days_back = 1
     while True:
-        days = [since + timedelta(days=d) for d in range((last - since).days + 1)]
-        rows = tables.read(PAGEVIEWS.name, ["client_id", "user_id", "event_id", "ts", "url"],
-                           {"client_id": client_id, "event_date": days},
-                           schema=PAGEVIEWS.schema)
+        rows = _recent_pageviews(tables, client_id, since, last)
         if users is not None:
             rows = rows.join(users, USER_KEY, "left_semi")
         starts = _open_starts(rows, cutoff_ms, gap_ms).localCheckpoint()
@@ -440,10 +471,16 @@ def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, waterm
         if not reaching_users:
             return reduce(DataFrame.unionByName, settled)
         days_back *= 2
-        since -= timedelta(days=days_back)
+        reached, since = since, since - timedelta(days=days_back)
+        if (recent_since - since).days > OPEN_SESSION_MAX_DAYS:
+            if progress is not None:
+                progress(f"  sessions open in the stream since before {reached} "
+                         f"({reaching_users} users): their corrections wait until they close")
+            return reduce(DataFrame.unionByName, settled).unionByName(
+                users.withColumn("open_from_ms", F.lit(-_NEVER_MS)))
         if progress is not None:
-            progress(f"  {reaching_users} users have had a session open in the stream since "
-                     f"before {days[0]}: reading their pageviews from {since} on")
+            progress(f"  sessions open in the stream since before {reached} "
+                     f"({reaching_users} users): reading their pageviews from {since} on")
 
 
 def _day_start_ms(day: date) -> int:
@@ -453,11 +490,11 @@ def _day_start_ms(day: date) -> int:
 def _open_starts(pageviews: DataFrame, cutoff_ms: int, gap_ms: int) -> DataFrame:
     """Per user of ``pageviews`` with a session ending after ``cutoff_ms``, the earliest such
     session's start (``semantics``, through the batch adapter; only those users' rows)."""
-    active = pageviews.groupBy(*USER_KEY).agg(F.max("ts").alias("last")).where(
-        F.col("last") > F.timestamp_millis(F.lit(cutoff_ms))).select(*USER_KEY)
+    active = _users_with_a_session_open(pageviews, cutoff_ms)
     no_orders = pageviews.sparkSession.createDataFrame([], ORDERS.schema)
-    sessions = sessionize_frames(pageviews.join(active, USER_KEY, "left_semi"), no_orders,
-                                 gap_ms, BUCKETS)
+    sessions = sessionize_frames(  # boundaries only: no URLs
+        pageviews.join(active, USER_KEY, "left_semi").withColumn("url", F.lit("")), no_orders,
+        gap_ms, BUCKETS)
     return sessions.where((F.col("kind") == "session") & (F.col("end_ms") > cutoff_ms)).groupBy(
         *USER_KEY).agg(F.min("start_ms").alias("open_from_ms"))
 

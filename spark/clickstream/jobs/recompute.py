@@ -41,7 +41,7 @@ from clickstream.jobs.corrections import (
     correct,
     mark_published,
     one_run_at_a_time,
-    open_session_starts,
+    open_session_users,
     resume,
     unfinished_plan,
 )
@@ -227,8 +227,8 @@ def _rewrite_client(config: Config, tables: DeltaTables, spark: SparkSession, cl
     mine = {"client_id": client_id}
     watermark = stream_watermark_ms(config)
     users = ["client_id", "user_id"]
-    active = (open_session_starts(tables, client_id, config.session_gap_ms, watermark)
-              .select(*users).localCheckpoint() if watermark is not None
+    active = (open_session_users(tables, client_id, config.session_gap_ms, watermark)
+              .localCheckpoint() if watermark is not None
               else spark.createDataFrame([], "client_id string, user_id string"))
     pageviews = tables.read(PAGEVIEWS.name, partition_filter=mine, schema=PAGEVIEWS.schema)
     orders = tables.read(ORDERS.name, partition_filter=mine, schema=ORDERS.schema)
