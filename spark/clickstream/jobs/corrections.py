@@ -442,8 +442,10 @@ def open_session_users(tables: DeltaTables, client_id: str, gap_ms: int, waterma
 
 
 def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, watermark_ms: int,
+                        among: DataFrame | None = None,
                         progress: Callable[[str], None] | None = None) -> DataFrame:
-    """(client_id, user_id, open_from_ms) of the users with a session open in the stream (C4).
+    """(client_id, user_id, open_from_ms) of the users (``among`` these, default all of the
+    client's) with a session open in the stream (C4).
 
     ``open_from_ms`` is the start of the user's earliest open session, sessionized from the
     stored pageviews with the stream's semantics: they hold every pageview of the stream's
@@ -456,7 +458,7 @@ def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, waterm
     since, last = _recent_days(watermark_ms, gap_ms)
     recent_since = since
     settled: list[DataFrame] = []
-    users: DataFrame | None = None  # None: all of the client's users
+    users = among  # None: all of the client's users
     days_back = 1
     while True:
         rows = _recent_pageviews(tables, client_id, since, last)
@@ -511,7 +513,8 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         grown = (windows,)  # persisted: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)
             open_from = open_session_starts(run.tables, run.client_id, run.gap_ms,
-                                            stream_watermark_ms, run.progress)
+                                            stream_watermark_ms, windows.select(*USER_KEY),
+                                            run.progress)
             windows = windows.join(open_from, ["client_id", "user_id"], "left")
             open_tail = ((F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms))
                          | (F.col("hi_ms") + run.gap_ms > F.coalesce("open_from_ms", F.lit(
