@@ -382,37 +382,17 @@ class DeltaRsTables(DeltaTables):
     ) -> pa.Table:
         """The files' rows in one table, with the index of each row's file as ``_FILE``."""
         schema = pa.schema(table.schema().to_arrow())
+        parts = set(_partition_columns(table))
         wanted = list(columns) if columns is not None else schema.names
-        empty = pa.schema([schema.field(c).with_nullable(True) for c in wanted])
-        parts = [
-            (stored := self._read_file(name, table, f, wanted)).append_column(
+        target = pa.schema([schema.field(c).with_nullable(True) for c in wanted])
+        read = [
+            (stored := _read_file(os.path.join(self.table_path(name), f.path), f, parts,
+                                  target)).append_column(
                 _FILE, pa.array([i] * stored.num_rows, pa.int32()))
             for i, f in enumerate(files)
         ]
-        return pa.concat_tables(parts) if parts else empty.append(
+        return pa.concat_tables(read) if read else target.append(
             pa.field(_FILE, pa.int32())).empty_table()
-
-    def _read_file(
-        self, name: str, table: DeltaTable, f: _ActiveFile, columns: Sequence[str] | None
-    ) -> pa.Table:
-        """One active file's rows, partition columns filled in from the log (edge case 4)."""
-        schema = pa.schema(table.schema().to_arrow())
-        parts = _partition_columns(table)
-        wanted = list(columns) if columns is not None else schema.names
-        path = os.path.join(self.table_path(name), f.path)
-        in_file = set(pq.read_schema(path).names)
-        stored = pq.read_table(path, columns=[c for c in wanted if c in in_file and c not in parts])
-        for column in wanted:
-            if column in parts:
-                value = f.partition_values.get(column)
-                stored = stored.append_column(
-                    column, pa.array([value] * stored.num_rows, pa.string())
-                    .cast(schema.field(column).type))
-            elif column not in in_file:  # an older file, from before the column was added
-                stored = stored.append_column(
-                    column, pa.nulls(stored.num_rows, schema.field(column).type))
-        target = pa.schema([schema.field(c).with_nullable(True) for c in wanted])
-        return stored.select(wanted).cast(target)
 
     def _record_step(self, name: str, properties: CommitProperties, app_id: str,
                      version: int) -> UpsertResult:
@@ -1166,6 +1146,23 @@ def _conform(df: DataFrame, table: DeltaTable, name: str) -> DataFrame:
             "nothing was written"
         )
     return df.select(*wanted)
+
+
+def _read_file(path: str, f: _ActiveFile, partition_columns: set[str], target: pa.Schema
+               ) -> pa.Table:
+    """One active file's rows as ``target`` (nullable fields of the table's schema), partition
+    columns filled in from the log (edge case 4)."""
+    in_file = set(pq.read_schema(path).names)
+    stored = pq.read_table(path, columns=[c for c in target.names
+                                          if c in in_file and c not in partition_columns])
+    for field in target:
+        if field.name in partition_columns:
+            value = f.partition_values.get(field.name)
+            stored = stored.append_column(
+                field.name, pa.array([value] * stored.num_rows, pa.string()).cast(field.type))
+        elif field.name not in in_file:  # an older file, from before the column was added
+            stored = stored.append_column(field.name, pa.nulls(stored.num_rows, field.type))
+    return stored.select(target.names).cast(target)
 
 
 def _cast_to_table(source: pa.Table, table: DeltaTable) -> pa.Table:

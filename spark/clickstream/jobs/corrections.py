@@ -183,6 +183,10 @@ def _dates(lo_ms: int, hi_ms: int, pad_days: int = 1) -> list[date]:
     """Calendar days (UTC) covering [lo, hi], padded, for partition pruning."""
     first = datetime.fromtimestamp(lo_ms / 1000, tz=UTC).date() - timedelta(days=pad_days)
     last = datetime.fromtimestamp(hi_ms / 1000, tz=UTC).date() + timedelta(days=pad_days)
+    return _days(first, last)
+
+
+def _days(first: date, last: date) -> list[date]:
     return [first + timedelta(days=i) for i in range((last - first).days + 1)]
 
 
@@ -416,9 +420,9 @@ OPEN_SESSION_MAX_DAYS = 64
 def _recent_pageviews(tables: DeltaTables, client_id: str, first: date, last: date
                       ) -> DataFrame:
     """The client's stored pageviews of days [first, last], as far as sessions need them."""
-    days = [first + timedelta(days=d) for d in range((last - first).days + 1)]
     return tables.read(PAGEVIEWS.name, ["client_id", "user_id", "event_id", "ts"],
-                       {"client_id": client_id, "event_date": days}, schema=PAGEVIEWS.schema)
+                       {"client_id": client_id, "event_date": _days(first, last)},
+                       schema=PAGEVIEWS.schema)
 
 
 def _users_with_a_session_open(pageviews: DataFrame, cutoff_ms: int) -> DataFrame:
