@@ -671,3 +671,23 @@ def test_partition_predicates_render_and_refuse_without_spark():
         check_partition_predicate("client_id = 'c1' AND ts > '2024-01-01'", PARTS)
     with pytest.raises(ConfigError, match="lists no values for event_date"):
         check_partition_predicate({"client_id": "c1", "event_date": []}, PARTS)
+
+
+def test_largest_by_partition_from_file_statistics_equals_reading_the_rows(tables, spark):
+    """The delta-rs answer comes from the log's statistics; the base class reads the rows."""
+    first = orders(spark, ("o1", "c1", D1, "1.00", 5), ("o2", "c1", D2, "2.00"),
+                   ("o3", "c2", D1, "3.00", 9))
+    tables.append_once("orders", first, app_id="a", version=1, partition_by=PARTS, metadata=META)
+    tables.append_once("orders", orders(spark, ("o4", "c1", D1, "4.00", 7)),  # a second file
+                       app_id="a", version=2, partition_by=PARTS, metadata=META)
+    for scope in ({"client_id": "c1"}, None):
+        from_stats = tables.largest_by_partition("orders", "ts", "event_date", scope)
+        from_rows = DeltaTables.largest_by_partition(tables, "orders", "ts", "event_date", scope)
+        assert from_stats == from_rows
+    assert tables.largest_by_partition("orders", "ts", "event_date", {"client_id": "c1"}) == {
+        D1: dt.datetime.combine(D1, dt.time(12, 30, 15, 7), dt.UTC),
+        D2: dt.datetime.combine(D2, dt.time(12, 30, 15), dt.UTC)}
+    # No statistics for decimals (edge case 7): unknown, not a wrong bound.
+    assert tables.largest_by_partition("orders", "amount", "event_date", {"client_id": "c1"}) == {
+        D1: None, D2: None}
+    assert tables.largest_by_partition("missing", "ts", "event_date") == {}

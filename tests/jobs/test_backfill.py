@@ -18,7 +18,7 @@ from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
-from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
@@ -76,6 +76,10 @@ def assert_tables_equal_from_scratch(config: Config, spark: SparkSession,
     assert got == want
     attribution_rows = table_rows(config, spark, "attributions")
     attributions = {r["order_id"]: r["session_id"] for r in attribution_rows}
+    assert len(attributions) == len(attribution_rows), "an order is attributed twice"
+    orders = {r["order_id"]: (r["user_id"], r["ts"]) for r in table_rows(config, spark, "orders")}
+    assert {r["order_id"]: (r["user_id"], r["order_ts"]) for r in attribution_rows} == {
+        k: v for k, v in orders.items() if k in attributions}
     for order_id, session_id in attributions.items():
         if session_id is None or session_id in want:
             assert expected_attr[order_id] == session_id, order_id
@@ -211,6 +215,56 @@ def test_a_later_batch_with_the_same_order_id_updates_that_order(
                       key=lambda r: r["session_start"])
     assert [s["order_count"] for s in sessions] == [0, 1]
     assert [s["revision"] for s in sessions] == [3, 2]
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
+@pytest.mark.parametrize("moved_to", ["another day", "another user"])
+def test_an_order_moved_by_a_later_batch_is_held_once_where_it_now_is(
+    stream_config: Config, spark: SparkSession, moved_to: str
+) -> None:
+    day = 24 * 60
+
+    def backfill(kind: str, name: str, rows: list[dict]) -> None:
+        run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, name, rows, "parquet"))
+
+    backfill("pageviews", "p", [pv_row("a", "u", 0), pv_row("b", "u", day)])
+    if moved_to == "another day":  # from the first session to the second
+        backfill("orders", "o1", [order_row("o1", "u", 1)])
+        moved = order_row("o1", "u", day + 1)
+        backfill("orders", "o2", [moved])
+    else:  # unattributed before and after the move: only the user changes
+        backfill("orders", "o1", [order_row("o1", "w", 1)])
+        moved = order_row("o1", "v", 1)
+        backfill("orders", "o2", [moved])
+        backfill("pageviews", "p2", [pv_row("c", "v", 0)])  # then attributed
+    (attribution,) = table_rows(stream_config, spark, "attributions")
+    assert (attribution["user_id"], attribution["order_ts"]) == (moved["user_id"], moved["ts"])
+    assert attribution["session_id"] is not None
+    assert attribution["revision"] == (2 if moved_to == "another day" else 3)
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
+@pytest.mark.parametrize("late", ["orders", "pageviews"])
+def test_an_order_one_gap_after_a_window_stays_with_the_session_starting_there(
+    stream_config: Config, spark: SparkSession, late: str
+) -> None:
+    """Sessions [0, 0] and [30, 40] (one gap apart); o2 at 30 is the second session's. A late
+    row at 0 corrects the first session only: o2 is outside its window."""
+
+    def backfill(kind: str, name: str, rows: list[dict]) -> None:
+        run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, name, rows, "parquet"))
+
+    first = [] if late == "pageviews" else [pv_row("a", "u", 0)]
+    backfill("pageviews", "p", [*first, pv_row("b", "u", 30), pv_row("c", "u", 40)])
+    backfill("orders", "o2", [order_row("o2", "u", 30)])
+    (before,) = table_rows(stream_config, spark, "attributions")
+    assert before["session_id"] is not None
+    backfill(late, "late", [order_row("o1", "u", 0)] if late == "orders" else [
+        pv_row("a", "u", 0)])
+    after = {r["order_id"]: r for r in table_rows(stream_config, spark, "attributions")}
+    assert (after["o2"]["session_id"], after["o2"]["revision"]) == (before["session_id"], 1)
     assert_tables_equal_from_scratch(stream_config, spark)
 
 
@@ -401,3 +455,42 @@ def test_full_recompute_rewrites_the_same_sessions_and_keeps_revisions(
     after = sorted(table_rows(stream_config, spark, "sessions"), key=lambda r: r["session_id"])
     assert summary.sessions == 3 and after == before
     assert_tables_equal_from_scratch(stream_config, spark)
+
+
+def test_a_late_pageview_extends_a_session_that_began_days_before_it(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """A session of three days (a pageview every 20 minutes) is stored under its first day;
+    a late pageview 25 minutes after its last extends it, not a session of its own."""
+    pageviews = [pv_row(f"e{i}", "u", i * 20) for i in range(3 * 72)]
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", pageviews, "parquet"))
+    late = pv_row("late", "u", (3 * 72 - 1) * 20 + 25)
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "late", [late], "parquet"))
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert (session["pageview_count"], session["session_end"], session["revision"]) == (
+        3 * 72 + 1, late["ts"], 2)
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
+def test_a_replanned_attempt_queues_the_users_the_stream_took_over_since(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """An attempt deferred user u to the stream (queueing its rows) and died before recording
+    its plan; the rerun plans again and, the stream having moved on, defers v as well."""
+    valid = spark.createDataFrame([(r["event_id"], r["client_id"], r["user_id"], r["ts"])
+                                   for r in (pv_row("a", "u", 0), pv_row("b", "v", 0))],
+                                  "event_id string, client_id string, user_id string, ts timestamp")
+    tables = open_tables(stream_config, spark)
+
+    def attempt(*users: str) -> None:
+        queue = queue_for_the_stream(tables, valid, "pageviews", "run-1")
+        queue(spark.createDataFrame([("client-00", u) for u in users], "client_id string, "
+                                    "user_id string"))
+
+    attempt("u")
+    attempt("u", "v")
+    queued = sorted((r["user_id"], r["record_id"]) for r in
+                    table_rows(stream_config, spark, "recompute_queue"))
+    assert queued == [("u", "a"), ("v", "b")]

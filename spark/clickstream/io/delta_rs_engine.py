@@ -94,6 +94,7 @@ from clickstream.io.delta_tables import (
     AppendResult,
     DeltaTables,
     PartitionFilter,
+    PartitionValue,
     ReplacePredicate,
     UpsertResult,
     check_partition_predicate,
@@ -517,6 +518,31 @@ class DeltaRsTables(DeltaTables):
             frames.append(scan.select(*data.names, *literals))
         result = functools.reduce(lambda a, b: a.unionByName(b), frames).select(*full.names)
         return _project(result, columns, name)
+
+    def largest_by_partition(
+        self, name: str, column: str, partition_column: str,
+        partition_filter: PartitionFilter | None = None,
+    ) -> dict[PartitionValue, Any]:
+        """From the files' ``maxValues`` statistics in the log: no data is read (7)."""
+        table = self._load(name)
+        if table is None:
+            return {}
+        actions = pa.table(table.get_add_actions(flatten=True))
+        parts = _partition_columns(table)
+        values = {c: actions.column(f"partition.{c}").to_pylist() for c in parts}
+        stat = f"max.{column}"
+        highs = (actions.column(stat).to_pylist() if stat in actions.column_names
+                 else [None] * actions.num_rows)
+        alternatives = filter_alternatives(partition_filter) if partition_filter else None
+        largest: dict[PartitionValue, Any] = {}
+        for i, high in enumerate(highs):
+            strings = {c: partition_string(values[c][i]) for c in parts}
+            if alternatives is not None and not filter_matches(alternatives, strings):
+                continue
+            key = values[partition_column][i]
+            known = largest.get(key, high)
+            largest[key] = None if high is None or known is None else max(high, known)
+        return largest
 
     def read_arrow(
         self,

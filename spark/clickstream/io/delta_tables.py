@@ -248,6 +248,24 @@ class DeltaTables(ABC):
             ClickstreamError: the table does not exist and no ``schema`` was given.
         """
 
+    def largest_by_partition(
+        self, name: str, column: str, partition_column: str,
+        partition_filter: PartitionFilter | None = None,
+    ) -> dict[PartitionValue, Any]:
+        """Per value of ``partition_column`` (inside ``partition_filter``), the largest value
+        of ``column`` (timestamps as UTC-aware datetimes); None where it is not known (read
+        that partition to know).
+
+        This default reads the two columns; an engine whose log holds file statistics
+        answers from them without reading any data."""
+        from pyspark.sql import functions as F
+
+        if not self.exists(name):
+            return {}
+        rows = self.read(name, [partition_column, column], partition_filter).groupBy(
+            partition_column).agg(F.max(column).alias("largest")).collect()
+        return {row[partition_column]: _aware(row["largest"]) for row in rows}
+
     @abstractmethod
     def read_arrow(
         self,
@@ -320,6 +338,13 @@ _SQL_WORDS = frozenset({
 })
 _SQL_STRING = re.compile(r"'(?:[^']|'')*'")
 _SQL_IDENT = re.compile(r'`([^`]+)`|"([^"]+)"|\b([A-Za-z_][A-Za-z0-9_]*)\b')
+
+
+def _aware(value: Any) -> Any:
+    """PySpark collects a timestamp as a naive datetime in the process's local time."""
+    if isinstance(value, dt.datetime) and value.tzinfo is None:
+        return value.astimezone(dt.UTC)
+    return value
 
 
 def partition_string(value: PartitionValue) -> str | None:

@@ -241,16 +241,26 @@ def run_backfill(
 
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
                          run_id: str) -> Defer:
-    """How the batch's rows of users the stream still owns go to the recompute queue (C4):
-    once per run, whichever attempt plans it."""
+    """How the batch's rows of users the stream still owns go to the recompute queue (C4).
+
+    Each attempt that plans queues the rows no earlier attempt of the run queued: an attempt
+    that died before recording its plan is planned again, and by then the stream may own
+    more of the batch's users."""
+    queued_by = f"backfill {run_id}"
+    app_id = f"backfill-queue-{run_id}"
 
     def queue(users: DataFrame) -> None:
         rows = valid.join(users, ["client_id", "user_id"], "left_semi").select(
             "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
-            F.col(KEY[kind]).alias("record_id"), "ts",
-            F.lit(f"backfill {run_id}").alias("queued_by"), F.to_date("ts").alias("event_date"))
-        tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=f"backfill-queue-{run_id}",
-                           version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
-                           metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+            F.col(KEY[kind]).alias("record_id"), "ts", F.lit(queued_by).alias("queued_by"),
+            F.to_date("ts").alias("event_date"))
+        attempt = (tables.app_version(RECOMPUTE_QUEUE.name, app_id) or 0) + 1
+        if attempt > 1:  # a recompute may have folded some in since: queued again, harmless
+            earlier = tables.read(RECOMPUTE_QUEUE.name, ["kind", "record_id", "queued_by"])
+            rows = rows.join(earlier.where(F.col("queued_by") == queued_by).select(
+                "kind", "record_id"), ["kind", "record_id"], "left_anti")
+        tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=app_id, version=attempt,
+                           partition_by=RECOMPUTE_QUEUE.partition_by,
+                           metadata={"run_id": run_id, "cause": queued_by})
 
     return queue

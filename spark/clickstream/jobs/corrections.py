@@ -19,9 +19,11 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C6):
+Known edge cases, cited inline as (C1)..(C7):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
+      A session is stored under the day it starts, so one that began days before the range
+      is found through the largest ``session_end`` of each earlier day (``_session_days``).
   C2. Orders never move boundaries: an orders-only correction reads no pageviews (beyond the
       few recent days C4 reads beside a running stream).
   C3. The plan is the ``corrections`` rows of the run. The run that records it goes on with
@@ -47,6 +49,11 @@ Known edge cases, cited inline as (C1)..(C6):
       numbered (the run's step in ``corrections``) and a marker step records the last one
       published; a run starts by finishing the client's unpublished plan, its own (resumed)
       or another run's. A rerun of a finished run plans again (usually: nothing changes).
+  C7. A later batch may move an order to another user or day (same ``order_id``). Its old
+      attribution is in the plan's windows (``backfill.scope_of`` adds where it was), the
+      user is part of the compared content, and a plan row's ``partition_date`` is the stored
+      row's partition: apply removes the key there and writes the new row into its own
+      partition, so the order is never held twice.
 """
 
 from __future__ import annotations
@@ -83,7 +90,8 @@ BUCKETS = 16
 USER_KEY = ["client_id", "user_id"]
 SESSION_CONTENT = ("session_start", "session_end", "pageview_count", "landing_url", "exit_url",
                    "order_count", "revenue")
-ATTRIBUTION_CONTENT = ("order_ts", "session_id")
+# user_id too: a later batch may move an order to another user (C7).
+ATTRIBUTION_CONTENT = ("user_id", "order_ts", "session_id")
 
 
 @dataclass
@@ -198,9 +206,8 @@ def _read_days(run: Run, spec, date_column: str, dates: list[date],
                            schema=spec.schema, version=version)
 
 
-def _snapshot(run: Run, spec, date_column: str, lo_ms: int, hi_ms: int) -> DataFrame:
-    """The client's rows of ``spec`` over the days of [lo, hi], kept for apply (C5)."""
-    dates = _dates(lo_ms, hi_ms)
+def _snapshot(run: Run, spec, date_column: str, dates: list[date]) -> DataFrame:
+    """The client's rows of ``spec`` on ``dates``, kept for apply (C5)."""
     version = run.tables.version(spec.name)
     rows = _read_days(run, spec, date_column, dates, version if version >= 0 else None)
     previous = run.snapshots.get(spec.name)
@@ -222,8 +229,7 @@ def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
     if bounds is None or bounds[0] is None:
         return scope, run.spark.createDataFrame([], SESSIONS.schema)
     # The scope's users' stored sessions in the range, read once for both joins below (C5).
-    sessions = _snapshot(run, SESSIONS, "session_date", bounds[0] - run.gap_ms,
-                         bounds[1] + run.gap_ms).join(
+    sessions = _snapshot(run, SESSIONS, "session_date", _session_days(run, *bounds)).join(
         scope.select("client_id", "user_id"), ["client_id", "user_id"], "left_semi")
     near = sessions.join(scope, ["client_id", "user_id"]).where(
         (_ms("session_start") - run.gap_ms < F.col("hi_ms"))
@@ -239,10 +245,24 @@ def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
     return windows, inside
 
 
-def _in_windows(frame: DataFrame, windows: DataFrame, ts: str, hi_pad_ms: int) -> DataFrame:
+def _session_days(run: Run, lo_ms: int, hi_ms: int) -> list[date]:
+    """The days of the client's ``sessions`` partitions that may hold a session within one
+    gap of [lo, hi] (C1): a session is stored under the day it starts, so besides the days
+    around the range, an earlier day counts if one of its sessions ends after ``lo - gap``
+    (a session longer than a day), known from the files' statistics where there are any."""
+    days = _dates(lo_ms - run.gap_ms, hi_ms + run.gap_ms)
+    ends = run.tables.largest_by_partition(SESSIONS.name, "session_end", "session_date",
+                                           {"client_id": run.client_id})
+    earlier = [day for day, end in ends.items() if day < days[0] and (
+        end is None or int(end.timestamp() * 1000) + run.gap_ms > lo_ms)]
+    return sorted(earlier) + days
+
+
+def _in_windows(frame: DataFrame, windows: DataFrame, ts: str, end_pad_ms: int) -> DataFrame:
+    """Rows with ``lo <= ts < hi + end_pad_ms`` of their user's window."""
     return frame.join(windows, ["client_id", "user_id"]).where(
         (F.col(ts) >= F.timestamp_millis("lo_ms"))
-        & (F.col(ts) < F.timestamp_millis(F.col("hi_ms") + hi_pad_ms + 1))
+        & (F.col(ts) < F.timestamp_millis(F.col("hi_ms") + end_pad_ms))
     ).drop("lo_ms", "hi_ms")
 
 
@@ -277,25 +297,26 @@ class Windows:
         lo, hi = per_user.agg(F.min("lo_ms"), F.max("hi_ms")).first()
         return cls(per_user, lo, hi)
 
-    def rows_of(self, run: Run, spec, date_column: str, ts: str, hi_pad_ms: int,
+    def rows_of(self, run: Run, spec, date_column: str, ts: str, end_pad_ms: int,
                 keep_for_apply: bool = False) -> DataFrame:
-        """The client's stored rows of ``spec`` inside the windows (plus ``hi_pad_ms``); from
-        the run's snapshot of ``spec`` if it holds those days at the table's current version."""
-        lo, hi = self.lo_ms, self.hi_ms + run.gap_ms
-        dates = _dates(lo, hi)
+        """The client's stored rows of ``spec`` with ``lo <= ts < hi + end_pad_ms``; from the
+        run's snapshot of ``spec`` if it holds those days at the table's current version."""
+        dates = _dates(self.lo_ms, self.hi_ms + run.gap_ms)
         held = run.snapshots.get(spec.name)
         if keep_for_apply:
-            stored = _snapshot(run, spec, date_column, lo, hi)
+            stored = _snapshot(run, spec, date_column, dates)
         elif (held is not None and held.covers(dates)
               and held.version == run.tables.version(spec.name)):
             stored = held.rows.where(F.col(date_column).isin(dates))
         else:
             stored = _read_days(run, spec, date_column, dates)
-        return _in_windows(stored, self.per_user, ts, hi_pad_ms)
+        return _in_windows(stored, self.per_user, ts, end_pad_ms)
 
 
 def window_orders(run: Run, windows: Windows) -> DataFrame:
-    """The stored orders inside the windows (attributable to their sessions)."""
+    """The stored orders attributable to the windows' sessions: an order belongs to a session
+    with ``start <= ts < end + gap``, so one at ``hi + gap`` is left to the session that may
+    start there, outside the window (C1)."""
     return windows.rows_of(run, ORDERS, "event_date", "ts", run.gap_ms)
 
 
@@ -324,7 +345,7 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
     if orders_only:
         emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
     else:
-        pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 0)
+        pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 1)  # up to hi
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
     emitted = emitted.persist()
     attributions = _attribution_rows(emitted).persist()
@@ -402,7 +423,8 @@ def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
         F.col("o.revision").alias("old_revision"),
         new_revision.cast("int").alias("new_revision"), F.lit(run.cause).alias("cause"),
         new_value.alias("new_value"),
-        F.coalesce(f"n.{date_column}", f"o.{date_column}").alias("partition_date"),
+        # The stored row's partition, where apply removes it; the new row's is in new_value (C7).
+        F.coalesce(f"o.{date_column}", f"n.{date_column}").alias("partition_date"),
         F.current_timestamp().alias("corrected_at"),
     ).where(F.col("change").isNotNull())
 
@@ -643,15 +665,29 @@ APPLY_ATTEMPTS = 5
 BROADCAST_KEYS_MAX = 2_000_000
 
 
+def _touched_dates(mine: DataFrame, entity: str, date_column: str) -> tuple[list[date], int]:
+    """(the partitions one entity's plan rows touch, how many rows there are) (C7).
+
+    Each stored row's partition (``partition_date``) and, for attributions, each new row's:
+    an order moved to another day leaves one partition for another. A session never moves:
+    its id is a function of its start, and so is its date."""
+    aggregates = [F.collect_set("partition_date").alias("stored"),
+                  F.count(F.lit(1)).alias("rows")]
+    if entity == "attribution":
+        aggregates.append(F.collect_set(F.to_date(F.get_json_object(
+            "new_value", f"$.{date_column}"))).alias("new"))
+    row = mine.agg(*aggregates).first().asDict()
+    return sorted({*row["stored"], *row.get("new", ())}), row["rows"]
+
+
 def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: str,
                  run_seq: int) -> None:
     mine = changes.where(F.col("entity") == entity)
-    per_date = mine.groupBy("partition_date").count().collect()
-    dates = sorted(r.partition_date for r in per_date)
+    dates, planned = _touched_dates(mine, entity, date_column)
     if not dates:
         return
     keys = mine.select(F.col("key").alias(spec.key[0]))
-    if sum(r["count"] for r in per_date) <= BROADCAST_KEYS_MAX:
+    if planned <= BROADCAST_KEYS_MAX:
         keys = F.broadcast(keys)
     fresh = mine.where(F.col("new_value").isNotNull()).select(
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
@@ -719,7 +755,7 @@ def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity
                  date_column: str) -> tuple[int, int, list[str]]:
     """(planned rows, rows the table does not reflect, first such keys) of one entity."""
     mine = changes.where(F.col("entity") == entity)
-    dates = sorted({r.partition_date for r in mine.select("partition_date").distinct().collect()})
+    dates, planned = _touched_dates(mine, entity, date_column)
     if not dates:
         return 0, 0, []
     key = spec.key[0]
@@ -739,7 +775,7 @@ def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity
     duplicated = current.groupBy("key").count().where(F.col("count") > 1).select("key")
     bad = missing.select("key").unionByName(duplicated).distinct()
     first = sorted(r.key for r in bad.limit(3).collect())
-    return mine.count(), bad.count(), first
+    return planned, bad.count(), first
 
 
 def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
