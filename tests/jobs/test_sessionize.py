@@ -13,12 +13,13 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import DataLossError
+from clickstream.errors import ClickstreamError, DataLossError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
 from clickstream.jobs import sessionize
 from clickstream.jobs.generate import Delivery, Scale, live_records
+from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import build_stream, run_sessionizer
 from tests.reference import reference_sessions, valid_events
 
@@ -246,3 +247,48 @@ def test_a_batch_stores_its_pageviews_before_the_sessions_it_closes(
     both = sorted(set(pageviews) & set(sessions))
     assert both, "some micro-batch should store pageviews and close sessions"
     assert all(pageviews[batch] <= sessions[batch] for batch in both), (pageviews, sessions)
+
+
+def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_late_pageview(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Z9) The micro-batch holding a late pageview dies at its pageviews commit, having waited
+    for the queue's commit as long as a side-by-side queue write could take; a recompute runs
+    while the stream is down, then the stream restarts and the recompute runs again: the late
+    pageview reaches its session. Queued beside the pageviews, the queue row committed first,
+    the first recompute found nothing stored to fold in and removed it, and the replay skipped
+    its already committed queue write."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("a", start, "a1"),
+                            pageview("a", start + timedelta(minutes=5), "a2"),
+                            pageview("x", start + timedelta(hours=5), "x1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert [r["pageview_count"] for r in table_rows(stream_config, spark, "sessions")] == [2]
+
+    def crash_at_the_pageviews_commit(table: str, attempt: int) -> None:
+        if table != "pageviews":
+            return
+        deadline = time.monotonic() + 15
+        while (not table_rows(stream_config, spark, "recompute_queue")
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        raise RuntimeError("killed before the pageviews commit")
+
+    monkeypatch.setattr(sessionize, "open_tables", lambda config, spark: open_tables(
+        config, spark, before_commit=crash_at_the_pageviews_commit))
+    produce(stream_config, [pageview("a", start + timedelta(minutes=10), "late1")])
+    with pytest.raises(ClickstreamError):
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    monkeypatch.setattr(sessionize, "open_tables", open_tables)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+
+    run_recompute(stream_config, spark=spark)  # scheduled, while the stream is down
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # replays the batch
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "late1"]
+    run_recompute(stream_config, spark=spark)
+
+    sessions = [(r["user_id"], r["pageview_count"])
+                for r in table_rows(stream_config, spark, "sessions") if r["user_id"] == "a"]
+    assert sessions == [("a", 3)]
+    assert table_rows(stream_config, spark, "recompute_queue") == []

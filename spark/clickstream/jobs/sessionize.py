@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z8):
+Known edge cases, cited inline as (Z1)..(Z9):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -28,9 +28,9 @@ Known edge cases, cited inline as (Z1)..(Z8):
   Z5. Counts are the rows each write committed (file statistics, no count job): a replayed
       micro-batch reports 0 for what it had already committed, and still republishes.
   Z6. A micro-batch writes in two waves, side by side within each (one thread per output):
-      first what it stores of its records (quarantine, pageviews, orders, other events, the
-      recompute queue), then what it derived (sessions, attributions), each topic right after
-      its own table. Each write is a few small Spark jobs and a Delta commit that mostly wait
+      first what it stores of its records (quarantine, pageviews, orders, other events), then
+      the recompute queue (Z9), then what it derived (sessions, attributions), each topic right
+      after its own table. Each write is a few small Spark jobs and a Delta commit that mostly wait
       (py4j, planning, Python workers starting, the commit's file I/O), so a wave takes about
       as long as its largest write. The waves keep the order that matters to readers, a
       concurrent recompute included: a session visible in a table or topic has its pageviews
@@ -44,6 +44,14 @@ Known edge cases, cited inline as (Z1)..(Z8):
       duplicate of a record an earlier micro-batch (or a backfill) stored has nothing left to
       fold in. Deliveries are told apart by ``source`` (topic/partition/offset), so a replayed
       micro-batch, whose own earlier attempt may have stored the record, still queues it.
+  Z9. The recompute queue commits only after the micro-batch's pageviews and orders did, in a
+      wave between the stored and the derived writes: a recompute (scheduled, or running
+      while a crashed stream is down) that finds a queue row always finds its record stored.
+      Committed side by side, the queue row could land first; a recompute in between folded
+      nothing in and removed the row, and the replayed batch skipped its already committed
+      queue write: the late record never reached a session. A crash after the records' wave
+      replays the batch, which still queues them (Z8: the stored rows carry its own source).
+      The extra wave costs only micro-batches with late records.
 """
 
 from __future__ import annotations
@@ -355,11 +363,13 @@ class MicroBatchWriter:
                                               others.dropDuplicates(["event_id"]), "event_id"),
                 batch_id, app_id)
 
+        # A wave of its own after the records' (Z9): what it queues is already stored.
+        queued: dict[str, Callable[[], int]] = {}
         late_kinds = {kind for kind, _, _ in RECORD_TABLES if present.get(f"record:{kind}:late")}
         if late_kinds:
             late = valid.where(is_late & F.col("event_type").isin(*sorted(late_kinds)))
 
-            def queue_late() -> int:  # in the wave: its reads of the stored rows run in parallel
+            def queue_late() -> int:
                 queue = _not_stored_by_another_delivery(self.tables, late, late_kinds).select(
                     "client_id", "user_id", F.col("event_type").alias("kind"),
                     F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
@@ -368,7 +378,7 @@ class MicroBatchWriter:
                 ).dropDuplicates(["kind", "record_id"])
                 return self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
 
-            stored["late_queued"] = queue_late
+            queued["late_queued"] = queue_late
 
         sessions = emitted.where(F.col("kind") == "session").select(
             "session_id", "client_id", "user_id",
@@ -401,7 +411,7 @@ class MicroBatchWriter:
         if present.get("emitted:attribution"):
             derived["attributions"] = partial(table_then_topic, ATTRIBUTIONS, attributions,
                                               publish_attributions)
-        for wave in (stored, derived):  # (Z6)
+        for wave in (stored, queued, derived):  # (Z6, Z9)
             for field_name, rows in _side_by_side(batch.sparkSession, wave).items():
                 setattr(counts, field_name, rows)
         return counts
