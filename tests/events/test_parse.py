@@ -57,6 +57,15 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     (json.dumps({**ORDER, "amount": "-5.00"}), "amount '-5.00' is negative"),
     (json.dumps({**ORDER, "amount": "1.23456"}),
      "amount '1.23456' is not a decimal string with at most 4 decimals"),
+    (json.dumps({**ORDER, "amount": "100000000000000"}),
+     "amount '100000000000000' is too large: at most 14 digits before the decimal point "
+     "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
+    (json.dumps({**ORDER, "amount": "1000000000000000.00"}),  # fitted DECIMAL(20,4)
+     "amount '1000000000000000.00' is too large: at most 14 digits before the decimal point "
+     "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
+    (json.dumps({**ORDER, "amount": "123456789012345678901"}),  # fitted nothing
+     "amount '123456789012345678901' is too large: at most 14 digits before the decimal point "
+     "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
     (json.dumps({**ORDER, "currency": "EURO"}), "currency 'EURO' is not an ISO 4217 code"),
 ])
 def test_a_bad_record_is_marked_with_the_first_rule_it_breaks(
@@ -97,3 +106,14 @@ def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
     assert (numeric["order_id"], numeric["amount"]) == ("7", Decimal("12.5000"))
     assert (nested["error"], nested["url"], nested["referrer"]) == (None, '{"path":"/b"}', "true")
     assert pageview["amount"] is None and pageview["order_id"] is None
+
+
+@pytest.mark.parametrize(("text", "amount"), [
+    ("99999999999999.9999", Decimal("99999999999999.9999")),  # the largest amount kept
+    ("000000000000000012.5", Decimal("12.5000")),  # leading zeros do not count
+])
+def test_the_largest_amount_and_leading_zeros_are_valid(
+    spark: SparkSession, text: str, amount: Decimal
+) -> None:
+    (order,) = parse(spark, (KEY, json.dumps({**ORDER, "amount": text})))
+    assert (order["error"], order["amount"]) == (None, amount)

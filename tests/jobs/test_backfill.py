@@ -272,6 +272,7 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     rows = [
         {**order_row("good", "u", 1)},
         {**order_row("neg", "u", 2, amount="-3.00")},
+        {**order_row("big", "u", 2, amount="1000000000000000.00")},  # * 10**4 overflows 64 bits
         {**order_row("other", "u", 3, client="client-01")},
         {**order_row("cur", "u", 4, currency="XXX")},
         {**order_row("dup", "u", 5, amount="1.00")},
@@ -286,15 +287,16 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
                            path=write_rows(stream_config, "o", rows, "jsonl"))
     reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
                for r in table_rows(stream_config, spark, "quarantine")}
-    assert set(reasons) == {"neg", "other", "cur", "dup", "badts"}
+    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts"}
     assert "negative" in reasons["neg"]
+    assert "too large: at most 14 digits before the decimal point" in reasons["big"]
     assert "is not the batch's client 'client-00'" in reasons["other"]
     assert "ISO 4217" in reasons["cur"]
     assert "appears 2 times in the batch with different content" in reasons["dup"]
     assert "neither ISO-8601" in reasons["badts"]
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
-    assert summary.quarantined == 6 and summary.rows_merged == 2
+    assert summary.quarantined == 7 and summary.rows_merged == 2
 
 
 def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSession) -> None:

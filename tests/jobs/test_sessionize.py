@@ -292,3 +292,30 @@ def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_lat
                 for r in table_rows(stream_config, spark, "sessions") if r["user_id"] == "a"]
     assert sessions == [("a", 3)]
     assert table_rows(stream_config, spark, "recompute_queue") == []
+
+
+def order(user: str, at: datetime, order_id: str, amount: str = "10.00",
+          event_id: str | None = None) -> tuple[str, str]:
+    """One order record of client-00 as the events topic carries it."""
+    return f"client-00/{user}", json.dumps({
+        "event_id": event_id or f"ev-{order_id}", "client_id": "client-00", "user_id": user,
+        "event_type": "order", "ts": at.isoformat(), "url": "/", "referrer": "",
+        "order_id": order_id, "amount": amount, "currency": "EUR"})
+
+
+def test_an_amount_too_large_to_keep_exactly_is_quarantined_and_the_stream_goes_on(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """An amount times 10**4 must fit 64 bits: one with 16 digits before the point stopped
+    the stream for good (the cast overflowed under ANSI in every replay)."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    too_large = order("a", start, "big", amount="1000000000000000.00")
+    produce(stream_config, [too_large, order("a", start, "max", amount="99999999999999.9999"),
+                            pageview("a", start, "p1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["max"]
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["p1"]
+    (quarantined,) = table_rows(stream_config, spark, "quarantine")
+    assert quarantined["raw"] == too_large[1]
+    assert quarantined["reason"].startswith(
+        "amount '1000000000000000.00' is too large: at most 14 digits before the decimal point")

@@ -18,7 +18,12 @@ LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
 ISO_WITH_ZONE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?([Zz]|[+-]\d{2}(:?\d{2})?)$"
 EPOCH_MILLIS = r"^-?\d{1,15}$"
 # Non-negative decimal string with at most 4 decimals (the tables keep DECIMAL(20,4) exactly).
-AMOUNT = r"^-?\d{1,16}(\.\d{1,4})?$"
+AMOUNT = r"^-?\d+(\.\d{1,4})?$"
+# Sessions add amounts up exactly as 64-bit integers of 1/10000 (semantics.AMOUNT_SCALE): an
+# amount must stay below 10**14 (at most 14 digits before the point, leading zeros aside), so
+# that it times 10**4 fits a signed 64-bit integer (< 9.22e18) with room for a session's sum.
+AMOUNT_MAX_INTEGER_DIGITS = 14
+AMOUNT_IN_RANGE = rf"^-?0*\d{{1,{AMOUNT_MAX_INTEGER_DIGITS}}}(\.\d*)?$"
 
 # ISO 4217 active codes.
 CURRENCIES = frozenset(

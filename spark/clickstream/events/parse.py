@@ -69,6 +69,13 @@ def amount_error(text: Column) -> Column:
             ~text.rlike(contract.AMOUNT),
             F.format_string("amount '%s' is not a decimal string with at most 4 decimals", text),
         )
+        .when(
+            ~text.rlike(contract.AMOUNT_IN_RANGE),
+            F.format_string(
+                "amount '%s' is too large: at most %d digits before the decimal point (amounts "
+                "are kept exactly as 64-bit integers of 1/10000); correct the amount", text,
+                F.lit(contract.AMOUNT_MAX_INTEGER_DIGITS)),
+        )
         .when(text.startswith("-") & (text.cast(AMOUNT_TYPE) != 0),
               F.format_string("amount '%s' is negative", text))
     )

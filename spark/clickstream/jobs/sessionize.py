@@ -85,6 +85,7 @@ from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import read_kafka_stream
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import user_bucket
+from clickstream.sessions.semantics import AMOUNT_SCALE
 from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
 from clickstream.spark_session import build_spark, driver_heap_mib
 from clickstream.tables import (
@@ -166,7 +167,8 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
             user_bucket(STATE_BUCKETS).alias("bucket"),
             "client_id", "user_id", "event_type", "event_id", "ts",
             F.unix_millis("ts").alias("ts_ms"), "url", "order_id",
-            (F.col("amount") * 10_000).cast("long").alias("amount_e4"), "currency",
+            # Fits: the contract keeps amounts below 10**14 (events.parse.amount_error).
+            (F.col("amount") * AMOUNT_SCALE).cast("long").alias("amount_e4"), "currency",
         )
         .withWatermark("ts", f"{config.watermark_delay_ms} milliseconds")
     )

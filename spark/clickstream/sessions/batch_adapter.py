@@ -41,7 +41,7 @@ def _order_input(orders: DataFrame, buckets: int) -> DataFrame:
         user_bucket(buckets).alias("bucket"), F.lit("order").alias("kind"), "client_id",
         "user_id", F.col("order_id").alias("record_id"), F.unix_millis("ts").alias("ts_ms"),
         F.lit(None).cast("string").alias("url"),
-        (F.col("amount") * 10_000).cast("long").alias("amount_e4"), "currency",
+        (F.col("amount") * AMOUNT_SCALE).cast("long").alias("amount_e4"), "currency",
         F.lit(None).cast("string").alias("session_id"), F.lit(None).cast("long").alias("start_ms"),
         F.lit(None).cast("long").alias("end_ms"))
 
