@@ -162,6 +162,22 @@ def test_orders_before_their_pageviews_are_kept_then_attributed(
     assert_tables_equal_from_scratch(stream_config, spark)
 
 
+@pytest.mark.parametrize("orders_first", [False, True], ids=["reattributed", "sessionized"])
+def test_a_recomputed_session_revenue_is_exact_at_the_largest_amount(
+    stream_config: Config, spark: SparkSession, orders_first: bool
+) -> None:
+    """Amounts in 1/10000 went through float64 (a long column with nulls in pandas, and
+    revenue_e4 / 10**4): 99999999999999.9999 came out as 10**14. Orders after the pageviews
+    are attributed to stored sessions; before them, sessionized with the pageviews."""
+    backfills = [("pageviews", [pv_row("a", "u", 0)]),
+                 ("orders", [order_row("max", "u", 1, amount="99999999999999.9999")])]
+    for kind, rows in reversed(backfills) if orders_first else backfills:
+        run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, kind, rows, "parquet"))
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert (session["order_count"], session["revenue"]) == (1, Decimal("99999999999999.9999"))
+
+
 def test_pageview_batch_merges_sessions_and_retracts_the_old_ones(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -319,3 +319,20 @@ def test_an_amount_too_large_to_keep_exactly_is_quarantined_and_the_stream_goes_
     assert quarantined["raw"] == too_large[1]
     assert quarantined["reason"].startswith(
         "amount '1000000000000000.00' is too large: at most 14 digits before the decimal point")
+
+
+def test_a_session_revenue_is_exact_to_the_last_decimal_at_the_largest_amount(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """revenue_e4 / 10**4 must be a decimal division: as a double it kept ~16 significant
+    digits, and 99999999999999.9999 came out as 100000000000000.0000."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("a", start, "p1"),
+                            order("a", start + timedelta(minutes=1), "max",
+                                  amount="99999999999999.9999"),
+                            pageview("x", start + timedelta(hours=5), "x1")])  # closes a's
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert (session["order_count"], session["revenue"]) == (1, Decimal("99999999999999.9999"))
+    topic = read_compacted(stream_config, stream_config.sessions_topic)
+    assert Decimal(topic[session["session_id"]]["revenue"]) == Decimal("99999999999999.9999")

@@ -83,7 +83,11 @@ from clickstream.quality.correction_report import (
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.quality.gates import gate_publish, gate_recomputed_sessions, publish_started
 from clickstream.quality.reports import safe_name
-from clickstream.sessions.batch_adapter import reattribute_frames, sessionize_frames
+from clickstream.sessions.batch_adapter import (
+    amount_from_e4,
+    reattribute_frames,
+    sessionize_frames,
+)
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
 BUCKETS = 16
@@ -271,8 +275,7 @@ def _session_rows(emitted: DataFrame) -> DataFrame:
         "session_id", "client_id", "user_id",
         F.timestamp_millis("start_ms").alias("session_start"),
         F.timestamp_millis("end_ms").alias("session_end"), "pageview_count", "landing_url",
-        "exit_url", "order_count", (F.col("revenue_e4") / 10_000).cast(
-            SESSIONS.schema["revenue"].dataType).alias("revenue"),
+        "exit_url", "order_count", amount_from_e4("revenue_e4").alias("revenue"),
         F.to_date(F.timestamp_millis("start_ms")).alias("session_date"))
 
 

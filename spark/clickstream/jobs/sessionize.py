@@ -84,7 +84,7 @@ from clickstream.io.kafka_changelog import publish_attributions, publish_session
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import read_kafka_stream
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
-from clickstream.sessions.batch_adapter import user_bucket
+from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE
 from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
 from clickstream.spark_session import build_spark, driver_heap_mib
@@ -167,8 +167,10 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
             user_bucket(STATE_BUCKETS).alias("bucket"),
             "client_id", "user_id", "event_type", "event_id", "ts",
             F.unix_millis("ts").alias("ts_ms"), "url", "order_id",
-            # Fits: the contract keeps amounts below 10**14 (events.parse.amount_error).
-            (F.col("amount") * AMOUNT_SCALE).cast("long").alias("amount_e4"), "currency",
+            # Fits: the contract keeps amounts below 10**14 (events.parse.amount_error). Never
+            # null, so that pandas gets int64, not float64 (batch_adapter.no_amount).
+            F.coalesce((F.col("amount") * AMOUNT_SCALE).cast("long"), no_amount()).alias(
+                "amount_e4"), "currency",
         )
         .withWatermark("ts", f"{config.watermark_delay_ms} milliseconds")
     )
@@ -386,7 +388,7 @@ class MicroBatchWriter:
             "session_id", "client_id", "user_id",
             _ms_to_ts("start_ms").alias("session_start"),
             _ms_to_ts("end_ms").alias("session_end"), "pageview_count", "landing_url",
-            "exit_url", "order_count", (F.col("revenue_e4") / 10_000).alias("revenue"),
+            "exit_url", "order_count", amount_from_e4("revenue_e4").alias("revenue"),
             F.lit(1).alias("revision"), F.to_date(_ms_to_ts("start_ms")).alias("session_date"),
         )
         attributions = emitted.where(F.col("kind") == "attribution").select(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import DecimalType
 
 from clickstream.sessions.semantics import (
     AMOUNT_SCALE,
@@ -18,7 +19,8 @@ from clickstream.sessions.semantics import (
     reattribute,
     sessionize,
 )
-from clickstream.sessions.stream_adapter import OUTPUT_COLUMNS, OUTPUT_SCHEMA
+from clickstream.sessions.stream_adapter import OUTPUT_COLUMNS, OUTPUT_SCHEMA, exact_revenue
+from clickstream.tables import AMOUNT_TYPE
 
 
 def user_bucket(buckets: int) -> Column:
@@ -26,11 +28,24 @@ def user_bucket(buckets: int) -> Column:
     return F.pmod(F.xxhash64("client_id", "user_id"), F.lit(buckets))
 
 
+def amount_from_e4(column: str) -> Column:
+    """An amount (or revenue) in 1/10000 as the tables' DECIMAL, exactly: ``/`` on a long
+    gives a double (~16 significant digits), which rounded 99999999999999.9999 up to 10**14."""
+    return (F.col(column).cast(DecimalType(19, 0)) / F.lit(AMOUNT_SCALE)).cast(AMOUNT_TYPE)
+
+
+def no_amount() -> Column:
+    """The amount of a row without one: 0, not null. Amounts in 1/10000 reach pandas through
+    Arrow, and a long column holding a null arrives as float64, exact only below 2**53
+    (amounts below ~9e11)."""
+    return F.lit(0).cast("long")
+
+
 def _pageview_input(pageviews: DataFrame, buckets: int) -> DataFrame:
     return pageviews.select(
         user_bucket(buckets).alias("bucket"), F.lit("pageview").alias("kind"), "client_id",
         "user_id", F.col("event_id").alias("record_id"), F.unix_millis("ts").alias("ts_ms"),
-        "url", F.lit(None).cast("long").alias("amount_e4"),
+        "url", no_amount().alias("amount_e4"),
         F.lit(None).cast("string").alias("currency"),
         F.lit(None).cast("string").alias("session_id"), F.lit(None).cast("long").alias("start_ms"),
         F.lit(None).cast("long").alias("end_ms"))
@@ -51,7 +66,7 @@ def _session_input(sessions: DataFrame, buckets: int) -> DataFrame:
         user_bucket(buckets).alias("bucket"), F.lit("session").alias("kind"), "client_id",
         "user_id", F.lit(None).cast("string").alias("record_id"),
         F.lit(None).cast("long").alias("ts_ms"), F.lit(None).cast("string").alias("url"),
-        F.lit(None).cast("long").alias("amount_e4"), F.lit(None).cast("string").alias("currency"),
+        no_amount().alias("amount_e4"), F.lit(None).cast("string").alias("currency"),
         "session_id", F.unix_millis("session_start").alias("start_ms"),
         F.unix_millis("session_end").alias("end_ms"),
         F.col("order_count").cast("long").alias("order_count"),
@@ -68,7 +83,7 @@ def _split(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _as_output(sessions: pd.DataFrame, attributions: pd.DataFrame) -> pd.DataFrame:
     rows = [
-        sessions.assign(kind="session"),
+        exact_revenue(sessions).assign(kind="session"),
         attributions.rename(columns={"order_id": "record_id", "ts_ms": "record_ts_ms"})
         .assign(kind="attribution"),
     ]
@@ -118,6 +133,6 @@ def reattribute_frames(sessions: DataFrame, orders: DataFrame, gap_ms: int,
                    != stored[columns].astype("int64").to_numpy()).any(axis=1)
         return _as_output(totals[changed], attributions)
 
-    data = _session_input(sessions, buckets).unionByName(_order_input(orders, buckets),
-                                                         allowMissingColumns=True)
+    data = _session_input(sessions, buckets).unionByName(_order_input(orders, buckets).withColumns(
+        {"order_count": no_amount(), "revenue_e4": no_amount()}))  # no nulls: see no_amount
     return data.groupBy("bucket").applyInPandas(apply, schema=OUTPUT_SCHEMA)

@@ -152,6 +152,13 @@ def slices_holding(slices: list[tuple[int, int]], ts_ms: Any) -> list[tuple[int,
             if np.searchsorted(times, high, side="right") > np.searchsorted(times, low)]
 
 
+def exact_revenue(sessions: pd.DataFrame) -> pd.DataFrame:
+    """``sessions`` with ``revenue_e4`` as pandas' nullable Int64: concatenated with rows that
+    have no revenue (attributions, duplicates), an int64 column turns float64, exact only below
+    2**53 (revenues below ~9e11)."""
+    return sessions.astype({"revenue_e4": "Int64"})
+
+
 def _output(frame: pd.DataFrame) -> pd.DataFrame:
     for column in OUTPUT_COLUMNS:
         if column not in frame:
@@ -236,7 +243,7 @@ class BucketState:
         in_closed = session_of_order.isin(closed_ids).to_numpy()
         uncovered = session_of_order.isna().to_numpy()
         final_uncovered = uncovered & (attributions["ts_ms"].to_numpy() <= watermark_ms)
-        emitted_sessions = sessions[: len(closed)].assign(kind="session")
+        emitted_sessions = exact_revenue(sessions[: len(closed)]).assign(kind="session")
         emitted_orders = attributions[in_closed | final_uncovered].rename(
             columns={"order_id": "record_id", "ts_ms": "record_ts_ms"}).assign(kind="attribution")
         self.spans = open_spans
