@@ -336,3 +336,21 @@ def test_a_session_revenue_is_exact_to_the_last_decimal_at_the_largest_amount(
     assert (session["order_count"], session["revenue"]) == (1, Decimal("99999999999999.9999"))
     topic = read_compacted(stream_config, stream_config.sessions_topic)
     assert Decimal(topic[session["session_id"]]["revenue"]) == Decimal("99999999999999.9999")
+
+
+def test_a_retried_pageview_does_not_drop_an_order_whose_order_id_equals_its_event_id(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z3) Pageview and order ids are separate namespaces: the state's duplicate row of the
+    retried pageview '42' dropped the new order '42' from the orders table too, with no
+    quarantine row."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("a", start, "42")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [pageview("a", start, "42"),  # an on-time retry: a duplicate
+                            order("a", start + timedelta(minutes=1), "42", event_id="o-ev")])
+    summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert summary.totals.duplicates == 1
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["42"]
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["42"]
+    assert table_rows(stream_config, spark, "quarantine") == []

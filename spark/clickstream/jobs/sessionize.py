@@ -23,6 +23,8 @@ Known edge cases, cited inline as (Z1)..(Z9):
   Z2. A late record may duplicate one already stored: it is anti-joined against the stored
       table, restricted to the partitions (client, day) of the late rows.
   Z3. On-time duplicates are recognised by the state (``duplicate`` rows) and within the batch.
+      A duplicate row drops only rows of its own type and client: a pageview's event_id may
+      equal an order's order_id, and a retried pageview dropped such a new order unseen.
   Z4. The query id in the checkpoint names the Delta application transactions: a new
       checkpoint (a fresh query) never collides with the batch ids of an old one.
   Z5. Counts are the rows each write committed (file statistics, no count job): a replayed
@@ -339,17 +341,17 @@ class MicroBatchWriter:
 
         valid = records.where(F.col("error").isNull()).withColumn(
             "event_date", F.to_date("ts"))
-        duplicates = emitted.where(F.col("kind") == "duplicate").select(
-            F.col("record_id").alias("_dup_id"))
+        duplicates = emitted.where(F.col("kind") == "duplicate")
 
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
             rows = valid.where(F.col("event_type") == kind).dropDuplicates([key])
             parts = []
             if present.get(f"record:{kind}"):
                 on_time = rows.where(~is_late)
-                if counts.duplicates:  # (Z3)
-                    on_time = on_time.join(duplicates, F.col(key) == F.col("_dup_id"),
-                                           "left_anti")
+                if counts.duplicates:  # (Z3) this type's ids only: ids of types may be equal
+                    held = duplicates.where(F.col("record_type") == kind).select(
+                        "client_id", F.col("record_id").alias(key))
+                    on_time = on_time.join(held, ["client_id", key], "left_anti")
                 parts.append(on_time)
             if present.get(f"record:{kind}:late"):
                 parts.append(_late_anti_join(self.tables, spec, rows.where(is_late), key))

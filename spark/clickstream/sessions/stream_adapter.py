@@ -20,7 +20,9 @@ Known edge cases, cited inline as (S1)..(S7):
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
       ``duplicate`` row, so the sink does not store it twice; copies inside one batch are
-      collapsed here and de-duplicated by id in the sink as well.
+      collapsed here and de-duplicated by id in the sink as well. The row names the record's
+      type (``record_type``) and client: a pageview's event_id may equal an order's order_id,
+      and a retried pageview must not drop a new order with that id.
   S3. Rows at or before the previous batch's watermark never reach the processor (Spark drops
       them); the sink stores them and queues them for the recompute. So a pageview id is kept
       only while its ts is after the current watermark: no later copy of it can arrive on time.
@@ -97,6 +99,9 @@ OUTPUT_SCHEMA = StructType([
     StructField("revenue_e4", LongType(), True),
     StructField("record_id", StringType(), True),  # order_id (attribution) or duplicate's id
     StructField("record_ts_ms", LongType(), True),
+    # A duplicate's event type (pageview | order): pageview and order ids are separate
+    # namespaces, so the sink drops a duplicate's id from its own type's rows only (S2).
+    StructField("record_type", StringType(), True),
 ])
 OUTPUT_COLUMNS = OUTPUT_SCHEMA.fieldNames()
 STATE_SCHEMA = StructType([StructField("blob", BinaryType(), True)])
@@ -217,11 +222,12 @@ class BucketState:
             pd.DataFrame({"client_id": new_pv["client_id"][pv_dup],
                           "user_id": new_pv["user_id"][pv_dup],
                           "record_id": new_pv["event_id"][pv_dup],
-                          "record_ts_ms": new_pv["ts_ms"][pv_dup]}),
+                          "record_ts_ms": new_pv["ts_ms"][pv_dup], "record_type": "pageview"}),
             pd.DataFrame({"client_id": new_orders["client_id"][order_dup],
                           "user_id": new_orders["user_id"][order_dup],
                           "record_id": new_orders["order_id"][order_dup],
-                          "record_ts_ms": new_orders["ts_ms"][order_dup]}),
+                          "record_ts_ms": new_orders["ts_ms"][order_dup],
+                          "record_type": "order"}),
         ], ignore_index=True)
         duplicates["kind"] = "duplicate"
         self.add_pageviews(new_pv[~pv_dup])
