@@ -32,7 +32,7 @@ def ts_ms(value: Any) -> int | None:
         if value.isdigit():
             return int(value)
         try:
-            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            parsed = datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
         except ValueError:
             return None
         if parsed.tzinfo is None:

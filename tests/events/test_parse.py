@@ -117,3 +117,28 @@ def test_the_largest_amount_and_leading_zeros_are_valid(
 ) -> None:
     (order,) = parse(spark, (KEY, json.dumps({**ORDER, "amount": text})))
     assert (order["error"], order["amount"]) == (None, amount)
+
+
+@pytest.mark.parametrize(("text", "instant"), [
+    ("2026-11-01T09:00:00Z", T0),
+    ("2026-11-01T09:00Z", T0),  # no seconds
+    ("2026-11-01T10:00+01:00", T0),
+    ("2026-11-01T10:00+0100", T0),
+    ("2026-11-01T10:00+01", T0),
+    ("2026-11-01T09:00:00z", T0),  # lower-case z
+    ("2026-11-01T09:00z", T0),
+    ("2026-11-01 09:00Z", T0),
+    ("2026-11-01T10:00:00+01", T0),
+    ("2026-11-01T03:30:00.5-05:30", T0.replace(microsecond=500_000)),
+])
+def test_every_ts_form_the_contract_accepts_parses_to_its_instant(
+    spark: SparkSession, text: str, instant: datetime
+) -> None:
+    (row,) = parse(spark, (KEY, json.dumps({**PAGEVIEW, "ts": text})))
+    assert row["error"] is None, row["error"]
+    assert row["ts"].astimezone(UTC) == instant
+
+
+def test_an_iso_ts_that_names_no_real_time_is_an_error(spark: SparkSession) -> None:
+    assert error_of(spark, json.dumps({**PAGEVIEW, "ts": "2026-11-01T25:00Z"})) == (
+        "ts '2026-11-01T25:00Z' is neither ISO-8601 with a time zone nor epoch milliseconds")

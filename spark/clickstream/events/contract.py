@@ -14,7 +14,9 @@ ORDER_FIELDS = ("order_id", "amount", "currency")
 EARLIEST_TS = datetime(2000, 1, 1, tzinfo=UTC)
 LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
 
-# ISO-8601 with an explicit zone (Z or +hh:mm / +hhmm / +hh); a bare local time is ambiguous.
+# ISO-8601 with an explicit zone (Z or z, +hh:mm / +hhmm / +hh); a bare local time is
+# ambiguous. Seconds and their fraction are optional. Spark's cast reads only an upper-case Z
+# and times with seconds: events.parse.ts_from_text brings every form here into that shape.
 ISO_WITH_ZONE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?([Zz]|[+-]\d{2}(:?\d{2})?)$"
 EPOCH_MILLIS = r"^-?\d{1,15}$"
 # Non-negative decimal string with at most 4 decimals (the tables keep DECIMAL(20,4) exactly).

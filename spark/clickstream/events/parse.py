@@ -32,11 +32,21 @@ def _blank(column: Column) -> Column:
     return column.isNull() | (F.trim(column) == "")
 
 
+def _iso_as_spark_reads_it(text: Column) -> Column:
+    """A ``contract.ISO_WITH_ZONE`` text with an upper-case ``Z`` and ``:00`` seconds added
+    to ``hh:mm``: Spark's cast returns null for ``z`` and for times without seconds, which
+    the contract accepts."""
+    return F.regexp_replace(F.upper(text), r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2})([Z+-])",
+                            "$1:00$2")
+
+
 def ts_from_text(text: Column) -> Column:
-    """Timestamp of an ISO-8601-with-zone or epoch-millis string; null when it is neither."""
+    """Timestamp of an ISO-8601-with-zone or epoch-millis string; null when it is neither
+    (or names no real time, such as hour 25)."""
     return (
         F.when(text.rlike(contract.EPOCH_MILLIS), F.timestamp_millis(text.cast("bigint")))
-        .when(text.rlike(contract.ISO_WITH_ZONE), text.try_cast("timestamp"))
+        .when(text.rlike(contract.ISO_WITH_ZONE),
+              _iso_as_spark_reads_it(text).try_cast("timestamp"))
     )
 
 
