@@ -29,12 +29,12 @@ Known edge cases, cited inline as (Z1)..(Z9):
       checkpoint (a fresh query) never collides with the batch ids of an old one.
   Z5. Counts are the rows each write committed (file statistics, no count job): a replayed
       micro-batch reports 0 for what it had already committed, and still republishes.
-  Z6. A micro-batch writes in two waves, side by side within each (one thread per output):
-      first what it stores of its records (quarantine, pageviews, orders, other events), then
-      the recompute queue (Z9), then what it derived (sessions, attributions), each topic right
-      after its own table. Each write is a few small Spark jobs and a Delta commit that mostly wait
-      (py4j, planning, Python workers starting, the commit's file I/O), so a wave takes about
-      as long as its largest write. The waves keep the order that matters to readers, a
+  Z6. A micro-batch writes in waves, side by side within each (one thread per output): first
+      what it stores of its records (quarantine, pageviews, orders, other events), then the
+      recompute queue (Z9), then what it derived (sessions, attributions), each topic right
+      after its own table. Each write is a few small Spark jobs and a Delta commit that mostly
+      wait (py4j, planning, Python workers starting, the commit's file I/O), so a wave takes
+      about as long as its largest write. The waves keep the order that matters to readers, a
       concurrent recompute included: a session visible in a table or topic has its pageviews
       and orders stored. Each write is idempotent on its own (``append_once`` per table), so a
       crash between them replays the batch as it did when they ran one after another.
