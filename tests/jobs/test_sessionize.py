@@ -13,7 +13,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, DataLossError
+from clickstream.errors import ClickstreamError, ConfigError, DataLossError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
@@ -354,3 +354,35 @@ def test_a_retried_pageview_does_not_drop_an_order_whose_order_id_equals_its_eve
     assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["42"]
     assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["42"]
     assert table_rows(stream_config, spark, "quarantine") == []
+
+
+def test_a_restart_with_another_session_gap_is_refused(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z10) The state's open sessions were merged with the first start's gap: a restart with
+    another one mixed both silently (a1 and a2, 20 minutes apart, became one session under a
+    10-minute gap). It is refused, changing nothing, and goes on once the gap is set back."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    thirty = stream_config.replace(session_gap_minutes=30.0)
+    produce(thirty, [pageview("a", start, "a1"),
+                     pageview("a", start + timedelta(minutes=20), "a2")])
+    run_sessionizer(thirty, until_caught_up=True, spark=spark)
+    produce(thirty, [pageview("b", start + timedelta(hours=3), "b1")])  # closes a's session
+
+    ten = stream_config.replace(session_gap_minutes=10.0)
+    versions = {name: open_tables(ten, spark).version(name) for name in ("pageviews",)}
+    with pytest.raises(ConfigError) as refused:
+        run_sessionizer(ten, until_caught_up=True, spark=spark)
+    message = str(refused.value)
+    assert message.startswith(
+        "the session gap is 10 minutes (CLICKSTREAM_SESSION_GAP or --session-gap) but the "
+        f"sessionizer's checkpoint {ten.checkpoint_path('sessionize')} was started with 30 "
+        "minutes")
+    assert "Set the gap back to 30 minutes" in message
+    assert "`clickstream recompute --full --client C` for every client" in message
+    assert versions == {name: open_tables(ten, spark).version(name) for name in versions}
+    assert table_rows(ten, spark, "sessions") == []
+
+    run_sessionizer(thirty, until_caught_up=True, spark=spark)
+    assert [(r["user_id"], r["pageview_count"])
+            for r in table_rows(thirty, spark, "sessions")] == [("a", 2)]

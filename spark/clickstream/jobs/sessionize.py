@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z9):
+Known edge cases, cited inline as (Z1)..(Z10):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -54,6 +54,12 @@ Known edge cases, cited inline as (Z1)..(Z9):
       queue write: the late record never reached a session. A crash after the records' wave
       replays the batch, which still queues them (Z8: the stored rows carry its own source).
       The extra wave costs only micro-batches with late records.
+  Z10. The checkpoint's state holds open sessions merged with the session gap of its first
+      start: a later start with another CLICKSTREAM_SESSION_GAP would mix two gaps silently.
+      The first start records the gap (and the state's bucket count) in the checkpoint folder
+      (``clickstream-settings.json``); a start with other values is refused with what to do.
+      A checkpoint from before this record, or one whose first start never planned a
+      micro-batch, takes the current values.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ from pyspark.sql import functions as F
 from pyspark.util import inheritable_thread_target
 
 from clickstream import errors
-from clickstream.config import Config
+from clickstream.config import ENV_NAMES, Config
 from clickstream.events import contract
 from clickstream.events.parse import parse_kafka_records
 from clickstream.io.delta_tables import DeltaTables, open_tables
@@ -219,6 +225,52 @@ def stream_watermark_ms(config: Config) -> int | None:
     commits = checkpoint / "commits"
     committed = sorted(int(p.name) for p in commits.glob("[0-9]*")) if commits.exists() else []
     return checkpoint_watermark_ms(checkpoint, committed[-1] if committed else -1)
+
+
+SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
+
+
+def _session_settings(config: Config) -> dict[str, int]:
+    """The settings the checkpoint's session state is built with (Z10)."""
+    return {"session_gap_ms": config.session_gap_ms, "state_buckets": STATE_BUCKETS}
+
+
+def _minutes(ms: int) -> str:
+    return f"{ms / 60_000:g} minutes"
+
+
+def pin_session_settings(checkpoint: Path, config: Config) -> None:
+    """Record the session settings at a checkpoint's first start; refuse to go on with others.
+
+    Raises:
+        ConfigError: the session gap (or the state layout) differs from the recorded one.
+    """
+    path = checkpoint / SETTINGS_FILE
+    current = _session_settings(config)
+    started = (checkpoint / "offsets").exists() and any((checkpoint / "offsets").glob("[0-9]*"))
+    if path.exists() and started:
+        recorded = json.loads(path.read_text())
+        old_gap, new_gap = recorded["session_gap_ms"], current["session_gap_ms"]
+        if old_gap != new_gap:
+            raise errors.ConfigError(
+                f"the session gap is {_minutes(new_gap)} ({ENV_NAMES['session_gap_minutes']} "
+                f"or --session-gap) but the sessionizer's checkpoint {checkpoint} was started "
+                f"with {_minutes(old_gap)}: its open sessions were merged with that gap, and "
+                "going on would mix both. Set the gap back to "
+                f"{_minutes(old_gap)}, or, to change it: stop the sessionizer, move the "
+                "checkpoint folder away (or use a new CLICKSTREAM_HOME), start the sessionizer "
+                "again and run `clickstream recompute --full --client C` for every client")
+        if recorded["state_buckets"] != current["state_buckets"]:
+            raise errors.ConfigError(
+                f"the sessionizer's checkpoint {checkpoint} holds its state in "
+                f"{recorded['state_buckets']} buckets, this version in "
+                f"{current['state_buckets']}: move the checkpoint folder away and run "
+                "`clickstream recompute --full --client C` for every client")
+        return
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    partial_path = checkpoint / f".{SETTINGS_FILE}.tmp"
+    partial_path.write_text(json.dumps(current))
+    partial_path.replace(path)  # whole or not at all
 
 
 def checkpoint_query_id(checkpoint: Path) -> str:
@@ -487,6 +539,7 @@ def run_sessionizer(
     ``until_caught_up``, until everything available at start is processed and committed."""
     # Kafka missing fails here, in one line, before Spark starts and its read tasks retry.
     topic_watermarks(config, config.events_topic)
+    pin_session_settings(config.checkpoint_path(JOB), config)  # (Z10)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
     checkpoint = config.checkpoint_path(JOB)
