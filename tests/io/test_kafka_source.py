@@ -113,11 +113,12 @@ def test_read_tasks_cover_every_range_once_balanced_by_rows() -> None:
     assert group_ranges("t", {}, 2) == []
 
 
-def test_a_partition_the_planned_start_does_not_know_is_read_from_its_log_start(
+def test_a_partition_the_planned_start_does_not_know_is_read_from_offset_0(
     kafka_config: Config, make_topic
 ) -> None:
     """A partition added to the topic after the start offsets were planned (K3): the batch
-    reads it from its log start, not from where it ends (which read nothing and skipped it)."""
+    reads it from offset 0 (its log start here), not from where it ends (which read nothing
+    and skipped it)."""
     topic = make_topic(partitions=2)
     producer = make_producer(kafka_config)
     for i in range(8):
@@ -129,6 +130,31 @@ def test_a_partition_the_planned_start_does_not_know_is_read_from_its_log_start(
     assert {k: v for k, v in end.items() if k != TOPIC_ID} == {"0": marks[0][1], "1": marks[1][1]}
     planned = {p: r for task in reader.partitions({"0": 1}, end) for p, r in task.ranges.items()}
     assert planned == {0: (1, 4), 1: (0, 4)} and marks == {0: (0, 4), 1: (0, 4)}
+
+
+def test_a_partition_the_planned_start_does_not_know_that_lost_records_is_data_loss(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker
+) -> None:
+    """(K3) A partition first seen with its log start above 0 lost records nobody read:
+    planning stops with DataLossError instead of reading on from the log start, and a batch
+    planned before the records went is read from offset 0, so its read stops too."""
+    topic = make_topic(partitions=2)
+    producer = make_producer(kafka_config)
+    for i in range(8):
+        producer.produce(topic, value=f"v{i}".encode(), partition=i % 2)
+    flush_or_raise(producer, 30)
+    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    end = reader.latestOffset({"0": 1}, ReadAllAvailable())
+    broker.delete_records(topic, 1, 2)
+    with pytest.raises(DataLossError, match=(
+            rf"topic {topic} partition 1: records 0\.\.1 were dropped by the broker before "
+            r"they were consumed \(log start offset is now 2\)")):
+        reader.latestOffset({"0": 1}, ReadAllAvailable())
+    tasks = reader.partitions({"0": 1}, end)
+    assert {p: r for task in tasks for p, r in task.ranges.items()} == {0: (1, 4), 1: (0, 4)}
+    added = next(task for task in tasks if 1 in task.ranges)
+    with pytest.raises(DataLossError, match=r"partition 1: records 0\.\.1 were dropped"):
+        list(read_range(_source_options(kafka_config, topic), added))
 
 
 def test_offsets_from_another_log_are_refused_before_any_batch_is_planned(

@@ -19,7 +19,9 @@ Known edge cases, cited inline as (K1)..(K7):
   K2. A gap inside a range being read (offsets jump) means records vanished while we read;
       also DataLossError. Set ``failOnGaps=false`` for topics written by transactional
       producers on real Kafka, where control records legitimately leave gaps.
-  K3. Partitions added to a topic while the query runs start from their earliest offset.
+  K3. Partitions added to a topic while the query runs are read from offset 0, like Spark's
+      own source: one whose log no longer starts at 0 when first seen lost records before
+      anyone read them, and stops with DataLossError (K1) instead of starting at its log start.
   K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
       their backlog, and every partition with a backlog gets at least one record, so no
       partition starves.
@@ -182,8 +184,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         latest: dict[str, int] = {}
         for partition, (low, high) in marks.items():
             key = str(partition)
-            begin = int(start.get(key, low))  # (K3)
-            check_no_data_loss(self.topic, partition, begin, low, high)  # (K1)
+            begin = int(start.get(key, 0))  # (K3) a partition added since: from its offset 0
+            check_no_data_loss(self.topic, partition, begin, low, high)  # (K1, K3)
             if self._target is not None:
                 high = min(high, self._target.get(key, begin))
             latest[key] = max(begin, high)
@@ -197,11 +199,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
         self._same_log(start, end)  # a restart replays its last batch from here (K7)
         stops = _partition_offsets(end)
-        # A partition added since ``start`` was planned from its log start (K3).
-        lows = ({str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()}
-                if set(stops) - set(start) else {})
-        ranges = {int(key): (int(start.get(key, lows.get(key, stop))), int(stop))
-                  for key, stop in stops.items()}
+        # A partition added since ``start`` was planned from its offset 0 (K3); if the broker
+        # dropped records since, the read stops with DataLossError (K2).
+        ranges = {int(key): (int(start.get(key, 0)), int(stop)) for key, stop in stops.items()}
         ranges = {p: (begin, stop) for p, (begin, stop) in ranges.items() if stop > begin}
         return group_ranges(self.topic, ranges, self.read_tasks or len(ranges))
 
