@@ -151,6 +151,9 @@ RECOMPUTE_QUEUE = TableSpec(
     ("kind", "record_id"),
 )
 
+# ``queued_by`` of the rows a backfill queues for the stream's users: "backfill <run id>".
+BACKFILL_QUEUED_BY = "backfill "
+
 CORRECTIONS = TableSpec(
     "corrections",
     _schema(

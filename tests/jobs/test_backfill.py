@@ -512,3 +512,37 @@ def test_a_replanned_attempt_queues_the_users_the_stream_took_over_since(
     queued = sorted((r["user_id"], r["record_id"]) for r in
                     table_rows(stream_config, spark, "recompute_queue"))
     assert queued == [("u", "a"), ("v", "b")]
+
+
+def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """The backfill stores u's pageview and order after the stream's watermark, leaving u to
+    the stream (queued, C4); the same records then arrive on the topic, on time (Z11)."""
+
+    def event(kind: str, record_id: str, minutes: float) -> tuple[str, str]:
+        fields = {"event_id": record_id, "event_type": kind, "url": f"/{record_id}"}
+        if kind == "order":
+            fields.update(event_id=f"e-{record_id}", order_id=record_id, amount="10.00",
+                          currency="EUR")
+        return "client-00/u", json.dumps({
+            "client_id": "client-00", "user_id": "u", "referrer": "",
+            "ts": (START + timedelta(minutes=minutes)).isoformat(), **fields})
+
+    produce(stream_config, [event("pageview", f"v{m}", m) for m in range(0, 61, 10)])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    for kind, rows in (("pageviews", [pv_row("P1", "u", 100)]),
+                       ("orders", [order_row("O1", "u", 101)])):
+        summary = run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
+                               path=write_rows(stream_config, kind, rows, "parquet"))
+        assert summary.corrections.deferred_users == 1
+    produce(stream_config, [event("pageview", "P1", 100), event("order", "O1", 101),
+                            ("client-00/w", json.dumps({  # far ahead: closes u's sessions
+                                "event_id": "flush", "client_id": "client-00", "user_id": "w",
+                                "event_type": "pageview", "url": "/", "referrer": "",
+                                "ts": (START + timedelta(days=1)).isoformat()}))])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")].count("P1") == 1
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["O1"]
+    run_recompute(stream_config, spark=spark)
+    assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)

@@ -150,8 +150,10 @@ CONSUMER_DEFAULTS: Mapping[str, Any] = {
 _LOSS_ADVICE = (
     "the lost records must be re-sent (replay them from their source or load them with "
     "`clickstream backfill`); to accept the loss instead, delete the reader's checkpoint so it "
-    "restarts from the log start. To avoid it, keep readers running: the embedded broker keeps "
-    "only ~5 MiB per partition (give the topic more partitions or use a real Kafka cluster)"
+    "restarts from the log start (the sessionizer then stores again what it had stored of the "
+    "records still in the log: README, Known limits). To avoid it, keep readers running: the "
+    "embedded broker keeps only ~5 MiB per partition (give the topic more partitions or use a "
+    "real Kafka cluster)"
 )
 
 
@@ -541,8 +543,8 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
             "keeps data in memory only) or the topic was created again. Reading on from those "
             "offsets would skip the new log's records below them, and whatever the old log held "
             "beyond them is gone. To read the new log from its start, delete the reader's "
-            "checkpoint (the sessionizer stores each pageview once, whatever it reads again; "
-            "the sessions that were open in the deleted checkpoint's state are rebuilt from "
+            "checkpoint (the new log holds none of the records the old checkpoint read, unless "
+            "producers sent them again; the sessions that were open in its state are rebuilt from "
             "the stored pageviews by `clickstream recompute --client C --full`); re-send the "
             "old log's unread records, if it had any, or load them with `clickstream backfill`"
         )

@@ -39,7 +39,14 @@ from clickstream.quality.gates import (
 )
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.spark_session import build_spark, releases_cache
-from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, QUARANTINE, RECOMPUTE_QUEUE
+from clickstream.tables import (
+    ATTRIBUTIONS,
+    BACKFILL_QUEUED_BY,
+    ORDERS,
+    PAGEVIEWS,
+    QUARANTINE,
+    RECOMPUTE_QUEUE,
+)
 
 
 @dataclass
@@ -246,7 +253,7 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
     Each attempt that plans queues the rows no earlier attempt of the run queued: an attempt
     that died before recording its plan is planned again, and by then the stream may own
     more of the batch's users."""
-    queued_by = f"backfill {run_id}"
+    queued_by = f"{BACKFILL_QUEUED_BY}{run_id}"  # the stream knows these rows are stored
     app_id = f"backfill-queue-{run_id}"
 
     def queue(users: DataFrame) -> None:

@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z10):
+Known edge cases, cited inline as (Z1)..(Z11):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -60,6 +60,12 @@ Known edge cases, cited inline as (Z1)..(Z10):
       (``clickstream-settings.json``); a start with other values is refused with what to do.
       A checkpoint from before this record, or one whose first start never planned a
       micro-batch, takes the current values.
+  Z11. A backfill stores its rows of users whose sessions the stream still holds open and
+      queues them for the recompute (corrections C4). When the stream then receives the same
+      record on time, it is not stored again: on-time rows whose id a backfill queued are
+      dropped from the stored rows (they still reach the session state, which owns them).
+      Once the recompute has folded such a record in and dequeued it, its session is closed,
+      so a copy arriving after that is late and meets Z2.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
 from clickstream.spark_session import build_spark, driver_heap_mib
 from clickstream.tables import (
     ATTRIBUTIONS,
+    BACKFILL_QUEUED_BY,
     ORDERS,
     OTHER_EVENTS,
     PAGEVIEWS,
@@ -318,6 +325,15 @@ def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
     return reduce(DataFrame.unionByName, kept)
 
 
+def _queued_by_backfills(tables: DeltaTables) -> DataFrame | None:
+    """(client_id, kind, record_id) a backfill stored and queued for the stream (Z11)."""
+    if not tables.exists(RECOMPUTE_QUEUE.name):
+        return None
+    return tables.read(RECOMPUTE_QUEUE.name, ["client_id", "kind", "record_id", "queued_by"]
+                       ).where(F.col("queued_by").startswith(BACKFILL_QUEUED_BY)).drop(
+        "queued_by")
+
+
 def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
     return df.select(*(F.col(f.name).cast(f.dataType).alias(f.name) for f in spec.schema.fields))
 
@@ -394,6 +410,7 @@ class MicroBatchWriter:
         valid = records.where(F.col("error").isNull()).withColumn(
             "event_date", F.to_date("ts"))
         duplicates = emitted.where(F.col("kind") == "duplicate")
+        backfilled = _queued_by_backfills(self.tables)  # (Z11)
 
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
             rows = valid.where(F.col("event_type") == kind).dropDuplicates([key])
@@ -404,6 +421,11 @@ class MicroBatchWriter:
                     held = duplicates.where(F.col("record_type") == kind).select(
                         "client_id", F.col("record_id").alias(key))
                     on_time = on_time.join(held, ["client_id", key], "left_anti")
+                if backfilled is not None:  # (Z11)
+                    stored_by_backfill = backfilled.where(F.col("kind") == kind).select(
+                        "client_id", F.col("record_id").alias(key))
+                    on_time = on_time.join(F.broadcast(stored_by_backfill), ["client_id", key],
+                                           "left_anti")
                 parts.append(on_time)
             if present.get(f"record:{kind}:late"):
                 parts.append(_late_anti_join(self.tables, spec, rows.where(is_late), key))
