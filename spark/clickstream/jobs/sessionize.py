@@ -266,7 +266,8 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
                 "going on would mix both. Set the gap back to "
                 f"{_minutes(old_gap)}, or, to change it: stop the sessionizer, move the "
                 "checkpoint folder away (or use a new CLICKSTREAM_HOME), start the sessionizer "
-                "again and run `clickstream recompute --full --client C` for every client")
+                "again and run `clickstream recompute --full --client C` for every client (a "
+                "new checkpoint reads the topic from its start: see README, Known limits)")
         if recorded["state_buckets"] != current["state_buckets"]:
             raise errors.ConfigError(
                 f"the sessionizer's checkpoint {checkpoint} holds its state in "
