@@ -113,18 +113,23 @@ def test_read_tasks_cover_every_range_once_balanced_by_rows() -> None:
     assert group_ranges("t", {}, 2) == []
 
 
+def _two_partitions_of_four_records(kafka_config: Config, make_topic
+                                    ) -> tuple[str, KafkaStreamReader]:
+    topic = make_topic(partitions=2)
+    producer = make_producer(kafka_config)
+    for i in range(8):
+        producer.produce(topic, value=f"v{i}".encode(), partition=i % 2)
+    flush_or_raise(producer, 30)
+    return topic, KafkaStreamReader(_source_options(kafka_config, topic))
+
+
 def test_a_partition_the_planned_start_does_not_know_is_read_from_offset_0(
     kafka_config: Config, make_topic
 ) -> None:
     """A partition added to the topic after the start offsets were planned (K3): the batch
     reads it from offset 0 (its log start here), not from where it ends (which read nothing
     and skipped it)."""
-    topic = make_topic(partitions=2)
-    producer = make_producer(kafka_config)
-    for i in range(8):
-        producer.produce(topic, value=f"v{i}".encode(), partition=i % 2)
-    flush_or_raise(producer, 30)
-    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    topic, reader = _two_partitions_of_four_records(kafka_config, make_topic)
     marks = topic_watermarks(kafka_config, topic)
     end = reader.latestOffset({"0": 1}, ReadAllAvailable())
     assert {k: v for k, v in end.items() if k != TOPIC_ID} == {"0": marks[0][1], "1": marks[1][1]}
@@ -138,12 +143,7 @@ def test_a_partition_the_planned_start_does_not_know_that_lost_records_is_data_l
     """(K3) A partition first seen with its log start above 0 lost records nobody read:
     planning stops with DataLossError instead of reading on from the log start, and a batch
     planned before the records went is read from offset 0, so its read stops too."""
-    topic = make_topic(partitions=2)
-    producer = make_producer(kafka_config)
-    for i in range(8):
-        producer.produce(topic, value=f"v{i}".encode(), partition=i % 2)
-    flush_or_raise(producer, 30)
-    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    topic, reader = _two_partitions_of_four_records(kafka_config, make_topic)
     end = reader.latestOffset({"0": 1}, ReadAllAvailable())
     broker.delete_records(topic, 1, 2)
     with pytest.raises(DataLossError, match=(
