@@ -45,8 +45,9 @@ def ts_from_text(text: Column) -> Column:
     (or names no real time, such as hour 25)."""
     return (
         F.when(text.rlike(contract.EPOCH_MILLIS), F.timestamp_millis(text.cast("bigint")))
-        .when(text.rlike(contract.ISO_WITH_ZONE),
-              _iso_as_spark_reads_it(text).try_cast("timestamp"))
+        .when(text.rlike(contract.ISO_WITH_ZONE),  # rewritten only when Spark cannot read it
+              F.coalesce(text.try_cast("timestamp"),
+                         _iso_as_spark_reads_it(text).try_cast("timestamp")))
     )
 
 
