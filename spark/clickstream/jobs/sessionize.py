@@ -226,8 +226,7 @@ def stream_watermark_ms(config: Config) -> int | None:
     one gap of the previous watermark, not of its own.
     """
     checkpoint = config.checkpoint_path(JOB)
-    offsets = checkpoint / "offsets"
-    if not offsets.exists() or not any(offsets.glob("[0-9]*")):
+    if not _planned_a_batch(checkpoint):
         return None
     commits = checkpoint / "commits"
     committed = sorted(int(p.name) for p in commits.glob("[0-9]*")) if commits.exists() else []
@@ -254,8 +253,7 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     """
     path = checkpoint / SETTINGS_FILE
     current = _session_settings(config)
-    started = (checkpoint / "offsets").exists() and any((checkpoint / "offsets").glob("[0-9]*"))
-    if path.exists() and started:
+    if path.exists() and _planned_a_batch(checkpoint):
         recorded = json.loads(path.read_text())
         old_gap, new_gap = recorded["session_gap_ms"], current["session_gap_ms"]
         if old_gap != new_gap:
@@ -279,6 +277,11 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     partial_path = checkpoint / f".{SETTINGS_FILE}.tmp"
     partial_path.write_text(json.dumps(current))
     partial_path.replace(path)  # whole or not at all
+
+
+def _planned_a_batch(checkpoint: Path) -> bool:
+    offsets = checkpoint / "offsets"
+    return offsets.exists() and any(offsets.glob("[0-9]*"))
 
 
 def checkpoint_query_id(checkpoint: Path) -> str:
