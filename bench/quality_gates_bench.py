@@ -110,7 +110,8 @@ def run_stream_phase(workdir: Path, sizes: list[int], repeats: int) -> dict:
     for size in sizes:
         rows = [(k.encode() if k else None, v.encode(), "events", i % 16, i, now, 0, None)
                 for i, (k, v) in enumerate(records[:size])]
-        parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA)).persist()
+        parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA),
+                                     max_ts_ahead_ms=config.max_ts_ahead_ms).persist()
         parsed.count()
         count_times, gate_times = [], []
         for attempt in range(repeats + 1):

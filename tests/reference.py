@@ -66,7 +66,7 @@ def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
                 amount = Decimal(str(event.get("amount")))
             except ArithmeticError:
                 continue
-            if (not 0 <= amount < 10**14  # at most 14 digits before the point
+            if (not 0 <= amount < 10**12  # at most 12 digits before the point
                     or event.get("currency") not in CURRENCIES or not event.get("order_id")):
                 continue
         ident = event["order_id"] if event["event_type"] == "order" else event["event_id"]

@@ -53,12 +53,15 @@ def test_broker_on_a_busy_port_fails_with_one_line() -> None:
 
 def test_durations_accept_units_and_reject_nonsense() -> None:
     config = Config.from_env({"CLICKSTREAM_SESSION_GAP": "45s",
-                              "CLICKSTREAM_WATERMARK_DELAY": "1h"})
-    assert (config.session_gap_ms, config.watermark_delay_ms) == (45_000, 3_600_000)
+                              "CLICKSTREAM_WATERMARK_DELAY": "1h", "CLICKSTREAM_MAX_TS_AHEAD": "2"})
+    assert (config.session_gap_ms, config.watermark_delay_ms, config.max_ts_ahead_ms) == (
+        45_000, 3_600_000, 120_000)
     with pytest.raises(ConfigError, match="not a duration"):
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
     with pytest.raises(ConfigError, match=r"^--session-gap='soon' is not a duration"):
         Config.from_env({}, session_gap_minutes="soon")  # named as the flag the user typed
+    with pytest.raises(ConfigError, match=r"^--max-ts-ahead='-5m' is not a duration"):
+        Config.from_env({}, max_ts_ahead_minutes="-5m")
 
 
 def test_trigger_interval_reads_bare_numbers_as_seconds_and_echoes_what_was_typed() -> None:
@@ -147,3 +150,17 @@ def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(tmp_path
                              "not answer")
     assert "Traceback" not in result.stderr and "Exception" not in result.stderr
     assert not (tmp_path / "home" / "checkpoints").exists()  # nothing started
+
+
+def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """The sessionizer would quarantine them all (CLICKSTREAM_MAX_TS_AHEAD); no broker runs at
+    this address, so reaching the producer would fail differently."""
+    code = main(["generate", "events", "--start", "2099-01-01T00:00Z", "--minutes", "60",
+                 "--kafka-bootstrap-servers", "127.0.0.1:1"])
+    assert code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "clickstream generate: error: --start and --minutes reach 2099-01-01T01:00:00+00:00, "
+        "more than 10 minutes ahead of now: the sessionizer would quarantine those events as "
+        "stamped by a wrong clock (CLICKSTREAM_MAX_TS_AHEAD); choose an earlier --start"]

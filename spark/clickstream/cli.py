@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from clickstream.config import ENV_NAMES, Config, cli_flag
@@ -27,6 +27,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         ("kafka_bootstrap_servers", "Kafka to use (embedded broker: 127.0.0.1:9092)"),
         ("session_gap_minutes", "session gap (30, 45s, 1h)"),
         ("watermark_delay_minutes", "how late an event may be and still join the stream"),
+        ("max_ts_ahead_minutes", "how far an event's ts may be ahead of its arrival at Kafka"),
         ("spark_master", "Spark master URL"),
         ("quality_gates", "data-quality gates: enforce (default) or off"),
     ):
@@ -110,12 +111,25 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
                 handle.write(json.dumps({"key": key, "value": value}) + "\n")
         print(f"wrote {len(records)} records to {path}")
         return 0
+    _check_not_ahead_of_now(scale.start + timedelta(minutes=scale.minutes), config)
     from clickstream.io.kafka_clients import produce_records
 
     sent = produce_records(config, config.events_topic, records, rate_per_second=args.rate)
     print(f"produced {sent} records to topic {config.events_topic} "
           f"at {config.kafka_bootstrap_servers}")
     return 0
+
+
+def _check_not_ahead_of_now(latest: datetime, config: Config) -> None:
+    """Events produced now are received now: stamped further ahead, the sessionizer would
+    quarantine them (CLICKSTREAM_MAX_TS_AHEAD), so refuse before producing any."""
+    allowed = datetime.now(UTC) + timedelta(minutes=config.max_ts_ahead_minutes)
+    if latest > allowed:
+        raise ConfigError(
+            f"--start and --minutes reach {latest.isoformat()}, more than "
+            f"{config.max_ts_ahead_minutes:g} minutes ahead of now: the sessionizer would "
+            f"quarantine those events as stamped by a wrong clock "
+            f"({ENV_NAMES['max_ts_ahead_minutes']}); choose an earlier --start")
 
 
 def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:

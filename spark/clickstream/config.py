@@ -31,6 +31,7 @@ ENV_NAMES: dict[str, str] = {
     "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
     "session_gap_minutes": "CLICKSTREAM_SESSION_GAP",
     "watermark_delay_minutes": "CLICKSTREAM_WATERMARK_DELAY",
+    "max_ts_ahead_minutes": "CLICKSTREAM_MAX_TS_AHEAD",
     "events_topic": "CLICKSTREAM_EVENTS_TOPIC",
     "sessions_topic": "CLICKSTREAM_SESSIONS_TOPIC",
     "attributions_topic": "CLICKSTREAM_ATTRIBUTIONS_TOPIC",
@@ -97,6 +98,11 @@ class Config:
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
     session_gap_minutes: float = 30.0
     watermark_delay_minutes: float = 10.0
+    # How far an event's ts may be ahead of the time the broker received it (the record's Kafka
+    # timestamp). One event further ahead would carry the stream's watermark with it: every
+    # on-time event after it would count as late and every open session would close early.
+    # Such an event is quarantined (events.parse.ts_ahead_error).
+    max_ts_ahead_minutes: float = 10.0
     events_topic: str = "events"
     sessions_topic: str = "sessions"
     attributions_topic: str = "attributions"
@@ -146,6 +152,10 @@ class Config:
     def watermark_delay_ms(self) -> int:
         return round(self.watermark_delay_minutes * 60_000)
 
+    @property
+    def max_ts_ahead_ms(self) -> int:
+        return round(self.max_ts_ahead_minutes * 60_000)
+
     def table_path(self, table: str) -> Path:
         """Folder of one Delta table under the warehouse."""
         return self.warehouse / table
@@ -185,7 +195,7 @@ class Config:
 def _convert(name: str, raw: object, source: str) -> object:
     if not isinstance(raw, str):
         return raw
-    if name in ("session_gap_minutes", "watermark_delay_minutes"):
+    if name.endswith("_minutes"):
         return parse_minutes(raw, source)
     if name == "trigger_interval_seconds":
         return parse_minutes(raw, source, bare_unit="s") * 60

@@ -4,13 +4,14 @@ from ``ts``) and the first rule each bad record breaks (its quarantine reason)."
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
 
+from clickstream.config import Config
 from clickstream.events.parse import parse_kafka_records
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -22,10 +23,12 @@ ORDER = {**PAGEVIEW, "event_type": "order", "order_id": "o1", "amount": "12.50",
 KEY = "client-00/u1"
 
 
-def parse(spark: SparkSession, *records: tuple[str | None, str | None]) -> list[dict[str, Any]]:
+def parse(spark: SparkSession, *records: tuple[str | None, str | None],
+          received: datetime = T0) -> list[dict[str, Any]]:
     rows = [(None if k is None else k.encode(), None if v is None else v.encode(), "events", 0,
-             offset, T0, 0, None) for offset, (k, v) in enumerate(records)]
-    parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA))
+             offset, received, 0, None) for offset, (k, v) in enumerate(records)]
+    parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA),
+                                 max_ts_ahead_ms=Config().max_ts_ahead_ms)
     return [row.asDict() for row in parsed.orderBy("source").collect()]
 
 
@@ -57,14 +60,17 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     (json.dumps({**ORDER, "amount": "-5.00"}), "amount '-5.00' is negative"),
     (json.dumps({**ORDER, "amount": "1.23456"}),
      "amount '1.23456' is not a decimal string with at most 4 decimals"),
+    (json.dumps({**ORDER, "amount": "1000000000000"}),  # 13 digits: 1 more than kept
+     "amount '1000000000000' is too large: at most 12 digits before the decimal point "
+     "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
     (json.dumps({**ORDER, "amount": "100000000000000"}),
-     "amount '100000000000000' is too large: at most 14 digits before the decimal point "
+     "amount '100000000000000' is too large: at most 12 digits before the decimal point "
      "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
     (json.dumps({**ORDER, "amount": "1000000000000000.00"}),  # fitted DECIMAL(20,4)
-     "amount '1000000000000000.00' is too large: at most 14 digits before the decimal point "
+     "amount '1000000000000000.00' is too large: at most 12 digits before the decimal point "
      "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
     (json.dumps({**ORDER, "amount": "123456789012345678901"}),  # fitted nothing
-     "amount '123456789012345678901' is too large: at most 14 digits before the decimal point "
+     "amount '123456789012345678901' is too large: at most 12 digits before the decimal point "
      "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
     (json.dumps({**ORDER, "currency": "EURO"}), "currency 'EURO' is not an ISO 4217 code"),
 ])
@@ -109,7 +115,7 @@ def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
 
 
 @pytest.mark.parametrize(("text", "amount"), [
-    ("99999999999999.9999", Decimal("99999999999999.9999")),  # the largest amount kept
+    ("999999999999.9999", Decimal("999999999999.9999")),  # the largest amount kept
     ("000000000000000012.5", Decimal("12.5000")),  # leading zeros do not count
 ])
 def test_the_largest_amount_and_leading_zeros_are_valid(
@@ -142,3 +148,27 @@ def test_every_ts_form_the_contract_accepts_parses_to_its_instant(
 def test_an_iso_ts_that_names_no_real_time_is_an_error(spark: SparkSession) -> None:
     assert error_of(spark, json.dumps({**PAGEVIEW, "ts": "2026-11-01T25:00Z"})) == (
         "ts '2026-11-01T25:00Z' is neither ISO-8601 with a time zone nor epoch milliseconds")
+
+
+def test_a_ts_further_ahead_of_its_arrival_than_allowed_is_an_error(
+    spark: SparkSession
+) -> None:
+    """Judged against the record's Kafka timestamp (10 minutes by default), not the clock."""
+    limit = timedelta(minutes=Config().max_ts_ahead_minutes)
+    at_limit, beyond = (json.dumps({**PAGEVIEW, "ts": (T0 + ahead).isoformat()})
+                        for ahead in (limit, limit + timedelta(milliseconds=1)))
+    ok, bad = parse(spark, (KEY, at_limit), (KEY, beyond))
+    assert ok["error"] is None
+    assert bad["error"] == (
+        "ts '2026-11-01T09:10:00.001000+00:00' is more than 10 minutes ahead of the time the "
+        "broker received the record (2026-11-01T09:00:00.000Z): a producer's clock is wrong, "
+        "and the event would carry the stream's watermark with it (CLICKSTREAM_MAX_TS_AHEAD)")
+    years_late = json.dumps({**PAGEVIEW, "ts": "2001-01-01T00:00:00Z"})
+    assert parse(spark, (KEY, years_late))[0]["error"] is None
+
+
+def test_a_record_without_a_kafka_timestamp_is_not_judged_by_it(spark: SparkSession) -> None:
+    """Kafka reports a missing timestamp as -1 ms: no time of arrival to compare with."""
+    no_timestamp = datetime(1969, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)
+    (row,) = parse(spark, (KEY, json.dumps(PAGEVIEW)), received=no_timestamp)
+    assert row["error"] is None

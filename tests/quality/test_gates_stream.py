@@ -35,7 +35,8 @@ def test_offending_records_are_marked_with_the_expectation_and_the_rest_pass(
                ("client-00/u1", "{not json")]
     rows = [(k.encode(), v.encode(), "events", 0, i, T0, 0, None)
             for i, (k, v) in enumerate(records)]
-    parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA))
+    parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA),
+                                 max_ts_ahead_ms=config.max_ts_ahead_ms)
     marked, result = gate_raw_events(parsed, config, batch_id=7, run_id=uuid.uuid4().hex)
     assert result is not None and result.status == "failed"
     assert [o.column for o in result.failures] == ["accepted_invalid_event_type"]

@@ -6,12 +6,14 @@ from decimal import Decimal
 
 import numpy as np
 import pandas as pd
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
+    REVENUE_E4_MAX,
     SPAN_COLUMNS,
     closed_sessions,
     merge_spans,
@@ -98,6 +100,28 @@ def test_order_exactly_at_end_plus_gap_is_unattributed() -> None:
     assert by_order["inside"] == result.sessions.session_id[0]
     assert by_order["outside"] is None and by_order["before"] is None
     assert (result.sessions.order_count[0], result.sessions.revenue_e4[0]) == (1, 105_000)
+
+
+LARGEST_AMOUNT_E4 = 10**16 - 1  # 999999999999.9999, the contract's largest amount
+
+
+def test_a_session_at_the_largest_revenue_it_can_hold_is_exact() -> None:
+    """922 orders at the largest amount fit 64 bits; the loud check below must not fire."""
+    count = REVENUE_E4_MAX // LARGEST_AMOUNT_E4
+    result = sessionize(pageviews(("a", 0)), orders(
+        *((f"o{i}", i, LARGEST_AMOUNT_E4) for i in range(count))), GAP)
+    assert (result.sessions.order_count[0], result.sessions.revenue_e4[0]) == (
+        count, count * LARGEST_AMOUNT_E4)
+
+
+def test_a_session_revenue_past_64_bits_stops_loudly_instead_of_wrapping() -> None:
+    """The int64 sum wrapped to a negative revenue, which was then stored and published."""
+    count = REVENUE_E4_MAX // LARGEST_AMOUNT_E4 + 1
+    big = orders(*((f"o{i}", i, LARGEST_AMOUNT_E4) for i in range(count)))
+    with pytest.raises(OverflowError, match=(
+            r"^session [0-9a-f]+: its attributed orders add up to 922999999999999\.9077, "
+            r"above the largest revenue a session can hold \(922337203685477\.5807: ")):
+        sessionize(pageviews(("a", 0)), big, GAP)
 
 
 def test_orders_do_not_move_boundaries() -> None:

@@ -21,10 +21,12 @@ ISO_WITH_ZONE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?([Zz]|[+
 EPOCH_MILLIS = r"^-?\d{1,15}$"
 # Non-negative decimal string with at most 4 decimals (the tables keep DECIMAL(20,4) exactly).
 AMOUNT = r"^-?\d+(\.\d{1,4})?$"
-# Sessions add amounts up exactly as 64-bit integers of 1/10000 (semantics.AMOUNT_SCALE): an
-# amount must stay below 10**14 (at most 14 digits before the point, leading zeros aside), so
-# that it times 10**4 fits a signed 64-bit integer (< 9.22e18) with room for a session's sum.
-AMOUNT_MAX_INTEGER_DIGITS = 14
+# Sessions add amounts up exactly as 64-bit integers of 1/10000 (semantics.AMOUNT_SCALE), so a
+# session's revenue must stay below 2**63 / 10**4 (~9.2e14). An amount must stay below 10**12
+# (at most 12 digits before the point, leading zeros aside): a session then overflows only past
+# 922 orders at the largest amount (semantics.with_order_totals stops loudly if one does); with
+# 14 digits, 10 placeholder amounts such as 99999999999999 made a negative revenue unnoticed.
+AMOUNT_MAX_INTEGER_DIGITS = 12
 AMOUNT_IN_RANGE = rf"^-?0*\d{{1,{AMOUNT_MAX_INTEGER_DIGITS}}}(\.\d*)?$"
 
 # ISO 4217 active codes.

@@ -72,6 +72,23 @@ def ts_error(text: Column, ts: Column) -> Column:
     )
 
 
+def ts_ahead_error(text: Column, ts: Column, received: Column, max_ahead_ms: int) -> Column:
+    """Reason an event's ``ts`` is further ahead of ``received`` (the record's Kafka timestamp)
+    than ``max_ahead_ms``, or null. Such a producer clock would carry the stream's watermark
+    with it (config.max_ts_ahead_minutes). Judged against the record's own timestamp, not the
+    clock, so a replay judges it the same way; a record without a timestamp is not judged."""
+    return F.when(
+        (received > F.lit(contract.EARLIEST_TS))
+        & (F.unix_millis(ts) - F.unix_millis(received) > F.lit(max_ahead_ms)),
+        F.format_string(
+            "ts '%s' is more than %s minutes ahead of the time the broker received the record "
+            "(%s): a producer's clock is wrong, and the event would carry the stream's "
+            "watermark with it (CLICKSTREAM_MAX_TS_AHEAD)", text,
+            F.lit(f"{max_ahead_ms / 60_000:g}"),
+            F.date_format(received, "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'")),
+    )
+
+
 def amount_error(text: Column) -> Column:
     """Reason an order amount is unusable, or null."""
     return (
@@ -102,8 +119,9 @@ def currency_error(text: Column) -> Column:
     )
 
 
-def parse_kafka_records(records: DataFrame) -> DataFrame:
-    """Turn Kafka-layout rows (key, value, topic, partition, offset, ...) into parsed events."""
+def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFrame:
+    """Turn Kafka-layout rows (key, value, topic, partition, offset, timestamp, ...) into parsed
+    events; ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``."""
     raw = F.col("value").cast("string")
     key = F.col("key").cast("string")
     source = F.format_string("kafka:%s/%d/%d", "topic", "partition", "offset")
@@ -111,11 +129,12 @@ def parse_kafka_records(records: DataFrame) -> DataFrame:
         raw.alias("raw"),
         key.alias("_key"),
         source.alias("source"),
+        F.col("timestamp").alias("_received"),
         F.try_parse_json(raw).alias("v"),
         F.from_json(raw, _FIELDS_AS_TEXT).alias("_fields"),
     )
     v = F.col("v")
-    events = base.select("raw", "_key", "source", v, "_fields.*")
+    events = base.select("raw", "_key", "source", "_received", v, "_fields.*")
     events = events.withColumn("ts_value", ts_from_text(F.col("ts"))).withColumnRenamed(
         "ts", "ts_text"
     )
@@ -133,6 +152,7 @@ def parse_kafka_records(records: DataFrame) -> DataFrame:
         F.when(~F.ltrim(F.col("raw")).startswith("{"), F.lit("value is not a JSON object")),
         missing,
         ts_error(F.col("ts_text"), F.col("ts_value")),
+        ts_ahead_error(F.col("ts_text"), F.col("ts_value"), F.col("_received"), max_ts_ahead_ms),
         F.when(
             F.col("_key").isNotNull()
             & (F.col("_key") != F.concat_ws("/", "client_id", "user_id")),

@@ -167,8 +167,9 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
     the first's records instead of fetching them again (kafka_source K6; off only to measure
     what that saves: ``bench/sessionizer_bench.py stages``).
     """
-    records = parse_kafka_records(read_kafka_stream(
-        spark, config, config.events_topic, share_reads=share_reads))
+    records = parse_kafka_records(
+        read_kafka_stream(spark, config, config.events_topic, share_reads=share_reads),
+        max_ts_ahead_ms=config.max_ts_ahead_ms)
     # One predicate, not a conjunction: Spark would push a conjunct on ``event_type`` alone
     # below the parse, where it parses every record's JSON a second time to read that field.
     is_session_input = F.coalesce(

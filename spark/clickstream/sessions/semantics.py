@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ import pandas as pd
 
 SESSION_ID_VERSION = "v1"
 AMOUNT_SCALE = 10_000  # amounts travel as exact integers of 1/10000 (DECIMAL(20,4))
+REVENUE_E4_MAX = np.iinfo(np.int64).max  # a session's revenue in 1/10000 (events.contract)
 
 PAGEVIEW_COLUMNS = ["client_id", "user_id", "event_id", "ts_ms", "url"]
 ORDER_COLUMNS = ["client_id", "user_id", "order_id", "ts_ms", "amount_e4", "currency"]
@@ -207,10 +209,29 @@ def with_order_totals(sessions: pd.DataFrame, attributions: pd.DataFrame,
     counts = np.bincount(owner_codes, minlength=len(uniques) + 1)
     revenue = np.zeros(len(uniques) + 1, dtype=np.int64)
     np.add.at(revenue, owner_codes, amounts)
+    if len(amounts) and int(amounts.max()) * int(counts.max()) > REVENUE_E4_MAX:
+        _check_revenue_fits(owner_codes, amounts, uniques)
     # A session without an id (code -1) picks the extra slot at the end, which stays 0.
     return sessions.assign(order_count=counts[session_codes].astype(np.int64),
                            revenue_e4=revenue[session_codes])[SESSION_COLUMNS].reset_index(
         drop=True)
+
+
+def _check_revenue_fits(owner_codes: np.ndarray, amounts: np.ndarray, uniques: np.ndarray
+                        ) -> None:
+    """Raise if a session's revenue passed REVENUE_E4_MAX, where the int64 sum wrapped.
+    Only reached when the largest amount times the most orders of a session could pass it."""
+    exact: dict[int, int] = {}
+    for code, amount in zip(owner_codes.tolist(), amounts.tolist(), strict=True):
+        exact[code] = exact.get(code, 0) + amount
+    code, total = max(exact.items(), key=lambda item: item[1])
+    if total > REVENUE_E4_MAX:
+        raise OverflowError(
+            f"session {uniques[code]}: its attributed orders add up to "
+            f"{Decimal(total) / AMOUNT_SCALE}, above the largest revenue a session can hold "
+            f"({Decimal(REVENUE_E4_MAX) / AMOUNT_SCALE}: 64-bit integers of 1/{AMOUNT_SCALE}); "
+            "find that session's orders in the orders table, correct their amounts and backfill "
+            "them")
 
 
 def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.DataFrame:
