@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -22,7 +23,7 @@ from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
-from tests.jobs.test_sessionize import produce, table_rows
+from tests.jobs.test_sessionize import pageview, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
@@ -299,20 +300,22 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     for row in rows:
         row["ts"] = row["ts"].isoformat()
     rows.append({**order_row("badts", "u", 7), "ts": "last tuesday"})
+    rows.append({**order_row("future", "u", 8), "ts": "2099-01-01T00:00:00Z"})  # (B8)
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                            path=write_rows(stream_config, "o", rows, "jsonl"))
     reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
                for r in table_rows(stream_config, spark, "quarantine")}
-    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts"}
+    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts", "future"}
     assert "negative" in reasons["neg"]
     assert "too large: at most 12 digits before the decimal point" in reasons["big"]
     assert "is not the batch's client 'client-00'" in reasons["other"]
     assert "ISO 4217" in reasons["cur"]
     assert "appears 2 times in the batch with different content" in reasons["dup"]
     assert "neither ISO-8601" in reasons["badts"]
+    assert "ahead of the time its file was last modified" in reasons["future"]
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
-    assert summary.quarantined == 7 and summary.rows_merged == 2
+    assert summary.quarantined == 8 and summary.rows_merged == 2
 
 
 def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSession) -> None:
@@ -546,3 +549,29 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
     assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["O1"]
     run_recompute(stream_config, spark=spark)
     assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
+
+
+def test_a_row_stamped_after_its_file_was_written_is_quarantined_not_left_to_the_stream(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(B8) One row of u in 2099 made u's window reach the stream's open tail, so all of u's
+    batch was deferred to the stream and stayed queued: the watermark never gets there."""
+    produce(stream_config, [pageview("w", START + timedelta(hours=5), "stream")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # a watermark, u has none
+    rows = [pv_row("old", "u", 0), {**pv_row("future", "u", 0), "ts": datetime(2099, 1, 1,
+                                                                               tzinfo=UTC)}]
+    path = write_rows(stream_config, "p", rows, "parquet")
+    written = datetime(2026, 11, 2, tzinfo=UTC).timestamp()
+    for file in (stream_config.landing / path).iterdir():
+        os.utime(file, (written, written))
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00",
+                           spark=spark, path=path)
+    assert summary.corrections.deferred_users == 0
+    (quarantined,) = table_rows(stream_config, spark, "quarantine")
+    assert quarantined["reason"] == (
+        "ts '2099-01-01 00:00:00' is more than 10 minutes ahead of the time its file was last "
+        "modified (2026-11-02T00:00:00.000Z): a producer's clock is wrong, and its user's "
+        "sessions would wait for the stream's watermark to reach it (CLICKSTREAM_MAX_TS_AHEAD)")
+    assert [(r["user_id"], r["pageview_count"]) for r in table_rows(
+        stream_config, spark, "sessions")] == [("u", 1)]
+    assert table_rows(stream_config, spark, "recompute_queue") == []

@@ -72,20 +72,22 @@ def ts_error(text: Column, ts: Column) -> Column:
     )
 
 
-def ts_ahead_error(text: Column, ts: Column, received: Column, max_ahead_ms: int) -> Column:
-    """Reason an event's ``ts`` is further ahead of ``received`` (the record's Kafka timestamp)
-    than ``max_ahead_ms``, or null. Such a producer clock would carry the stream's watermark
-    with it (config.max_ts_ahead_minutes). Judged against the record's own timestamp, not the
-    clock, so a replay judges it the same way; a record without a timestamp is not judged."""
+def ts_ahead_error(text: Column, ts: Column, reference: Column, max_ahead_ms: int, *,
+                   reference_is: str = "the time the broker received the record",
+                   harm: str = "the event would carry the stream's watermark with it") -> Column:
+    """Reason ``ts`` is further ahead of ``reference`` than ``max_ahead_ms``, or null: no event
+    is recorded before it happens, so its clock is wrong (config.max_ts_ahead_minutes).
+    ``reference`` is a time the record carries (its Kafka timestamp, its file's modification
+    time), never the clock, so a replay judges it the same way; a record without one (null,
+    or Kafka's -1) is not judged."""
     return F.when(
-        (received > F.lit(contract.EARLIEST_TS))
-        & (F.unix_millis(ts) - F.unix_millis(received) > F.lit(max_ahead_ms)),
+        (reference > F.lit(contract.EARLIEST_TS))
+        & (F.unix_millis(ts) - F.unix_millis(reference) > F.lit(max_ahead_ms)),
         F.format_string(
-            "ts '%s' is more than %s minutes ahead of the time the broker received the record "
-            "(%s): a producer's clock is wrong, and the event would carry the stream's "
-            "watermark with it (CLICKSTREAM_MAX_TS_AHEAD)", text,
+            f"ts '%s' is more than %s minutes ahead of {reference_is} (%s): a producer's clock "
+            f"is wrong, and {harm} (CLICKSTREAM_MAX_TS_AHEAD)", text,
             F.lit(f"{max_ahead_ms / 60_000:g}"),
-            F.date_format(received, "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'")),
+            F.date_format(reference, "yyyy-MM-dd'T'HH:mm:ss.SSS'Z'")),
     )
 
 

@@ -211,7 +211,7 @@ def run_backfill(
 
     started = time.monotonic()
     raw = read_batch(spark, files, kind)
-    batch = validate_batch(raw, kind, client_id).persist()
+    batch = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
     summary.rows_read = batch.count()
     # The historical_batch gate judges the batch as a whole: it marks the rows it implicates
     # (quarantined below, once) and refuses the batch, after quarantining, when too many are bad.

@@ -160,7 +160,7 @@ class _Batch:
         self.tables: DeltaTables = open_tables(config, self.spark)
         raw = read_batch(self.spark, self.files, kind)
         self.raw_schema = raw.schema
-        self.rows = validate_batch(raw, kind, client_id).persist()
+        self.rows = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
 
     def gate(self) -> GateResult | None:
         """The ``historical_batch`` quality gate (as ``run_backfill`` runs it): marks the rows

@@ -24,6 +24,11 @@ Known edge cases, cited inline as (B1)..(B7):
       not cut or padded.
   B7. An integer ``ts`` goes through the same epoch-millis rule as a text one, so a value out
       of range is a row's reason, not an overflow that fails the batch.
+  B8. A row stamped more than CLICKSTREAM_MAX_TS_AHEAD after its file was last modified
+      comes from a wrong clock: quarantined. Stored, a row in the stream's future makes its
+      user's window reach the stream's open tail, so the whole user's correction would wait
+      (queued) until the watermark reaches that row: for a ts years ahead, for good. The
+      modification time is part of the run's id (``fingerprint``), so a rerun judges alike.
 """
 
 from __future__ import annotations
@@ -47,7 +52,13 @@ from pyspark.sql.types import (
 
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
-from clickstream.events.parse import amount_error, currency_error, ts_error, ts_from_text
+from clickstream.events.parse import (
+    amount_error,
+    currency_error,
+    ts_ahead_error,
+    ts_error,
+    ts_from_text,
+)
 from clickstream.tables import AMOUNT_TYPE
 
 BatchKind = Literal["orders", "pageviews"]
@@ -188,7 +199,8 @@ def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataF
         raise BatchRefusedError(
             f"batch {batch.root} lacks required {kind} columns: {', '.join(missing)} (found: "
             f"{', '.join(found) or 'none'}); required: {', '.join(REQUIRED[kind])}")
-    return frame.withColumn("_file", F.input_file_name())
+    return frame.withColumn("_file", F.input_file_name()).withColumn(
+        "_file_modified", F.col("_metadata.file_modification_time"))  # (B8)
 
 
 def _text(frame: DataFrame, name: str) -> Column:
@@ -206,13 +218,15 @@ def _ts(frame: DataFrame) -> tuple[Column, Column]:
     return ts_from_text(text), text
 
 
-def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str) -> DataFrame:
+def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahead_ms: int
+                   ) -> DataFrame:
     """Every row with typed columns and ``error`` (null when valid); conflicting duplicates
-    marked (B3); other clients' rows marked (B4)."""
+    marked (B3); other clients' rows marked (B4); rows stamped after their file (B8).
+    ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``."""
     ts, ts_text = _ts(frame)
     key = KEY[kind]
     columns = {name: _text(frame, name) for name in REQUIRED[kind] if name != "ts"}
-    fields = [c for c in frame.columns if c not in ("_file", MALFORMED_CSV_ROW)]
+    fields = [c for c in frame.columns if c not in ("_file", "_file_modified", MALFORMED_CSV_ROW)]
     raw = F.to_json(F.struct(*[F.col(c) for c in fields]))
     malformed = F.lit(None).cast(StringType())
     if MALFORMED_CSV_ROW in frame.columns:  # (B6) the line as it was is the raw record
@@ -221,12 +235,17 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str) -> DataFra
     typed = frame.select(
         raw.alias("raw"), F.col("_file").alias("source"),
         *(c.alias(n) for n, c in columns.items()),
-        ts.alias("ts"), ts_text.alias("ts_text"), malformed.alias("malformed"))
+        ts.alias("ts"), ts_text.alias("ts_text"), malformed.alias("malformed"),
+        F.col("_file_modified").alias("file_modified"))
     blank = {n: F.col(n).isNull() | (F.trim(F.col(n)) == "") for n in columns}
     checks = [F.when(F.col("malformed").isNotNull(), F.lit(
         "malformed CSV row: its number of fields differs from the header's"))]
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(ts_error(F.col("ts_text"), F.col("ts")))
+    checks.append(ts_ahead_error(  # (B8)
+        F.col("ts_text"), F.col("ts"), F.col("file_modified"), max_ts_ahead_ms,
+        reference_is="the time its file was last modified",
+        harm="its user's sessions would wait for the stream's watermark to reach it"))
     checks.append(F.when(F.col("client_id") != F.lit(client_id), F.format_string(
         "client_id '%s' is not the batch's client '%s'", F.col("client_id"),
         F.lit(client_id))))  # (B4)
@@ -238,11 +257,11 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str) -> DataFra
     if kind == "orders":
         typed = typed.withColumn("amount", F.col("amount").try_cast(AMOUNT_TYPE))
     content = [c for c in typed.columns
-               if c not in ("raw", "source", "error", "ts_text", "malformed")]
+               if c not in ("raw", "source", "error", "ts_text", "malformed", "file_modified")]
     by_key = Window.partitionBy(key)
     variants = F.size(F.collect_set(F.to_json(F.struct(*content))).over(by_key))
     typed = typed.withColumn("error", F.coalesce(F.col("error"), F.when(
         variants > 1, F.format_string(
             "%s '%s' appears %d times in the batch with different content", F.lit(key),
             F.col(key), F.count(F.lit(1)).over(by_key)))))  # (B3)
-    return typed.drop("ts_text", "malformed")
+    return typed.drop("ts_text", "malformed", "file_modified")
