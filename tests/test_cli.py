@@ -104,6 +104,26 @@ def test_driver_memory_in_mib_reads_every_jvm_unit(size: str, mib: int) -> None:
     assert Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": size}).driver_memory_mib == mib
 
 
+@pytest.mark.parametrize(("text", "value"), [
+    ("true", True), ("false", False), ("False", False), ("TRUE", True), (" false ", False)])
+def test_fail_on_data_loss_reads_true_or_false(text: str, value: bool) -> None:
+    assert Config.from_env({"CLICKSTREAM_FAIL_ON_DATA_LOSS": text}).fail_on_data_loss is value
+    assert Config.from_env({}, fail_on_data_loss=text).fail_on_data_loss is value
+
+
+def test_fail_on_data_loss_refuses_anything_else(capsys: pytest.CaptureFixture) -> None:
+    assert Config.from_env({}).fail_on_data_loss is True
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_FAIL_ON_DATA_LOSS='no' is not "
+                                          r"accepted; use true or false$"):
+        Config.from_env({"CLICKSTREAM_FAIL_ON_DATA_LOSS": "no"})
+    with pytest.raises(ConfigError, match="CLICKSTREAM_FAIL_ON_DATA_LOSS must be true or false"):
+        Config(fail_on_data_loss="false")  # type: ignore[arg-type]
+    assert main(["sessionize", "--fail-on-data-loss", "0"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "clickstream sessionize: error: --fail-on-data-loss='0' is not accepted; use true or "
+        "false"]
+
+
 def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
     landing = tmp_path / "landing"
     (landing / "b").mkdir(parents=True)

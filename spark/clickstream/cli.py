@@ -201,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="process everything available now, commit, and stop")
     sessionize.add_argument("--max-events-per-trigger", type=int, default=None,
                             help="rate limit per micro-batch")
+    sessionize.add_argument(
+        cli_flag("fail_on_data_loss"), dest="fail_on_data_loss", default=None,
+        metavar="true|false",
+        help="false: go on when the broker dropped records not read yet, recording each lost "
+        f"run of offsets in quarantine (default true: stop) [env {ENV_NAMES['fail_on_data_loss']}]")
     _add_config_flags(sessionize)
     sessionize.set_defaults(handler=_cmd_sessionize)
 

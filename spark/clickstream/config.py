@@ -44,6 +44,7 @@ ENV_NAMES: dict[str, str] = {
     "kafka_options": "CLICKSTREAM_KAFKA_OPTIONS",
     "quality_gates": "CLICKSTREAM_QUALITY_GATES",
     "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
+    "fail_on_data_loss": "CLICKSTREAM_FAIL_ON_DATA_LOSS",
 }
 
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
@@ -75,6 +76,13 @@ def parse_minutes(text: str, name: str, bare_unit: str = "m") -> float:
     if minutes <= 0:
         raise ConfigError(f"{name}={text!r} must be greater than zero")
     return minutes
+
+
+def parse_bool(text: str, name: str) -> bool:
+    """Parse ``"true"`` / ``"false"`` (any case: ``str(True)`` is how scripts pass a bool)."""
+    if text.strip().lower() not in ("true", "false"):
+        raise ConfigError(f"{name}={text!r} is not accepted; use true or false")
+    return text.strip().lower() == "true"
 
 
 def parse_options(text: str, name: str) -> dict[str, str]:
@@ -121,11 +129,18 @@ class Config:
     # spark.driver.memory of the sessions this product starts; with a local master the
     # executors live in the driver's JVM, so this is all the memory a local job has.
     driver_memory: str = "4g"
+    # True: the Kafka source stops with DataLossError when the broker dropped records it has
+    # not read. False: it records each lost run of offsets in quarantine and reads on, keeping
+    # its checkpoint and state (io.kafka_source K1, K2; Spark's failOnDataLoss=false).
+    fail_on_data_loss: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
         _check_choice("delta_engine", self.delta_engine, DeltaEngineKind)
         _check_choice("quality_gates", self.quality_gates, QualityGatesMode)
+        if not isinstance(self.fail_on_data_loss, bool):  # a text "false" would be true
+            raise ConfigError(f"{ENV_NAMES['fail_on_data_loss']} must be true or false, got "
+                              f"{self.fail_on_data_loss!r}")
         for name in ("shuffle_partitions", "max_events_per_trigger"):
             value = getattr(self, name)
             if value < 1:
@@ -206,6 +221,8 @@ def _convert(name: str, raw: object, source: str) -> object:
             raise ConfigError(f"{source}={raw!r} is not an integer") from None
     if name == "kafka_options":
         return parse_options(raw, source)
+    if name == "fail_on_data_loss":
+        return parse_bool(raw, source)
     return raw
 
 

@@ -12,6 +12,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
+from clickstream.events.contract import LOST_OFFSETS_HEADER
 from clickstream.events.parse import parse_kafka_records
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -21,6 +22,7 @@ PAGEVIEW = {"event_id": "e1", "client_id": "client-00", "user_id": "u1",
 ORDER = {**PAGEVIEW, "event_type": "order", "order_id": "o1", "amount": "12.50",
          "currency": "EUR"}
 KEY = "client-00/u1"
+AHEAD_MS = Config().max_ts_ahead_ms
 
 
 def parse(spark: SparkSession, *records: tuple[str | None, str | None],
@@ -28,7 +30,7 @@ def parse(spark: SparkSession, *records: tuple[str | None, str | None],
     rows = [(None if k is None else k.encode(), None if v is None else v.encode(), "events", 0,
              offset, received, 0, None) for offset, (k, v) in enumerate(records)]
     parsed = parse_kafka_records(spark.createDataFrame(rows, KAFKA_SCHEMA),
-                                 max_ts_ahead_ms=Config().max_ts_ahead_ms)
+                                 max_ts_ahead_ms=AHEAD_MS)
     return [row.asDict() for row in parsed.orderBy("source").collect()]
 
 
@@ -172,3 +174,31 @@ def test_a_record_without_a_kafka_timestamp_is_not_judged_by_it(spark: SparkSess
     no_timestamp = datetime(1969, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)
     (row,) = parse(spark, (KEY, json.dumps(PAGEVIEW)), received=no_timestamp)
     assert row["error"] is None
+
+
+def test_a_marker_of_lost_offsets_is_quarantined_before_any_other_rule(
+    spark: SparkSession
+) -> None:
+    """The record the Kafka source puts in place of offsets the broker dropped, when told to
+    go on (io.kafka_source K1): its reason names the lost run; a record with a value and the
+    same header is parsed as usual, and so is a frame without ``headers`` (Spark's native
+    source without includeHeaders)."""
+    lost = [(LOST_OFFSETS_HEADER, b"100-199")]
+    rows = [(None, None, "events", 3, 100, T0, 0, lost),
+            (KEY.encode(), json.dumps(PAGEVIEW).encode(), "events", 3, 200, T0, 0, lost),
+            (None, None, "events", 3, 201, T0, 0, [("other", b"1-2")])]
+    records = spark.createDataFrame(rows, KAFKA_SCHEMA)
+    marker, forged, tombstone = [r.asDict() for r in
+                                 parse_kafka_records(records, max_ts_ahead_ms=AHEAD_MS)
+                                 .orderBy("source").collect()]
+    assert marker["error"] == (
+        "records 100..199 of events partition 3 were dropped by the broker before the "
+        "sessionizer read them (CLICKSTREAM_FAIL_ON_DATA_LOSS=false): they are lost; if you "
+        "still have them, load them with `clickstream backfill`")
+    assert (marker["source"], marker["raw"], marker["client_id"]) == (
+        "kafka:events/3/100", None, None)
+    assert (forged["error"], forged["event_id"]) == (None, "e1")
+    assert tombstone["error"] == "value is empty"
+    without_headers = parse_kafka_records(records.drop("headers"), max_ts_ahead_ms=AHEAD_MS
+                                          ).orderBy("source").collect()
+    assert [r.error for r in without_headers] == ["value is empty", None, "value is empty"]

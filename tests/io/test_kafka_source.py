@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from confluent_kafka import Message, Producer
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.datasource import CaseInsensitiveDict
-from pyspark.sql.streaming.datasource import ReadAllAvailable
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from clickstream.config import Config
 from clickstream.errors import BrokerUnavailableError, DataLossError
+from clickstream.events.contract import LOST_OFFSETS_HEADER
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import (
     flush_or_raise,
@@ -205,6 +207,108 @@ def test_ranges_of_many_partitions_are_read_with_one_consumer_exactly(
     broker.delete_records(topic, busy, 3)
     with pytest.raises(DataLossError, match=r"records 1\.\.2 were dropped"):
         list(read_offset_ranges(kafka_config, topic, ranges))
+
+
+def _offsets(messages: list[Message]) -> list[tuple[int, bytes | None, list | None]]:
+    return [(m.offset(), m.value(), m.headers()) for m in messages]
+
+
+def _marker(first: int, last: int) -> tuple[int, None, list[tuple[str, bytes]]]:
+    return first, None, [(LOST_OFFSETS_HEADER, f"{first}-{last}".encode())]
+
+
+def test_accepting_data_loss_a_range_below_the_log_start_reads_a_marker_then_the_rest(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(K1) With fail_on_data_loss=False the dropped offsets come out as one marker record in
+    their place (no key or value, a header naming the run), then the records that are left;
+    a range the broker dropped whole is just its marker. An offset beyond the log end still
+    fails: it names another log."""
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 10)
+    broker.delete_records(topic, 0, 4)
+
+    def read(start: int, end: int) -> list[tuple]:
+        return _offsets([m for batch in read_offset_range(
+            kafka_config, topic, 0, start, end, fail_on_data_loss=False) for m in batch])
+
+    with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+        got = read(2, 10)
+    assert got == [_marker(2, 3), *((i, f"v{i}".encode(), [("h", f"{i}".encode())] if i % 2 == 0
+                                     else None) for i in range(4, 10))]
+    assert f"topic {topic} partition 0: records 2..3 were dropped by the broker" in caplog.text
+    assert read(0, 3) == [_marker(0, 2)]
+    (marker, *_rest) = [m for batch in read_offset_range(kafka_config, topic, 0, 2, 10,
+                                                         fail_on_data_loss=False) for m in batch]
+    assert (marker.key(), marker.partition(), marker.topic()) == (None, 0, topic)
+    with pytest.raises(DataLossError, match=(r"reader is at offset 12 but the log ends at 10.*"
+                                             r"CLICKSTREAM_FAIL_ON_DATA_LOSS=false does not "
+                                             r"apply")):
+        read(12, 15)
+
+
+def test_accepting_data_loss_a_gap_inside_a_range_reads_a_marker_for_it(
+    kafka_config: Config, make_topic
+) -> None:
+    """(K2) The embedded broker cannot drop records inside a log, but a transactional
+    producer's commit markers (control records, which no consumer sees) leave the same jump
+    in offsets: here records at 0, 2, 4, control records at 1, 3, 5."""
+    topic = make_topic(partitions=1)
+    producer = Producer({"bootstrap.servers": kafka_config.kafka_bootstrap_servers,
+                         "transactional.id": f"gaps-{topic}"})
+    producer.init_transactions(30)
+    for i in range(3):
+        producer.begin_transaction()
+        producer.produce(topic, value=f"t{i}".encode(), partition=0)
+        producer.commit_transaction(30)
+
+    def read(start: int, end: int, **options: bool) -> list[tuple]:
+        return _offsets([m for batch in read_offset_range(
+            kafka_config, topic, 0, start, end, idle_timeout_s=10, **options) for m in batch])
+
+    with pytest.raises(DataLossError, match=r"records 1\.\.1 were dropped"):
+        read(0, 5)
+    assert read(0, 5, fail_on_data_loss=False) == [
+        (0, b"t0", None), _marker(1, 1), (2, b"t1", None), _marker(3, 3), (4, b"t2", None)]
+    # A jump past the range's end: its last offsets hold no records, and the read ends at
+    # the record after them instead of waiting for them.
+    assert read(0, 4, fail_on_data_loss=False) == [
+        (0, b"t0", None), _marker(1, 1), (2, b"t1", None), _marker(3, 3)]
+    with pytest.raises(DataLossError, match=r"records 3\.\.3 were dropped"):
+        read(2, 4)
+    assert read(0, 4, fail_on_gaps=False) == [(0, b"t0", None), (2, b"t1", None)]
+
+
+def test_accepting_data_loss_planning_goes_on_and_the_read_marks_the_lost_run(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(K1, K3) With failOnDataLoss=false a partition first seen with its log start above 0
+    is planned from offset 0 and read as a marker for 0..1 and then its records, also
+    through a kept read (K6). Lost offsets do not count against the rate limit (K4): the
+    micro-batch planned from below the log start takes the whole lost run, one marker."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    topic, _reader = _two_partitions_of_four_records(kafka_config, make_topic)
+    broker.delete_records(topic, 1, 2)
+    options = _source_options(kafka_config, topic, failOnDataLoss="false", shareReads="run-1")
+    reader = KafkaStreamReader(options)
+    end = reader.latestOffset({"0": 1}, ReadAllAvailable())
+    tasks = reader.partitions({"0": 1}, end)
+    assert {p: r for task in tasks for p, r in task.ranges.items()} == {0: (1, 4), 1: (0, 4)}
+    added = next(task for task in tasks if 1 in task.ranges)
+    reads = [pa.Table.from_batches(list(read_range(options, added, fail_on_data_loss=False)))
+             for _ in range(2)]  # the second takes the first's batches (K6)
+    assert reads[1].equals(reads[0])
+    rows = [r for r in reads[0].to_pylist() if r["partition"] == 1]
+    assert [(r["offset"], r["value"], r["headers"]) for r in rows] == [
+        (0, None, [{"key": LOST_OFFSETS_HEADER, "value": b"0-1"}]),
+        (2, b"v5", None), (3, b"v7", None)]
+    assert rows[0]["key"] is None and rows[0]["topic"] == topic
+    # A rate limit of 1 record: partition 1's lost offsets come whole with its first record.
+    limited = reader.latestOffset({"0": 4, "1": 0}, ReadMaxRows(1))
+    assert {k: v for k, v in limited.items() if k != TOPIC_ID} == {"0": 4, "1": 3}
+    with pytest.raises(DataLossError, match="the log ends at 4"):  # another log: still fails
+        reader.latestOffset({"0": 9, "1": 4}, ReadAllAvailable())
 
 
 def test_extra_kafka_options_reach_the_source_consumers(

@@ -234,6 +234,61 @@ def test_data_loss_is_detected_instead_of_skipped(
         run_sessionizer(config, until_caught_up=True, spark=spark)
 
 
+def test_accepted_data_loss_is_quarantined_once_and_the_stream_goes_on(
+    stream_config: Config, spark: SparkSession, broker: EmbeddedBroker
+) -> None:
+    """CLICKSTREAM_FAIL_ON_DATA_LOSS=false (kafka_source K1): records the broker dropped
+    before the sessionizer read them reach quarantine as one row naming the lost run, with
+    the micro-batch that planned them, so a replay of that micro-batch records nothing twice;
+    the checkpoint is kept and every record left is stored. A micro-batch holding nothing but
+    the marker passes the raw_events gate too."""
+    topic = f"events-loss-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, 1)
+    config = stream_config.replace(events_topic=topic, fail_on_data_loss=False)
+    event = {"client_id": "c", "user_id": "u", "event_type": "pageview", "url": "/",
+             "ts": "2026-11-01T00:00:00Z"}
+
+    def send(prefix: str) -> None:
+        produce(config, [("c/u", json.dumps({**event, "event_id": f"{prefix}{i}"}))
+                         for i in range(10)])
+
+    def lost(first: int, last: int) -> dict:
+        return {"raw": None, "source": f"kafka:{topic}/0/{first}", "client_id": None,
+                "reason": f"records {first}..{last} of {topic} partition 0 were dropped by the "
+                "broker before the sessionizer read them (CLICKSTREAM_FAIL_ON_DATA_LOSS=false): "
+                "they are lost; if you still have them, load them with `clickstream backfill`"}
+
+    def quarantined() -> list[dict]:
+        return sorted(({k: r[k] for k in ("raw", "source", "client_id", "reason")}
+                       for r in table_rows(config, spark, "quarantine")),
+                      key=lambda r: r["source"])
+
+    def stored() -> list[str]:
+        return sorted(r["event_id"] for r in table_rows(config, spark, "pageviews"))
+
+    send("e")
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    send("f")
+    broker.delete_records(topic, 0, 15)  # the broker drops 10..14 before we read them
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    survivors = sorted([f"e{i}" for i in range(10)] + [f"f{i}" for i in range(5, 10)])
+    assert (quarantined(), stored()) == ([lost(10, 14)], survivors)
+
+    # Replay that micro-batch, as after a crash before its commit: nothing is recorded twice.
+    commits = config.checkpoint_path(sessionize.JOB) / "commits"
+    last = max(int(path.name) for path in commits.glob("[0-9]*"))
+    for name in (str(last), f".{last}.crc"):
+        (commits / name).unlink(missing_ok=True)
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    assert (quarantined(), stored()) == ([lost(10, 14)], survivors)
+
+    send("g")
+    broker.delete_records(topic, 0, 30)  # all of the next micro-batch is lost
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    assert (quarantined(), stored()) == ([lost(10, 14), lost(20, 29)], survivors)
+
+
 def test_each_branch_parses_a_record_once(stream_config: Config, spark: SparkSession,
                                          spark_conf: Callable[[str, str], None],
                                          capsys: pytest.CaptureFixture) -> None:

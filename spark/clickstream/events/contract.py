@@ -41,3 +41,8 @@ CURRENCIES = frozenset(
     UAH UGX USD UYU UZS VES VND VUV WST XAF XCD XCG XOF XPF YER ZAR ZMW ZWG
     """.split()
 )
+
+# The header of the marker record the Kafka source puts in place of offsets the broker dropped
+# before they were read, when told to go on (CLICKSTREAM_FAIL_ON_DATA_LOSS=false; io.kafka_source
+# K1, K2); its value names the lost run, b"<first>-<last>". The parser quarantines the marker.
+LOST_OFFSETS_HEADER = "clickstream-lost-offsets"

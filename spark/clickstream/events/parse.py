@@ -11,6 +11,7 @@ from __future__ import annotations
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from clickstream.config import ENV_NAMES
 from clickstream.events import contract
 from clickstream.tables import AMOUNT_TYPE
 
@@ -121,6 +122,30 @@ def currency_error(text: Column) -> Column:
     )
 
 
+def lost_offsets_error(records: DataFrame) -> Column:
+    """Reason of a marker the Kafka source put in place of records the broker dropped before
+    they were read (``CLICKSTREAM_FAIL_ON_DATA_LOSS=false``; io.kafka_source K1, K2), or null.
+
+    A marker has no value and a ``contract.LOST_OFFSETS_HEADER`` naming the lost run, so a
+    record with a value is never taken for one. Its reason comes before every other rule (it
+    has no value either). Without a ``headers`` column (Spark's native source without
+    ``includeHeaders``) there are no markers.
+    """
+    if "headers" not in records.columns:
+        return F.lit(None).cast("string")
+    marked = F.filter("headers", lambda header: header["key"] == contract.LOST_OFFSETS_HEADER)
+    lost = F.split(F.get(marked, 0)["value"].cast("string"), "-")  # [first, last]
+    return F.when(
+        F.col("value").isNull() & F.get(lost, 1).isNotNull(),
+        F.format_string(
+            "records %s..%s of %s partition %d were dropped by the broker before the "
+            "sessionizer read them (%s=false): they are lost; if you still have them, load "
+            "them with `clickstream backfill`",
+            F.get(lost, 0), F.get(lost, 1), "topic", "partition",
+            F.lit(ENV_NAMES["fail_on_data_loss"])),
+    )
+
+
 def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFrame:
     """Turn Kafka-layout rows (key, value, topic, partition, offset, timestamp, ...) into parsed
     events; ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``."""
@@ -134,9 +159,10 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         F.col("timestamp").alias("_received"),
         F.try_parse_json(raw).alias("v"),
         F.from_json(raw, _FIELDS_AS_TEXT).alias("_fields"),
+        lost_offsets_error(records).alias("_lost"),
     )
     v = F.col("v")
-    events = base.select("raw", "_key", "source", "_received", v, "_fields.*")
+    events = base.select("raw", "_key", "source", "_received", v, "_fields.*", "_lost")
     events = events.withColumn("ts_value", ts_from_text(F.col("ts"))).withColumnRenamed(
         "ts", "ts_text"
     )
@@ -149,6 +175,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
     is_order = F.col("event_type") == contract.ORDER
     is_pageview = F.col("event_type") == contract.PAGEVIEW
     error = F.coalesce(
+        F.col("_lost"),
         F.when(_blank(F.col("raw")), F.lit("value is empty")),
         F.when(v.isNull(), F.lit("value is not valid JSON")),
         F.when(~F.ltrim(F.col("raw")).startswith("{"), F.lit("value is not a JSON object")),

@@ -40,7 +40,8 @@ Known limits (measured with librdkafka 2.16.0; limit 2 is exercised by the io te
    batch (a slow trickle) it kept 16,900. With 16 partitions per topic that is ~1M (bulk) to
    ~270k (trickle) events a reader may lag behind before the oldest are dropped. Readers
    detect a drop with :func:`clickstream.io.kafka_clients.check_no_data_loss` and fail, as
-   Spark's ``failOnDataLoss`` does, instead of skipping silently.
+   Spark's ``failOnDataLoss`` does, instead of skipping silently (or, for the sessionizer with
+   ``CLICKSTREAM_FAIL_ON_DATA_LOSS=false``, record the lost offsets in quarantine and go on).
 3. There is no log compaction: the ``sessions``/``attributions`` changelogs keep every
    revision, so their compacted view is complete only while nothing was dropped (partition
    low watermark 0); :func:`clickstream.io.kafka_clients.read_compacted` checks that.

@@ -15,7 +15,9 @@ Delivery guarantees:
 - Readers (:func:`read_compacted`, :func:`topic_watermarks`): read-only snapshots up to the
   high watermarks seen at the start; they commit no offsets. A read never skips records
   silently: records dropped by the broker raise :class:`~clickstream.errors.DataLossError`
-  (Spark's ``failOnDataLoss``).
+  (Spark's ``failOnDataLoss``), or, for a reader told to go on (:func:`read_offset_ranges` with
+  ``fail_on_data_loss=False``), come out as one marker record per lost run of offsets
+  (:func:`lost_offsets_marker`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from confluent_kafka import (
+    TIMESTAMP_CREATE_TIME,
     Consumer,
     KafkaError,
     KafkaException,
@@ -52,10 +55,13 @@ from clickstream.errors import (
     DataLossError,
     DeliveryError,
 )
+from clickstream.events.contract import LOST_OFFSETS_HEADER
 
 KafkaConfig = dict[str, Any]
 ClientT = TypeVar("ClientT")
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,13 +153,26 @@ CONSUMER_DEFAULTS: Mapping[str, Any] = {
     "heartbeat.interval.ms": 500,
 }
 
+_AVOID_LOSS = (
+    "To avoid it, keep readers running: the embedded broker keeps only ~5 MiB per partition "
+    "(give the topic more partitions or use a real Kafka cluster)"
+)
+# Records dropped before they were read: the offsets still name them, so a reader can go on.
 _LOSS_ADVICE = (
     "the lost records must be re-sent (replay them from their source or load them with "
-    "`clickstream backfill`); to accept the loss instead, delete the reader's checkpoint so it "
-    "restarts from the log start (the sessionizer then stores again what it had stored of the "
-    "records still in the log: README, Known limits). To avoid it, keep readers running: the "
-    "embedded broker keeps only ~5 MiB per partition (give the topic more partitions or use a "
-    "real Kafka cluster)"
+    "`clickstream backfill`); to accept the loss instead, run the sessionizer with "
+    f"{ENV_NAMES['fail_on_data_loss']}=false: it keeps its checkpoint and session state, records "
+    "each lost run of offsets as one row in the quarantine table and reads on (README, Known "
+    f"limits). {_AVOID_LOSS}"
+)
+# The log was replaced (K7 of io.kafka_source) or cut below the reader: its offsets name
+# records of another log, so no reader can go on from them, whatever it accepts.
+_OTHER_LOG_ADVICE = (
+    f"the reader's offsets name records of another log, so {ENV_NAMES['fail_on_data_loss']}"
+    "=false does not apply. To read the log from its start, delete the reader's checkpoint (the "
+    "sessionizer then stores again what it had stored of the records in the log: README, Known "
+    "limits); re-send the records that are gone, or load them with `clickstream backfill`. "
+    f"{_AVOID_LOSS}"
 )
 
 
@@ -542,16 +561,19 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
             f"{read_id}, now {current_id}): the broker restarted empty (an embedded broker "
             "keeps data in memory only) or the topic was created again. Reading on from those "
             "offsets would skip the new log's records below them, and whatever the old log held "
-            "beyond them is gone. To read the new log from its start, delete the reader's "
-            "checkpoint (the new log holds none of the records the old checkpoint read, unless "
-            "producers sent them again; the sessions that were open in its state are rebuilt from "
-            "the stored pageviews by `clickstream recompute --client C --full`); re-send the "
-            "old log's unread records, if it had any, or load them with `clickstream backfill`"
+            f"beyond them is gone; {ENV_NAMES['fail_on_data_loss']}=false does not apply (the "
+            "offsets name records of another log). To read the new log from its start, delete "
+            "the reader's checkpoint (the new log holds none of the records the old checkpoint "
+            "read, unless producers sent them again; the sessions that were open in its state are "
+            "rebuilt from the stored pageviews by `clickstream recompute --client C --full`); "
+            "re-send the old log's unread records, if it had any, or load them with "
+            "`clickstream backfill`"
         )
 
 
 def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_watermark: int,
-                       high_watermark: int | None = None) -> None:
+                       high_watermark: int | None = None, *, fail_on_data_loss: bool = True
+                       ) -> None:
     """Fail if records a reader still needs are gone (Spark's ``failOnDataLoss``).
 
     Args:
@@ -561,13 +583,17 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
         low_watermark: The partition's log start offset now.
         high_watermark: The partition's end offset now, if known: an offset beyond it means
             the broker lost acknowledged records (e.g. the in-memory broker restarted).
+        fail_on_data_loss: False: records dropped below the log start are accepted (the
+            caller records them as lost); an offset beyond the log end still fails, since it
+            names records of another log.
 
     Raises:
-        DataLossError: ``wanted_offset`` is below the log start or beyond the log end.
+        DataLossError: ``wanted_offset`` is below the log start (unless accepted) or beyond
+            the log end.
     """
     if wanted_offset < 0:
         raise ValueError(f"wanted_offset must be an absolute offset >= 0, got {wanted_offset}")
-    if wanted_offset < low_watermark:
+    if wanted_offset < low_watermark and fail_on_data_loss:
         raise DataLossError(
             f"topic {topic} partition {partition}: records {wanted_offset}..{low_watermark - 1} "
             f"were dropped by the broker before they were consumed (log start offset is now "
@@ -577,7 +603,7 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
         raise DataLossError(
             f"topic {topic} partition {partition}: the reader is at offset {wanted_offset} but "
             f"the log ends at {high_watermark}, so acknowledged records are gone (an embedded "
-            f"broker keeps data in memory only and was probably restarted); {_LOSS_ADVICE}"
+            f"broker keeps data in memory only and was probably restarted); {_OTHER_LOG_ADVICE}"
         )
 
 
@@ -667,7 +693,8 @@ def read_compacted(config: Config, topic: str, *,
 
 def read_offset_range(
     config: Config, topic: str, partition: int, start: int, end: int, *,
-    fail_on_gaps: bool = True, idle_timeout_s: float = 60.0, batch_size: int = 20_000,
+    fail_on_gaps: bool = True, fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
+    batch_size: int = 20_000,
 ) -> Iterator[list[Message]]:
     """Yield the records of offsets ``[start, end)`` of one partition, in batches.
 
@@ -675,20 +702,38 @@ def read_offset_range(
     records dropped by the broker (the range starts below the log start, or offsets vanish
     while reading) raise :class:`~clickstream.errors.DataLossError`. With
     ``fail_on_gaps=False`` a jump inside the range is accepted (transactional producers on real
-    Kafka leave control-record gaps).
+    Kafka leave control-record gaps). With ``fail_on_data_loss=False`` each run of dropped
+    offsets comes out as one :func:`lost_offsets_marker` in its place, in offset order, and
+    the read goes on (a range beyond the log end still fails: it names another log).
 
     Raises:
-        DataLossError: Records of the range are gone.
+        DataLossError: Records of the range are gone (and not accepted).
         BrokerUnavailableError: No record arrived for ``idle_timeout_s``.
     """
     yield from read_offset_ranges(config, topic, {partition: (start, end)},
-                                  fail_on_gaps=fail_on_gaps, idle_timeout_s=idle_timeout_s,
-                                  batch_size=batch_size)
+                                  fail_on_gaps=fail_on_gaps, fail_on_data_loss=fail_on_data_loss,
+                                  idle_timeout_s=idle_timeout_s, batch_size=batch_size)
+
+
+def lost_offsets_marker(topic: str, partition: int, first: int, last: int) -> Message:
+    """The record a reader that accepts data loss puts in place of offsets ``first..last``,
+    which the broker dropped before they were read: no key, no value, offset ``first``, and a
+    :data:`~clickstream.events.contract.LOST_OFFSETS_HEADER` header ``b"<first>-<last>"``. Its
+    timestamp is when the reader found the loss (CreateTime: the reader created it); the
+    parser quarantines it (``events.parse.lost_offsets_error``), so the loss is recorded with
+    the micro-batch that held those offsets, once. Logs a WARNING naming the run."""
+    log.warning("topic %s partition %d: records %d..%d were dropped by the broker before they "
+                "were read; going on without them (%s=false), recorded in quarantine",
+                topic, partition, first, last, ENV_NAMES["fail_on_data_loss"])
+    return Message(topic=topic, partition=partition, offset=first, key=None, value=None,
+                   headers=[(LOST_OFFSETS_HEADER, f"{first}-{last}".encode())],
+                   timestamp=(TIMESTAMP_CREATE_TIME, int(time.time() * 1000)))
 
 
 def read_offset_ranges(
     config: Config, topic: str, ranges: Mapping[int, tuple[int, int]], *,
-    fail_on_gaps: bool = True, idle_timeout_s: float = 60.0, batch_size: int = 20_000,
+    fail_on_gaps: bool = True, fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
+    batch_size: int = 20_000,
 ) -> Iterator[list[Message]]:
     """:func:`read_offset_range` for several partitions of a topic with one consumer (a
     consumer per partition costs a connection and a metadata round trip each, which dominates
@@ -706,6 +751,11 @@ def read_offset_ranges(
                                         "enable.partition.eof": False,
                                         "fetch.max.bytes": 52_428_800,
                                         "max.partition.fetch.bytes": 10_485_760})
+
+    def done(partition: int) -> None:
+        del expected[partition]
+        consumer.pause([TopicPartition(topic, partition)])  # fetch no more
+
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
         idle = 0.0
@@ -731,21 +781,39 @@ def read_offset_ranges(
                     if error.code() == KafkaError._AUTO_OFFSET_RESET:
                         low, high = consumer.get_watermark_offsets(
                             TopicPartition(topic, partition), timeout=10, cached=False)
-                        check_no_data_loss(topic, partition, expected.get(partition, low), low,
-                                           high)
+                        at = expected.get(partition, low)
+                        check_no_data_loss(topic, partition, at, low, high,
+                                           fail_on_data_loss=fail_on_data_loss)
+                        if at < low:  # accepted: record the loss, go on from the log start
+                            batch.append(lost_offsets_marker(
+                                topic, partition, at, min(low, ends[partition]) - 1))
+                            if low >= ends[partition]:
+                                done(partition)
+                            else:  # librdkafka refuses a seek after this error, not this
+                                expected[partition] = low
+                                consumer.incremental_unassign([TopicPartition(topic, partition)])
+                                consumer.incremental_assign([TopicPartition(topic, partition,
+                                                                            low)])
+                            continue
                     raise KafkaException(error)
                 if partition not in expected:
                     continue
                 offset = message.offset()
-                if offset < expected[partition] or offset >= ends[partition]:
+                if offset < expected[partition]:
                     continue
-                if offset > expected[partition] and fail_on_gaps:
-                    check_no_data_loss(topic, partition, expected[partition], offset)
+                if offset > expected[partition] and fail_on_gaps:  # also a jump past the end
+                    jump = min(offset, ends[partition])
+                    check_no_data_loss(topic, partition, expected[partition], jump,
+                                       fail_on_data_loss=fail_on_data_loss)  # raises, or:
+                    batch.append(lost_offsets_marker(topic, partition, expected[partition],
+                                                     jump - 1))
+                if offset >= ends[partition]:  # the range's last offsets hold no records
+                    done(partition)
+                    continue
                 batch.append(message)
                 expected[partition] = offset + 1
                 if expected[partition] >= ends[partition]:
-                    del expected[partition]
-                    consumer.pause([TopicPartition(topic, partition)])  # done: fetch no more
+                    done(partition)
             if batch:
                 yield batch
     finally:

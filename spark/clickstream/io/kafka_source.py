@@ -16,12 +16,27 @@ Known edge cases, cited inline as (K1)..(K7):
       would skip every new record below it. Both stop with DataLossError, like Spark's
       ``failOnDataLoss=true``, instead of skipping silently. A log that grew back past the
       checkpoint's offset while no query ran cannot be told from offsets alone (K7).
-  K2. A gap inside a range being read (offsets jump) means records vanished while we read;
-      also DataLossError. Set ``failOnGaps=false`` for topics written by transactional
-      producers on real Kafka, where control records legitimately leave gaps.
+      With ``failOnDataLoss=false`` (CLICKSTREAM_FAIL_ON_DATA_LOSS) records dropped before we
+      read them are accepted (also for K3): planning still starts the range at the old
+      offset, and the read puts one marker record in place of each lost run of offsets
+      (``kafka_clients.lost_offsets_marker``: no key or value, offset = the first lost one, a
+      ``clickstream-lost-offsets`` header ``<first>-<last>``), logs a warning and reads on
+      from the log start. The parser quarantines the marker, so the loss reaches the
+      quarantine table with the micro-batch that planned those offsets, and a replayed
+      micro-batch does not record it again (the sink appends once per batch). Lost offsets do
+      not count against ``ReadMaxRows`` (K4): the micro-batch planned from below the log start
+      takes the whole lost run, one marker. A log that ends below the checkpoint's offset,
+      and K7, still stop: those offsets name records of another log. Spark's native source,
+      given ``failOnDataLoss=false``, skips the lost offsets with a log line, no marker.
+  K2. A gap inside a range being read (offsets jump, also past the range's end: its last
+      offsets hold no records) means records vanished while we read; also DataLossError, or
+      with ``failOnDataLoss=false`` a marker for the gap (K1). Set
+      ``failOnGaps=false`` for topics written by transactional producers on real Kafka, where
+      control records legitimately leave gaps (no error, no marker).
   K3. Partitions added to a topic while the query runs are read from offset 0, like Spark's
       own source: one whose log no longer starts at 0 when first seen lost records before
-      anyone read them, and stops with DataLossError (K1) instead of starting at its log start.
+      anyone read them, and stops with DataLossError (K1) instead of starting at its log start
+      (with ``failOnDataLoss=false``: a marker for offsets 0..log start - 1, K1).
   K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
       their backlog, and every partition with a backlog gets at least one record, so no
       partition starves.
@@ -154,6 +169,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.topic = options["topic"]
         self.max_rows = int(options.get("maxOffsetsPerTrigger", "0")) or None
         self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
+        self.fail_on_data_loss = options.get("failOnDataLoss", "true").lower() == "true"  # (K1)
         self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
 
@@ -182,15 +198,23 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         current = self._same_log(start)
         marks = _watermarks(self.options, self.topic)
         latest: dict[str, int] = {}
+        counted_from = dict(start)  # where the rate limit counts a partition's backlog from
         for partition, (low, high) in marks.items():
             key = str(partition)
             begin = int(start.get(key, 0))  # (K3) a partition added since: from its offset 0
-            check_no_data_loss(self.topic, partition, begin, low, high)  # (K1, K3)
+            check_no_data_loss(self.topic, partition, begin, low, high,  # (K1, K3)
+                               fail_on_data_loss=self.fail_on_data_loss)
             if self._target is not None:
                 high = min(high, self._target.get(key, begin))
             latest[key] = max(begin, high)
+            if begin < low:  # accepted (K1): the read puts a marker in place of begin..low-1
+                log.warning("topic %s partition %d: records %d..%d were dropped by the broker "
+                            "before they were read; the micro-batch from offset %d records "
+                            "them in quarantine and reads on (failOnDataLoss=false)",
+                            self.topic, partition, begin, low - 1, begin)
+                counted_from[key] = min(low, latest[key])
         if isinstance(limit, ReadMaxRows):
-            latest = _rate_limit(start, latest, limit.max_rows)
+            latest = _rate_limit(counted_from, latest, limit.max_rows)
         return _with_topic_id(latest, current)
 
     def reportLatestOffset(self) -> dict | None:
@@ -200,14 +224,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._same_log(start, end)  # a restart replays its last batch from here (K7)
         stops = _partition_offsets(end)
         # A partition added since ``start`` was planned from its offset 0 (K3); if the broker
-        # dropped records since, the read stops with DataLossError (K2).
+        # dropped records since, the read stops with DataLossError or marks them (K1, K2).
         ranges = {int(key): (int(start.get(key, 0)), int(stop)) for key, stop in stops.items()}
         ranges = {p: (begin, stop) for p, (begin, stop) in ranges.items() if stop > begin}
         return group_ranges(self.topic, ranges, self.read_tasks or len(ranges))
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaRange)
-        yield from read_range(self.options, partition, self.fail_on_gaps)
+        yield from read_range(self.options, partition, self.fail_on_gaps,
+                              fail_on_data_loss=self.fail_on_data_loss)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: offsets live in Spark's checkpoint, not in a consumer group."""
@@ -235,10 +260,12 @@ def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str,
 
 
 def read_range(
-    options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True
+    options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True, *,
+    fail_on_data_loss: bool = True,
 ) -> Iterator[pa.RecordBatch]:
     """Read one task's offset ranges as Arrow batches; raises DataLossError on dropped records
-    (K2). With ``shareReads`` set, the second read of the same ranges takes the first's (K6)."""
+    (K2), or with ``fail_on_data_loss=False`` puts a marker record in their place (K1). With
+    ``shareReads`` set, the second read of the same ranges takes the first's (K6)."""
     shared = _shared_read_path(options, kafka_range)
     if shared is not None:
         kept = _take_shared_read(shared)
@@ -247,7 +274,8 @@ def read_range(
             return
     batches = (_to_arrow(kafka_range.topic, messages) for messages in read_offset_ranges(
         _kafka_config(options), kafka_range.topic, kafka_range.ranges,
-        fail_on_gaps=fail_on_gaps, idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
+        fail_on_gaps=fail_on_gaps, fail_on_data_loss=fail_on_data_loss,
+        idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
     ))
     if shared is None:
         yield from batches
@@ -414,7 +442,7 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
             .option("kafka.bootstrap.servers", config.kafka_bootstrap_servers)
             .option("subscribe", topic)
             .option("startingOffsets", "earliest")
-            .option("failOnDataLoss", "true")
+            .option("failOnDataLoss", str(config.fail_on_data_loss).lower())  # (K1)
             .option("includeHeaders", "true")
             .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
         )
@@ -427,6 +455,7 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
         .option("bootstrap", config.kafka_bootstrap_servers)
         .option("topic", topic)
         .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
+        .option("failOnDataLoss", str(config.fail_on_data_loss).lower())  # (K1)
         .option("kafkaOptions", json.dumps(dict(config.kafka_options)))
         .option("readTasks", str(spark.sparkContext.defaultParallelism))  # (K5)
         .option("shareReads", uuid.uuid4().hex if share_reads else "")  # (K6)
