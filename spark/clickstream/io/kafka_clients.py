@@ -698,11 +698,14 @@ def read_offset_range(
 ) -> Iterator[list[Message]]:
     """Yield the records of offsets ``[start, end)`` of one partition, in batches.
 
-    Delivery guarantee: every offset in the range exactly once, in order, or an exception:
+    Delivery guarantee: every record in the range exactly once, in order, or an exception:
     records dropped by the broker (the range starts below the log start, or offsets vanish
-    while reading) raise :class:`~clickstream.errors.DataLossError`. With
-    ``fail_on_gaps=False`` a jump inside the range is accepted (transactional producers on real
-    Kafka leave control-record gaps). With ``fail_on_data_loss=False`` each run of dropped
+    while reading: the log now starts after them) raise
+    :class:`~clickstream.errors.DataLossError`. Offsets without a record that are still in the
+    log are not a loss: a transaction's commit or abort marker (a control record, which no
+    consumer sees) or a record compaction removed; the range may end with them.
+    ``fail_on_gaps=False`` skips the log-start check of such jumps (one metadata request
+    each). With ``fail_on_data_loss=False`` each run of dropped
     offsets comes out as one :func:`lost_offsets_marker` in its place, in offset order, and
     the read goes on (a range beyond the log end still fails: it names another log).
 
@@ -748,13 +751,28 @@ def read_offset_ranges(
     if not expected:
         return
     consumer = make_consumer(config, **{"auto.offset.reset": "error",
-                                        "enable.partition.eof": False,
+                                        # the end of a range whose last offsets are control
+                                        # records (no record after them to jump to)
+                                        "enable.partition.eof": True,
                                         "fetch.max.bytes": 52_428_800,
                                         "max.partition.fetch.bytes": 10_485_760})
 
     def done(partition: int) -> None:
         del expected[partition]
         consumer.pause([TopicPartition(topic, partition)])  # fetch no more
+
+    def skipped(partition: int, upto: int) -> Message | None:
+        """Offsets ``expected..upto - 1`` hold no records. Lost if the log now starts after
+        ``expected`` (DataLossError, or a marker when accepted); otherwise control records
+        of transactions, or records compaction removed: nothing is missing."""
+        low, _high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                    timeout=10, cached=False)
+        lost_until = min(low, upto)
+        if lost_until <= expected[partition]:
+            return None
+        check_no_data_loss(topic, partition, expected[partition], lost_until,
+                           fail_on_data_loss=fail_on_data_loss)  # raises, or:
+        return lost_offsets_marker(topic, partition, expected[partition], lost_until - 1)
 
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
@@ -778,6 +796,14 @@ def read_offset_ranges(
                 error = message.error()
                 partition = message.partition()
                 if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        eof = message.offset()  # the log's end: nothing more to jump to
+                        if partition in expected and eof >= ends[partition]:
+                            marker = skipped(partition, ends[partition]) if fail_on_gaps else None
+                            if marker is not None:
+                                batch.append(marker)
+                            done(partition)
+                        continue
                     if error.code() == KafkaError._AUTO_OFFSET_RESET:
                         low, high = consumer.get_watermark_offsets(
                             TopicPartition(topic, partition), timeout=10, cached=False)
@@ -802,11 +828,9 @@ def read_offset_ranges(
                 if offset < expected[partition]:
                     continue
                 if offset > expected[partition] and fail_on_gaps:  # also a jump past the end
-                    jump = min(offset, ends[partition])
-                    check_no_data_loss(topic, partition, expected[partition], jump,
-                                       fail_on_data_loss=fail_on_data_loss)  # raises, or:
-                    batch.append(lost_offsets_marker(topic, partition, expected[partition],
-                                                     jump - 1))
+                    marker = skipped(partition, min(offset, ends[partition]))
+                    if marker is not None:
+                        batch.append(marker)
                 if offset >= ends[partition]:  # the range's last offsets hold no records
                     done(partition)
                     continue

@@ -29,10 +29,13 @@ Known edge cases, cited inline as (K1)..(K7):
       and K7, still stop: those offsets name records of another log. Spark's native source,
       given ``failOnDataLoss=false``, skips the lost offsets with a log line, no marker.
   K2. A gap inside a range being read (offsets jump, also past the range's end: its last
-      offsets hold no records) means records vanished while we read; also DataLossError, or
-      with ``failOnDataLoss=false`` a marker for the gap (K1). Set
-      ``failOnGaps=false`` for topics written by transactional producers on real Kafka, where
-      control records legitimately leave gaps (no error, no marker).
+      offsets hold no records) is a loss only if the log now starts after the missing
+      offsets: records vanished while we read; also DataLossError, or with
+      ``failOnDataLoss=false`` a marker for them (K1). Otherwise the offsets hold control
+      records (the commit or abort markers of transactional producers, one per transaction
+      and partition) or records compaction removed: nothing is missing, no error, no marker.
+      A range ending in control records ends at the partition's end of log, not at a record
+      after it. ``failOnGaps=false`` skips the log-start check (a metadata request per jump).
   K3. Partitions added to a topic while the query runs are read from offset 0, like Spark's
       own source: one whose log no longer starts at 0 when first seen lost records before
       anyone read them, and stops with DataLossError (K1) instead of starting at its log start
