@@ -17,13 +17,19 @@ from clickstream.config import Config
 from clickstream.errors import ClickstreamError, QualityGateFailedError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
-from clickstream.jobs import corrections, recompute, sessionize
+from clickstream.jobs import backfill_steps, corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
-from tests.jobs.test_backfill import START, ms, pv_row, write_rows
-from tests.jobs.test_sessionize import pageview, produce, table_rows
+from tests.jobs.test_backfill import (
+    START,
+    assert_tables_equal_from_scratch,
+    ms,
+    pv_row,
+    write_rows,
+)
+from tests.jobs.test_sessionize import order, pageview, produce, table_rows
 
 _steps = count(1)
 
@@ -397,4 +403,99 @@ def test_a_plan_that_fails_its_applied_check_stops_the_client_until_a_full_recom
     assert_topic_equals_table(stream_config, spark)
     run_recompute(stream_config, spark=spark, progress=quiet)  # unblocked
     assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_dag_run_checked_after_another_run_published_and_changed_its_plan_passes(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(backfill_steps S4) The DAG's tasks apply a plan creating u's sessions at 0 and 50;
+    before its validate_corrections task (a race, a retry, a cleared run), the scheduled
+    recompute finishes that plan (C6) and folds in a late pageview at 25 that merges both.
+    The check failed the correct tables and said every run of the client was blocked."""
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                            pv_row("b", "u", 50, client="c1")], "parquet")
+    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews", client_id="c1",
+                                         path=path)["run_id"]
+
+    def step(name: str) -> object:
+        return backfill_steps.run_step(stream_config, name, kind="pageviews", client_id="c1",
+                                       path=path, run_id=run_id, spark=spark, progress=quiet)
+
+    for name in ("check", "merge", "recompute"):
+        step(name)
+    assert len(table_rows(stream_config, spark, "sessions")) == 2
+    late(stream_config, spark, [("between", "c1", "u", 25)])
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert len(table_rows(stream_config, spark, "sessions")) == 1
+
+    assert step("check-applied") == {"sessions": 2, "attributions": 0}
+    assert step("publish") == {"published": 0}  # by the recompute already
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_full_recompute_leaves_an_order_the_stream_holds_to_the_stream(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(R2) z's order at 60 has no session: the stream holds it until its watermark passes
+    it, then emits it unattributed. z has no stored pageview, so the full recompute wrote the
+    order's attribution itself, and the stream appended it again: o1 held twice."""
+    produce(stream_config, [pageview("v", START, "v0")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [order("z", START + timedelta(minutes=60), "o1"),
+                            pageview("v", START + timedelta(minutes=65), "v1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    watermark = sessionize.stream_watermark_ms(stream_config)
+    assert watermark is not None and ms(START) < watermark < ms(START + timedelta(minutes=60))
+    assert table_rows(stream_config, spark, "attributions") == []  # o1 is in the state
+
+    summary = run_full_recompute(stream_config, client_id="client-00", spark=spark,
+                                 progress=quiet)
+    assert summary.users_left_to_the_stream == 2  # v (an open session) and z
+    produce(stream_config, [pageview("v", START + timedelta(hours=5), "v2")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # emits o1 now
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "attributions")] == ["o1"]
+    assert_tables_equal_from_scratch(stream_config, spark,
+                                     closed_before_ms=ms(START + timedelta(hours=4)))
+
+
+def test_a_full_recompute_after_the_streams_first_micro_batch_leaves_every_user_to_it(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(R2) After its first micro-batch the checkpoint's watermark is 0: every session is
+    open in the stream. The full recompute looked for open sessions among the stored
+    pageviews of the days around 1970-01-01, found none, and wrote w's session itself; the
+    stream emits it again when it closes."""
+    stored_by_the_stream(stream_config, spark, [("w1", "c1", "w", 100), ("w2", "c1", "w", 110)])
+    stream_committed_a_batch_at(stream_config, 0)
+    offsets = stream_config.checkpoint_path("sessionize") / "offsets" / "0"
+    offsets.write_text("v1\n" + json.dumps({"batchWatermarkMs": 0, "batchTimestampMs": 0})
+                       + "\n{}\n")
+    summary = run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert summary.users_left_to_the_stream == 1
+    assert table_rows(stream_config, spark, "sessions") == []
+
+
+def test_a_full_recompute_records_its_changes_in_corrections(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(R3) The brief: ``corrections`` holds each run's created / updated / retracted rows
+    with old and new revision and cause. The full recompute merged u's two sessions (one to
+    revision 2, one retracted with a tombstone) and recorded nothing."""
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                                      pv_row("b", "u", 40, client="c1")],
+                                 "parquet"))
+    before = {r["run_seq"] for r in table_rows(stream_config, spark, "corrections")}
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
+    run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert (session["pageview_count"], session["revision"]) == (3, 2)
+    recorded = [r for r in table_rows(stream_config, spark, "corrections")
+                if r["run_seq"] not in before and r["entity"] == "session"]
+    assert sorted((r["change"], r["old_revision"], r["new_revision"]) for r in recorded) == [
+        ("retracted", 1, None), ("updated", 1, 2)]
+    assert {r["cause"] for r in recorded} == {"full recompute of c1"}
+    assert next(r for r in recorded if r["change"] == "updated")["key"] == session["session_id"]
+    # Recorded as a plan of the client and marked published: the next run has nothing to finish.
+    run = corrections.Run(spark, stream_config, open_tables(stream_config, spark), "c1", "t",
+                          "t", quiet)
+    assert corrections.unfinished_plan(run) is None
     assert_topic_equals_table(stream_config, spark)

@@ -22,7 +22,10 @@ Known edge cases, cited inline as (S1)..(S4):
       plan is stored in ``corrections`` before it is applied, so any step can be retried
       after a crash (or a kill) and resumes instead of doubling.
   S4. ``publish_corrections`` publishes the stored plan only after ``check_applied`` has
-      confirmed the tables hold it, so Kafka never announces a revision the tables lack.
+      confirmed the tables hold it, so Kafka never announces a revision the tables lack. A
+      plan already published (a retried or cleared task, or another run of the client that
+      finished it, C6) is not checked again: later runs may have changed or retracted its
+      rows since, and it has nothing left to announce.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from clickstream.jobs.corrections import (
     one_run_at_a_time,
     plan,
     publish_changes,
+    published_through,
     resume,
     stored_plan,
     unfinished_plan,
@@ -350,6 +354,15 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
         progress(f"check {run_id}: no corrections planned, nothing to check")
         return {"sessions": 0, "attributions": 0}
     try:
+        run_seq = changes.select("run_seq").first()[0]
+        if run_seq <= published_through(run):  # (S4)
+            counts = {entity: changes.where(F.col("entity") == entity[:-1]).count()
+                      for entity in ("sessions", "attributions")}
+            progress(f"check {run_id}: its {counts['sessions']} session and "
+                     f"{counts['attributions']} attribution corrections were applied and "
+                     "published already (later runs of the client may have changed them "
+                     "since), nothing to check")
+            return counts
         counts = check_plan_applied(run, changes)
     finally:
         changes.unpersist()

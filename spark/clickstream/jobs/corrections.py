@@ -462,14 +462,6 @@ def _recent_days(watermark_ms: int, gap_ms: int) -> tuple[date, date]:
     return cutoff - timedelta(days=1), cutoff + timedelta(days=3)
 
 
-def open_session_users(tables: DeltaTables, client_id: str, gap_ms: int, watermark_ms: int
-                       ) -> DataFrame:
-    """(client_id, user_id) of the users with a session open in the stream (C4)."""
-    first, last = _recent_days(watermark_ms, gap_ms)
-    return _users_with_a_session_open(_recent_pageviews(tables, client_id, first, last),
-                                      watermark_ms - gap_ms)
-
-
 def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, watermark_ms: int,
                         among: DataFrame | None = None,
                         progress: Callable[[str], None] | None = None) -> DataFrame:
@@ -536,7 +528,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     """Compute and store the run's corrections (the plan); None when nothing changes."""
     # The step this plan will be, taken before anything was read (by resume()), so that a
     # plan another run recorded meanwhile (from tables this one did not see) is noticed (C6).
-    run_seq = run.next_seq or _next_seq(run)
+    run_seq = run.next_seq or next_plan_seq(run)
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
         grown = (windows,)  # persisted: released once the plan is computed
@@ -592,11 +584,18 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         run.release_snapshots()
         return None
     with timer.step("record corrections"):
-        unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
-        recorded = unchanged and run.tables.append_once(
-            CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
-            partition_by=CORRECTIONS.partition_by,
-            metadata={"run_id": run.run_id, "cause": run.cause})
+        record_plan(run, changes, run_seq)
+    return changes  # what was recorded: no need to read the plan back (C3)
+
+
+def record_plan(run: Run, changes: DataFrame, run_seq: int) -> None:
+    """Store ``changes`` as the client's plan number ``run_seq`` (C3), unless another run
+    recorded one since ``run_seq`` was taken (C6): then nothing is recorded, and it raises."""
+    unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
+    recorded = unchanged and run.tables.append_once(
+        CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
+        partition_by=CORRECTIONS.partition_by,
+        metadata={"run_id": run.run_id, "cause": run.cause})
     if not recorded:  # (C6)
         changes.unpersist()
         raise ClickstreamError(
@@ -604,7 +603,6 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             "while this one was planning (a process outside this machine's lock, C6); "
             "corrections of one client must run one at a time. Nothing of this run was "
             "recorded or applied: rerun it")
-    return changes  # what was recorded: no need to read the plan back (C3)
 
 
 def _count_changes(counts: dict[tuple[str, str], int], summary: CorrectionSummary) -> None:
@@ -632,7 +630,7 @@ def stored_plan(run: Run) -> DataFrame | None:
     return rows.where(F.col("run_seq") == latest).persist()
 
 
-def _next_seq(run: Run) -> int:
+def next_plan_seq(run: Run) -> int:
     return (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
 
 
@@ -641,8 +639,7 @@ def unfinished_plan(run: Run) -> DataFrame | None:
     if not run.tables.exists(CORRECTIONS.name):
         return None
     latest = run.tables.app_version(CORRECTIONS.name, run.app_id)
-    published = run.tables.app_version(CORRECTIONS.name, run.published_app_id) or 0
-    if latest is None or latest <= published:
+    if latest is None or latest <= published_through(run):
         return None
     rows = run.tables.read(CORRECTIONS.name, partition_filter={"client_id": run.client_id}
                            ).where(F.col("run_seq") == latest).persist()
@@ -650,6 +647,11 @@ def unfinished_plan(run: Run) -> DataFrame | None:
         rows.unpersist()
         return None
     return rows
+
+
+def published_through(run: Run) -> int:
+    """The client's last plan (``run_seq``) that reached Kafka; 0 for none (C6)."""
+    return run.tables.app_version(CORRECTIONS.name, run.published_app_id) or 0
 
 
 def mark_published(run: Run, changes: DataFrame) -> None:
@@ -823,7 +825,7 @@ def one_run_at_a_time(config: Config, client_id: str,
 def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | None:
     """Before planning: this run's own plan if it was interrupted (resumed from here, C3);
     another run's interrupted plan is applied and published first, then forgotten (C6)."""
-    run.next_seq = _next_seq(run)  # finishing another plan records no new step
+    run.next_seq = next_plan_seq(run)  # finishing another plan records no new step
     changes = unfinished_plan(run)
     if changes is None:
         return None

@@ -11,10 +11,19 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge case, cited inline as (R1):
+Known edge cases, cited inline as (R1)..(R3):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
+  R2. ``--full`` leaves to the stream every user with a stored pageview or order later than
+      ``watermark - gap`` (the rule targeted corrections defer by, ``corrections`` C4), read
+      from the whole history it reads anyway: an order no session covers yet is in the
+      stream's state too, and after the stream's first micro-batch the watermark is 0.
+  R3. ``--full`` records what it changes in ``corrections`` like any run (created / updated /
+      retracted, old and new revision, its cause), as the client's next plan, before it
+      writes anything; it marks the plan published once both tables are rewritten and
+      published. A crash, or a commit it conflicts with, leaves the plan unpublished: the
+      client's next correction run finishes it (C6).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -39,9 +49,11 @@ from clickstream.jobs.corrections import (
     _attribution_rows,
     _session_rows,
     correct,
+    diff,
     mark_published,
+    next_plan_seq,
     one_run_at_a_time,
-    open_session_users,
+    record_plan,
     resume,
     unfinished_plan,
 )
@@ -219,26 +231,43 @@ def run_full_recompute(
             superseded = unfinished_plan(run)
             if superseded is not None:
                 mark_published(run, superseded)
-        return _rewrite_client(config, tables, spark, client_id, started)
+        return _rewrite_client(run, started)
 
 
-def _rewrite_client(config: Config, tables: DeltaTables, spark: SparkSession, client_id: str,
-                    started: float) -> FullRecomputeSummary:
+def _users_the_stream_holds(pageviews: DataFrame, orders: DataFrame, cutoff_ms: int
+                            ) -> DataFrame:
+    """(R2) Users with a stored pageview or order later than ``watermark - gap``: the rule
+    targeted corrections defer by (``corrections`` C4). A session of theirs may be open in the
+    stream's state, or an order no session covers yet, which the stream emits as unattributed
+    once the watermark passes it; rewritten here, either would be stored twice. Read from the
+    whole history the rewrite reads anyway: after the stream's first micro-batch its watermark
+    is 0 and every stored row is later (reading only the days around the watermark, as it
+    did, found none of them)."""
+    cutoff = F.timestamp_millis(F.lit(cutoff_ms))
+    return (pageviews.where(F.col("ts") > cutoff).select("client_id", "user_id")
+            .unionByName(orders.where(F.col("ts") > cutoff).select("client_id", "user_id"))
+            .distinct().localCheckpoint())
+
+
+def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
+    config, tables, spark, client_id = run.config, run.tables, run.spark, run.client_id
     mine = {"client_id": client_id}
     watermark = stream_watermark_ms(config)
     users = ["client_id", "user_id"]
-    active = (open_session_users(tables, client_id, config.session_gap_ms, watermark)
-              .localCheckpoint() if watermark is not None
-              else spark.createDataFrame([], "client_id string, user_id string"))
     pageviews = tables.read(PAGEVIEWS.name, partition_filter=mine, schema=PAGEVIEWS.schema)
     orders = tables.read(ORDERS.name, partition_filter=mine, schema=ORDERS.schema)
+    active = (_users_the_stream_holds(pageviews, orders, watermark - config.session_gap_ms)
+              if watermark is not None
+              else spark.createDataFrame([], "client_id string, user_id string"))
     emitted = sessionize_frames(pageviews.join(active, users, "left_anti"),
                                 orders.join(active, users, "left_anti"),
                                 config.session_gap_ms, BUCKETS).persist()
-    results, retracted = {}, {}
-    for spec, rows, topic in (
-            (SESSIONS, _session_rows(emitted), config.sessions_topic),
-            (ATTRIBUTIONS, _attribution_rows(emitted), config.attributions_topic)):
+    run_seq = next_plan_seq(run)
+    rewrites, changes = [], []
+    for spec, rows, topic, date_column, entity in (
+            (SESSIONS, _session_rows(emitted), config.sessions_topic, "session_date", "session"),
+            (ATTRIBUTIONS, _attribution_rows(emitted), config.attributions_topic, "order_date",
+             "attribution")):
         (key,) = spec.key
         read_version = tables.version(spec.name)
         read_version = read_version if read_version >= 0 else None
@@ -253,11 +282,20 @@ def _rewrite_client(config: Config, tables: DeltaTables, spark: SparkSession, cl
             .when(same, F.col("o.revision"))
             .otherwise(F.col("o.revision") + 1).cast("int").alias("revision"),
         ).select(*spec.schema.fieldNames()).persist()
-        retracted[spec.name] = old.join(fresh.select(key), key, "left_anti").select(
+        retracted = old.join(fresh.select(key), key, "left_anti").select(
             F.col(key).alias("key")).persist()
+        # The same changes as corrections rows: the audit trail of every run (R3).
+        changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq,
+                            retract=spec is SESSIONS))
+        rewrites.append((spec, topic, stored, fresh, retracted, read_version))
+    plan = reduce(DataFrame.unionByName, changes).localCheckpoint()
+    planned = not plan.isEmpty()
+    if planned:
+        record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
+    for spec, topic, stored, fresh, retracted, read_version in rewrites:
+        (key,) = spec.key
         # Sent before the replace: a rerun would no longer find these rows to retract.
-        produce_records(config, topic, ((r.key, None) for r in
-                                        retracted[spec.name].toLocalIterator()))
+        produce_records(config, topic, ((r.key, None) for r in retracted.toLocalIterator()))
         version = (tables.app_version(spec.name, f"full-recompute-{client_id}") or 0) + 1
         try:
             tables.replace_partitions(
@@ -268,19 +306,22 @@ def _rewrite_client(config: Config, tables: DeltaTables, spark: SparkSession, cl
         except CommitConflictError as exc:
             # The table keeps the rows the tombstones retracted: the topic gets them back.
             publish_rows(config, topic, stored.join(
-                retracted[spec.name].select(F.col("key").alias(key)), key, "left_semi"), spec)
+                retracted.select(F.col("key").alias(key)), key, "left_semi"), spec)
             raise ClickstreamError(
                 f"full recompute of {client_id}: table {spec.name!r} changed while it ran (the "
                 "sessionizer or a correction run on another machine committed into the "
                 f"client's rows); it was not rewritten"
-                f"{' (sessions were, and published)' if spec is ATTRIBUTIONS else ''}. Rerun "
-                "it, ideally with the sessionizer stopped: a full recompute is idempotent"
+                f"{' (sessions were, and published)' if spec is ATTRIBUTIONS else ''}. Its "
+                "changes are recorded as the client's unpublished plan: the next correction "
+                "run of the client (a rerun of this one too) applies and publishes them"
             ) from exc
         publish_rows(config, topic, fresh, spec)  # each table's view once it is committed
-        results[spec.name] = fresh
-    counts = {name: frame.count() for name, frame in results.items()}
-    gone = retracted[SESSIONS.name].count()
-    for frame in (emitted, *results.values(), *retracted.values()):
+    if planned:
+        mark_published(run, plan)
+    counts = {spec.name: fresh.count() for spec, _t, _s, fresh, _r, _v in rewrites}
+    gone = rewrites[0][4].count()
+    for frame in (emitted, plan, *(f for _sp, _t, _s, fresh, retracted, _v in rewrites
+                                   for f in (fresh, retracted))):
         frame.unpersist()
     return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
                                 time.monotonic() - started, gone, active.count())
