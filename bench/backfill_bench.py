@@ -603,7 +603,8 @@ def phase_baseline(state: dict[str, Any]) -> dict[str, Any]:
     tables = open_tables(config, spark)
     files = list_batch_files(config, state["orders_path"])
     run_id = f"orders-{CLIENT}-{files.fingerprint}"
-    batch = validate_batch(read_batch(spark, files, "orders"), "orders", CLIENT).persist()
+    batch = validate_batch(read_batch(spark, files, "orders"), "orders", CLIENT,
+                           config.max_ts_ahead_ms).persist()
     rows_read = batch.count()
     bad = batch.where(F.col("error").isNotNull()).count()
     valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY["orders"]]).drop(

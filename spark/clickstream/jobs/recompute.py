@@ -61,7 +61,14 @@ from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, releases_cache
-from clickstream.tables import ATTRIBUTIONS, ORDERS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
+from clickstream.tables import (
+    ATTRIBUTIONS,
+    ORDERS,
+    PAGEVIEWS,
+    RECOMPUTE_QUEUE,
+    SESSIONS,
+    TableSpec,
+)
 
 
 @dataclass
@@ -249,6 +256,18 @@ def _users_the_stream_holds(pageviews: DataFrame, orders: DataFrame, cutoff_ms: 
             .distinct().localCheckpoint())
 
 
+@dataclass
+class _Rewrite:
+    """One table's part of a full recompute, computed before anything is written (R3)."""
+
+    spec: TableSpec
+    topic: str
+    stored: DataFrame
+    fresh: DataFrame  # the client's rows as rewritten, with their revisions
+    retracted: DataFrame  # keys of ``stored`` that ``fresh`` no longer has
+    read_version: int | None
+
+
 def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     config, tables, spark, client_id = run.config, run.tables, run.spark, run.client_id
     mine = {"client_id": client_id}
@@ -263,7 +282,8 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
                                 orders.join(active, users, "left_anti"),
                                 config.session_gap_ms, BUCKETS).persist()
     run_seq = next_plan_seq(run)
-    rewrites, changes = [], []
+    rewrites: list[_Rewrite] = []
+    changes: list[DataFrame] = []
     for spec, rows, topic, date_column, entity in (
             (SESSIONS, _session_rows(emitted), config.sessions_topic, "session_date", "session"),
             (ATTRIBUTIONS, _attribution_rows(emitted), config.attributions_topic, "order_date",
@@ -287,12 +307,14 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         # The same changes as corrections rows: the audit trail of every run (R3).
         changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq,
                             retract=spec is SESSIONS))
-        rewrites.append((spec, topic, stored, fresh, retracted, read_version))
+        rewrites.append(_Rewrite(spec, topic, stored, fresh, retracted, read_version))
     plan = reduce(DataFrame.unionByName, changes).localCheckpoint()
     planned = not plan.isEmpty()
     if planned:
         record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
-    for spec, topic, stored, fresh, retracted, read_version in rewrites:
+    for rewrite in rewrites:
+        spec, topic, stored, fresh, retracted = (rewrite.spec, rewrite.topic, rewrite.stored,
+                                                 rewrite.fresh, rewrite.retracted)
         (key,) = spec.key
         # Sent before the replace: a rerun would no longer find these rows to retract.
         produce_records(config, topic, ((r.key, None) for r in retracted.toLocalIterator()))
@@ -301,7 +323,8 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
             tables.replace_partitions(
                 spec.name, fresh.unionByName(stored.join(active, users, "left_semi")),
                 predicate=mine, partition_by=spec.partition_by,
-                app_id=f"full-recompute-{client_id}", version=version, read_version=read_version,
+                app_id=f"full-recompute-{client_id}", version=version,
+                read_version=rewrite.read_version,
                 metadata={"run_id": f"full-{version}", "cause": f"full recompute of {client_id}"})
         except CommitConflictError as exc:
             # The table keeps the rows the tombstones retracted: the topic gets them back.
@@ -318,10 +341,9 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         publish_rows(config, topic, fresh, spec)  # each table's view once it is committed
     if planned:
         mark_published(run, plan)
-    counts = {spec.name: fresh.count() for spec, _t, _s, fresh, _r, _v in rewrites}
-    gone = rewrites[0][4].count()
-    for frame in (emitted, plan, *(f for _sp, _t, _s, fresh, retracted, _v in rewrites
-                                   for f in (fresh, retracted))):
+    counts = {r.spec.name: r.fresh.count() for r in rewrites}
+    gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)
+    for frame in (emitted, plan, *(f for r in rewrites for f in (r.fresh, r.retracted))):
         frame.unpersist()
     return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
                                 time.monotonic() - started, gone, active.count())
