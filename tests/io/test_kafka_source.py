@@ -105,6 +105,13 @@ def test_rate_limit_gives_every_partition_with_backlog_a_share() -> None:
     assert limited["1"] == 101 and limited["2"] == 5 and 0 < limited["0"] <= 10
 
 
+def test_rate_limit_counts_a_partition_added_since_from_its_offset_0() -> None:
+    """(K3, K4) A partition added to the topic is planned from offset 0: its backlog counted
+    as none, it was read whole in one micro-batch, whatever maxOffsetsPerTrigger said."""
+    limited = _rate_limit({"0": 0}, {"0": 10, "1": 1000}, 20)
+    assert 0 < limited["0"] <= 10 and 0 < limited["1"] <= 20
+
+
 def test_read_tasks_cover_every_range_once_balanced_by_rows() -> None:
     ranges = {0: (0, 100), 1: (5, 15), 2: (0, 60), 3: (40, 90), 4: (7, 8)}
     tasks = group_ranges("t", ranges, 2)

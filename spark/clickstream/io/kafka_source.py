@@ -250,7 +250,7 @@ def _partition_offsets(offsets: dict) -> dict[str, int]:
 
 
 def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str, int]:
-    backlog = {k: v - int(start.get(k, v)) for k, v in latest.items()}
+    backlog = {k: v - int(start.get(k, 0)) for k, v in latest.items()}  # (K3) from 0
     total = sum(backlog.values())
     if total <= max_rows:
         return latest
