@@ -499,3 +499,22 @@ def test_a_full_recompute_records_its_changes_in_corrections(
                           "t", quiet)
     assert corrections.unfinished_plan(run) is None
     assert_topic_equals_table(stream_config, spark)
+
+
+def test_the_schedule_finishes_a_killed_backfills_plan_with_nothing_queued(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R4) A backfill killed between apply and publish leaves the topic behind the tables.
+    The scheduled recompute visited only clients with queued rows, so until the client's
+    next correction run the topic stayed behind, however many schedules ran."""
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1")], "parquet")
+    killed_at(monkeypatch, corrections, "publish_changes",  # after apply
+              lambda: run_backfill(stream_config, kind="pageviews", client_id="c1",
+                                   spark=spark, progress=quiet, path=path))
+    assert users_with_sessions(stream_config, spark) == {("c1", "u")}
+    assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+    assert not open_tables(stream_config, spark).exists(RECOMPUTE_QUEUE.name)
+
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)
+    assert summary.queued == {"c1": 0}
+    assert_topic_equals_table(stream_config, spark)
+    assert run_recompute(stream_config, spark=spark, progress=quiet).queued == {}

@@ -634,12 +634,18 @@ def next_plan_seq(run: Run) -> int:
     return (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1
 
 
-def unfinished_plan(run: Run) -> DataFrame | None:
-    """The client's latest plan if it never reached Kafka, whichever run recorded it (C6)."""
+def unfinished_plan_seq(run: Run) -> int | None:
+    """The step of the client's latest plan if it never reached Kafka, else None (C6)."""
     if not run.tables.exists(CORRECTIONS.name):
         return None
     latest = run.tables.app_version(CORRECTIONS.name, run.app_id)
-    if latest is None or latest <= published_through(run):
+    return None if latest is None or latest <= published_through(run) else latest
+
+
+def unfinished_plan(run: Run) -> DataFrame | None:
+    """The client's latest plan if it never reached Kafka, whichever run recorded it (C6)."""
+    latest = unfinished_plan_seq(run)
+    if latest is None:
         return None
     rows = run.tables.read(CORRECTIONS.name, partition_filter={"client_id": run.client_id}
                            ).where(F.col("run_seq") == latest).persist()

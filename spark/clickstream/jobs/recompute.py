@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R3):
+Known edge cases, cited inline as (R1)..(R4):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -24,6 +24,9 @@ Known edge cases, cited inline as (R1)..(R3):
       writes anything; it marks the plan published once both tables are rewritten and
       published. A crash, or a commit it conflicts with, leaves the plan unpublished: the
       client's next correction run finishes it (C6).
+  R4. A plan interrupted before it reached Kafka (C6) is finished by the client's next
+      correction run; a run of the schedule also finishes those of clients with nothing
+      queued, so a killed backfill's changes reach the topics within one schedule.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from clickstream.jobs.corrections import (
     record_plan,
     resume,
     unfinished_plan,
+    unfinished_plan_seq,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -63,6 +67,7 @@ from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import (
     ATTRIBUTIONS,
+    CORRECTIONS,
     ORDERS,
     PAGEVIEWS,
     RECOMPUTE_QUEUE,
@@ -90,26 +95,30 @@ def run_recompute(
     config: Config, *, client_id: str | None = None, spark: SparkSession | None = None,
     progress: Callable[[str], None] = print,
 ) -> RecomputeSummary:
-    """Fold queued late records into sessions for one client, or for every queued client."""
+    """Fold queued late records into sessions for one client, or for every queued client;
+    also finish an interrupted plan of a client with nothing queued (R4)."""
     spark = spark or build_spark(config, "clickstream-recompute")
     tables = open_tables(config, spark)
     summary = RecomputeSummary()
-    if not tables.exists(RECOMPUTE_QUEUE.name):
+    unfinished = _clients_with_unfinished_plans(spark, config, tables)
+    if not tables.exists(RECOMPUTE_QUEUE.name) and not unfinished:
         return summary
     warm_up(config)  # Great Expectations takes seconds to import; overlap it with the reads
     queue_version = tables.version(RECOMPUTE_QUEUE.name)
-    queue = tables.read(RECOMPUTE_QUEUE.name, version=queue_version)
+    queue = (tables.read(RECOMPUTE_QUEUE.name, version=queue_version) if queue_version >= 0
+             else spark.createDataFrame([], RECOMPUTE_QUEUE.schema))
     clients = [client_id] if client_id else sorted(
-        r.client_id for r in queue.select("client_id").distinct().collect())
+        {r.client_id for r in queue.select("client_id").distinct().collect()} | unfinished)
     watermark = stream_watermark_ms(config)
     failed: dict[str, ClickstreamError] = {}
     for client in clients:
         mine = queue.where(F.col("client_id") == client).persist()
         summary.queued[client] = mine.count()
-        if not summary.queued[client]:
+        if not summary.queued[client] and client not in unfinished:
             summary.corrections[client] = CorrectionSummary()
             continue
-        progress(f"recompute {client}: {summary.queued[client]} queued records")
+        progress(f"recompute {client}: {summary.queued[client]} queued records"
+                 + ("; an interrupted plan to finish first" if client in unfinished else ""))
         run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
                   f"recompute queue version {queue_version}", progress)
         scope = mine.groupBy("client_id", "user_id").agg(
@@ -132,6 +141,16 @@ def run_recompute(
             f"queued ({'; '.join(f'{c}: {e}' for c, e in failed.items())}); the others were "
             "folded in")
     return summary
+
+
+def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables
+                                   ) -> set[str]:
+    """(R4) Clients whose latest plan never reached Kafka (C6): the clients are read from the
+    ``corrections`` table's partitions (file statistics with delta-rs), each one's plan steps
+    from the log's application versions."""
+    clients = tables.largest_by_partition(CORRECTIONS.name, "run_seq", "client_id")
+    return {client for client in clients if client is not None and unfinished_plan_seq(
+        Run(spark, config, tables, client, "plan-lookup", "plan lookup")) is not None}
 
 
 def _correct(run: Run, scope: DataFrame, watermark: int | None
