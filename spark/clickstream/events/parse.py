@@ -135,15 +135,18 @@ def lost_offsets_error(records: DataFrame) -> Column:
         return F.lit(None).cast("string")
     marked = F.filter("headers", lambda header: header["key"] == contract.LOST_OFFSETS_HEADER)
     lost = F.split(F.get(marked, 0)["value"].cast("string"), "-")  # [first, last]
-    return F.when(
-        F.col("value").isNull() & F.get(lost, 1).isNotNull(),
+    # Nested, not one conjunction: the header search sits in a branch that only records
+    # without a value reach (a conjunction's right side may be evaluated up front by Spark's
+    # subexpression elimination, as ``lost`` is used twice).
+    return F.when(F.col("value").isNull(), F.when(
+        F.get(lost, 1).isNotNull(),
         F.format_string(
             "records %s..%s of %s partition %d were dropped by the broker before the "
             "sessionizer read them (%s=false): they are lost; if you still have them, load "
             "them with `clickstream backfill`",
             F.get(lost, 0), F.get(lost, 1), "topic", "partition",
             F.lit(ENV_NAMES["fail_on_data_loss"])),
-    )
+    ))
 
 
 def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFrame:

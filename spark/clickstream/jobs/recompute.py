@@ -50,6 +50,7 @@ from clickstream.jobs.corrections import (
     Run,
     Timer,
     _attribution_rows,
+    _differs,
     _session_rows,
     correct,
     diff,
@@ -270,8 +271,10 @@ def _users_the_stream_holds(pageviews: DataFrame, orders: DataFrame, cutoff_ms: 
     is 0 and every stored row is later (reading only the days around the watermark, as it
     did, found none of them)."""
     cutoff = F.timestamp_millis(F.lit(cutoff_ms))
-    return (pageviews.where(F.col("ts") > cutoff).select("client_id", "user_id")
-            .unionByName(orders.where(F.col("ts") > cutoff).select("client_id", "user_id"))
+    # The day first: partitions before it are not read a second time (the rewrite reads all).
+    later = (F.col("event_date") >= F.to_date(cutoff)) & (F.col("ts") > cutoff)
+    return (pageviews.where(later).select("client_id", "user_id")
+            .unionByName(orders.where(later).select("client_id", "user_id"))
             .distinct().localCheckpoint())
 
 
@@ -314,7 +317,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
                              version=read_version)
         old = stored.join(active, users, "left_anti")
         content = [c for c in rows.columns if c not in (key, "revision")]
-        same = F.expr(" AND ".join(f"(n.{c} <=> o.{c})" for c in content))
+        same = ~_differs(tuple(content))  # the comparison diff() makes
         fresh = rows.alias("n").join(old.alias("o"), key, "left").select(
             *[F.col(f"n.{c}").alias(c) for c in rows.columns],
             F.when(F.col("o.revision").isNull(), F.lit(1))
