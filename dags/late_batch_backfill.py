@@ -36,10 +36,10 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
    are new or changed, users and stored sessions in reach. In a dry run it also runs the
    `historical_batch` gate and reports its verdict. Writes nothing.
 3. `writes_enabled` — a dry run stops here: the writing tasks are skipped.
-4. `merge` — `historical_batch` gate (a failure quarantines the implicated rows and refuses
-   the batch), bad rows to `quarantine`, the rest into `pageviews` / `orders` exactly once,
-   then the `tables_after_merge` gate. `announce_merge` emits the Asset events of the
-   tables it wrote.
+4. `merge` — `historical_batch` gate (a failure quarantines the implicated rows, refuses
+   the batch and fails the task without retries), bad rows to `quarantine`, the rest into
+   `pageviews` / `orders` exactly once, then the `tables_after_merge` gate.
+   `announce_merge` emits the Asset events of the tables it wrote.
 5. `recompute` — re-sessionizes the affected users' windows (`recomputed_sessions` gate),
    stores the plan in `corrections`, applies it (one commit per table).
 6. `validate_corrections` — the tables hold the plan at its revisions, keys unique;

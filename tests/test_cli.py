@@ -12,7 +12,7 @@ import pytest
 
 from clickstream.cli import main
 from clickstream.config import Config
-from clickstream.errors import ConfigError
+from clickstream.errors import EXIT_NOT_RETRYABLE, ConfigError
 
 CLI = [sys.executable, "-m", "clickstream.cli"]
 
@@ -33,7 +33,7 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
 def test_invalid_setting_fails_with_one_line_naming_the_accepted_values() -> None:
     result = subprocess.run([*CLI, "inspect"], capture_output=True, text=True,
                             env={"CLICKSTREAM_DELTA_ENGINE": "parquet", "PATH": ""}, timeout=60)
-    assert result.returncode == 1
+    assert result.returncode == EXIT_NOT_RETRYABLE
     lines = result.stderr.strip().splitlines()
     assert lines == ["clickstream inspect: error: CLICKSTREAM_DELTA_ENGINE='parquet' is not "
                      "accepted; use one of: deltalake, delta-spark"]
@@ -118,7 +118,7 @@ def test_fail_on_data_loss_refuses_anything_else(capsys: pytest.CaptureFixture) 
         Config.from_env({"CLICKSTREAM_FAIL_ON_DATA_LOSS": "no"})
     with pytest.raises(ConfigError, match="CLICKSTREAM_FAIL_ON_DATA_LOSS must be true or false"):
         Config(fail_on_data_loss="false")  # type: ignore[arg-type]
-    assert main(["sessionize", "--fail-on-data-loss", "0"]) == 1
+    assert main(["sessionize", "--fail-on-data-loss", "0"]) == EXIT_NOT_RETRYABLE
     assert capsys.readouterr().err.strip().splitlines() == [
         "clickstream sessionize: error: --fail-on-data-loss='0' is not accepted; use true or "
         "false"]
@@ -133,7 +133,7 @@ def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
     result = subprocess.run([*CLI, "backfill-step", "report", "--kind", "orders", "--client",
                              "client-00", "--path", "b"], capture_output=True, text=True,
                             env=env, timeout=60)
-    assert result.returncode == 1
+    assert result.returncode == EXIT_NOT_RETRYABLE
     assert len(result.stderr.strip().splitlines()) == 1
     assert "no result of step 'check'" in result.stderr and "run the steps in order" in \
         result.stderr
@@ -179,7 +179,7 @@ def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(
     this address, so reaching the producer would fail differently."""
     code = main(["generate", "events", "--start", "2099-01-01T00:00Z", "--minutes", "60",
                  "--kafka-bootstrap-servers", "127.0.0.1:1"])
-    assert code == 1
+    assert code == EXIT_NOT_RETRYABLE
     assert capsys.readouterr().err.strip().splitlines() == [
         "clickstream generate: error: --start and --minutes reach 2099-01-01T01:00:00+00:00, "
         "more than 10 minutes ahead of now: the sessionizer would quarantine those events as "

@@ -1,6 +1,8 @@
 """``clickstream`` command line: parses arguments, builds the Config, calls one library function.
 
-Every command exits 0 on success and non-zero with a one-line reason on failure.
+Every command exits 0 on success and non-zero with a one-line reason on failure: 3 when a
+retry would fail the same way (a refused batch, a bad setting, a failed quality gate:
+``errors.NOT_RETRYABLE``), 1 for any other failure, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from clickstream.config import ENV_NAMES, Config, cli_flag
-from clickstream.errors import ClickstreamError, ConfigError
+from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE, ClickstreamError, ConfigError
 
 Handler = Callable[[argparse.Namespace, Config], int]
 
@@ -312,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args, config)
     except ClickstreamError as error:
         print(f"clickstream {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
     except KeyboardInterrupt:
         print(f"clickstream {args.command}: interrupted", file=sys.stderr)
         return 130

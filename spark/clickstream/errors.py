@@ -41,3 +41,13 @@ class BatchRefusedError(ClickstreamError):
 
 class QualityGateFailedError(ClickstreamError):
     """Raised when a data-quality gate fails and its step must not write anything."""
+
+
+NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
+    BatchRefusedError, ConfigError, QualityGateFailedError)
+"""Failures a retry cannot fix: the same input gives the same refusal. Airflow tasks fail at
+once on them instead of retrying (``clickstream.orchestration``, O1)."""
+
+EXIT_NOT_RETRYABLE = 3
+"""The exit status of a command that failed with one of :data:`NOT_RETRYABLE`; any other
+failure exits 1. spark-submit passes the status on, so a Spark task can tell the two apart."""

@@ -10,7 +10,10 @@ Known edge cases, cited inline as (O1)..(O3):
   O1. A refused batch, a bad setting or a failed quality gate gives the same result on every
       retry, so the task fails at once (no retries) with the product's one-line reason;
       transient failures (broker unavailable, commit conflicts, delivery) keep Airflow's
-      retries, and every step is idempotent, so a retry resumes rather than doubles.
+      retries, and every step is idempotent, so a retry resumes rather than doubles. A Python
+      task sees the exception itself (``task_errors``); a Spark task sees only spark-submit's
+      exit status, which the entry point sets to ``errors.EXIT_NOT_RETRYABLE`` for these
+      (``spark_job``).
   O2. Asset URIs name a table, not a folder: the warehouse location is configuration and
       must not be read while the DAG file is parsed.
   O3. Configuration is read when a task runs, in the worker's environment, never while the
@@ -23,10 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clickstream.errors import BatchRefusedError, ConfigError, QualityGateFailedError
+from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
@@ -36,8 +40,8 @@ if TYPE_CHECKING:
 ENTRYPOINTS = Path(__file__).resolve().parents[1] / "entrypoints"
 
 ASSET_URI_PREFIX = "clickstream://warehouse/"
-NOT_RETRYABLE: tuple[type[Exception], ...] = (
-    BatchRefusedError, ConfigError, QualityGateFailedError)
+# The product's one-line reason in a job's output (``clickstream.cli.main``).
+ERROR_LINE_MARKER = ": error: "
 
 
 def table_asset(table: str) -> Asset:
@@ -86,8 +90,6 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
             (``spark_session.driver_launch_conf``).
         operator_args: more ``SparkSubmitOperator`` arguments (``outlets``, ``retries``...).
     """
-    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-
     def size_the_driver(context: Any) -> None:
         from clickstream.config import Config
         from clickstream.spark_session import driver_launch_conf
@@ -98,8 +100,38 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
         operator.conf = {**driver_launch_conf(config, long_running=long_running),
                          **(operator.conf or {})}
 
-    return SparkSubmitOperator(
+    return _spark_job_operator()(
         task_id=task_id, application=str(ENTRYPOINTS / f"{entrypoint}.py"),
         conn_id="spark_default", name=f"clickstream-{task_id.replace('_', '-')}",
         application_args=args if isinstance(args, str) else list(args),
         pre_execute=size_the_driver, **operator_args)
+
+
+@cache
+def _spark_job_operator() -> type[SparkSubmitOperator]:
+    """``SparkSubmitOperator`` that fails without retries when the job exited with
+    ``EXIT_NOT_RETRYABLE`` (O1), with the job's own reason as the task's error.
+
+    Defined on first use: the library imports Airflow only where a DAG needs it.
+    """
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    class ClickstreamSparkJob(SparkSubmitOperator):
+        def execute(self, context: Any) -> None:
+            try:
+                super().execute(context)
+            except AirflowException as error:
+                process = getattr(self._hook, "_submit_sp", None)
+                if process is None or process.returncode != EXIT_NOT_RETRYABLE:
+                    raise
+                lines = getattr(self._hook, "_last_submit_log_lines", ())
+                reasons = [line.strip() for line in lines if ERROR_LINE_MARKER in line
+                           and line.lstrip().startswith("clickstream ")]
+                raise AirflowFailException(
+                    reasons[-1] if reasons else
+                    f"{self.task_id} failed in a way a retry cannot fix (exit status "
+                    f"{EXIT_NOT_RETRYABLE}); its reason is in the log above") from error
+
+    ClickstreamSparkJob.__module__ = __name__
+    return ClickstreamSparkJob

@@ -3,6 +3,7 @@ disk, the landing folder in tmp. Corrections must reach Kafka; bad paths must fa
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -138,3 +139,29 @@ def test_a_path_outside_the_landing_folder_fails_the_run_with_a_clear_message(
     assert "outside the landing folder" in output
     assert str(config.landing) in output
     assert set(versions(config, spark).values()) == {-1}
+
+
+def test_a_batch_the_gate_refuses_fails_the_spark_task_at_once_with_its_reason(
+        backfill_dag, env_config: Config, spark, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture) -> None:
+    """merge runs through spark-submit with retries; a refusal must not be retried (O1)."""
+    config = env_config
+    rows = [{"order_id": f"o{i}", "client_id": "client-00", "user_id": "u",
+             "ts": f"2026-03-01T10:0{i}:00Z", "amount": "5.00", "currency": "XXX"}
+            for i in range(3)]
+    (config.landing / "bad").mkdir()
+    (config.landing / "bad" / "orders.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows))
+
+    dagrun, states = run(backfill_dag, kind="orders", path="bad")
+
+    assert str(dagrun.state) == "failed"
+    assert states["validate_batch"] == "success", states
+    assert states["merge"] == "failed", states
+    tries = {ti.task_id: ti.try_number for ti in dagrun.get_task_instances()}
+    assert tries["merge"] == 1, "a refused batch was retried"
+    output = capfd.readouterr().out + caplog.text
+    assert "AirflowFailException: clickstream backfill-step: error: quality gate " \
+           "historical_batch failed" in output
+    assert "bad_currency_fraction = 1, expected at most 0.5" in output
+    assert versions(config, spark)["orders"] == -1

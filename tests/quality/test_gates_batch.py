@@ -14,7 +14,7 @@ from pyspark.sql import functions as F
 
 from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
-from clickstream.errors import QualityGateFailedError
+from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
@@ -72,7 +72,7 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     assert all(message.split(",")[0].replace("\\", "") in r["reason"] for r in bad)
 
 
-def test_a_refused_batch_is_one_line_and_exit_1_on_the_command_line(
+def test_a_refused_batch_is_one_line_and_exit_3_on_the_command_line(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
 ) -> None:
@@ -81,7 +81,8 @@ def test_a_refused_batch_is_one_line_and_exit_1_on_the_command_line(
             monkeypatch.setenv(variable, str(getattr(stream_config, name)))
     rows = [{**order_row(f"o{i}", "u", i), "currency": "XXX"} for i in range(3)]
     path = write_rows(stream_config, "cli", rows, "jsonl")
-    assert main(["backfill", "--kind", "orders", "--client", "client-00", "--path", path]) == 1
+    command = ["backfill", "--kind", "orders", "--client", "client-00", "--path", path]
+    assert main(command) == EXIT_NOT_RETRYABLE
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1
     assert error[0].startswith("clickstream backfill: error: quality gate historical_batch "
