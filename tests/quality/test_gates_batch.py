@@ -8,17 +8,25 @@ import dataclasses
 import json
 from datetime import date, timedelta
 
+import pyarrow as pa
 import pytest
+from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
+from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
-from clickstream.tables import SESSIONS
+from clickstream.quality.checks import (
+    RECENT_COMMITS,
+    run_commit_version,
+    tables_after_merge_checks,
+)
+from clickstream.tables import ORDERS, SESSIONS
 from tests.jobs.test_backfill import (
     START,
     order_row,
@@ -113,6 +121,33 @@ def test_tables_after_merge_stops_before_any_correction(
     rows = [json.loads(r["raw"]) for r in quarantined(stream_config, spark, "tables_after_merge")]
     assert sorted(r.get("event_id", "the check results") for r in rows) == [
         "a", "b", "the check results"]  # the duplicated rows, and why the counts disagree
+
+
+def test_a_retried_merge_gate_finds_its_commit_behind_a_busy_stream(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """K3: a retried merge step (another process) reads the merge commit from the log; the
+    stream may have committed hundreds of times since."""
+    path = write_rows(stream_config, "o", [order_row(f"o{i}", "u", i) for i in range(3)],
+                      "parquet")
+    run_id = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                          path=path, progress=lambda _: None).run_id
+    tables = open_tables(stream_config, spark)
+    merged = run_commit_version(tables, ORDERS.name, run_id)
+    assert merged is not None
+    location = str(stream_config.warehouse / ORDERS.name)
+    live = DeltaTable(location).to_pyarrow_table().slice(0, 1)
+    live = live.set_column(live.schema.get_field_index("client_id"), "client_id",
+                           pa.array(["client-01"]))
+    for _ in range(RECENT_COMMITS + 5):  # the stream's live orders of another client
+        write_deltalake(location, live, mode="append")
+
+    assert run_commit_version(tables, ORDERS.name, run_id) == merged
+    keys = spark.createDataFrame([(f"o{i}",) for i in range(3)], "order_id string")
+    values = tables_after_merge_checks(tables, ORDERS, run_id=run_id, client_id="client-00",
+                                       batch_keys=keys, scope={"client_id": "client-00"}).values
+    assert (values["rows_before"], values["keys_already_stored"], values["rows_after"]) == \
+        (0, 0, 3)  # not the table compared with itself
 
 
 def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_succeeds(

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from clickstream.jobs.corrections import Snapshot
 
 EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$"
-HISTORY_DEPTH = 200  # commits searched for a run's merge or apply commit (K3)
+RECENT_COMMITS = 200  # searched first for a run's merge or apply commit (K3)
 
 
 @dataclass
@@ -223,10 +223,19 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
 # --- tables_after_merge ----------------------------------------------------------------------
 
 def run_commit_version(tables: DeltaTables, table: str, run_id: str) -> int | None:
-    """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3)."""
-    for entry in tables.history(table, HISTORY_DEPTH):
-        if entry.get("run_id") == run_id and entry.get("version") is not None:
-            return int(entry["version"])
+    """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3); None
+    if the run committed nothing to it (or the log no longer holds that commit).
+
+    The recent commits first, then the whole log: a step retried beside a running stream
+    (which commits every micro-batch) may find its run's commit far behind. Not finding it
+    would make the gate compare the table with itself and pass whatever the merge did."""
+    for limit in (RECENT_COMMITS, None):
+        entries = tables.history(table, limit)
+        for entry in entries:
+            if entry.get("run_id") == run_id and entry.get("version") is not None:
+                return int(entry["version"])
+        if limit is not None and len(entries) < limit:
+            break  # that was the whole log
     return None
 
 
