@@ -18,7 +18,9 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
 (see `scheduled_recompute`).
 
 * **Schedule `@continuous`, one active run:** the run lasts as long as the job; when it ends
-  (failure after its retries, or a stop), Airflow starts the next run at once.
+  (failure after its retries, or a stop), Airflow starts the next run at once. A failure a
+  retry cannot fix (a bad setting; records the broker dropped before they were read, see
+  `CLICKSTREAM_FAIL_ON_DATA_LOSS`) fails the task at once, without retries.
 * **Restarts resume:** source offsets and session state live in the Spark checkpoint under
   `$CLICKSTREAM_HOME/checkpoints/sessionize`, and every Delta write is idempotent per
   micro-batch, so a retry after any failure, kill or restart continues where the last committed

@@ -44,9 +44,10 @@ class QualityGateFailedError(ClickstreamError):
 
 
 NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
-    BatchRefusedError, ConfigError, QualityGateFailedError)
-"""Failures a retry cannot fix: the same input gives the same refusal. Airflow tasks fail at
-once on them instead of retrying (``clickstream.orchestration``, O1)."""
+    BatchRefusedError, ConfigError, DataLossError, QualityGateFailedError)
+"""Failures a retry cannot fix: the same input gives the same refusal (records the broker
+dropped stay dropped). Airflow tasks fail at once on them instead of retrying
+(``clickstream.orchestration``, O1)."""
 
 EXIT_NOT_RETRYABLE = 3
 """The exit status of a command that failed with one of :data:`NOT_RETRYABLE`; any other

@@ -12,8 +12,14 @@ from decimal import Decimal
 import pytest
 from pyspark.sql import SparkSession
 
-from clickstream.config import Config
-from clickstream.errors import ClickstreamError, ConfigError, DataLossError
+from clickstream.cli import main
+from clickstream.config import ENV_NAMES, Config
+from clickstream.errors import (
+    EXIT_NOT_RETRYABLE,
+    ClickstreamError,
+    ConfigError,
+    DataLossError,
+)
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
@@ -219,7 +225,8 @@ def test_an_event_from_a_wrong_clock_is_quarantined_and_does_not_move_the_waterm
 
 
 def test_data_loss_is_detected_instead_of_skipped(
-    stream_config: Config, spark: SparkSession, broker: EmbeddedBroker
+    stream_config: Config, spark: SparkSession, broker: EmbeddedBroker,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     topic = f"events-loss-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
@@ -232,6 +239,13 @@ def test_data_loss_is_detected_instead_of_skipped(
     broker.delete_records(topic, 0, 15)  # the broker drops 10..14 before we read them
     with pytest.raises(DataLossError, match=r"records 10\.\.14 were dropped"):
         run_sessionizer(config, until_caught_up=True, spark=spark)
+    # A retry would fail the same way: the command's status says so (errors.NOT_RETRYABLE),
+    # and the sessionizer DAG's task then fails without retrying.
+    for name, variable in ENV_NAMES.items():
+        if name != "kafka_options":
+            monkeypatch.setenv(variable, str(getattr(config, name)))
+    assert main(["sessionize", "--until-caught-up"]) == EXIT_NOT_RETRYABLE
+    assert "records 10..14 were dropped" in capsys.readouterr().err
 
 
 def test_accepted_data_loss_is_quarantined_once_and_the_stream_goes_on(
