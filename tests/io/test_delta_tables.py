@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -625,6 +626,35 @@ def test_maintenance_compacts_vacuums_and_checkpoints_without_changing_rows(tabl
     assert ids(tables.read("orders")) == ["o1", "o2", "o3"]
     assert spark.read.parquet(tables.table_path("orders")).count() == 3
     assert tables.app_version("orders", "a") == 3
+
+
+def test_two_compactions_at_once_do_not_store_the_rows_twice(tables, spark):
+    # delta-rs rebases a compaction over a concurrent one (its conflict check ignores removes
+    # with dataChange=false): both commits landed and every row was stored twice (edge case 15).
+    rows = order_rows(spark, range(24_000), "c1", "1").toArrow()
+    for start in range(0, rows.num_rows, 2_000):  # 12 small files of one client
+        write_deltalake(tables.table_path("orders"), rows.slice(start, 2_000),
+                        partition_by=PARTS, mode="append")
+    start = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def compact() -> None:
+        start.wait()
+        try:
+            tables.optimize("orders")
+        except BaseException as exc:  # reported by the assertion below
+            failures.append(exc)
+
+    workers = [threading.Thread(target=compact) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+    assert failures == []
+    stored = DeltaTable(tables.table_path("orders")).to_pyarrow_table(columns=["order_id"])
+    assert stored.num_rows == 24_000
+    assert len(files_of(tables, "orders", "c1")) == 3  # one per day
 
 
 def test_delta_spark_engine_without_jars_says_what_to_set(config, spark):

@@ -62,6 +62,13 @@ Known edge cases (cited inline as "edge case N"):
     is gone (compacted, replaced) or an added file holding one of the source's keys sends the
     upsert back to read again; anything else (the stream's appends of other orders) is left in
     place and the commit goes through.
+15. Two compactions of one table at once (a retried maintenance task beside its zombie, a
+    manual run beside the weekly one) both commit: delta-rs' conflict check ignores removes
+    with ``dataChange=false``, so the second rebases over the first and every row it compacted
+    is stored twice (measured with 1.6.6). :meth:`DeltaRsTables.optimize` therefore holds an
+    exclusive lock on ``OPTIMIZE_LOCK`` in the table folder (Delta ignores names starting with
+    ``_``) and loads the snapshot it compacts only once it holds it. Other writers commit with
+    ``dataChange=true`` (a compaction that read their removed files fails) or never rebase (3).
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
@@ -102,6 +110,7 @@ from clickstream.io.delta_tables import (
     filter_matches,
     partition_string,
 )
+from clickstream.locks import exclusive
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -121,6 +130,7 @@ _ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^")
 _FILE_ROWS = "path string, size long, partition_values string, modification_time long, stats string"
 ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
 ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
+OPTIMIZE_LOCK = "_clickstream_optimize.lock"  # in the table folder: one compaction at a time (15)
 
 
 _FILE = "__clickstream_file"  # a column of _read_files: which file a row came from
@@ -570,7 +580,12 @@ class DeltaRsTables(DeltaTables):
     def optimize(
         self, name: str, partition_filter: PartitionFilter | None = None
     ) -> dict[str, Any]:
-        table = self._require(name)
+        self._require(name)  # a missing table raises before its folder gets a lock file
+        with exclusive(Path(self.table_path(name)) / OPTIMIZE_LOCK):  # edge case 15
+            return self._optimize(name, partition_filter)
+
+    def _optimize(self, name: str, partition_filter: PartitionFilter | None) -> dict[str, Any]:
+        table = self._require(name)  # loaded under the lock: after any other compaction
         properties = CommitProperties(custom_metadata={"cause": "maintenance: optimize"})
         alternatives = [None]
         if partition_filter:
