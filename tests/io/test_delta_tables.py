@@ -628,6 +628,33 @@ def test_maintenance_compacts_vacuums_and_checkpoints_without_changing_rows(tabl
     assert tables.app_version("orders", "a") == 3
 
 
+def test_vacuum_deletes_files_a_crash_left_uncommitted_once_older_than_the_retention(
+        tables, spark):
+    # Edge case 1: a writer killed between writing its files and committing them leaves
+    # files no version names. Vacuum's default (lite) mode only deleted files a remove action
+    # names, so every crash's leftovers stayed on disk for good.
+    for version in (1, 2):
+        tables.append_once("orders", orders(spark, (f"o{version}", "c1", D1, "1")), app_id="a",
+                           version=version, partition_by=PARTS, metadata=META)
+    tables.optimize("orders")  # the two files are removed now, and kept for time travel
+    root = Path(tables.table_path("orders"))
+    eight_days_ago = time.time() - 8 * 24 * 3600
+    for path in root.rglob("*"):  # every file on disk is older than the retention ...
+        os.utime(path, (eight_days_ago, eight_days_ago))
+    crashed = root / "client_id=c1" / "part-00000-crashed.c000.snappy.parquet"
+    writing = root / "client_id=c1" / "part-00000-still-writing.c000.snappy.parquet"
+    for leftover in (crashed, writing):
+        pq.write_table(pa.table({"order_id": ["o9"]}), leftover)
+    os.utime(crashed, (eight_days_ago, eight_days_ago))  # ... and so is one leftover
+
+    removed = tables.vacuum("orders", retention_hours=168)
+
+    assert [Path(p).name for p in removed] == [crashed.name]
+    assert not crashed.exists() and writing.exists()  # a write in progress keeps its files
+    assert ids(tables.read("orders", version=2)) == ["o1", "o2"]  # removed < 168 h ago
+    assert ids(tables.read("orders")) == ["o1", "o2"]
+
+
 def test_two_compactions_at_once_do_not_store_the_rows_twice(tables, spark):
     # delta-rs rebases a compaction over a concurrent one (its conflict check ignores removes
     # with dataChange=false): both commits landed and every row was stored twice (edge case 15).

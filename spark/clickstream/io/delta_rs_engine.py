@@ -12,7 +12,9 @@ Known edge cases (cited inline as "edge case N"):
 
 1. A crash between writing files and committing leaves unreferenced files. They are invisible
    (readers only see files named by the log) and :meth:`DeltaRsTables.vacuum` deletes them once
-   older than the retention. Files of a refused or skipped commit are deleted at once.
+   older than the retention: it runs delta-rs' ``full`` mode, as delta-spark's VACUUM does; the
+   default (lite) mode deletes only files a remove action names, so leftovers stayed for good.
+   Files of a refused or skipped commit are deleted at once.
 2. A replayed step races its original (a zombie task, a retried Airflow task): both write
    files; the first commit wins; the loser sees ``app_version >= version`` on retry, deletes its
    files and returns False (nothing is written twice).
@@ -616,7 +618,7 @@ class DeltaRsTables(DeltaTables):
         table = self._require(name)
         try:
             return table.vacuum(
-                retention_hours=retention_hours, dry_run=False,
+                retention_hours=retention_hours, dry_run=False, full=True,  # edge case 1
                 enforce_retention_duration=enforce_retention_duration,
                 commit_properties=CommitProperties(
                     custom_metadata={"cause": "maintenance: vacuum"}
