@@ -18,13 +18,16 @@ Weekly (Sunday 03:00 UTC; also **Trigger** by hand), for every table of
 1. `compact` — rewrite small files into larger ones (`dataChange=false`: data and streaming
    readers are unaffected). The sessionizer writes one small file per partition and
    micro-batch, so this keeps reads fast.
-2. `vacuum` — delete files no version within `retention_hours` needs. The minimum, and the
-   default, is **168 h** (7 days): writers place files before committing them, and readers or
-   time travel may still need files a newer version removed.
+2. `vacuum` — delete files no version within `retention_hours` needs, and files no version
+   ever named (left by a writer killed before its commit) once older than that. The minimum,
+   and the default, is **168 h** (7 days): writers place files before committing them, and
+   readers or time travel may still need files a newer version removed.
 3. `checkpoint` — write a log checkpoint so readers replay less of the log.
 
 None of them changes data; all are safe while the other jobs run. A compaction that
-conflicts with a concurrent commit fails with `CommitConflictError` and is retried.
+conflicts with a concurrent commit fails with `CommitConflictError` and is retried; a
+compaction started while another one of the same table runs (a retry beside a stuck attempt)
+waits for it.
 """
 
 

@@ -3,9 +3,11 @@
 Every function walks the tables of ``clickstream.tables.ALL_TABLES`` that exist and returns
 what it did per table. None of them changes data: compaction rewrites files with
 ``dataChange=false`` (streaming readers skip it), vacuum deletes only files no version within
-the retention needs, a checkpoint only shortens log replay. Safe while the sessionizer,
-backfills and recomputes run: a compaction that conflicts with them fails with
-``CommitConflictError`` and is simply retried later.
+the retention needs (and files no version ever named, such as a crashed writer's, once older
+than the retention), a checkpoint only shortens log replay (application transactions stay in
+it). Safe while the sessionizer, backfills and recomputes run: a compaction that conflicts
+with them fails with ``CommitConflictError`` and is simply retried later. Two compactions of
+one table never overlap: the second waits for the first (``delta_rs_engine`` edge case 15).
 
 Known edge cases, cited inline as (M1):
   M1. Vacuum retention below 168 hours is refused: writers put Parquet files in place before
