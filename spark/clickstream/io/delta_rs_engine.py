@@ -71,6 +71,12 @@ Known edge cases (cited inline as "edge case N"):
     exclusive lock on ``OPTIMIZE_LOCK`` in the table folder (Delta ignores names starting with
     ``_``) and loads the snapshot it compacts only once it holds it. Other writers commit with
     ``dataChange=true`` (a compaction that read their removed files fails) or never rebase (3).
+16. A compaction inside a replaced range between the read and the replace changes its files,
+    not its rows: every commit since ``read_version`` whose adds and removes in the range all
+    say ``dataChange=false`` leaves ``df`` valid, so the replace removes the range's files as
+    they are now and commits. Any data change in the range (or an action without partition
+    values) is still refused. Without this, ``recompute --full`` beside the weekly compaction
+    failed, and a correction's apply read its days again for nothing.
 """
 
 from __future__ import annotations
@@ -458,7 +464,8 @@ class DeltaRsTables(DeltaTables):
             if _done(current, app_id, version):
                 return _SKIPPED
             removed = self._files_in(name, current, predicate)
-            if {f.log_path for f in removed} != in_range_before:
+            if {f.log_path for f in removed} != in_range_before and self._data_changed_in(
+                    name, predicate, current, since=read.version()):  # edge case 16
                 raise CommitConflictError(
                     f"replace_partitions on table {name!r}: a concurrent commit changed files in "
                     f"the range {predicate!r} (now version {current.version()}); nothing was "
@@ -819,6 +826,33 @@ class DeltaRsTables(DeltaTables):
             return [f for f in files if f.path in chosen]
         return _within(files, predicate)
 
+    def _data_changed_in(self, name: str, predicate: ReplacePredicate, current: DeltaTable,
+                         *, since: int) -> bool:
+        """Whether a commit after version ``since`` added or removed rows inside the range
+        (edge case 16): an add or remove with ``dataChange`` true (the default) there, or one
+        whose partition is unknown."""
+        log_dir = os.path.join(self.table_path(name), "_delta_log")
+        touched: set[tuple] = set()
+        for version in range(since + 1, current.version() + 1):
+            with open(os.path.join(log_dir, f"{version:020d}.json")) as commit:
+                for line in commit:
+                    action = json.loads(line)
+                    change = action.get("add") or action.get("remove")
+                    if change is None or change.get("dataChange") is False:
+                        continue
+                    if change.get("partitionValues") is None:
+                        return True
+                    touched.add(tuple(sorted(change["partitionValues"].items())))
+        return len(self._outside(touched, predicate, current)) < len(touched)
+
+    def _outside(self, values: set[tuple], predicate: ReplacePredicate,
+                 table: DeltaTable) -> list[tuple]:
+        """The partitions of ``values`` (sorted ``(column, value)`` tuples) outside the range."""
+        if isinstance(predicate, str):
+            return self._outside_sql(values, predicate, table)
+        alternatives = filter_alternatives(predicate)
+        return [v for v in values if not filter_matches(alternatives, dict(v))]
+
     def _check_inside(
         self,
         name: str,
@@ -827,12 +861,8 @@ class DeltaRsTables(DeltaTables):
         table: DeltaTable,
     ) -> None:
         """Every new row must lie in the replaced range, or it would duplicate rows outside."""
-        values = {tuple(sorted(f.partition_values.items())) for f in files}
-        if isinstance(predicate, str):
-            outside = self._outside_sql(values, predicate, table)
-        else:
-            alternatives = filter_alternatives(predicate)
-            outside = [v for v in values if not filter_matches(alternatives, dict(v))]
+        outside = self._outside({tuple(sorted(f.partition_values.items())) for f in files},
+                                predicate, table)
         if outside:
             raise ClickstreamError(
                 f"replace_partitions on table {name!r}: {len(outside)} partition(s) of the new "
