@@ -518,3 +518,38 @@ def test_the_schedule_finishes_a_killed_backfills_plan_with_nothing_queued(
     assert summary.queued == {"c1": 0}
     assert_topic_equals_table(stream_config, spark)
     assert run_recompute(stream_config, spark=spark, progress=quiet).queued == {}
+
+
+def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R5) Killed after the tombstones of u's merged-away session, before the rewrite:
+    the table still holds it, the topic has its tombstone, and the recorded plan is what
+    retracts it. u then comes back (a new pageview, open in the stream), so the rerun leaves
+    u's stored rows as they are. It took the killed plan for its own and did not finish it,
+    then marked its own plan published (which hid the killed one for good): the retracted
+    session stayed in the table with a tombstone on the topic."""
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                                      pv_row("b", "u", 40, client="c1")],
+                                 "parquet"))
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
+    stream_committed_a_batch_at(stream_config, 120)
+    send = recompute.produce_records
+
+    def killed_after_the_tombstones(config, topic, records):
+        sent = send(config, topic, records)
+        raise Killed(f"after {sent} tombstones, before the rewrite")
+
+    monkeypatch.setattr(recompute, "produce_records", killed_after_the_tombstones)
+    with pytest.raises(Killed):
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    monkeypatch.undo()
+    assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 1
+
+    stored_by_the_stream(stream_config, spark, [("back", "c1", "u", 200)])
+    stream_committed_a_batch_at(stream_config, 215)  # u's session at 200 is open
+    summary = run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert summary.users_left_to_the_stream == 1
+    sessions = table_rows(stream_config, spark, "sessions")
+    assert sorted((r["pageview_count"], r["revision"]) for r in sessions) == [(3, 2)]
+    assert_topic_equals_table(stream_config, spark)

@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R4):
+Known edge cases, cited inline as (R1)..(R5):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -27,6 +27,12 @@ Known edge cases, cited inline as (R1)..(R4):
   R4. A plan interrupted before it reached Kafka (C6) is finished by the client's next
       correction run; a run of the schedule also finishes those of clients with nothing
       queued, so a killed backfill's changes reach the topics within one schedule.
+  R5. A ``--full`` killed after recording its plan (R3) leaves it unpublished, and its rerun
+      has the same run id, so ``resume`` hands the plan back as the rerun's own instead of
+      finishing it. Planning again from the tables is not enough: a session whose tombstone
+      went out before the kill is still in the table, and if its user has come back to the
+      stream since (R2), the rerun keeps that user's stored rows as they are; marking its
+      own plan published then hid the killed one for good. The rerun finishes it first.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from clickstream.jobs.corrections import (
     _session_rows,
     correct,
     diff,
+    finish,
     mark_published,
     next_plan_seq,
     one_run_at_a_time,
@@ -250,8 +257,15 @@ def run_full_recompute(
     with one_run_at_a_time(config, client_id, progress):
         run = Run(spark, config, tables, client_id, f"full-recompute-{client_id}",
                   f"full recompute of {client_id}", progress)
+        timer = Timer(CorrectionSummary(), progress)
         try:
-            resume(run, CorrectionSummary(), Timer(CorrectionSummary(), progress))
+            # A killed --full's own plan comes back from resume() unfinished (its run id is
+            # the same each time): finished first like another run's (R5).
+            own = resume(run, CorrectionSummary(), timer)
+            if own is not None:
+                finish(run, own, timer, step="finish the interrupted full recompute",
+                       check_applied=True)
+                own.unpersist()
         except QualityGateFailedError as failed:
             progress(f"  the unpublished plan fails its applied check ({failed}); the full "
                      "recompute supersedes it")
