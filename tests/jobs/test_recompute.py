@@ -16,11 +16,13 @@ from pyspark.sql import SparkSession
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, QualityGateFailedError
 from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_changelog import publish_sessions
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import backfill_steps, corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.sessions.semantics import session_id
 from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
 from tests.jobs.test_backfill import (
     START,
@@ -552,4 +554,50 @@ def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
     assert summary.users_left_to_the_stream == 1
     sessions = table_rows(stream_config, spark, "sessions")
     assert sorted((r["pageview_count"], r["revision"]) for r in sessions) == [(3, 2)]
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_full_recompute_never_retracts_a_session_the_stream_closed_while_it_read(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R6) x's pageview at 125 arrives on time and the stream closes x's session while the
+    full recompute reads: after it read the client's pageviews (without x's), before it read
+    the sessions (with x's). x had no stored row later than watermark - gap, so x was not
+    left to the stream, and its session, missing from the rewrite, was retracted: a tombstone
+    and gone from the table, with x's pageview stored and never queued (it was on time)."""
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                                      pv_row("b", "u", 40, client="c1")],
+                                 "parquet"))
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
+    stream_committed_a_batch_at(stream_config, 120)
+    x_start = START + timedelta(minutes=125)
+    x_session = {"session_id": session_id("c1", "x", ms(x_start)), "client_id": "c1",
+                 "user_id": "x", "session_start": x_start, "session_end": x_start,
+                 "pageview_count": 1, "landing_url": "/x1", "exit_url": "/x1", "order_count": 0,
+                 "revenue": Decimal(0), "revision": 1, "session_date": x_start.date()}
+    holds = recompute._users_the_stream_holds
+    closed = []
+
+    def the_stream_closes_a_session_meanwhile(*args):
+        users = holds(*args)
+        if not closed:  # one micro-batch: x's pageview, then its session (table, topic)
+            closed.append(x_session["session_id"])
+            stored_by_the_stream(stream_config, spark, [("x1", "c1", "x", 125)])
+            rows = spark.createDataFrame([x_session], SESSIONS.schema)
+            open_tables(stream_config, spark).append_once(
+                SESSIONS.name, rows, app_id="test-stream-sessions", version=next(_steps),
+                partition_by=SESSIONS.partition_by, metadata={"run_id": "t", "cause": "t"})
+            publish_sessions(stream_config, rows)
+            stream_committed_a_batch_at(stream_config, 160)
+        return users
+
+    monkeypatch.setattr(recompute, "_users_the_stream_holds",
+                        the_stream_closes_a_session_meanwhile)
+    try:
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    except ClickstreamError as refused:  # a commit it conflicts with: rerun (R3)
+        assert "changed while it ran" in str(refused)
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    sessions = table_rows(stream_config, spark, "sessions")
+    assert sorted((r["user_id"], r["pageview_count"]) for r in sessions) == [("u", 3), ("x", 1)]
     assert_topic_equals_table(stream_config, spark)

@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R5):
+Known edge cases, cited inline as (R1)..(R6):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -33,6 +33,14 @@ Known edge cases, cited inline as (R1)..(R5):
       went out before the kill is still in the table, and if its user has come back to the
       stream since (R2), the rerun keeps that user's stored rows as they are; marking its
       own plan published then hid the killed one for good. The rerun finishes it first.
+  R6. ``--full`` reads the sessions and attributions it rewrites before the pageviews and
+      orders it rewrites them from. The other way round, a session (or attribution) the stream
+      closed in between was in what it rewrote but not in what it computed, and its user was
+      not left to the stream (R2: the pageview was not in what it read): it was retracted,
+      though its pageview is stored and was never queued. Read first, every stored session has
+      its pageviews in the later read (the stream stores a micro-batch's records before the
+      sessions it derives, Z6 of ``sessionize``), and a session committed after the read makes
+      the rewrite's commit conflict (R3).
 """
 
 from __future__ import annotations
@@ -309,6 +317,13 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     mine = {"client_id": client_id}
     watermark = stream_watermark_ms(config)
     users = ["client_id", "user_id"]
+    # What it rewrites is read before what it rewrites it from (R6).
+    stored_of: dict[str, tuple[DataFrame, int | None]] = {}
+    for spec in (SESSIONS, ATTRIBUTIONS):
+        version = tables.version(spec.name)
+        version = version if version >= 0 else None
+        stored_of[spec.name] = (tables.read(spec.name, partition_filter=mine, schema=spec.schema,
+                                            version=version), version)
     pageviews = tables.read(PAGEVIEWS.name, partition_filter=mine, schema=PAGEVIEWS.schema)
     orders = tables.read(ORDERS.name, partition_filter=mine, schema=ORDERS.schema)
     active = (_users_the_stream_holds(pageviews, orders, watermark - config.session_gap_ms)
@@ -325,10 +340,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
             (ATTRIBUTIONS, _attribution_rows(emitted), config.attributions_topic, "order_date",
              "attribution")):
         (key,) = spec.key
-        read_version = tables.version(spec.name)
-        read_version = read_version if read_version >= 0 else None
-        stored = tables.read(spec.name, partition_filter=mine, schema=spec.schema,
-                             version=read_version)
+        stored, read_version = stored_of[spec.name]
         old = stored.join(active, users, "left_anti")
         content = [c for c in rows.columns if c not in (key, "revision")]
         same = ~_differs(tuple(content))  # the comparison diff() makes
