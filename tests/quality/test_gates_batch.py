@@ -18,7 +18,7 @@ from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import read_compacted
+from clickstream.io.kafka_clients import encode_json, read_compacted
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.quality.checks import (
@@ -211,6 +211,40 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     topic = read_compacted(stream_config, stream_config.sessions_topic)
     assert set(topic) == {session["session_id"]}
     assert topic[session["session_id"]]["revision"] == session["revision"] == 2
+
+
+def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record of u's session at revision 1 (a replayed micro-batch, a run outside the
+    lock) lands after the run's revision 2, in the range the gate reads back: the compacted
+    view holds revision 1 and the table revision 2. The gate looked for (key, revision)
+    anywhere in the range, found revision 2 and passed."""
+    quiet = {"progress": lambda _: None, "spark": spark}
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
+                 path=write_rows(stream_config, "p1", [pv_row("a", "u", 0)], "parquet"))
+    ((key, first),) = read_compacted(stream_config, stream_config.sessions_topic).items()
+    real_produce = corrections.produce_records
+
+    def then_an_older_revision(config, topic, records):
+        sent = real_produce(config, topic, records)
+        if topic == config.sessions_topic:
+            real_produce(config, topic, [(key, encode_json(first))])
+        return sent
+
+    monkeypatch.setattr(corrections, "produce_records", then_an_older_revision)
+    merge = write_rows(stream_config, "p2", [pv_row("b", "u", 10)], "parquet")
+    with pytest.raises(QualityGateFailedError, match=(
+            r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
+            r"expectations failed: quality gate publish: sessions_missing_at_revision = 1")):
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    assert read_compacted(stream_config, stream_config.sessions_topic)[key]["revision"] == 1
+
+    monkeypatch.setattr(corrections, "produce_records", real_produce)
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert read_compacted(stream_config, stream_config.sessions_topic)[key]["revision"] == (
+        session["revision"]) == 2
 
 
 def test_good_batches_and_a_recompute_pass_every_gate(stream_config: Config,

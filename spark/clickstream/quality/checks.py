@@ -20,8 +20,11 @@ Known edge cases, cited inline as (K1)..(K6):
       the recomputed ones*: sessions outside the affected windows are at least one gap away
       from them by construction (corrections C1).
   K5. Publishing is verified by reading back, from each partition, exactly the offset range
-      written between two watermark snapshots; records other producers wrote meanwhile are
-      ignored, and a key counts as published if any of its records there has the revision.
+      written between two watermark snapshots; records of other keys that other producers
+      wrote meanwhile are ignored, and a key counts as published if its *last* record there
+      has the revision (a tombstone for a retraction): that record is what a compacted reader
+      keeps. An older revision of the key written after the run's (a replayed micro-batch, a
+      run outside the lock) passed when any record of the key counted.
   K6. The merge's keys are first counted by their 64-bit hash (a third cheaper to shuffle
       than strings). Equal keys have equal hashes, so a pass is a pass; a collision can only
       make counts look wrong, and then everything is counted again by the keys themselves.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -397,21 +401,24 @@ def topic_ends(config: Config, topics: Sequence[str]) -> dict[str, dict[int, int
 
 
 def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
-                   ) -> dict[str, set[tuple[str, int | None]]]:
-    """Per topic, every (key, revision) written after ``since`` (revision None = tombstone).
-    Pairs in one set rather than a set of revisions per key: at a million records the
-    per-key sets cost more than reading them."""
+                   ) -> dict[str, AbstractSet[tuple[str, int | None]]]:
+    """Per topic, the (key, revision) of each key's last record written after ``since``
+    (revision None = tombstone): what a compacted reader keeps of the range (K5). A key
+    lives in one partition, whose records come in offset order, so the last one read wins.
+    Returned as the pairs of one dict (a set view): at a million records per-key sets of
+    revisions cost more than reading them."""
     from clickstream.io.kafka_clients import gc_paused, read_offset_ranges
 
     now = topic_ends(config, list(since))
-    seen: dict[str, set[tuple[str, int | None]]] = {}
+    seen: dict[str, AbstractSet[tuple[str, int | None]]] = {}
     with gc_paused():
         for topic, ends in now.items():
-            pairs = seen.setdefault(topic, set())
+            last: dict[str, int | None] = {}
             ranges = {p: (since[topic].get(p, 0), end) for p, end in ends.items()}
             for batch in read_offset_ranges(config, topic, ranges):  # one consumer per topic
-                pairs.update((key.decode(), _revision(message.value()))
-                             for message in batch if (key := message.key()) is not None)
+                last.update((key.decode(), _revision(message.value()))
+                            for message in batch if (key := message.key()) is not None)
+            seen[topic] = last.items()
     return seen
 
 
@@ -436,7 +443,7 @@ def _revision(value: bytes | None) -> int | None:
 
 
 def publish_checks(changes: DataFrame, config: Config,
-                   published: Mapping[str, set[tuple[str, int | None]]]) -> Checks:
+                   published: Mapping[str, AbstractSet[tuple[str, int | None]]]) -> Checks:
     """What the run's plan (``corrections`` rows) says was published vs what the topics hold."""
     from clickstream.io.kafka_clients import gc_paused
 

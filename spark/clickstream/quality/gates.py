@@ -492,8 +492,9 @@ def gate_publish(run: Run, changes: DataFrame, since: Mapping[str, Mapping[int, 
     started = time.monotonic()
     job, run_id = split_run_id(run.run_id)
     published = C.read_published(run.config, since)
-    run.progress(f"  publish gate: read back {sum(map(len, published.values())):,} distinct "
-                 f"(key, revision) records in {time.monotonic() - started:.1f}s")
+    keys = sum(map(len, published.values()))
+    run.progress(f"  publish gate: read back the last record of {keys:,} keys in "
+                 f"{time.monotonic() - started:.1f}s")
     checks = C.publish_checks(changes, run.config, published)
     result = run_gate("publish", checks, config=run.config, job=job, run_id=run_id,
                       client_id=run.client_id,
