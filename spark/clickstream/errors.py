@@ -43,6 +43,11 @@ class QualityGateFailedError(ClickstreamError):
     """Raised when a data-quality gate fails and its step must not write anything."""
 
 
+class PlanNotAppliedError(QualityGateFailedError):
+    """Raised when the tables do not hold a recorded correction plan: it must not be
+    published, and only a full recompute of the client supersedes it."""
+
+
 NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
     BatchRefusedError, ConfigError, DataLossError, QualityGateFailedError)
 """Failures a retry cannot fix: the same input gives the same refusal (records the broker

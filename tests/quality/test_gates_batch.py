@@ -21,6 +21,7 @@ from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import encode_json, read_compacted
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.recompute import run_full_recompute
 from clickstream.quality.checks import (
     RECENT_COMMITS,
     run_commit_version,
@@ -211,6 +212,35 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     topic = read_compacted(stream_config, stream_config.sessions_topic)
     assert set(topic) == {session["session_id"]}
     assert topic[session["session_id"]]["revision"] == session["revision"] == 2
+
+
+def test_a_full_recompute_does_not_supersede_a_plan_whose_publish_failed(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a plan the tables do not hold is superseded by --full (PlanNotAppliedError). A
+    plan applied but failing its publish gate is rerun: superseded, its tombstone was lost,
+    as the rewrite finds nothing left to retract."""
+    quiet = {"progress": lambda _: None, "spark": spark}
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
+                 path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
+                                 "parquet"))
+    real_produce = corrections.produce_records
+
+    def without_tombstones(config, topic, records):  # a publishing bug
+        return real_produce(config, topic, ((k, v) for k, v in records if v is not None))
+
+    monkeypatch.setattr(corrections, "produce_records", without_tombstones)
+    merge = write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet")
+    with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
+    with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
+        run_full_recompute(stream_config, client_id="client-00", **quiet)
+
+    monkeypatch.setattr(corrections, "produce_records", real_produce)
+    run_full_recompute(stream_config, client_id="client-00", **quiet)
+    (session,) = table_rows(stream_config, spark, "sessions")
+    topic = read_compacted(stream_config, stream_config.sessions_topic)
+    assert set(topic) == {session["session_id"]}
 
 
 def test_publish_gate_finds_an_older_revision_written_after_the_new_one(

@@ -70,7 +70,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError, QualityGateFailedError
+from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import spark_row_value
 from clickstream.io.kafka_clients import produce_records
@@ -799,7 +799,7 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
         ``{"sessions": planned session rows, "attributions": planned attribution rows}``.
 
     Raises:
-        QualityGateFailedError: some planned rows are not reflected; publish nothing.
+        PlanNotAppliedError: some planned rows are not reflected; publish nothing.
     """
     counts = {}
     for entity, label, spec, date_column in (
@@ -809,7 +809,7 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
                                            date_column)
         counts[label] = planned
         if bad:
-            raise QualityGateFailedError(
+            raise PlanNotAppliedError(
                 f"{run.run_id}: {bad} of {planned} planned {label} are not what table "
                 f"{spec.name!r} holds (first: {', '.join(first)}); nothing was published to "
                 f"Kafka. Inspect corrections where run_id = '{run.run_id}'. Until this plan "

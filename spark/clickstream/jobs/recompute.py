@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R6):
+Known edge cases, cited inline as (R1)..(R7):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -41,6 +41,10 @@ Known edge cases, cited inline as (R1)..(R6):
       its pageviews in the later read (the stream stores a micro-batch's records before the
       sessions it derives, Z6 of ``sessionize``), and a session committed after the read makes
       the rewrite's commit conflict (R3).
+  R7. ``--full`` supersedes an unfinished plan only when the tables do not hold it (its
+      applied check fails: ``PlanNotAppliedError``). A plan applied whose publish gate fails
+      again is an error of this run too: superseded, its retractions would never reach the
+      topic, since the rewrite finds nothing left to retract. A rerun publishes it.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError, QualityGateFailedError
+from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_rows
 from clickstream.io.kafka_clients import produce_records
@@ -274,7 +278,7 @@ def run_full_recompute(
                 finish(run, own, timer, step="finish the interrupted full recompute",
                        check_applied=True)
                 own.unpersist()
-        except QualityGateFailedError as failed:
+        except PlanNotAppliedError as failed:  # (R7)
             progress(f"  the unpublished plan fails its applied check ({failed}); the full "
                      "recompute supersedes it")
             superseded = unfinished_plan(run)
