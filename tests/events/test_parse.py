@@ -45,6 +45,14 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     ("{not json", "value is not valid JSON"),
     ('{"event_id": "e1", "event_id": "e2"}', "value is not valid JSON"),  # duplicate key
     ("[1, 2, 3]", "value is not a JSON object"),
+    # Two events in one record: the JSON readers took the first and ignored the rest.
+    (json.dumps(PAGEVIEW) + json.dumps({**PAGEVIEW, "event_id": "e2"}),
+     "value is not valid JSON: text follows its first value"),
+    (json.dumps(PAGEVIEW) + "\n" + json.dumps({**PAGEVIEW, "event_id": "e2"}),
+     "value is not valid JSON: text follows its first value"),
+    (json.dumps(PAGEVIEW) + " x", "value is not valid JSON: text follows its first value"),
+    (json.dumps(PAGEVIEW) + "]", "value is not valid JSON: text follows its first value"),
+    (json.dumps(PAGEVIEW) + ",0]", "value is not valid JSON: text follows its first value"),
     ('"text"', "value is not a JSON object"),
     (json.dumps({k: v for k, v in PAGEVIEW.items() if k != "user_id"}),
      "missing field user_id"),

@@ -41,6 +41,21 @@ def _iso_as_spark_reads_it(text: Column) -> Column:
                             "$1:00$2")
 
 
+def _one_json_value(text: Column) -> Column:
+    """True when ``text`` holds one JSON value and nothing after it but whitespace (never null).
+
+    ``try_parse_json`` and ``from_json`` read the first value and ignore what follows: two
+    events in one record (``{...}{...}``, or JSON Lines) stored the first and dropped the
+    second unseen. Wrapped in an array, text after the value either breaks the array (null),
+    adds elements (``,``) or closes it early (``]``), which the second wrapping tells apart
+    from one value (its ``,0`` stays inside the array only then).
+    """
+    def wrapped(close: str) -> Column:
+        return F.json_array_length(F.concat(F.lit("["), text, F.lit(close)))
+
+    return F.coalesce((wrapped("]") == 1) & (wrapped(",0]") == 2), F.lit(False))
+
+
 def ts_from_text(text: Column) -> Column:
     """Timestamp of an ISO-8601-with-zone or epoch-millis string; null when it is neither
     (or names no real time, such as hour 25)."""
@@ -181,6 +196,8 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         F.col("_lost"),
         F.when(_blank(F.col("raw")), F.lit("value is empty")),
         F.when(v.isNull(), F.lit("value is not valid JSON")),
+        F.when(~_one_json_value(F.col("raw")),
+               F.lit("value is not valid JSON: text follows its first value")),
         F.when(~F.ltrim(F.col("raw")).startswith("{"), F.lit("value is not a JSON object")),
         missing,
         ts_error(F.col("ts_text"), F.col("ts_value")),
