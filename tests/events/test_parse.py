@@ -90,6 +90,15 @@ def test_a_bad_record_is_marked_with_the_first_rule_it_breaks(
     assert error_of(spark, value) == reason
 
 
+@pytest.mark.parametrize("value", [
+    "\n" + json.dumps(PAGEVIEW),  # JSON's whitespace is space, tab, CR and LF
+    "\r\n\t " + json.dumps(PAGEVIEW) + "\r\n",
+])
+def test_json_whitespace_around_the_object_is_valid(spark: SparkSession, value: str) -> None:
+    (row,) = parse(spark, (KEY, value))
+    assert (row["error"], row["event_id"]) == (None, "e1")
+
+
 def test_a_key_that_does_not_name_the_user_is_an_error(spark: SparkSession) -> None:
     assert error_of(spark, json.dumps(PAGEVIEW), key="client-00/u2") == (
         "key 'client-00/u2' does not match client_id/user_id 'client-00/u1'")

@@ -198,7 +198,9 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         F.when(v.isNull(), F.lit("value is not valid JSON")),
         F.when(~_one_json_value(F.col("raw")),
                F.lit("value is not valid JSON: text follows its first value")),
-        F.when(~F.ltrim(F.col("raw")).startswith("{"), F.lit("value is not a JSON object")),
+        # JSON's whitespace (space, tab, CR, LF) may precede the object: ``ltrim`` removed
+        # spaces only, and a valid object after a newline was quarantined.
+        F.when(~F.col("raw").rlike(r"^[ \t\r\n]*\{"), F.lit("value is not a JSON object")),
         missing,
         ts_error(F.col("ts_text"), F.col("ts_value")),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), F.col("_received"), max_ts_ahead_ms),
