@@ -427,6 +427,37 @@ def test_an_integer_ts_out_of_range_is_a_rows_reason(stream_config: Config,
     assert summary.rows_merged == 1
 
 
+def test_an_amount_column_of_numbers_is_judged_by_its_value_not_its_text(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """The gate accepts decimal and floating amount columns, but their text as Spark casts it
+    carries the column's scale (12.500000) or an exponent (1.23456785E7): valid amounts were
+    quarantined as 'not a decimal string with at most 4 decimals'."""
+    decimals = [{**order_row("scale", "u", 1), "amount": Decimal("12.500000")},
+                {**order_row("fine", "u", 2), "amount": Decimal("0.000100")},
+                {**order_row("precise", "u", 3), "amount": Decimal("1.234560")}]
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path=write_rows(stream_config, "dec", decimals, "parquet"))
+    assert (summary.rows_merged, summary.quarantined) == (2, 1)
+    floats = [{**order_row("large", "u", 4), "amount": 12345678.5},
+              {**order_row("small", "u", 5), "amount": 0.0001},
+              {**order_row("inexact", "u", 6), "amount": 0.1 + 0.2},
+              {**order_row("nan", "u", 7), "amount": float("nan")}]
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path=write_rows(stream_config, "float", floats, "parquet"))
+    assert (summary.rows_merged, summary.quarantined) == (2, 2)
+    amounts = {r["order_id"]: r["amount"] for r in table_rows(stream_config, spark, "orders")}
+    assert amounts == {"scale": Decimal("12.5000"), "fine": Decimal("0.0001"),
+                       "large": Decimal("12345678.5000"), "small": Decimal("0.0001")}
+    reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
+               for r in table_rows(stream_config, spark, "quarantine")}
+    assert reasons == {
+        "precise": "amount '1.23456' is not a decimal string with at most 4 decimals",
+        "inexact": "amount '0.30000000000000004' is not a decimal string with at most 4 "
+                   "decimals",
+        "nan": "amount 'NaN' is not a decimal string with at most 4 decimals"}
+
+
 batch_rows = st.lists(
     st.tuples(st.sampled_from(["u1", "u2"]), st.integers(0, 240), st.integers(0, 3)),
     min_size=1, max_size=25)

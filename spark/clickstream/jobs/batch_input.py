@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B7):
+Known edge cases, cited inline as (B1)..(B9):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -29,6 +29,10 @@ Known edge cases, cited inline as (B1)..(B7):
       user's window reach the stream's open tail, so the whole user's correction would wait
       (queued) until the watermark reaches that row: for a ts years ahead, for good. The
       modification time is part of the run's id (``fingerprint``), so a rerun judges alike.
+  B9. An ``amount`` column of numbers (Parquet decimals, floats; JSON numbers) is judged by its
+      value, written plainly without trailing zeros: Spark's text of it carries the column's
+      scale (``12.500000``) or an exponent (``1.23456785E7``), and such valid amounts were
+      quarantined as having more than 4 decimals. A value with more still is.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     DateType,
+    DecimalType,
+    FractionalType,
     StringType,
     StructField,
     StructType,
@@ -207,6 +213,18 @@ def _text(frame: DataFrame, name: str) -> Column:
     return F.col(name).cast(StringType())
 
 
+def _amount_text(frame: DataFrame) -> Column:
+    """The ``amount`` as the text the contract's amount rule judges (B9)."""
+    text = F.col("amount").cast(StringType())
+    if not isinstance(frame.schema["amount"].dataType, FractionalType):  # decimals too
+        return text
+    # Floats become decimals by their shortest text (0.1 stays 0.1). Beyond 20 digits before
+    # the point, or NaN and infinities, the cast fails and the column's own text is judged.
+    exact = F.col("amount").try_cast(DecimalType(38, 18)).cast(StringType())
+    plain = F.regexp_replace(F.regexp_replace(exact, r"(\.\d*?)0+$", "$1"), r"\.$", "")
+    return F.coalesce(plain, text)
+
+
 def _ts(frame: DataFrame) -> tuple[Column, Column]:
     """(timestamp, text for messages) of the ``ts`` column, whatever its type (B2)."""
     kind = frame.schema["ts"].dataType
@@ -226,6 +244,8 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     ts, ts_text = _ts(frame)
     key = KEY[kind]
     columns = {name: _text(frame, name) for name in REQUIRED[kind] if name != "ts"}
+    if kind == "orders":
+        columns["amount"] = _amount_text(frame)  # (B9)
     fields = [c for c in frame.columns if c not in ("_file", "_file_modified", MALFORMED_CSV_ROW)]
     raw = F.to_json(F.struct(*[F.col(c) for c in fields]))
     malformed = F.lit(None).cast(StringType())
