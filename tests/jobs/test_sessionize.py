@@ -451,6 +451,25 @@ def test_a_retried_pageview_does_not_drop_an_order_whose_order_id_equals_its_eve
     assert table_rows(stream_config, spark, "quarantine") == []
 
 
+def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(S3) Spark compares event times in microseconds: a pageview 0.5 ms after the watermark
+    is on time in the next micro-batch, but the state kept ids by their millisecond and let
+    this one go with the watermark: its retry was stored and counted a second time."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    just_after = start + timedelta(microseconds=500)
+    delay = timedelta(milliseconds=stream_config.watermark_delay_ms)
+    for records in ([pageview("a", just_after, "p1"), pageview("b", start + delay, "q")],
+                    [pageview("a", start + timedelta(minutes=5), "p2")],  # the watermark: start
+                    [pageview("a", just_after, "p1")]):  # on time: after the watermark
+        produce(stream_config, records)
+        summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert summary.totals.duplicates == 1
+    assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")) == [
+        "p1", "p2", "q"]
+
+
 def test_a_restart_with_another_session_gap_is_refused(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -26,6 +26,9 @@ Known edge cases, cited inline as (S1)..(S7):
   S3. Rows at or before the previous batch's watermark never reach the processor (Spark drops
       them); the sink stores them and queues them for the recompute. So a pageview id is kept
       only while its ts is after the current watermark: no later copy of it can arrive on time.
+      Spark compares in microseconds, ids keep their millisecond (``ts_ms``, truncated): an id
+      in the watermark's own millisecond is kept too, since 0.5 ms after the watermark is on
+      time (dropped with it, such a pageview's retry was stored and sessionized twice).
   S4. Checkpoints written before spans held each open pageview in ``open_pageviews``; the first
       call for such a bucket folds them into the spans and clears it.
   S5. Spark fires a batch's expired timers after its input rows. A bucket with input has just
@@ -256,7 +259,8 @@ class BucketState:
         emitted_order_ids = set(emitted_orders["record_id"])
         self.orders = self.orders[~self.orders["order_id"].isin(emitted_order_ids)]
         self.orders = self.orders.reset_index(drop=True)
-        self.new_ids = self.new_ids.filter(pc.greater(self.new_ids["ts_ms"], watermark_ms))  # S3
+        self.new_ids = self.new_ids.filter(  # (S3) its millisecond may still be on time
+            pc.greater_equal(self.new_ids["ts_ms"], watermark_ms))
         pending = attributions[uncovered & ~final_uncovered]
         rows = pd.concat([emitted_sessions, emitted_orders], ignore_index=True)
         return rows, next_wakeup(open_spans, pending, self.gap_ms)
@@ -326,7 +330,7 @@ class SessionProcessor(StatefulProcessor):
                 new_ids = pa.concat_tables([decode_table(earlier[0]), new_ids])
             self.recent_id_slices.updateValue(key, (encode_table(new_ids),))
         for key in slices:
-            if key[1] <= watermark_ms:
+            if key[1] < watermark_ms:  # (S3) ids of the watermark's millisecond stay
                 self.recent_id_slices.removeKey(key)
 
     def _save(self, state: BucketState, slices: list[tuple[int, int]], wakeup: int | None,
