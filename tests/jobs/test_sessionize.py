@@ -470,6 +470,29 @@ def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
         "p1", "p2", "q"]
 
 
+def test_an_on_time_retry_of_an_unattributed_order_within_the_watermark_millisecond_is_held(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(S3) An order no session covers was emitted, and let go, once the watermark reached its
+    millisecond; 0.5 ms after the watermark, its retry was still on time: stored and
+    attributed a second time."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    just_after = start + timedelta(microseconds=500)
+    delay = timedelta(milliseconds=stream_config.watermark_delay_ms)
+    duplicates = []
+    for records in ([order("c", just_after, "o1"), pageview("b", start + delay, "q")],
+                    [pageview("a", start + timedelta(minutes=5), "p2")],  # the watermark: start
+                    [order("c", just_after, "o1")],  # on time: after the watermark
+                    [pageview("b", start + delay + timedelta(minutes=1), "q2")]):  # it moves on
+        produce(stream_config, records)
+        duplicates.append(run_sessionizer(stream_config, until_caught_up=True,
+                                          spark=spark).totals.duplicates)
+    assert duplicates == [0, 0, 1, 0]
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["o1"]
+    assert [(r["order_id"], r["session_id"])
+            for r in table_rows(stream_config, spark, "attributions")] == [("o1", None)]
+
+
 def test_a_restart_with_another_session_gap_is_refused(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -22,8 +22,11 @@ Known edge cases, cited inline as (E1)..(E7):
       (consecutive sessions are >= gap apart), so an order has at most one session.
   E6. Duplicates (same ``event_id`` / ``order_id``) count once; the first occurrence wins.
   E7. A session is final once the watermark reaches ``end + gap``, and an uncovered order once
-      the watermark reaches its ``ts``: no later on-time pageview (ts > watermark) can touch
-      them. Later changes are the recompute's job.
+      the watermark passes its ``ts``: no later on-time pageview (ts > watermark) can touch
+      them. Later changes are the recompute's job. Passes, not reaches: ``ts_ms`` is truncated
+      and Spark judges lateness in microseconds, so an order 0.5 ms into the watermark's
+      millisecond may still be retried on time, and only the state it is held in knows the
+      retry for a duplicate (stream_adapter S3).
 """
 
 from __future__ import annotations
@@ -277,6 +280,6 @@ def next_wakeup(
     ``open_sessions`` is any table with ``end_ms`` (sessions or spans)."""
     ends = np.asarray(open_sessions["end_ms"], dtype=np.int64)
     times = [int(ends.min()) + gap_ms] if len(ends) else []
-    if len(uncovered_orders):
-        times.append(int(uncovered_orders["ts_ms"].min()))
+    if len(uncovered_orders):  # once the watermark passes its millisecond (E7)
+        times.append(int(uncovered_orders["ts_ms"].min()) + 1)
     return min(times) if times else None

@@ -251,7 +251,7 @@ class BucketState:
         session_of_order = attributions["session_id"]
         in_closed = session_of_order.isin(closed_ids).to_numpy()
         uncovered = session_of_order.isna().to_numpy()
-        final_uncovered = uncovered & (attributions["ts_ms"].to_numpy() <= watermark_ms)
+        final_uncovered = uncovered & (attributions["ts_ms"].to_numpy() < watermark_ms)  # E7
         emitted_sessions = exact_revenue(sessions[: len(closed)]).assign(kind="session")
         emitted_orders = attributions[in_closed | final_uncovered].rename(
             columns={"order_id": "record_id", "ts_ms": "record_ts_ms"}).assign(kind="attribution")
