@@ -493,6 +493,34 @@ def test_an_on_time_retry_of_an_unattributed_order_within_the_watermark_millisec
             for r in table_rows(stream_config, spark, "attributions")] == [("o1", None)]
 
 
+def test_two_clients_pageviews_with_the_same_event_id_are_each_stored_once(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z3) Tables are per client, and so are ids: the sink kept one row per event_id across
+    clients, so one client's pageview was dropped unseen (no quarantine row) while its
+    session, which the state built from it, was stored. On time and late alike."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    delay = timedelta(milliseconds=stream_config.watermark_delay_ms)
+
+    def of(client: str, user: str, at: datetime, event_id: str) -> tuple[str, str]:
+        key, value = pageview(user, at, event_id)
+        return key.replace("client-00", client), value.replace("client-00", client)
+
+    for records in ([of("client-00", "a", start, "1001"), of("client-01", "z", start, "1001"),
+                     of("client-00", "b", start + delay + timedelta(hours=2), "x")],
+                    [of("client-00", "a", start + timedelta(minutes=1), "2002"),  # late
+                     of("client-01", "z", start + timedelta(minutes=1), "2002")]):
+        produce(stream_config, records)
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert sorted((r["client_id"], r["event_id"])
+                  for r in table_rows(stream_config, spark, "pageviews")) == [
+        ("client-00", "1001"), ("client-00", "2002"), ("client-00", "x"),
+        ("client-01", "1001"), ("client-01", "2002")]
+    assert sorted((r["client_id"], r["record_id"])
+                  for r in table_rows(stream_config, spark, "recompute_queue")) == [
+        ("client-00", "2002"), ("client-01", "2002")]
+
+
 def test_a_restart_with_another_session_gap_is_refused(
     stream_config: Config, spark: SparkSession
 ) -> None:

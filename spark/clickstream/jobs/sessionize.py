@@ -24,7 +24,10 @@ Known edge cases, cited inline as (Z1)..(Z11):
       table, restricted to the partitions (client, day) of the late rows.
   Z3. On-time duplicates are recognised by the state (``duplicate`` rows) and within the batch.
       A duplicate row drops only rows of its own type and client: a pageview's event_id may
-      equal an order's order_id, and a retried pageview dropped such a new order unseen.
+      equal an order's order_id, and a retried pageview dropped such a new order unseen. Ids
+      are a client's (its tables are its own): within the batch and against stored rows,
+      records are the same only with the same client too; one row per id across clients
+      dropped one client's pageview unseen while the state sessionized it.
   Z4. The query id in the checkpoint names the Delta application transactions: a new
       checkpoint (a fresh query) never collides with the batch ids of an old one.
   Z5. Counts are the rows each write committed (file statistics, no count job): a replayed
@@ -291,7 +294,8 @@ def checkpoint_query_id(checkpoint: Path) -> str:
 
 def _stored_where(tables: DeltaTables, spec: TableSpec, late: DataFrame,
                   columns: list[str]) -> DataFrame | None:
-    """The stored ``columns`` of the (client, day) partitions of ``late``; None if none."""
+    """The stored ``client_id`` and ``columns`` of the (client, day) partitions of ``late``;
+    None if none."""
     if not tables.exists(spec.name):
         return None
     parts = late.select("client_id", "event_date").distinct().collect()
@@ -301,13 +305,13 @@ def _stored_where(tables: DeltaTables, spec: TableSpec, late: DataFrame,
         spec.name, [*columns, "client_id", "event_date"],
         partition_filter={"client_id": sorted({p.client_id for p in parts}),
                           "event_date": sorted({p.event_date for p in parts})},
-    ).select(*columns)
+    ).select("client_id", *columns)
 
 
 def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: str) -> DataFrame:
     """Drop late rows already stored (Z2), reading only their (client, day) partitions."""
     stored = _stored_where(tables, spec, late, [key])
-    return late if stored is None else late.join(stored, on=key, how="left_anti")
+    return late if stored is None else late.join(stored, on=["client_id", key], how="left_anti")
 
 
 # The records the sink stores in a table of their own: (event type, key, table).
@@ -324,8 +328,9 @@ def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
         rows = late.where(F.col("event_type") == kind)
         stored = _stored_where(tables, spec, rows, [key, "source"])
         if stored is not None:
-            elsewhere = stored.join(rows.select(key, "source"), [key, "source"], "left_anti")
-            rows = rows.join(elsewhere.select(key), on=key, how="left_anti")
+            same = ["client_id", key]  # (Z3)
+            elsewhere = stored.join(rows.select(*same, "source"), [*same, "source"], "left_anti")
+            rows = rows.join(elsewhere.select(*same), on=same, how="left_anti")
         kept.append(rows)
     return reduce(DataFrame.unionByName, kept)
 
@@ -418,7 +423,7 @@ class MicroBatchWriter:
         backfilled = _queued_by_backfills(self.tables)  # (Z11)
 
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
-            rows = valid.where(F.col("event_type") == kind).dropDuplicates([key])
+            rows = valid.where(F.col("event_type") == kind).dropDuplicates(["client_id", key])
             parts = []
             if present.get(f"record:{kind}"):
                 on_time = rows.where(~is_late)
@@ -445,7 +450,8 @@ class MicroBatchWriter:
             others = valid.where(~F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER))
             stored["other_events"] = lambda: self._append(
                 OTHER_EVENTS, _late_anti_join(self.tables, OTHER_EVENTS,
-                                              others.dropDuplicates(["event_id"]), "event_id"),
+                                              others.dropDuplicates(["client_id", "event_id"]),
+                                              "event_id"),
                 batch_id, app_id)
 
         # A wave of its own after the records' (Z9): what it queues is already stored.
@@ -460,7 +466,7 @@ class MicroBatchWriter:
                     F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
                     .otherwise(F.col("event_id")).alias("record_id"),
                     "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
-                ).dropDuplicates(["kind", "record_id"])
+                ).dropDuplicates(["client_id", "kind", "record_id"])
                 return self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
 
             queued["late_queued"] = queue_late
