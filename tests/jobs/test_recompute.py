@@ -522,6 +522,17 @@ def test_the_schedule_finishes_a_killed_backfills_plan_with_nothing_queued(
     assert run_recompute(stream_config, spark=spark, progress=quiet).queued == {}
 
 
+def u_merged_by_the_stream(stream_config: Config, spark: SparkSession) -> None:
+    """u's two sessions of c1 backfilled, then a pageview between them stored by the stream,
+    whose watermark is at 120 minutes: a full recompute merges u's sessions into one."""
+    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
+                                                      pv_row("b", "u", 40, client="c1")],
+                                 "parquet"))
+    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])
+    stream_committed_a_batch_at(stream_config, 120)
+
+
 def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R5) Killed after the tombstones of u's merged-away session, before the rewrite:
@@ -530,12 +541,7 @@ def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
     u's stored rows as they are. It took the killed plan for its own and did not finish it,
     then marked its own plan published (which hid the killed one for good): the retracted
     session stayed in the table with a tombstone on the topic."""
-    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
-                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
-                                                      pv_row("b", "u", 40, client="c1")],
-                                 "parquet"))
-    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
-    stream_committed_a_batch_at(stream_config, 120)
+    u_merged_by_the_stream(stream_config, spark)
     send = recompute.produce_records
 
     def killed_after_the_tombstones(config, topic, records):
@@ -564,12 +570,7 @@ def test_a_full_recompute_never_retracts_a_session_the_stream_closed_while_it_re
     the sessions (with x's). x had no stored row later than watermark - gap, so x was not
     left to the stream, and its session, missing from the rewrite, was retracted: a tombstone
     and gone from the table, with x's pageview stored and never queued (it was on time)."""
-    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
-                 path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
-                                                      pv_row("b", "u", 40, client="c1")],
-                                 "parquet"))
-    stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
-    stream_committed_a_batch_at(stream_config, 120)
+    u_merged_by_the_stream(stream_config, spark)
     x_start = START + timedelta(minutes=125)
     x_session = {"session_id": session_id("c1", "x", ms(x_start)), "client_id": "c1",
                  "user_id": "x", "session_start": x_start, "session_end": x_start,

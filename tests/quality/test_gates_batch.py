@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from datetime import date, timedelta
 
 import pyarrow as pa
@@ -183,20 +184,28 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
     assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2
 
 
-def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
-    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    quiet = {"progress": lambda _: None, "spark": spark}
-    run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
+def publishing_without_tombstones(stream_config: Config, spark: SparkSession,
+                                  monkeypatch: pytest.MonkeyPatch) -> tuple[str, Callable]:
+    """u's two sessions stored, and a publishing bug that drops tombstones; returns the batch
+    that merges the two sessions (one retraction) and the real producer, to restore."""
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 progress=lambda _: None,
                  path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
                                  "parquet"))
     real_produce = corrections.produce_records
 
-    def without_tombstones(config, topic, records):  # a publishing bug
+    def without_tombstones(config, topic, records):
         return real_produce(config, topic, ((k, v) for k, v in records if v is not None))
 
     monkeypatch.setattr(corrections, "produce_records", without_tombstones)
-    merge = write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet")
+    return write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet"), real_produce
+
+
+def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quiet = {"progress": lambda _: None, "spark": spark}
+    merge, real_produce = publishing_without_tombstones(stream_config, spark, monkeypatch)
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
             r"expectations failed: quality gate publish: retractions_without_tombstone = 1, "
@@ -221,16 +230,7 @@ def test_a_full_recompute_does_not_supersede_a_plan_whose_publish_failed(
     plan applied but failing its publish gate is rerun: superseded, its tombstone was lost,
     as the rewrite finds nothing left to retract."""
     quiet = {"progress": lambda _: None, "spark": spark}
-    run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
-                 path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
-                                 "parquet"))
-    real_produce = corrections.produce_records
-
-    def without_tombstones(config, topic, records):  # a publishing bug
-        return real_produce(config, topic, ((k, v) for k, v in records if v is not None))
-
-    monkeypatch.setattr(corrections, "produce_records", without_tombstones)
-    merge = write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet")
+    merge, real_produce = publishing_without_tombstones(stream_config, spark, monkeypatch)
     with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
         run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
