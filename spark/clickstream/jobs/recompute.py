@@ -120,7 +120,7 @@ def run_recompute(
     spark = spark or build_spark(config, "clickstream-recompute")
     tables = open_tables(config, spark)
     summary = RecomputeSummary()
-    unfinished = _clients_with_unfinished_plans(spark, config, tables)
+    unfinished = _clients_with_unfinished_plans(spark, config, tables, client_id)
     if not tables.exists(RECOMPUTE_QUEUE.name) and not unfinished:
         return summary
     warm_up(config)  # Great Expectations takes seconds to import; overlap it with the reads
@@ -163,12 +163,14 @@ def run_recompute(
     return summary
 
 
-def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables
-                                   ) -> set[str]:
-    """(R4) Clients whose latest plan never reached Kafka (C6): the clients are read from the
-    ``corrections`` table's partitions (file statistics with delta-rs), each one's plan steps
-    from the log's application versions."""
-    clients = tables.largest_by_partition(CORRECTIONS.name, "run_seq", "client_id")
+def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables,
+                                   only: str | None) -> set[str]:
+    """(R4) Clients (or client ``only``) whose latest plan never reached Kafka (C6): the
+    clients are read from the ``corrections`` table's partitions (file statistics with
+    delta-rs), each one's plan steps from the log's application versions."""
+    clients = tables.largest_by_partition(
+        CORRECTIONS.name, "run_seq", "client_id",
+        partition_filter={"client_id": only} if only else None)
     return {client for client in clients if client is not None and unfinished_plan_seq(
         Run(spark, config, tables, client, "plan-lookup", "plan lookup")) is not None}
 
