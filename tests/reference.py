@@ -43,7 +43,7 @@ def ts_ms(value: Any) -> int | None:
 
 def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
     """The records the contract accepts, first occurrence of each id only."""
-    seen: set[str] = set()
+    seen: set[tuple[str, str, str]] = set()
     out = []
     for key, raw in records:
         try:
@@ -70,9 +70,10 @@ def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
                     or event.get("currency") not in CURRENCIES or not event.get("order_id")):
                 continue
         ident = event["order_id"] if event["event_type"] == "order" else event["event_id"]
-        if (event["event_type"], ident) in seen:
+        key = (event["client_id"], event["event_type"], ident)  # ids are a client's
+        if key in seen:
             continue
-        seen.add((event["event_type"], ident))
+        seen.add(key)
         out.append({**event, "ts_ms": ms})
     return out
 

@@ -27,6 +27,7 @@ from clickstream.jobs import sessionize
 from clickstream.jobs.generate import Delivery, Scale, live_records
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import build_stream, run_sessionizer
+from clickstream.sessions.batch_adapter import user_bucket
 from tests.reference import reference_sessions, valid_events
 
 SCALE = Scale(clients=2, users_per_client=12, minutes=8 * 60,
@@ -519,6 +520,50 @@ def test_two_clients_pageviews_with_the_same_event_id_are_each_stored_once(
     assert sorted((r["client_id"], r["record_id"])
                   for r in table_rows(stream_config, spark, "recompute_queue")) == [
         ("client-00", "2002"), ("client-01", "2002")]
+
+
+def same_bucket_user(spark: SparkSession, client: str, user: str, other_client: str) -> str:
+    """A user of ``other_client`` whose state bucket is that of ``client``/``user``."""
+    candidates = [(client, user)] + [(other_client, f"user-{n}") for n in range(256)]
+    rows = spark.createDataFrame(candidates, ["client_id", "user_id"]).select(
+        "user_id", user_bucket(sessionize.STATE_BUCKETS).alias("bucket")).collect()
+    return next(r["user_id"] for r in rows[1:] if r["bucket"] == rows[0]["bucket"])
+
+
+def test_two_clients_of_one_state_bucket_may_send_the_same_ids(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(S8) The state held ids across the clients of its bucket: another client's pageview and
+    order with ids it held were taken for on-time retries, neither stored nor sessionized,
+    and left no quarantine row."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    late_enough = timedelta(milliseconds=stream_config.watermark_delay_ms) + timedelta(hours=2)
+    other = same_bucket_user(spark, "client-00", "a", "client-01")
+
+    def of_client_01(record: tuple[str, str]) -> tuple[str, str]:
+        key, value = record
+        return (key.replace("client-00/a", f"client-01/{other}"),
+                value.replace("client-00", "client-01").replace('"a"', f'"{other}"'))
+
+    first = [pageview("a", start, "1001"), order("a", start + timedelta(seconds=1), "o7")]
+    second = [of_client_01(pageview("a", start + timedelta(minutes=1), "1001")),
+              of_client_01(order("a", start + timedelta(minutes=1, seconds=1), "o7"))]
+    duplicates = 0
+    for records in (first, second, [pageview("b", start + late_enough)],
+                    [pageview("b", start + late_enough + timedelta(minutes=1))]):
+        produce(stream_config, records)
+        summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+        duplicates += summary.totals.duplicates
+    assert duplicates == 0
+    for table, key, record_id in (("pageviews", "event_id", "1001"),
+                                  ("orders", "order_id", "o7")):
+        assert sorted((r["client_id"], r[key]) for r in table_rows(stream_config, spark, table)
+                      if r["user_id"] != "b") == [("client-00", record_id),
+                                                  ("client-01", record_id)]
+    assert sorted((r["client_id"], r["user_id"], r["pageview_count"], r["order_count"])
+                  for r in table_rows(stream_config, spark, "sessions")
+                  if r["user_id"] != "b") == [("client-00", "a", 1, 1), ("client-01", other, 1, 1)]
+    assert table_rows(stream_config, spark, "quarantine") == []
 
 
 def test_a_restart_with_another_session_gap_is_refused(

@@ -88,6 +88,18 @@ def test_duplicates_count_once() -> None:
     assert result.sessions.order_count[0] == 1
 
 
+def test_two_clients_may_use_one_id() -> None:
+    """(E6) Ids are a client's: the same event_id or order_id from another client is another
+    event, counted in that client's session."""
+    both = pd.concat([pageviews(("a", 0)), pageviews(("a", 5)).assign(client_id="d")])
+    result = sessionize(both, pd.concat([orders(("o", 1, 5)),
+                                         orders(("o", 6, 7)).assign(client_id="d")]), GAP)
+    assert sorted(result.sessions[["client_id", "pageview_count", "order_count",
+                                   "revenue_e4"]].to_numpy().tolist()) == [
+        ["c", 1, 1, 5], ["d", 1, 1, 7]]
+    assert result.attributions["session_id"].notna().all()
+
+
 def test_order_exactly_at_end_plus_gap_is_unattributed() -> None:
     result = sessionize(
         pageviews(("a", 0), ("b", 60_000)),

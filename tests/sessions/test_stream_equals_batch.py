@@ -19,8 +19,8 @@ from clickstream.sessions.semantics import ORDER_COLUMNS, PAGEVIEW_COLUMNS, sess
 from clickstream.sessions.stream_adapter import (
     INPUT_COLUMNS,
     OUTPUT_COLUMNS,
-    RECENT_IDS_SCHEMA,
     SessionProcessor,
+    decode_table,
     encode_frame,
     encode_table,
 )
@@ -34,16 +34,20 @@ event = st.tuples(
     st.integers(1, 10 * GAP),
     st.sampled_from(["pageview"] * 4 + ["order"]),
     st.integers(0, 60),  # id pool small enough to produce duplicates
+    st.sampled_from(["c", "d"]),  # two clients of one bucket, sending the same ids (E6)
 )
 
 
-def to_frame(events: list[tuple[str, int, str, int]]) -> pd.DataFrame:
+def to_frame(events: list[tuple]) -> pd.DataFrame:
+    """Rows of (user, ts, kind, ident) or (user, ts, kind, ident, client) for client c. Ids
+    depend on the user, not the client: two clients' events may share one."""
     rows = []
-    first_ts: dict[tuple[str, str, int], int] = {}
-    for user, ts, kind, ident in events:
-        ts = first_ts.setdefault((user, kind, ident), ts)  # a duplicate repeats its event
+    first_ts: dict[tuple[str, str, str, int], int] = {}
+    for user, ts, kind, ident, *client in events:
+        client_id = client[0] if client else "c"
+        ts = first_ts.setdefault((client_id, user, kind, ident), ts)  # a retry repeats its event
         rows.append({
-            "bucket": 0, "client_id": "c", "user_id": user, "event_type": kind,
+            "bucket": 0, "client_id": client_id, "user_id": user, "event_type": kind,
             "event_id": f"{kind}-{user}-{ident}", "ts_ms": ts,
             "url": f"/{ident}" if kind == "pageview" else None,
             "order_id": f"o-{user}-{ident}" if kind == "order" else None,
@@ -111,9 +115,9 @@ def test_stream_sessions_equal_batch_sessions(events, batch_sizes) -> None:
     assert got == want
 
     attributions = out[out["kind"] == "attribution"]
-    got_attr = sorted(zip(attributions.record_id, attributions.session_id.fillna(""),
-                          strict=True))
-    want_attr = sorted(zip(expected.attributions.order_id,
+    got_attr = sorted(zip(attributions.client_id, attributions.record_id,
+                          attributions.session_id.fillna(""), strict=True))
+    want_attr = sorted(zip(expected.attributions.client_id, expected.attributions.order_id,
                            expected.attributions.session_id.fillna(""), strict=True))
     assert got_attr == want_attr
 
@@ -155,7 +159,7 @@ def test_a_checkpoint_holding_all_recent_ids_in_one_value_still_finds_retries() 
     frame = to_frame([("u1", first, "pageview", 1), ("u1", retried, "pageview", 2)])
     tester = spark_like_tester()
     tester.updateValueState("recent_pageview_ids", 0, (encode_table(pa.table({
-        "event_id": frame["event_id"], "ts_ms": frame["ts_ms"]}, schema=RECENT_IDS_SCHEMA)),))
+        "event_id": frame["event_id"], "ts_ms": frame["ts_ms"]})),))  # no client_id then (S8)
     arriving = pd.concat([to_frame([("u1", retried, "pageview", 2)]),
                           to_frame([("u2", retried + 3, "pageview", 3)])], ignore_index=True)
 
@@ -165,6 +169,25 @@ def test_a_checkpoint_holding_all_recent_ids_in_one_value_still_finds_retries() 
     assert tester.peekValueState("recent_pageview_ids", 0) is None
     slices = tester.peekMapState("recent_pageview_id_slices", 0)
     assert sorted(slices) == [(retried, retried + 3)]  # the id at minute 5 is behind the watermark
+
+
+def test_an_id_slice_saved_without_clients_still_finds_retries() -> None:
+    """(S8) Slices saved before ids carried their client match an id of any client, as they
+    did; the call's own slice carries its clients."""
+    minute = 60_000
+    frame = to_frame([("u1", 5 * minute, "pageview", 1)])
+    tester = spark_like_tester()
+    tester.updateMapState("recent_pageview_id_slices", 0, {
+        (5 * minute, 5 * minute): (encode_table(pa.table({"event_id": frame["event_id"],
+                                                          "ts_ms": frame["ts_ms"]})),)})
+    arriving = to_frame([("u1", 5 * minute, "pageview", 1), ("u2", 6 * minute, "pageview", 2)])
+
+    out = pd.concat(micro_batch(tester, arriving, watermark=0), ignore_index=True)
+
+    assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-1"]
+    (blob,) = tester.peekMapState("recent_pageview_id_slices", 0)[(6 * minute, 6 * minute)]
+    assert decode_table(blob).to_pylist() == [
+        {"event_id": "pageview-u2-2", "ts_ms": 6 * minute, "client_id": "c"}]
 
 
 def test_a_retry_is_recognised_while_its_slice_is_partly_behind_the_watermark() -> None:
@@ -180,6 +203,30 @@ def test_a_retry_is_recognised_while_its_slice_is_partly_behind_the_watermark() 
     out = pd.concat(micro_batch(tester, retry, watermark=15 * minute), ignore_index=True)
 
     assert list(out.loc[out["kind"] == "duplicate", "record_id"]) == ["pageview-u1-2"]
+
+
+def test_two_clients_of_one_bucket_may_send_the_same_ids() -> None:
+    """(E6, S2) Ids are a client's: another client's event with an id the state holds is new,
+    not a retry. Taken for one, it got a ``duplicate`` row, so the sink did not store it
+    either, and it was lost without a quarantine row."""
+    minute = 60_000
+    tester = spark_like_tester()
+    micro_batch(tester, to_frame([("u1", minute, "pageview", 1, "c"),
+                                  ("u1", minute + 1, "order", 2, "c")]), watermark=0)
+    arriving = to_frame([("u1", 2 * minute, "pageview", 1, "d"),
+                         ("u1", 2 * minute + 1, "order", 2, "d"),
+                         ("u1", minute, "pageview", 1, "c")])  # c's retry is one
+
+    out = pd.concat([*micro_batch(tester, arriving, watermark=0),
+                     tester.setWatermark(FAR_FUTURE)], ignore_index=True)
+
+    assert out.loc[out["kind"] == "duplicate", ["client_id", "record_id"]].to_numpy(
+        ).tolist() == [["c", "pageview-u1-1"]]
+    sessions = out[out["kind"] == "session"].sort_values("client_id")
+    assert sessions[["client_id", "pageview_count", "order_count"]].to_numpy().tolist() == [
+        ["c", 1, 1], ["d", 1, 1]]
+    attributed = out[out["kind"] == "attribution"].sort_values("client_id")
+    assert attributed["session_id"].tolist() == sessions["session_id"].tolist()
 
 
 def test_open_sessions_stay_one_record_batch_call_after_call() -> None:

@@ -15,7 +15,7 @@ emits the sessions the watermark closes (with their attributions) and keeps the 
 stream equals the batch by construction, and a call's work grows with its input and the open
 sessions, not with every open pageview.
 
-Known edge cases, cited inline as (S1)..(S7):
+Known edge cases, cited inline as (S1)..(S8):
   S1. Within one micro-batch a bucket's input is complete, so anything the batch's watermark
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
@@ -48,6 +48,11 @@ Known edge cases, cited inline as (S1)..(S7):
       spans written as they are would gain a record batch per call, for as long as the stream
       runs: after 100 calls a bucket's spans took 4x as long to encode. Checkpoints written
       that way are compacted by their next save.
+  S8. Ids are a client's (semantics E6): a bucket holds users of several clients, so a held id
+      or order matches a new record of its own client only. Taken for a retry, another
+      client's record got a ``duplicate`` row and the sink did not store it either: lost
+      without a quarantine row. Ids saved before they carried their client (``client_id``
+      null) match any client's, as they did; they leave the state with their slice (S6).
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 from clickstream.sessions import tws_input
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
+    ORDER_KEY,
     PAGEVIEW_COLUMNS,
+    PAGEVIEW_KEY,
     SPAN_COLUMNS,
     closed_sessions,
     dedupe,
@@ -110,7 +117,8 @@ OUTPUT_COLUMNS = OUTPUT_SCHEMA.fieldNames()
 STATE_SCHEMA = StructType([StructField("blob", BinaryType(), True)])
 
 
-RECENT_IDS_SCHEMA = pa.schema([("event_id", pa.string()), ("ts_ms", pa.int64())])
+RECENT_IDS_SCHEMA = pa.schema([("event_id", pa.string()), ("ts_ms", pa.int64()),
+                               ("client_id", pa.string())])  # (S8) null: any client
 ID_SLICE_KEY_SCHEMA = StructType([StructField("min_ts_ms", LongType(), False),
                                   StructField("max_ts_ms", LongType(), False)])  # (S6)
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
@@ -144,6 +152,29 @@ def decode_frame(blob: bytes | None, empty: pd.DataFrame) -> pd.DataFrame:
 SPANS_SCHEMA = pa.schema([
     (c, pa.int64() if c in ("start_ms", "end_ms", "pageview_count") else pa.string())
     for c in SPAN_COLUMNS])
+
+
+def recent_ids(table: pa.Table) -> pa.Table:
+    """``table`` of pageview ids in RECENT_IDS_SCHEMA. Ids saved before they carried their
+    client get a null one, which matches every client (S8)."""
+    if "client_id" not in table.column_names:
+        table = table.append_column("client_id", pa.nulls(table.num_rows, pa.string()))
+    return table.select(RECENT_IDS_SCHEMA.names).cast(RECENT_IDS_SCHEMA)
+
+
+def _keys(frame: pd.DataFrame, key: list[str]) -> pd.MultiIndex:
+    return pd.MultiIndex.from_frame(frame[key])
+
+
+def _seen(records: pd.DataFrame, key: list[str], held: pd.DataFrame) -> np.ndarray:
+    """Mask of ``records`` whose ``key`` (client, id) ``held`` holds; a held row without a
+    client matches the id of any client (S8)."""
+    if held.empty or records.empty:
+        return np.zeros(len(records), dtype=bool)
+    client, record_id = key
+    any_client = held[client].isna().to_numpy()
+    return (_keys(records, key).isin(_keys(held[~any_client], key))
+            | records[record_id].isin(held.loc[any_client, record_id]).to_numpy())
 
 
 def _users_in(spans: pa.Table, frame: pd.DataFrame) -> pa.ChunkedArray:
@@ -191,7 +222,7 @@ class BucketState:
         self.gap_ms = gap_ms
 
     def remember_ids(self, ids: pa.Table) -> None:
-        self.new_ids = pa.concat_tables([self.new_ids, ids.cast(RECENT_IDS_SCHEMA)])
+        self.new_ids = pa.concat_tables([self.new_ids, recent_ids(ids)])
 
     def add_pageviews(self, pageviews: pd.DataFrame) -> None:
         """Merge new, deduplicated pageviews into the open sessions and remember their ids."""
@@ -207,20 +238,20 @@ class BucketState:
         self.remember_ids(pa.table({
             "event_id": pa.array(pageviews["event_id"].to_numpy(), pa.string()),
             "ts_ms": pa.array(pageviews["ts_ms"].to_numpy(dtype=np.int64), pa.int64()),
+            "client_id": pa.array(pageviews["client_id"].to_numpy(), pa.string()),
         }, schema=RECENT_IDS_SCHEMA))
 
     def add(self, events: pd.DataFrame) -> pd.DataFrame:
         """Fold new events in; returns the ``duplicate`` rows of records already held (S2)."""
         is_order = (events["event_type"] == "order").to_numpy()
-        new_pv = dedupe(events.loc[~is_order, PAGEVIEW_COLUMNS], "event_id")
-        new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], "order_id")
+        new_pv = dedupe(events.loc[~is_order, PAGEVIEW_COLUMNS], PAGEVIEW_KEY)
+        new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], ORDER_KEY)
         # Probe the held ids with the batch's (hashing the few new ids, not every held one).
         new_ids = pa.array(new_pv["event_id"].to_numpy(), pa.string())
-        known = pa.chunked_array([*self.held_ids["event_id"].chunks,
-                                  *self.new_ids["event_id"].chunks], pa.string())
-        held = known.filter(pc.is_in(known, value_set=new_ids))
-        pv_dup = new_pv["event_id"].isin(held.to_pylist()).to_numpy()
-        order_dup = new_orders["order_id"].isin(self.orders["order_id"]).to_numpy()
+        known = pa.concat_tables([self.held_ids, self.new_ids])
+        held = known.filter(pc.is_in(known["event_id"], value_set=new_ids)).to_pandas()
+        pv_dup = _seen(new_pv, PAGEVIEW_KEY, held)
+        order_dup = _seen(new_orders, ORDER_KEY, self.orders)
         duplicates = pd.concat([
             pd.DataFrame({"client_id": new_pv["client_id"][pv_dup],
                           "user_id": new_pv["user_id"][pv_dup],
@@ -256,9 +287,10 @@ class BucketState:
         emitted_orders = attributions[in_closed | final_uncovered].rename(
             columns={"order_id": "record_id", "ts_ms": "record_ts_ms"}).assign(kind="attribution")
         self.spans = open_spans
-        emitted_order_ids = set(emitted_orders["record_id"])
-        self.orders = self.orders[~self.orders["order_id"].isin(emitted_order_ids)]
-        self.orders = self.orders.reset_index(drop=True)
+        if len(emitted_orders):
+            emitted = emitted_orders.rename(columns={"record_id": "order_id"})
+            self.orders = self.orders[~_keys(self.orders, ORDER_KEY).isin(
+                _keys(emitted, ORDER_KEY))].reset_index(drop=True)
         self.new_ids = self.new_ids.filter(  # (S3) its millisecond may still be on time
             pc.greater_equal(self.new_ids["ts_ms"], watermark_ms))
         pending = attributions[uncovered & ~final_uncovered]
@@ -305,7 +337,7 @@ class SessionProcessor(StatefulProcessor):
             for key in slices_holding(slices, pageview_ts):
                 value = self.recent_id_slices.getValue(key)
                 if value and value[0]:
-                    held.append(decode_table(value[0]))
+                    held.append(recent_ids(decode_table(value[0])))
         state = BucketState(decode_table(spans) if spans else SPANS_SCHEMA.empty_table(),
                             decode_frame(self._blob(self.order_state), empty_orders()),
                             pa.concat_tables(held) if held else RECENT_IDS_SCHEMA.empty_table(),
@@ -327,7 +359,7 @@ class SessionProcessor(StatefulProcessor):
             key = (pc.min(new_ids["ts_ms"]).as_py(), pc.max(new_ids["ts_ms"]).as_py())
             if key in slices:  # the same range again: keep both calls' ids
                 earlier = self.recent_id_slices.getValue(key)
-                new_ids = pa.concat_tables([decode_table(earlier[0]), new_ids])
+                new_ids = pa.concat_tables([recent_ids(decode_table(earlier[0])), new_ids])
             self.recent_id_slices.updateValue(key, (encode_table(new_ids),))
         for key in slices:
             if key[1] < watermark_ms:  # (S3) ids of the watermark's millisecond stay
