@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, TriggerRule, dag, task
 
 from clickstream.orchestration import task_errors
 
@@ -28,6 +28,11 @@ None of them changes data; all are safe while the other jobs run. A compaction t
 conflicts with a concurrent commit fails with `CommitConflictError` and is retried; a
 compaction started while another one of the same table runs (a retry beside a stuck attempt)
 waits for it.
+
+Each step tries every table even when one fails, then fails naming each failed table and
+its reason (its log also has a line per table). Vacuum and checkpoint do not depend on
+compaction, so they run whatever the step before them did; `watcher` (skipped when all went
+well) then fails the run, so a failed step is never hidden behind a green run.
 """
 
 
@@ -55,7 +60,7 @@ def table_maintenance():
         with task_errors():
             return compact_tables(Config.from_env())
 
-    @task
+    @task(trigger_rule=TriggerRule.ALL_DONE)  # independent of compaction's outcome
     def vacuum(params=None) -> dict:
         from clickstream.config import Config
         from clickstream.jobs.maintenance import vacuum_tables
@@ -64,7 +69,7 @@ def table_maintenance():
             return vacuum_tables(Config.from_env(),
                                  retention_hours=int(params["retention_hours"]))
 
-    @task
+    @task(trigger_rule=TriggerRule.ALL_DONE)
     def checkpoint() -> dict:
         from clickstream.config import Config
         from clickstream.jobs.maintenance import checkpoint_tables
@@ -72,7 +77,18 @@ def table_maintenance():
         with task_errors():
             return checkpoint_tables(Config.from_env())
 
-    compact() >> vacuum() >> checkpoint()
+    @task(trigger_rule=TriggerRule.ONE_FAILED, retries=0)
+    def watcher() -> None:
+        """Fail the run when a step failed: with ALL_DONE downstream, the leaf alone would
+        decide the run's state and a failed compaction would end in a green run."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException("a maintenance step failed; its log names each failed "
+                                   "table and why (the other tables were done)")
+
+    steps = [compact(), vacuum(), checkpoint()]
+    steps[0] >> steps[1] >> steps[2]
+    steps >> watcher()
 
 
 table_maintenance()

@@ -16,7 +16,7 @@ EXPECTED = {
                             "recompute", "validate_corrections", "publish", "report",
                             "announce_merge"],
     "scheduled_recompute": ["recompute_queue"],
-    "table_maintenance": ["compact", "vacuum", "checkpoint"],
+    "table_maintenance": ["compact", "vacuum", "checkpoint", "watcher"],
 }
 
 

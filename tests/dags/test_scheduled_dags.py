@@ -37,6 +37,31 @@ def test_maintenance_compacts_vacuums_and_checkpoints_every_table(dagbag,
     assert list((path / "_delta_log").glob("*.checkpoint.parquet"))
 
 
+def test_a_failed_compaction_still_vacuums_and_checkpoints_then_fails_the_run(
+        dagbag, env_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltalake import DeltaTable, write_deltalake
+
+    dag = dagbag.dags["table_maintenance"]
+    monkeypatch.setattr(dag.task_dict["compact"], "retries", 0)  # not 2 retries 5 min apart
+    paths = {name: env_config.table_path(name) for name in ("pageviews", "quarantine")}
+    for path in paths.values():
+        for index in range(3):
+            write_deltalake(str(path), pa.table({"reason": [f"r{index}"]}), mode="append")
+    broken = DeltaTable(str(paths["pageviews"])).file_uris()[0].removeprefix("file://")
+    with open(broken, "wb") as handle:  # compacting pageviews fails: a file is not Parquet
+        handle.write(b"not parquet")
+
+    dagrun = dag.test()
+
+    states = {ti.task_id: str(ti.state) for ti in dagrun.get_task_instances()}
+    assert states == {"compact": "failed", "vacuum": "success", "checkpoint": "success",
+                      "watcher": "failed"}, states
+    assert str(dagrun.state) == "failed"  # the week's failure shows on the run
+    assert len(DeltaTable(str(paths["quarantine"])).file_uris()) == 1
+    for path in paths.values():
+        assert list((path / "_delta_log").glob("*.checkpoint.parquet")), path
+
+
 def test_vacuum_below_seven_days_is_refused(dagbag, env_config: Config) -> None:
     from airflow.sdk.exceptions import ParamValidationError
 

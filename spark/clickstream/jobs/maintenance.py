@@ -13,20 +13,25 @@ Known edge cases, cited inline as (M1):
   M1. Vacuum retention below 168 hours is refused: writers put Parquet files in place before
       they commit them, and readers (and time travel) may still use files a newer version
       removed; Delta's own default retention is 7 days for these reasons.
+  M2. One table's failure (a compaction conflicting with a backfill, an unreadable file) does
+      not stop the others: every table is tried, each failure is reported as it happens, and
+      the step then fails with one error naming every failed table and its reason. The first
+      failure used to end the loop, so the tables after it went unmaintained that week.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from clickstream.config import Config
-from clickstream.errors import ConfigError
+from clickstream.errors import ClickstreamError, ConfigError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.tables import ALL_TABLES
 
 MIN_VACUUM_RETENTION_HOURS = 168
 Progress = Callable[[str], None]
+_T = TypeVar("_T")
 
 
 def _open(config: Config) -> DeltaTables:
@@ -44,17 +49,49 @@ def existing_tables(tables: DeltaTables) -> list[str]:
     return [name for name in ALL_TABLES if tables.exists(name)]
 
 
-def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, dict[str, Any]]:
-    """Compact small files of every existing table; per table, files added and removed."""
-    tables = _open(config)
-    done: dict[str, dict[str, Any]] = {}
+def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
+               progress: Progress) -> dict[str, _T]:
+    """``work(name)`` for every existing table, even after one fails (M2); per table, its result.
+
+    Raises:
+        ClickstreamError: ``work`` failed on one or more tables (each named with its reason;
+            the first failure is chained); every other table was done all the same.
+    """
+    done: dict[str, _T] = {}
+    failed: dict[str, Exception] = {}
     for name in existing_tables(tables):
-        metrics = tables.optimize(name)
-        done[name] = {"files_added": int(metrics.get("numFilesAdded", 0) or 0),
-                      "files_removed": int(metrics.get("numFilesRemoved", 0) or 0)}
-        progress(f"compact {name}: {done[name]['files_removed']} files into "
-                 f"{done[name]['files_added']}")
+        try:
+            done[name] = work(name)
+        except Exception as exc:  # raised below, together with every other table's failure
+            failed[name] = exc
+            progress(f"{step} {name}: failed: {type(exc).__name__}: {exc}")
+    if failed:
+        reasons = "; ".join(f"{name} ({type(exc).__name__}: {exc})" for name, exc in failed.items())
+        raise ClickstreamError(
+            f"{step} failed on {len(failed)} of {len(done) + len(failed)} tables: {reasons}; "
+            f"done: {', '.join(done) or 'none'}. Data is unchanged and {step} is idempotent: "
+            "run it again, as is after a conflict with a concurrent commit, else once the "
+            "cause is fixed"
+        ) from next(iter(failed.values()))
     return done
+
+
+def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, dict[str, Any]]:
+    """Compact small files of every existing table; per table, files added and removed.
+
+    Raises:
+        ClickstreamError: compaction failed on some tables; the others were compacted (M2).
+    """
+    tables = _open(config)
+
+    def compact(name: str) -> dict[str, Any]:
+        metrics = tables.optimize(name)
+        done = {"files_added": int(metrics.get("numFilesAdded", 0) or 0),
+                "files_removed": int(metrics.get("numFilesRemoved", 0) or 0)}
+        progress(f"compact {name}: {done['files_removed']} files into {done['files_added']}")
+        return done
+
+    return each_table(tables, "compact", compact, progress)
 
 
 def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION_HOURS,
@@ -63,6 +100,7 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
 
     Raises:
         ConfigError: ``retention_hours`` is below the safe minimum (M1).
+        ClickstreamError: vacuum failed on some tables; the others were vacuumed (M2).
     """
     if retention_hours < MIN_VACUUM_RETENTION_HOURS:
         raise ConfigError(
@@ -71,19 +109,27 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
             "readers or time travel may still need removed files; use at least "
             f"{MIN_VACUUM_RETENTION_HOURS}")
     tables = _open(config)
-    done: dict[str, int] = {}
-    for name in existing_tables(tables):
-        done[name] = len(tables.vacuum(name, retention_hours))
-        progress(f"vacuum {name}: {done[name]} files older than {retention_hours} h deleted")
-    return done
+
+    def vacuum(name: str) -> int:
+        deleted = len(tables.vacuum(name, retention_hours))
+        progress(f"vacuum {name}: {deleted} files older than {retention_hours} h deleted")
+        return deleted
+
+    return each_table(tables, "vacuum", vacuum, progress)
 
 
 def checkpoint_tables(config: Config, *, progress: Progress = print) -> dict[str, int]:
-    """Write a log checkpoint of every existing table; per table, the version checkpointed."""
+    """Write a log checkpoint of every existing table; per table, the version checkpointed.
+
+    Raises:
+        ClickstreamError: a checkpoint failed on some tables; the others got theirs (M2).
+    """
     tables = _open(config)
-    done: dict[str, int] = {}
-    for name in existing_tables(tables):
+
+    def checkpoint(name: str) -> int:
         tables.checkpoint(name)
-        done[name] = tables.version(name)
-        progress(f"checkpoint {name}: version {done[name]}")
-    return done
+        version = tables.version(name)
+        progress(f"checkpoint {name}: version {version}")
+        return version
+
+    return each_table(tables, "checkpoint", checkpoint, progress)

@@ -1,0 +1,49 @@
+"""Table maintenance over every table of a real warehouse (deltalake engine, no Spark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from clickstream.config import Config
+from clickstream.errors import ClickstreamError
+from clickstream.jobs.maintenance import compact_tables
+
+
+def small_files(config: Config, table: str, count: int) -> Path:
+    """A table of ``count`` one-row files, as micro-batches leave them."""
+    path = config.table_path(table)
+    for index in range(count):
+        write_deltalake(str(path), pa.table({"reason": [f"r{index}"]}), mode="append")
+    return path
+
+
+def corrupt_one_file(path: Path) -> str:
+    """Overwrite one active data file with bytes that are not Parquet: compacting it fails."""
+    victim = Path(DeltaTable(str(path)).file_uris()[0].removeprefix("file://"))
+    victim.write_bytes(b"not parquet")
+    return victim.name
+
+
+def test_a_failed_compaction_still_compacts_every_other_table_then_fails(config: Config):
+    # pageviews comes first in ALL_TABLES: its failure used to end the loop, so no table after
+    # it was compacted that week (M2).
+    broken = small_files(config, "pageviews", 2)
+    corrupt_one_file(broken)
+    quarantine = small_files(config, "quarantine", 3)
+    lines: list[str] = []
+
+    with pytest.raises(ClickstreamError) as failure:
+        compact_tables(config, progress=lines.append)
+
+    message = str(failure.value)
+    assert message.startswith("compact failed on 1 of 2 tables: pageviews (DeltaError: "), message
+    assert "done: quarantine" in message and "run it again" in message
+    assert isinstance(failure.value.__cause__, Exception)  # the first failure, chained
+    assert len(DeltaTable(str(quarantine)).file_uris()) == 1
+    assert DeltaTable(str(quarantine)).to_pyarrow_table().num_rows == 3
+    assert lines[0].startswith("compact pageviews: failed: ")
+    assert lines[1] == "compact quarantine: 3 files into 1"
