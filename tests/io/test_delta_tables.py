@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, Field, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
@@ -318,6 +319,52 @@ def test_replayed_step_racing_its_original_writes_nothing(config, spark):
     assert attempts == [1, 2]  # lost the race, then saw the step committed
     assert ids(replay.read("orders")) == ["o1"]
     assert len(parquet_on_disk(replay, "orders")) == 1  # the loser's file was deleted
+
+
+@pytest.mark.parametrize("error", [
+    DeltaError("post-commit hook failed: could not write the checkpoint"),
+    CommitFailedError("the commit's acknowledgement was lost: version 2 already exists"),
+], ids=["post-commit-error", "lost-acknowledgement"])
+def test_a_commit_that_landed_while_its_call_raised_keeps_its_files_after_a_compaction(
+        config, spark, monkeypatch, error):
+    """An ambiguous commit's cleanup must not delete files a version names (edge case 17).
+
+    Fault injection at one call: ``DeltaTable.create_write_transaction`` runs for real (the
+    append lands as version 2), then a real compaction commits version 3, removing the file,
+    and the call raises ``error`` as a failing post-commit hook (DeltaError, raised at once)
+    or a lost acknowledgement (CommitFailedError: the retry finds the step done) would. A real
+    crash cannot be timed between the two. The cleanup used to ask whether the file was still
+    active in the latest version and deleted it: version 2 then named a missing file.
+    """
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
+                       version=1, partition_by=PARTS, metadata=META)
+    compactor = DeltaRsTables(config)
+    real = DeltaTable.create_write_transaction
+    calls: list[int] = []
+
+    def lands_then_raises(self: DeltaTable, *args, **kwargs) -> None:
+        calls.append(self.version())
+        real(self, *args, **kwargs)
+        if len(calls) == 1:
+            compactor.optimize("orders")
+            raise error
+
+    monkeypatch.setattr(DeltaTable, "create_write_transaction", lands_then_raises)
+    try:
+        tables.append_once("orders", orders(spark, ("o2", "c1", D1, "1")), app_id="mine",
+                           version=1, partition_by=PARTS, metadata=META)
+    except ClickstreamError as exc:  # the post-commit error is passed on
+        assert isinstance(error, DeltaError) and not isinstance(error, CommitFailedError), exc
+
+    path = tables.table_path("orders")
+    assert [h["operation"] for h in tables.history("orders", limit=2)] == ["OPTIMIZE", "WRITE"]
+    assert tables.app_version("orders", "mine") == 1
+    named = [uri.removeprefix("file://") for uri in DeltaTable(path, version=2).file_uris()]
+    assert [f for f in named if not os.path.exists(f)] == []  # time travel to version 2 works
+    assert sorted(tables.read_arrow("orders", version=2).column("order_id").to_pylist()) == [
+        "o1", "o2"]
+    assert ids(tables.read("orders")) == ["o1", "o2"]
 
 
 def test_conflicts_on_every_attempt_raise_and_commit_nothing(config, spark):

@@ -77,6 +77,13 @@ Known edge cases (cited inline as "edge case N"):
     they are now and commits. Any data change in the range (or an action without partition
     values) is still refused. Without this, ``recompute --full`` beside the weekly compaction
     failed, and a correction's apply read its days again for nothing.
+17. A commit can land while its call raises (a post-commit hook failing, a lost
+    acknowledgement the retry then sees as "step done", a signal right after it). The cleanup
+    of edge cases 1 and 2 therefore keeps every file that any commit since the write began
+    adds, not only the files still active: a compaction (or another writer's rewrite) that
+    removed them in between made them look uncommitted, and deleting them broke the version
+    that added them for time travel, pinned reads (a correction's ``read_version``, the
+    recompute queue's version) and readers still on it.
 """
 
 from __future__ import annotations
@@ -261,7 +268,7 @@ class DeltaRsTables(DeltaTables):
             )
             return True
 
-        outcome = self._commit_files(name, "append", files, attempt)
+        outcome = self._commit_files(name, "append", files, attempt, since=table.version())
         if outcome is _SKIPPED:
             return AppendResult(committed=False)
         return AppendResult(committed=True, rows=sum(f.rows for f in files))
@@ -385,7 +392,7 @@ class DeltaRsTables(DeltaTables):
             )
             return UpsertResult(source.num_rows - updated, updated)
 
-        return self._commit_files(name, "upsert", files, attempt)
+        return self._commit_files(name, "upsert", files, attempt, since=read.version())
 
     def _keys_in_files(
         self, name: str, table: DeltaTable, files: list[_ActiveFile], keys: pa.Table
@@ -478,7 +485,8 @@ class DeltaRsTables(DeltaTables):
             )
             return True
 
-        outcome = self._commit_files(name, "replace_partitions", files, attempt)
+        outcome = self._commit_files(name, "replace_partitions", files, attempt,
+                                     since=table.version())
         return outcome is not _SKIPPED
 
     # -- readers ---------------------------------------------------------------------------
@@ -746,15 +754,21 @@ class DeltaRsTables(DeltaTables):
         operation: str,
         files: list[_WrittenFile],
         attempt: Callable[[DeltaTable], object],
+        *,
+        since: int,
     ) -> object:
-        """Commit loop for written files; deletes them when they end up uncommitted."""
+        """Commit loop for written files; deletes them when they end up uncommitted.
+
+        ``since`` is a version loaded before the files were written: a commit of theirs, even
+        one whose call raised, comes after it (edge case 17).
+        """
         try:
             outcome = self._commit_loop(name, operation, attempt)
         except BaseException:
-            self._discard(name, files)  # edge case 1
+            self._discard(name, files, since=since)  # edge case 1
             raise
         if outcome is _SKIPPED:
-            self._discard(name, files)  # edge case 2
+            self._discard(name, files, since=since)  # edge case 2
         return outcome
 
     def _commit_loop(
@@ -784,12 +798,21 @@ class DeltaRsTables(DeltaTables):
             "it commits at most once per (app_id, version)."
         )
 
-    def _discard(self, name: str, files: list[_WrittenFile]) -> None:
-        """Delete written files unless a commit references them (an ambiguous commit)."""
+    def _discard(self, name: str, files: list[_WrittenFile], *, since: int | None = None) -> None:
+        """Delete written files unless a commit references them (an ambiguous commit).
+
+        With ``since`` (files offered to commits), a file any commit after that version adds
+        is kept even if a later commit removed it again (edge case 17).
+        """
         if not files:
             return
         table = self._load(name)
         active = {f.path for f in self._active_files(table)} if table is not None else set()
+        if since is not None and table is not None:
+            added = self._added_since(name, since, table.version())
+            if added is None:  # cannot tell: vacuum deletes them once old (edge case 1)
+                return
+            active |= added
         root = self.table_path(name)
         for f in files:
             if f.path not in active:
@@ -797,6 +820,24 @@ class DeltaRsTables(DeltaTables):
                     os.remove(os.path.join(root, f.path))
                 except OSError as exc:  # vacuum removes it later (edge case 1)
                     log.warning("could not delete uncommitted file %s: %s", f.path, exc)
+
+    def _added_since(self, name: str, since: int, latest: int) -> set[str] | None:
+        """Paths on disk (decoded, edge case 12) the commits ``since + 1 .. latest`` add, from
+        their log entries (local file system, edge case 11); None if one cannot be read."""
+        log_dir = Path(self.table_path(name)) / "_delta_log"
+        added: set[str] = set()
+        for version in range(since + 1, latest + 1):
+            try:
+                lines = (log_dir / f"{version:020d}.json").read_text().splitlines()
+            except OSError as exc:
+                log.warning("table %r: commit %d unreadable (%s); its writer's files are kept "
+                            "for vacuum", name, version, exc)
+                return None
+            for line in lines:
+                action = json.loads(line) if line.strip() else {}
+                if "add" in action:
+                    added.add(unquote(action["add"]["path"]))
+        return added
 
     def _active_files(self, table: DeltaTable) -> list[_ActiveFile]:
         actions = pa.table(table.get_add_actions(flatten=True))
