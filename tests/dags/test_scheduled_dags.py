@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
 
 from clickstream.config import Config
 from clickstream.errors import ConfigError
 from clickstream.jobs.maintenance import vacuum_tables
+from tests.jobs.test_maintenance import corrupt_one_file, small_files
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,9 @@ def dagbag(airflow_db):
 
 def test_maintenance_compacts_vacuums_and_checkpoints_every_table(dagbag,
                                                                   env_config: Config) -> None:
-    from deltalake import DeltaTable, write_deltalake
+    from deltalake import DeltaTable
 
-    path = env_config.table_path("quarantine")
-    for index in range(3):  # three small files, as micro-batches leave them
-        write_deltalake(str(path), pa.table({"reason": [f"r{index}"]}), mode="append")
+    path = small_files(env_config, "quarantine", 3)
 
     dagrun = dagbag.dags["table_maintenance"].test()
 
@@ -39,17 +37,12 @@ def test_maintenance_compacts_vacuums_and_checkpoints_every_table(dagbag,
 
 def test_a_failed_compaction_still_vacuums_and_checkpoints_then_fails_the_run(
         dagbag, env_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
-    from deltalake import DeltaTable, write_deltalake
+    from deltalake import DeltaTable
 
     dag = dagbag.dags["table_maintenance"]
     monkeypatch.setattr(dag.task_dict["compact"], "retries", 0)  # not 2 retries 5 min apart
-    paths = {name: env_config.table_path(name) for name in ("pageviews", "quarantine")}
-    for path in paths.values():
-        for index in range(3):
-            write_deltalake(str(path), pa.table({"reason": [f"r{index}"]}), mode="append")
-    broken = DeltaTable(str(paths["pageviews"])).file_uris()[0].removeprefix("file://")
-    with open(broken, "wb") as handle:  # compacting pageviews fails: a file is not Parquet
-        handle.write(b"not parquet")
+    paths = {name: small_files(env_config, name, 3) for name in ("pageviews", "quarantine")}
+    corrupt_one_file(paths["pageviews"])  # compacting pageviews fails
 
     dagrun = dag.test()
 
