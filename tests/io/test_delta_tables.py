@@ -788,6 +788,17 @@ def test_delta_spark_engine_round_trip(config, spark):
     assert tables.history("orders", limit=1)[0]["app_id"] == "r"
 
 
+def test_partition_predicates_hold_any_client_id_as_one_value(spark: SparkSession):
+    """A client id is data (the backfill form's free text, an event's client_id): Spark SQL
+    reads a backslash in a literal as an escape, so ``x\\') OR true --`` closed the literal
+    and the delta-spark engine's replaceWhere matched every client's partitions."""
+    ids = ["x\\') OR true --", "a\\b", "it's", "c\\'1", "plain"]
+    frame = spark.createDataFrame([(i,) for i in ids], "client_id string")
+    for client in ids:
+        where = filter_to_sql({"client_id": client}, {"client_id": "string"})
+        assert [r.client_id for r in frame.where(where).collect()] == [client], where
+
+
 def test_partition_predicates_render_and_refuse_without_spark():
     types = {"client_id": "string", "event_date": "date"}
     assert filter_to_sql({"client_id": "c'1", "event_date": [D1, None]}, types, alias="t") == (

@@ -426,12 +426,17 @@ def filter_to_sql(
 
 
 def sql_literal(value: str, delta_type: str) -> str:
-    """A typed SQL literal understood by both DataFusion (deltalake) and Spark SQL."""
+    """A typed Spark SQL literal (the delta-spark engine's merge and replaceWhere).
+
+    Values are data (a client id comes from the backfill form or an event), and Spark reads
+    a backslash in a literal as an escape: doubling only the quote let ``x\\') OR true --``
+    end the literal and widen a replaceWhere to every client. Both are escaped here.
+    """
     if delta_type in ("integer", "long", "short", "byte"):
         return str(int(value))
     if delta_type == "boolean":
         return "true" if value == "true" else "false"
-    text = "'" + value.replace("'", "''") + "'"
+    text = "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
     return f"CAST({text} AS DATE)" if delta_type == "date" else text
 
 
