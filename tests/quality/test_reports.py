@@ -112,3 +112,21 @@ def test_bar_chart_is_inline_svg_with_one_bar_per_day() -> None:
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     assert svg.count("<rect") == 3
     assert "2026-11-02: -4.00" in svg and "#c62828" in svg
+
+
+def test_data_and_form_values_are_shown_as_text_in_data_docs(config: Config) -> None:
+    """The most common client_id of a batch is data and the run id holds the form's client:
+    GX escapes only its template parameters, so both reached the page as markup (stored XSS
+    in the Airflow UI, which serves the reports on its own origin)."""
+    script = "<script>alert('data')</script>"
+    result = run_gate("historical_batch", {**GOOD["historical_batch"], "main_client_id": script},
+                      config=config, job="backfill", run_id="orders-<svg onload=alert(1)>-1f2e",
+                      parameters={"declared_client": ["<img src=x onerror=alert(2)>"]},
+                      label="<i>label</i>")
+    assert result.report is not None and result.status == "failed"
+    text = result.report.read_text(encoding="utf-8")
+    for markup in (script, "<svg onload", "<img src=x", "<i>label"):
+        assert markup not in text, markup
+    assert "&lt;script&gt;alert(&#x27;data&#x27;)&lt;/script&gt;" in text
+    assert "orders-&lt;svg onload=alert(1)&gt;-1f2e" in text
+    assert_every_link_resolves(reports_dir(config))

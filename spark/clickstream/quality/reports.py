@@ -13,7 +13,7 @@ serve the folder as it is, and a browser can open ``index.html`` from disk)::
       corrections/<job>-<run>.html                 what a backfill / recompute changed
       static/images/favicon.ico
 
-Known edge cases, cited inline as (R1)..(R3):
+Known edge cases, cited inline as (R1)..(R4):
   R1. Several processes write reports at once (the stream, a backfill, Airflow tasks): an
       entry is appended and the index rebuilt under an exclusive file lock, and the index is
       replaced atomically, so a reader never sees half a page.
@@ -22,6 +22,11 @@ Known edge cases, cited inline as (R1)..(R3):
       favicon link is one level short of that depth and is corrected here.
   R3. GX pages load Bootstrap and jQuery from public CDNs; offline they still show every
       result (GX inlines its own styles), only less styled. Our pages are self-contained.
+  R4. Values on a page are text, never markup: they come from data (a batch's client_id) and
+      from the backfill form (the client, in the run id), and the Airflow UI serves these
+      pages on its own origin, so a ``<script>`` among them would run as the logged-in user.
+      GX escapes only its string templates' parameters, not table cells or the page header,
+      so every other string of a GX document is escaped here before GX renders it.
 """
 
 from __future__ import annotations
@@ -247,6 +252,28 @@ def write_suite_page(config: Config, gate: str) -> Path:
     return target
 
 
+def _as_text(node: Any) -> Any:
+    """A rendered GX document (as JSON) with every string HTML-escaped, except inside string
+    templates, whose parameters GX escapes itself (R4)."""
+    if isinstance(node, dict):
+        return {key: value if key == "string_template" else _as_text(value)
+                for key, value in node.items()}
+    if isinstance(node, list):
+        return [_as_text(value) for value in node]
+    return html.escape(node) if isinstance(node, str) else node
+
+
+def _render_as_text(document: Any) -> str:
+    """GX's HTML page of ``document`` (a ``RenderedDocumentContent``), values as text (R4)."""
+    from great_expectations.render.view import DefaultJinjaPageView
+
+    class TextOnlyPageView(DefaultJinjaPageView):
+        def _validate_document(self, document: Any) -> None:  # the escaped JSON of one
+            assert isinstance(document, dict)
+
+    return TextOnlyPageView().render(_as_text(document.to_json_dict()))
+
+
 def write_validation(config: Config, result: GateResult, validation: Any, *,
                      client_id: str | None = None) -> Path:
     """Write the Data Docs page (and JSON) of one gate validation; add it to the index.
@@ -262,7 +289,6 @@ def write_validation(config: Config, result: GateResult, validation: Any, *,
     """
     from great_expectations.core.run_identifier import RunIdentifier
     from great_expectations.render.renderer import ValidationResultsPageRenderer
-    from great_expectations.render.view import DefaultJinjaPageView
 
     root = reports_dir(config)
     moment = now_utc()
@@ -282,7 +308,7 @@ def write_validation(config: Config, result: GateResult, validation: Any, *,
     for gate in suites.GATES:  # once per process: the index links every gate's suite
         write_suite_page(config, gate)
     document = ValidationResultsPageRenderer().render(validation)
-    text = DefaultJinjaPageView().render(document).replace(
+    text = _render_as_text(document).replace(
         'href="../../../static/images/favicon.ico"',
         'href="../../../../static/images/favicon.ico"')  # (R2)
     target = folder / "result.html"
