@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R7):
+Known edge cases, cited inline as (R1)..(R8):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -45,6 +45,12 @@ Known edge cases, cited inline as (R1)..(R7):
       applied check fails: ``PlanNotAppliedError``). A plan applied whose publish gate fails
       again is an error of this run too: superseded, its retractions would never reach the
       topic, since the rewrite finds nothing left to retract. A rerun publishes it.
+  R8. ``--full`` retracts an attribution when its order moved (C7) to a user left to the
+      stream (R2): the stored row is another user's, the rewrite has none. That retraction
+      is in its plan like a session's, not only on the topic: killed after the tombstone,
+      before the rewrite, it recorded no plan (the only change), so the client's next
+      correction run had nothing to finish and the table kept the row the topic had
+      tombstoned.
 """
 
 from __future__ import annotations
@@ -359,8 +365,8 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         retracted = old.join(fresh.select(key), key, "left_anti").select(
             F.col(key).alias("key")).persist()
         # The same changes as corrections rows: the audit trail of every run (R3).
-        changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq,
-                            retract=spec is SESSIONS))
+        # Attributions retracted too, as their tombstones below are (R8).
+        changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq))
         rewrites.append(_Rewrite(spec, topic, stored, fresh, retracted, read_version))
     plan = reduce(DataFrame.unionByName, changes).localCheckpoint()
     planned = not plan.isEmpty()
