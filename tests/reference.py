@@ -12,7 +12,7 @@ from collections import defaultdict
 from decimal import Decimal
 from typing import Any
 
-from clickstream.events.contract import CURRENCIES
+from clickstream.events.contract import CURRENCIES, URL_MAX_BYTES
 
 
 def reference_session_id(client_id: str, user_id: str, start_ms: int) -> str:
@@ -59,7 +59,8 @@ def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
             continue
         if key is not None and key != f"{event['client_id']}/{event['user_id']}":
             continue
-        if event["event_type"] == "pageview" and not event.get("url"):
+        if event["event_type"] == "pageview" and (
+                not event.get("url") or len(str(event["url"]).encode()) > URL_MAX_BYTES):
             continue
         if event["event_type"] == "order":
             try:

@@ -12,7 +12,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.events.contract import LOST_OFFSETS_HEADER
+from clickstream.events.contract import LOST_OFFSETS_HEADER, URL_MAX_BYTES
 from clickstream.events.parse import parse_kafka_records
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -65,6 +65,11 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     (json.dumps({**PAGEVIEW, "ts": "1999-12-31T00:00:00Z"}),
      "ts '1999-12-31T00:00:00Z' is outside the plausible range 2000-01-01..2100-01-01"),
     (json.dumps({**PAGEVIEW, "url": ""}), "pageview without url"),
+    # Bytes, not characters: 32,769 characters of 2 bytes each (UTF-8).
+    (json.dumps({**PAGEVIEW, "url": "/" + "é" * (URL_MAX_BYTES // 2)}),
+     f"url is {URL_MAX_BYTES + 1} bytes long, more than the {URL_MAX_BYTES} a url may have "
+     "(its session's Kafka value carries two urls and must fit one message); shorten the url "
+     "(e.g. its query string) and send the pageview again"),
     (json.dumps({k: v for k, v in ORDER.items() if k != "order_id"}),
      "missing field order_id"),
     (json.dumps({**ORDER, "amount": "-5.00"}), "amount '-5.00' is negative"),

@@ -17,6 +17,7 @@ from pyspark.sql import SparkSession
 
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
+from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
@@ -316,6 +317,28 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
     assert summary.quarantined == 8 and summary.rows_merged == 2
+
+
+def test_a_pageview_whose_url_is_too_long_is_quarantined_and_the_rest_published(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """Files have no message limit: one pageview with a 600 KB url made a 1.2 MB session
+    value (landing and exit url), whose publish failed (MSG_SIZE_TOO_LARGE) at every rerun,
+    and the unpublished plan stopped every later correction of the client (C6). Two urls of
+    the largest length (bytes, not characters) are published."""
+    largest = "/" + "é" * (URL_MAX_BYTES // 2 - 1) + "x"
+    rows = [{**pv_row("long", "v", 0), "url": "/" + "x" * 600_000},
+            {**pv_row("a", "u", 0), "url": largest}, {**pv_row("b", "u", 5), "url": largest[::-1]}]
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                           path=write_rows(stream_config, "p", rows, "parquet"))
+    (quarantined,) = table_rows(stream_config, spark, "quarantine")
+    assert json.loads(quarantined["raw"])["event_id"] == "long"
+    assert quarantined["reason"].startswith(
+        f"url is 600001 bytes long, more than the {URL_MAX_BYTES} a url may have")
+    assert summary.quarantined == 1
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert (session["landing_url"], session["exit_url"]) == (largest, largest[::-1])
+    assert_tables_equal_from_scratch(stream_config, spark)  # the topic's values too
 
 
 def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSession) -> None:

@@ -20,6 +20,7 @@ from clickstream.errors import (
     ConfigError,
     DataLossError,
 )
+from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
@@ -415,6 +416,37 @@ def test_an_amount_too_large_to_keep_exactly_is_quarantined_and_the_stream_goes_
     assert quarantined["raw"] == too_large[1]
     assert quarantined["reason"].startswith(
         "amount '1000000000000000.00' is too large: at most 12 digits before the decimal point")
+
+
+def with_url(record: tuple[str, str], url: str) -> tuple[str, str]:
+    key, value = record
+    return key, json.dumps({**json.loads(value), "url": url})
+
+
+def test_a_pageview_whose_url_is_too_long_is_quarantined_and_the_stream_goes_on(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """A session's value carries its landing and exit url: one pageview with a 600 KB url
+    (one Kafka message) made a 1.2 MB session value, over the producer's limit
+    (MSG_SIZE_TOO_LARGE), and the stream failed on it at every restart. Two urls of the
+    largest length, of a character JSON escapes as six bytes, still fit."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    too_long = with_url(pageview("long", start, "p-long"), "/" + "x" * 600_000)
+    landing, exit_url = ("/" + c * (URL_MAX_BYTES - 1) for c in ("\x01", "\x02"))
+    produce(stream_config, [too_long, with_url(pageview("u", start, "u1"), landing),
+                            with_url(pageview("u", start + timedelta(minutes=5), "u2"), exit_url),
+                            pageview("w", start + timedelta(hours=5), "flush")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    (quarantined,) = table_rows(stream_config, spark, "quarantine")
+    assert quarantined["raw"] == too_long[1]
+    assert quarantined["reason"].startswith(
+        f"url is 600001 bytes long, more than the {URL_MAX_BYTES} a url may have")
+    (session,) = table_rows(stream_config, spark, "sessions")
+    assert (session["user_id"], session["landing_url"], session["exit_url"]) == (
+        "u", landing, exit_url)
+    topic = read_compacted(stream_config, stream_config.sessions_topic)
+    assert {k: (v["landing_url"], v["exit_url"]) for k, v in topic.items()} == {
+        session["session_id"]: (landing, exit_url)}
 
 
 def test_a_session_revenue_is_exact_to_the_last_decimal_at_the_largest_amount(

@@ -29,6 +29,16 @@ AMOUNT = r"^-?\d+(\.\d{1,4})?$"
 AMOUNT_MAX_INTEGER_DIGITS = 12
 AMOUNT_IN_RANGE = rf"^-?0*\d{{1,{AMOUNT_MAX_INTEGER_DIGITS}}}(\.\d*)?$"
 
+# A pageview's url is at most this many bytes (UTF-8); a longer one is quarantined, in the
+# stream and in backfills alike. A session's changelog value carries two urls (landing and
+# exit, from different pageviews), so an input that fits one Kafka message can still make a
+# session value above the producer's limit (librdkafka's message.max.bytes, 1,000,000 by
+# default; a broker's is ~1 MiB), and a backfill's files have no limit at all: the publish
+# fails, and fails again on every restart. Two urls of this size stay under it even when
+# JSON escapes every byte (6 bytes for a control character): 2 * 6 * 65,536 = 786,432.
+# Browsers and servers rarely accept urls beyond 8-64 KiB.
+URL_MAX_BYTES = 64 * 1024
+
 # ISO 4217 active codes.
 CURRENCIES = frozenset(
     """

@@ -127,6 +127,23 @@ def amount_error(text: Column) -> Column:
     )
 
 
+def url_error(text: Column) -> Column:
+    """Reason a pageview's url is unusable, or null: missing, or longer than
+    ``contract.URL_MAX_BYTES`` (a session's Kafka value carries two urls and must fit one
+    message). Shared by the stream and backfills, so both judge a url alike."""
+    return (
+        F.when(_blank(text), F.lit("pageview without url"))
+        .when(
+            F.octet_length(text) > contract.URL_MAX_BYTES,
+            F.format_string(
+                "url is %d bytes long, more than the %d a url may have (its session's Kafka "
+                "value carries two urls and must fit one message); shorten the url (e.g. its "
+                "query string) and send the pageview again", F.octet_length(text),
+                F.lit(contract.URL_MAX_BYTES)),
+        )
+    )
+
+
 def currency_error(text: Column) -> Column:
     return (
         F.when(_blank(text), F.lit("missing field currency"))
@@ -212,7 +229,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
                 "_key", "client_id", "user_id",
             ),
         ),
-        F.when(is_pageview & _blank(F.col("url")), F.lit("pageview without url")),
+        F.when(is_pageview, url_error(F.col("url"))),
         F.when(is_order & _blank(F.col("order_id")), F.lit("missing field order_id")),
         F.when(is_order, amount_error(F.col("amount"))),
         F.when(is_order, currency_error(F.col("currency"))),

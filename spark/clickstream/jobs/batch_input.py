@@ -64,6 +64,7 @@ from clickstream.events.parse import (
     ts_ahead_error,
     ts_error,
     ts_from_text,
+    url_error,
 )
 from clickstream.tables import AMOUNT_TYPE
 
@@ -272,7 +273,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     if kind == "orders":
         checks += [amount_error(F.col("amount")), currency_error(F.col("currency"))]
     else:
-        checks.append(F.when(blank["url"], F.lit("pageview without url")))
+        checks.append(url_error(F.col("url")))
     typed = typed.withColumn("error", F.coalesce(*checks))
     if kind == "orders":
         typed = typed.withColumn("amount", F.col("amount").try_cast(AMOUNT_TYPE))
