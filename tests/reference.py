@@ -71,10 +71,10 @@ def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
                     or event.get("currency") not in CURRENCIES or not event.get("order_id")):
                 continue
         ident = event["order_id"] if event["event_type"] == "order" else event["event_id"]
-        key = (event["client_id"], event["event_type"], ident)  # ids are a client's
-        if key in seen:
+        identity = (event["client_id"], event["event_type"], ident)  # ids are a client's
+        if identity in seen:
             continue
-        seen.add(key)
+        seen.add(identity)
         out.append({**event, "ts_ms": ms})
     return out
 
