@@ -356,6 +356,7 @@ def test_a_commit_that_landed_while_its_call_raised_keeps_its_files_after_a_comp
                            version=1, partition_by=PARTS, metadata=META)
     except ClickstreamError as exc:  # the post-commit error is passed on
         assert isinstance(error, DeltaError) and not isinstance(error, CommitFailedError), exc
+        assert "unless the error came after the commit" in str(exc)  # not "nothing landed"
 
     path = tables.table_path("orders")
     assert [h["operation"] for h in tables.history("orders", limit=2)] == ["OPTIMIZE", "WRITE"]

@@ -787,7 +787,9 @@ class DeltaRsTables(DeltaTables):
                 log.info("%s on %s: commit attempt %d conflicted: %s", operation, name, number, exc)
             except DeltaError as exc:  # not a conflict: retrying would fail the same way
                 raise ClickstreamError(
-                    f"{operation} on table {name!r} failed: {exc}; nothing was committed"
+                    f"{operation} on table {name!r} failed: {exc}. Nothing was committed "
+                    "unless the error came after the commit (a post-commit step such as a "
+                    "checkpoint, edge case 17): the table's history then shows it"
                 ) from exc
             if number < self._max_attempts:
                 delay = min(5.0, self._backoff * 2 ** (number - 1))
