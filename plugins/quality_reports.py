@@ -23,6 +23,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -74,6 +75,12 @@ def _no_reports(title: str, folder: Path) -> HTMLResponse:
         "(<code>$CLICKSTREAM_HOME/reports</code>).</p>"))
 
 
+def _link_to(entry: Path) -> str:
+    """A relative link to ``entry`` that stays one: a name such as ``javascript:x`` or one
+    holding ``#`` or ``?`` must not become a script, an anchor or a query."""
+    return html.escape("./" + quote(entry.name) + ("/" if entry.is_dir() else ""))
+
+
 def _listing(folder: Path, root: Path) -> HTMLResponse:
     entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     relative = folder.relative_to(root).as_posix()
@@ -81,8 +88,8 @@ def _listing(folder: Path, root: Path) -> HTMLResponse:
     if not entries:
         return _no_reports(title, folder)
     items = "".join(
-        f"<li><a href='{html.escape(p.name)}{'/' if p.is_dir() else ''}'>"
-        f"{html.escape(p.name)}{'/' if p.is_dir() else ''}</a></li>" for p in entries)
+        f"<li><a href='{_link_to(p)}'>{html.escape(p.name)}{'/' if p.is_dir() else ''}</a></li>"
+        for p in entries)
     up = "" if folder == root else "<p><a href='../'>&larr; up</a></p>"
     return _page(title, f"{up}<ul>{items}</ul>")
 

@@ -79,6 +79,18 @@ def test_served_to_a_logged_in_user(client, token: str, reports: Path) -> None:
     assert client.get(f"{PREFIX}/backfills", headers=bearer(token)).status_code == 307
 
 
+def test_a_listing_links_every_name_as_a_relative_path(client, token: str,
+                                                       reports: Path) -> None:
+    """A name is a path, never a scheme, an anchor or a query of the listing's link."""
+    (reports / "backfills" / "javascript:alert(1)").write_text("x")
+    (reports / "backfills" / "run #2?.html").write_text("<p>backfill run #2</p>")
+    listing = client.get(f"{PREFIX}/backfills/", headers=bearer(token))
+    assert "href='./javascript%3Aalert%281%29'" in listing.text
+    assert "href='./run%20%232%3F.html'" in listing.text
+    page = client.get(f"{PREFIX}/backfills/run%20%232%3F.html", headers=bearer(token))
+    assert page.status_code == 200 and "backfill run #2" in page.text
+
+
 def test_the_ui_session_cookie_is_a_login_too(client, token: str, reports: Path) -> None:
     client.cookies.set("_token", token)
     response = client.get(f"{PREFIX}/", headers={"Accept": "text/html"})
