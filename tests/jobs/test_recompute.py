@@ -653,3 +653,72 @@ def assert_attributions_topic_equals_table(config: Config, spark: SparkSession) 
     topic = {k: (v["user_id"], v["revision"])
              for k, v in read_compacted(config, config.attributions_topic).items()}
     assert topic == table
+
+
+DAY = 24 * 60
+
+
+def backfill_c0(config: Config, spark: SparkSession, kind: str, name: str,
+                rows: list[dict]) -> None:
+    run_backfill(config, kind=kind, client_id="client-00", spark=spark, progress=quiet,
+                 path=write_rows(config, name, rows, "parquet"))
+
+
+def test_an_order_moved_to_another_day_while_its_user_is_deferred_is_held_once(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(C8) o1 is u's, attributed on day 0. A batch moves it into u's session of day 1,
+    which the stream holds open: u is deferred and the moved row queued. The recompute that
+    folded it in later planned from the queued row alone, the order's new place: its stored
+    attribution on day 0 was outside the windows, so apply wrote o1 on day 1 and left it on
+    day 0 too (the table held it twice, the topic once), and u's day-0 session kept it in its
+    totals."""
+    backfill_c0(stream_config, spark, "pageviews", "p", [pv_row("a", "u", 0)])
+    backfill_c0(stream_config, spark, "orders", "o1", [order_row("o1", "u", 1)])
+    produce(stream_config, [pageview("u", START + timedelta(days=1), "u1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # u's day 1: open
+
+    backfill_c0(stream_config, spark, "orders", "o2", [order_row("o1", "u", DAY + 5)])
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "o1"]
+    produce(stream_config, [pageview("y", START + timedelta(days=1, hours=5), "y1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # u's day 1 closed
+    run_recompute(stream_config, spark=spark, progress=quiet)
+
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert [r["order_date"] for r in table_rows(stream_config, spark, "attributions")] == [
+        (START + timedelta(days=1)).date()]
+    assert_tables_equal_from_scratch(stream_config, spark,
+                                     closed_before_ms=ms(START + timedelta(days=1, hours=4)))
+
+
+def test_a_full_recompute_rewrites_an_order_a_held_user_lost_to_one_it_rewrites(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(R9) o1 moved (C7) from w to v while the stream held v: v's row was queued and w's
+    attribution stayed (a correction never retracts one). By the full recompute, v's session
+    is closed and w is back in the stream. It kept the stored rows of w as they were, by
+    user, and wrote o1 for v: the table held o1 twice, the topic once."""
+    backfill_c0(stream_config, spark, "pageviews", "p", [pv_row("a", "w", 0)])
+    backfill_c0(stream_config, spark, "orders", "o1", [order_row("o1", "w", 1)])
+    produce(stream_config, [pageview("v", START + timedelta(days=1), "v1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # v's day 1: open
+    backfill_c0(stream_config, spark, "orders", "o2", [order_row("o1", "v", DAY + 5)])
+    assert [r["user_id"] for r in table_rows(stream_config, spark, "attributions")] == ["w"]
+    assert [r["user_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "v"]
+    produce(stream_config, [pageview("w", START + timedelta(days=1, hours=5), "w1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # v closed, w open
+
+    summary = run_full_recompute(stream_config, client_id="client-00", spark=spark,
+                                 progress=quiet)
+    assert summary.users_left_to_the_stream == 1  # w
+    assert [r["user_id"] for r in table_rows(stream_config, spark, "attributions")] == ["v"]
+    assert_attributions_topic_equals_table(stream_config, spark)
+    recorded = [(r["key"], r["change"], r["old_revision"], r["new_revision"]) for r in
+                table_rows(stream_config, spark, "corrections")
+                if r["cause"] == "full recompute of client-00" and r["entity"] == "attribution"]
+    assert recorded == [("o1", "updated", 1, 2)]
+
+    run_recompute(stream_config, spark=spark, progress=quiet)  # folds v's queued o1 in
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_tables_equal_from_scratch(stream_config, spark,
+                                     closed_before_ms=ms(START + timedelta(days=1, hours=4)))

@@ -28,7 +28,14 @@ from clickstream.jobs.batch_input import (
     read_batch,
     validate_batch,
 )
-from clickstream.jobs.corrections import CorrectionSummary, Defer, Run, Snapshot, correct
+from clickstream.jobs.corrections import (
+    CorrectionSummary,
+    Defer,
+    Run,
+    Snapshot,
+    correct,
+    where_attributed,
+)
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.checks import run_commit_version
 from clickstream.quality.gates import (
@@ -40,7 +47,6 @@ from clickstream.quality.gates import (
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import (
-    ATTRIBUTIONS,
     BACKFILL_QUEUED_BY,
     ORDERS,
     PAGEVIEWS,
@@ -120,12 +126,8 @@ def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
     """Where the batch lands, per user; for orders also where their previous version was
     attributed (an order whose ts changed leaves its old session)."""
     scope = valid.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
-    if kind == "orders" and tables.exists(ATTRIBUTIONS.name):
-        previous = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
-                               partition_filter={"client_id": client_id}
-                               ).join(valid.select("order_id"), "order_id", "left_semi")
-        scope = scope.unionByName(previous.select(
-            "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms")))
+    if kind == "orders":
+        scope = scope.unionByName(where_attributed(tables, client_id, valid.select("order_id")))
     return scope.groupBy("client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"),
                                                      F.max("ts_ms").alias("hi_ms"))
 

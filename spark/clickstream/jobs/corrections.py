@@ -19,7 +19,7 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C7):
+Known edge cases, cited inline as (C1)..(C8):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
       A session is stored under the day it starts, so one that began days before the range
@@ -54,6 +54,12 @@ Known edge cases, cited inline as (C1)..(C7):
       user is part of the compared content, and a plan row's ``partition_date`` is the stored
       row's partition: apply removes the key there and writes the new row into its own
       partition, so the order is never held twice.
+  C8. A moved order (C7) whose user's window is deferred (C4) is queued where it now is; the
+      stored attribution stays where it was. The recompute that folds the queued row in adds
+      where the order is attributed to its scope (``where_attributed``), as a backfill's
+      scope does: planned from the queued row alone, its window missed the stored row on
+      another day, so apply wrote the order on its new day and left it on the old one (held
+      twice, the topic once), and the old session kept it in its totals.
 """
 
 from __future__ import annotations
@@ -520,6 +526,19 @@ def _open_starts(pageviews: DataFrame, cutoff_ms: int, gap_ms: int) -> DataFrame
         gap_ms, BUCKETS)
     return sessions.where((F.col("kind") == "session") & (F.col("end_ms") > cutoff_ms)).groupBy(
         *USER_KEY).agg(F.min("start_ms").alias("open_from_ms"))
+
+
+def where_attributed(tables: DeltaTables, client_id: str, order_ids: DataFrame) -> DataFrame:
+    """(client_id, user_id, ts_ms) of the client's stored attributions of ``order_ids`` (a
+    frame with ``order_id``): where those orders were before a later batch moved them (C7,
+    C8). All of the client's days are read (``order_id`` alone tells no day)."""
+    if not tables.exists(ATTRIBUTIONS.name):
+        return order_ids.sparkSession.createDataFrame(
+            [], "client_id string, user_id string, ts_ms long")
+    stored = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
+                         partition_filter={"client_id": client_id})
+    return stored.join(order_ids, "order_id", "left_semi").select(
+        "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms"))
 
 
 def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,

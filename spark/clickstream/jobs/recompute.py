@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R8):
+Known edge cases, cited inline as (R1)..(R9):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -51,6 +51,10 @@ Known edge cases, cited inline as (R1)..(R8):
       before the rewrite, it recorded no plan (the only change), so the client's next
       correction run had nothing to finish and the table kept the row the topic had
       tombstoned.
+  R9. ``--full`` keeps a held user's (R2) stored attribution only if the rewrite has none of
+      its order: an order moved (C7) from that user to one the rewrite recomputes is the
+      rewrite's (an update, in the plan). Kept by user alone, the old row stayed beside the
+      rewritten one: the order held twice, once on the topic. (The other way round is R8.)
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from pyspark.sql import functions as F
 
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
+from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_rows
 from clickstream.io.kafka_clients import produce_records
@@ -86,6 +91,7 @@ from clickstream.jobs.corrections import (
     resume,
     unfinished_plan,
     unfinished_plan_seq,
+    where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -147,8 +153,7 @@ def run_recompute(
                  + ("; an interrupted plan to finish first" if client in unfinished else ""))
         run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
                   f"recompute queue version {queue_version}", progress)
-        scope = mine.groupBy("client_id", "user_id").agg(
-            F.min(F.unix_millis("ts")).alias("lo_ms"), F.max(F.unix_millis("ts")).alias("hi_ms"))
+        scope = _scope(tables, client, mine)
         try:
             result, left = _correct(run, scope, watermark)
         except ClickstreamError as error:  # one client's trouble does not stop the others
@@ -179,6 +184,17 @@ def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: 
         partition_filter={"client_id": only} if only else None)
     return {client for client in clients if client is not None and unfinished_plan_seq(
         Run(spark, config, tables, client, "plan-lookup", "plan lookup")) is not None}
+
+
+def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
+    """Per user, the range its queued rows landed in, grown to where the queued orders are
+    attributed now (``corrections`` C8): an order moved to another day while its user was
+    deferred was queued where it now is, and its stored row is where it was."""
+    landed = queued.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
+    orders = queued.where(F.col("kind") == contract.ORDER).select(
+        F.col("record_id").alias("order_id"))
+    return landed.unionByName(where_attributed(tables, client, orders)).groupBy(
+        "client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"), F.max("ts_ms").alias("hi_ms"))
 
 
 def _correct(run: Run, scope: DataFrame, watermark: int | None
@@ -319,6 +335,7 @@ class _Rewrite:
     spec: TableSpec
     topic: str
     stored: DataFrame
+    kept: DataFrame  # the stored rows left to the stream (R2, R9)
     fresh: DataFrame  # the client's rows as rewritten, with their revisions
     retracted: DataFrame  # keys of ``stored`` that ``fresh`` no longer has
     read_version: int | None
@@ -353,7 +370,9 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
              "attribution")):
         (key,) = spec.key
         stored, read_version = stored_of[spec.name]
-        old = stored.join(active, users, "left_anti")
+        # A held user's row of a key the rewrite writes is an order moved away from it (R9).
+        kept = stored.join(active, users, "left_semi").join(rows.select(key), key, "left_anti")
+        old = stored.join(kept.select(key), key, "left_anti")
         content = [c for c in rows.columns if c not in (key, "revision")]
         same = ~_differs(tuple(content))  # the comparison diff() makes
         fresh = rows.alias("n").join(old.alias("o"), key, "left").select(
@@ -367,7 +386,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         # The same changes as corrections rows: the audit trail of every run (R3).
         # Attributions retracted too, as their tombstones below are (R8).
         changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq))
-        rewrites.append(_Rewrite(spec, topic, stored, fresh, retracted, read_version))
+        rewrites.append(_Rewrite(spec, topic, stored, kept, fresh, retracted, read_version))
     plan = reduce(DataFrame.unionByName, changes).localCheckpoint()
     planned = not plan.isEmpty()
     if planned:
@@ -381,7 +400,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         version = (tables.app_version(spec.name, f"full-recompute-{client_id}") or 0) + 1
         try:
             tables.replace_partitions(
-                spec.name, fresh.unionByName(stored.join(active, users, "left_semi")),
+                spec.name, fresh.unionByName(rewrite.kept),
                 predicate=mine, partition_by=spec.partition_by,
                 app_id=f"full-recompute-{client_id}", version=version,
                 read_version=rewrite.read_version,
