@@ -99,6 +99,7 @@ from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import (
     ATTRIBUTIONS,
+    BACKFILL_QUEUED_BY,
     CORRECTIONS,
     ORDERS,
     PAGEVIEWS,
@@ -189,12 +190,17 @@ def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: 
 def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
     """Per user, the range its queued rows landed in, grown to where the queued orders are
     attributed now (``corrections`` C8): an order moved to another day while its user was
-    deferred was queued where it now is, and its stored row is where it was."""
+    deferred was queued where it now is, and its stored row is where it was. Only a batch
+    moves an order (the stream stores an order_id once), so the client's attributions are
+    read only when the queue holds orders a backfill queued."""
     landed = queued.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
-    orders = queued.where(F.col("kind") == contract.ORDER).select(
-        F.col("record_id").alias("order_id"))
-    return landed.unionByName(where_attributed(tables, client, orders)).groupBy(
-        "client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"), F.max("ts_ms").alias("hi_ms"))
+    backfilled_orders = queued.where(
+        (F.col("kind") == contract.ORDER) & F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
+    ).select(F.col("record_id").alias("order_id"))
+    if not backfilled_orders.isEmpty():
+        landed = landed.unionByName(where_attributed(tables, client, backfilled_orders))
+    return landed.groupBy("client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"),
+                                                      F.max("ts_ms").alias("hi_ms"))
 
 
 def _correct(run: Run, scope: DataFrame, watermark: int | None
