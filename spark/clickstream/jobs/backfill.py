@@ -34,6 +34,7 @@ from clickstream.jobs.corrections import (
     Run,
     Snapshot,
     correct,
+    user_scope,
     where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
@@ -124,12 +125,14 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
 def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
              client_id: str) -> DataFrame:
     """Where the batch lands, per user; for orders also where their previous version was
-    attributed (an order whose ts changed leaves its old session)."""
-    scope = valid.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
+    attributed (an order whose ts changed leaves its old session), and to which user an order
+    moved from there (``corrections`` C9)."""
+    scope = valid.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"),
+                         F.lit(None).cast("string").alias("moved_with"))
     if kind == "orders":
-        scope = scope.unionByName(where_attributed(tables, client_id, valid.select("order_id")))
-    return scope.groupBy("client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"),
-                                                     F.max("ts_ms").alias("hi_ms"))
+        scope = scope.unionByName(where_attributed(tables, client_id,
+                                                   valid.select("order_id", "user_id")))
+    return user_scope(scope)
 
 
 def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,

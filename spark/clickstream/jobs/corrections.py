@@ -19,7 +19,7 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C8):
+Known edge cases, cited inline as (C1)..(C9):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
       A session is stored under the day it starts, so one that began days before the range
@@ -60,6 +60,15 @@ Known edge cases, cited inline as (C1)..(C8):
       scope does: planned from the queued row alone, its window missed the stored row on
       another day, so apply wrote the order on its new day and left it on the old one (held
       twice, the topic once), and the old session kept it in its totals.
+  C9. A moved order's new user waits while its old user (where it is attributed) is
+      deferred (C4): ``with_moved_orders_users``, from the scope's ``moved_with`` (for where
+      an order was, the user it moved to). Planned alone, the new user's window did not hold
+      the stored attribution, another user's, so apply wrote the order in its new place and
+      left it in the old one (held twice, the topic once), and the old session kept it in
+      its totals; the order's row is the new user's, so nothing was queued for the old one
+      and no recompute corrected it. Deferred too, its row is queued and the recompute that
+      folds it in plans both users (C8). The other way round needs nothing: the old user is
+      planned now (its session loses the order) and the attribution moves with the queued row.
 """
 
 from __future__ import annotations
@@ -528,17 +537,54 @@ def _open_starts(pageviews: DataFrame, cutoff_ms: int, gap_ms: int) -> DataFrame
         *USER_KEY).agg(F.min("start_ms").alias("open_from_ms"))
 
 
-def where_attributed(tables: DeltaTables, client_id: str, order_ids: DataFrame) -> DataFrame:
-    """(client_id, user_id, ts_ms) of the client's stored attributions of ``order_ids`` (a
-    frame with ``order_id``): where those orders were before a later batch moved them (C7,
-    C8). All of the client's days are read (``order_id`` alone tells no day)."""
+def where_attributed(tables: DeltaTables, client_id: str, orders: DataFrame) -> DataFrame:
+    """(client_id, user_id, ts_ms, moved_with) of the client's stored attributions of
+    ``orders`` (a frame with ``order_id`` and ``user_id``, where the orders are now): where
+    those orders were before a later batch moved them (C7, C8), and ``moved_with`` the user
+    an order moved to if it is another one, else null (C9). All of the client's days are
+    read (``order_id`` alone tells no day)."""
     if not tables.exists(ATTRIBUTIONS.name):
-        return order_ids.sparkSession.createDataFrame(
-            [], "client_id string, user_id string, ts_ms long")
+        return orders.sparkSession.createDataFrame(
+            [], "client_id string, user_id string, ts_ms long, moved_with string")
     stored = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
                          partition_filter={"client_id": client_id})
-    return stored.join(order_ids, "order_id", "left_semi").select(
-        "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms"))
+    now = orders.select("order_id", F.col("user_id").alias("now_user_id"))
+    return stored.join(now, "order_id").select(
+        "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms"),
+        F.when(F.col("now_user_id") != F.col("user_id"), F.col("now_user_id")
+               ).alias("moved_with"))
+
+
+def user_scope(landed: DataFrame) -> DataFrame:
+    """Scope rows (client_id, user_id, lo_ms, hi_ms, moved_with) from rows (client_id,
+    user_id, ts_ms[, moved_with]): per user, the range and the users an order moved to
+    from it (C9)."""
+    if "moved_with" not in landed.columns:
+        landed = landed.withColumn("moved_with", F.lit(None).cast("string"))
+    return landed.groupBy("client_id", "user_id").agg(
+        F.min("ts_ms").alias("lo_ms"), F.max("ts_ms").alias("hi_ms"),
+        F.collect_set("moved_with").alias("moved_with"))
+
+
+def with_moved_orders_users(deferred: DataFrame, scope: DataFrame) -> DataFrame:
+    """``deferred`` (client_id, user_id) and the users orders moved to from one of them,
+    through chains of moves too (C9)."""
+    if "moved_with" not in scope.columns:
+        return deferred
+    moves = scope.select("client_id", F.col("user_id").alias("from_user_id"),
+                         F.explode("moved_with").alias("user_id")).localCheckpoint()
+    if moves.isEmpty():
+        return deferred
+    deferred = deferred.distinct().localCheckpoint()
+    known = deferred.count()
+    while True:
+        moved_to = moves.join(deferred.withColumnRenamed("user_id", "from_user_id"),
+                              ["client_id", "from_user_id"], "left_semi").select(*USER_KEY)
+        grown = deferred.unionByName(moved_to).distinct().localCheckpoint()
+        count = grown.count()
+        if count == known:
+            return grown
+        deferred, known = grown, count
 
 
 def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,
@@ -561,11 +607,12 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
                              _NEVER_MS))))
             windows = windows.persist()
             grown = (*grown, windows)
-            deferred = windows.where(open_tail).select("client_id", "user_id")
+            deferred = with_moved_orders_users(  # (C9)
+                windows.where(open_tail).select("client_id", "user_id"), scope)
             summary.deferred_users = deferred.count()
             if summary.deferred_users and defer is not None:
                 defer(deferred)  # before anything is recorded (C4)
-            windows = windows.where(~open_tail).drop("open_from_ms")
+            windows = windows.join(deferred, USER_KEY, "left_anti").drop("open_from_ms")
             old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
                                              ["client_id", "user_id"], "left_semi")
         windows = Windows.of(windows)

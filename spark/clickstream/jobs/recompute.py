@@ -91,6 +91,7 @@ from clickstream.jobs.corrections import (
     resume,
     unfinished_plan,
     unfinished_plan_seq,
+    user_scope,
     where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
@@ -193,14 +194,14 @@ def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
     deferred was queued where it now is, and its stored row is where it was. Only a batch
     moves an order (the stream stores an order_id once), so the client's attributions are
     read only when the queue holds orders a backfill queued."""
-    landed = queued.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"))
+    landed = queued.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"),
+                           F.lit(None).cast("string").alias("moved_with"))
     backfilled_orders = queued.where(
         (F.col("kind") == contract.ORDER) & F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
-    ).select(F.col("record_id").alias("order_id"))
-    if not backfilled_orders.isEmpty():
+    ).select(F.col("record_id").alias("order_id"), "user_id")
+    if not backfilled_orders.isEmpty():  # and its old and new users together (C9)
         landed = landed.unionByName(where_attributed(tables, client, backfilled_orders))
-    return landed.groupBy("client_id", "user_id").agg(F.min("ts_ms").alias("lo_ms"),
-                                                      F.max("ts_ms").alias("hi_ms"))
+    return user_scope(landed)
 
 
 def _correct(run: Run, scope: DataFrame, watermark: int | None
