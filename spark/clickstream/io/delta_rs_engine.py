@@ -824,22 +824,25 @@ class DeltaRsTables(DeltaTables):
                     log.warning("could not delete uncommitted file %s: %s", f.path, exc)
 
     def _added_since(self, name: str, since: int, latest: int) -> set[str] | None:
-        """Paths on disk (decoded, edge case 12) the commits ``since + 1 .. latest`` add, from
-        their log entries (local file system, edge case 11); None if one cannot be read."""
+        """Paths on disk (decoded, edge case 12) the commits ``since + 1 .. latest`` add; None
+        if one cannot be read."""
+        try:
+            return {unquote(action["add"]["path"])
+                    for action in self._commit_actions(name, since, latest) if "add" in action}
+        except OSError as exc:
+            log.warning("table %r: a commit after version %d is unreadable (%s); its writer's "
+                        "files are kept for vacuum", name, since, exc)
+            return None
+
+    def _commit_actions(self, name: str, since: int, latest: int) -> Iterator[dict]:
+        """The actions of commits ``since + 1 .. latest``, read from their log entries (local
+        file system, edge case 11)."""
         log_dir = Path(self.table_path(name)) / "_delta_log"
-        added: set[str] = set()
         for version in range(since + 1, latest + 1):
-            try:
-                lines = (log_dir / f"{version:020d}.json").read_text().splitlines()
-            except OSError as exc:
-                log.warning("table %r: commit %d unreadable (%s); its writer's files are kept "
-                            "for vacuum", name, version, exc)
-                return None
-            for line in lines:
-                action = json.loads(line) if line.strip() else {}
-                if "add" in action:
-                    added.add(unquote(action["add"]["path"]))
-        return added
+            with open(log_dir / f"{version:020d}.json") as commit:
+                for line in commit:
+                    if line.strip():
+                        yield json.loads(line)
 
     def _active_files(self, table: DeltaTable) -> list[_ActiveFile]:
         actions = pa.table(table.get_add_actions(flatten=True))
@@ -874,18 +877,14 @@ class DeltaRsTables(DeltaTables):
         """Whether a commit after version ``since`` added or removed rows inside the range
         (edge case 16): an add or remove with ``dataChange`` true (the default) there, or one
         whose partition is unknown."""
-        log_dir = os.path.join(self.table_path(name), "_delta_log")
         touched: set[tuple] = set()
-        for version in range(since + 1, current.version() + 1):
-            with open(os.path.join(log_dir, f"{version:020d}.json")) as commit:
-                for line in commit:
-                    action = json.loads(line)
-                    change = action.get("add") or action.get("remove")
-                    if change is None or change.get("dataChange") is False:
-                        continue
-                    if change.get("partitionValues") is None:
-                        return True
-                    touched.add(tuple(sorted(change["partitionValues"].items())))
+        for action in self._commit_actions(name, since, current.version()):
+            change = action.get("add") or action.get("remove")
+            if change is None or change.get("dataChange") is False:
+                continue
+            if change.get("partitionValues") is None:
+                return True
+            touched.add(tuple(sorted(change["partitionValues"].items())))
         return len(self._outside(touched, predicate, current)) < len(touched)
 
     def _outside(self, values: set[tuple], predicate: ReplacePredicate,

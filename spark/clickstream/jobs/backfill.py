@@ -34,8 +34,7 @@ from clickstream.jobs.corrections import (
     Run,
     Snapshot,
     correct,
-    user_scope,
-    where_attributed,
+    landing_scope,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.checks import run_commit_version
@@ -127,12 +126,8 @@ def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
     """Where the batch lands, per user; for orders also where their previous version was
     attributed (an order whose ts changed leaves its old session), and to which user an order
     moved from there (``corrections`` C9)."""
-    scope = valid.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"),
-                         F.lit(None).cast("string").alias("moved_with"))
-    if kind == "orders":
-        scope = scope.unionByName(where_attributed(tables, client_id,
-                                                   valid.select("order_id", "user_id")))
-    return user_scope(scope)
+    moved = valid.select("order_id", "user_id") if kind == "orders" else None
+    return landing_scope(tables, client_id, valid, moved)
 
 
 def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,

@@ -555,13 +555,17 @@ def where_attributed(tables: DeltaTables, client_id: str, orders: DataFrame) -> 
                ).alias("moved_with"))
 
 
-def user_scope(landed: DataFrame) -> DataFrame:
-    """Scope rows (client_id, user_id, lo_ms, hi_ms, moved_with) from rows (client_id,
-    user_id, ts_ms[, moved_with]): per user, the range and the users an order moved to
-    from it (C9)."""
-    if "moved_with" not in landed.columns:
-        landed = landed.withColumn("moved_with", F.lit(None).cast("string"))
-    return landed.groupBy("client_id", "user_id").agg(
+def landing_scope(tables: DeltaTables, client_id: str, landed: DataFrame,
+                  moved: DataFrame | None = None) -> DataFrame:
+    """Scope rows (client_id, user_id, lo_ms, hi_ms, moved_with): per user, the range the
+    ``landed`` rows (client_id, user_id, ts) fall in, grown to where the ``moved`` orders
+    (order_id, user_id where they are now) are attributed (C7, C8), with the users an order
+    moved to from there (C9)."""
+    rows = landed.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"),
+                         F.lit(None).cast("string").alias("moved_with"))
+    if moved is not None:
+        rows = rows.unionByName(where_attributed(tables, client_id, moved))
+    return rows.groupBy("client_id", "user_id").agg(
         F.min("ts_ms").alias("lo_ms"), F.max("ts_ms").alias("hi_ms"),
         F.collect_set("moved_with").alias("moved_with"))
 

@@ -84,6 +84,7 @@ from clickstream.jobs.corrections import (
     correct,
     diff,
     finish,
+    landing_scope,
     mark_published,
     next_plan_seq,
     one_run_at_a_time,
@@ -91,8 +92,6 @@ from clickstream.jobs.corrections import (
     resume,
     unfinished_plan,
     unfinished_plan_seq,
-    user_scope,
-    where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -194,14 +193,11 @@ def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
     deferred was queued where it now is, and its stored row is where it was. Only a batch
     moves an order (the stream stores an order_id once), so the client's attributions are
     read only when the queue holds orders a backfill queued."""
-    landed = queued.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"),
-                           F.lit(None).cast("string").alias("moved_with"))
     backfilled_orders = queued.where(
         (F.col("kind") == contract.ORDER) & F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
     ).select(F.col("record_id").alias("order_id"), "user_id")
-    if not backfilled_orders.isEmpty():  # and its old and new users together (C9)
-        landed = landed.unionByName(where_attributed(tables, client, backfilled_orders))
-    return user_scope(landed)
+    return landing_scope(tables, client, queued,
+                         None if backfilled_orders.isEmpty() else backfilled_orders)
 
 
 def _correct(run: Run, scope: DataFrame, watermark: int | None
