@@ -252,10 +252,11 @@ def test_orders_moved_by_a_later_batch_are_held_once_where_they_now_are(
     moved = [order_row("o1", "u", day + 1), order_row("o2", "v", 1)]
     backfill("orders", "o2", moved)
     backfill("pageviews", "p2", [pv_row("c", "v", 0)])  # o2 is attributed now
-    attributions = {r["order_id"]: r for r in table_rows(stream_config, spark, "attributions")}
-    assert {k: (r["user_id"], r["order_ts"], r["revision"]) for k, r in attributions.items()
-            } == {"o1": ("u", moved[0]["ts"], 2), "o2": ("v", moved[1]["ts"], 3)}
-    assert None not in {r["session_id"] for r in attributions.values()}
+    attributions = sorted(table_rows(stream_config, spark, "attributions"),
+                          key=lambda r: r["order_id"])
+    assert [(r["order_id"], r["user_id"], r["order_ts"], r["revision"]) for r in attributions
+            ] == [("o1", "u", moved[0]["ts"], 2), ("o2", "v", moved[1]["ts"], 3)]
+    assert None not in {r["session_id"] for r in attributions}
     assert_tables_equal_from_scratch(stream_config, spark)
 
 
