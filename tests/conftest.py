@@ -1,4 +1,5 @@
-"""Shared fixtures: one SparkSession per test run, a Config rooted in a temp folder."""
+"""Shared fixtures: one SparkSession per test process (each pytest-xdist worker has its own),
+a Config rooted in a temp folder."""
 
 from __future__ import annotations
 

@@ -24,8 +24,14 @@ PLUGINS = REPO / "plugins"
 
 
 def configure_airflow_env() -> Path:
-    """Point Airflow at a temporary home (once per test process); returns it."""
-    if "CLICKSTREAM_TEST_AIRFLOW_HOME" in os.environ:
+    """Point Airflow at a temporary home (once per test process); returns it.
+
+    Each pytest-xdist worker has its own home: a worker inherits the environment of the
+    process that started it, which may have set up a home of its own (``pytest -n 2
+    tests/dags`` loads this folder's conftest there too), and two workers creating one SQLite
+    metadata DB at once would collide."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get("CLICKSTREAM_TEST_AIRFLOW_WORKER") == worker:
         return Path(os.environ["CLICKSTREAM_TEST_AIRFLOW_HOME"])
     if "airflow" in sys.modules:
         raise RuntimeError("Airflow was imported before the test environment was configured")
@@ -33,6 +39,7 @@ def configure_airflow_env() -> Path:
     atexit.register(shutil.rmtree, home, ignore_errors=True)
     os.environ.update({
         "CLICKSTREAM_TEST_AIRFLOW_HOME": str(home),
+        "CLICKSTREAM_TEST_AIRFLOW_WORKER": worker,
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
