@@ -329,6 +329,32 @@ def test_extra_kafka_options_reach_the_source_consumers(
                  topic, tmp_path / "ck")
 
 
+def test_a_secret_in_the_kafka_options_stays_out_of_plans_progress_and_checkpoint(
+    spark: SparkSession, kafka_config: Config, make_topic, tmp_path: Path
+) -> None:
+    """The options travel to the source as one option of the query (kafkaOptions): a password
+    there must not reach what Spark prints or keeps (plans, the query's progress, its
+    checkpoint), which operators read, paste and archive."""
+    secret = "s3cr3t-of-this-test"
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 5)
+    config = kafka_config.replace(kafka_options={"sasl.password": secret})
+    query = (read_kafka_stream(spark, config, topic).writeStream.format("memory")
+             .queryName(f"secret_{topic.replace('-', '_')}")
+             .option("checkpointLocation", str(tmp_path / "ck"))
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    assert spark.table(f"secret_{topic.replace('-', '_')}").count() == 5
+    printed = {"plans": query._jsq.explainInternal(True),
+               "progress": "\n".join(p.json for p in query.recentProgress)}
+    kept = {str(f): f.read_bytes().decode("latin-1")
+            for f in (tmp_path / "ck").rglob("*") if f.is_file()}
+    assert "StreamingDataSourceV2ScanRelation" in printed["plans"]
+    assert '"numInputRows":5' in printed["progress"].replace(" ", "")
+    assert any("offsets" in name for name in kept), kept.keys()
+    assert [name for name, text in {**printed, **kept}.items() if secret in text] == []
+
+
 @pytest.mark.parametrize("new_records", [3, 10], ids=["ends-below", "grew-back-past"])
 def test_a_broker_that_restarted_empty_stops_the_query(
     spark: SparkSession, tmp_path: Path, new_records: int
