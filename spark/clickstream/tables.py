@@ -153,6 +153,9 @@ RECOMPUTE_QUEUE = TableSpec(
 
 # ``queued_by`` of the rows a backfill queues for the stream's users: "backfill <run id>".
 BACKFILL_QUEUED_BY = "backfill "
+# ... followed by this for the place an order was stored in before the backfill moved it
+# (``corrections`` C10): that row is not where the order is now.
+MOVED_AWAY = ": moved away"
 
 CORRECTIONS = TableSpec(
     "corrections",

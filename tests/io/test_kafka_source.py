@@ -339,12 +339,13 @@ def test_a_secret_in_the_kafka_options_stays_out_of_plans_progress_and_checkpoin
     topic = make_topic(partitions=2)
     produce(kafka_config, topic, 5)
     config = kafka_config.replace(kafka_options={"sasl.password": secret})
+    name = f"secret_{topic.replace('-', '_')}"
     query = (read_kafka_stream(spark, config, topic).writeStream.format("memory")
-             .queryName(f"secret_{topic.replace('-', '_')}")
+             .queryName(name)
              .option("checkpointLocation", str(tmp_path / "ck"))
              .trigger(availableNow=True).start())
     query.awaitTermination()
-    assert spark.table(f"secret_{topic.replace('-', '_')}").count() == 5
+    assert spark.table(name).count() == 5
     printed = {"plans": query._jsq.explainInternal(True),
                "progress": "\n".join(p.json for p in query.recentProgress)}
     kept = {str(f): f.read_bytes().decode("latin-1")

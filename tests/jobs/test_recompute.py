@@ -783,16 +783,11 @@ def test_moved_orders_are_held_once_where_they_now_are_once_the_stream_lets_go(
                                      closed_before_ms=ms(START + timedelta(days=1, hours=5)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known limit: o1 is still in o's open session in the stream's state (stream_adapter keeps "
-    "unemitted orders per bucket), not in attributions, so the moving backfill finds no old "
-    "place (where_attributed reads attributions) and writes o1 for n; the stream later emits "
-    "o's session with o1 in its totals and appends o1's attribution to o (the stream only "
-    "appends): o1 held twice, o's session counts it"))
+@pytest.mark.parametrize("moved_to", ["n", "o"], ids=["to-another-user", "to-its-users-day-0"])
 def test_an_order_the_stream_holds_then_a_batch_moves_is_held_once_where_it_now_is(
-        stream_config: Config, spark: SparkSession) -> None:
-    """o1 arrives on time in o's open session [DAY, DAY + 10]; a batch moves it to n on day
-    0 before the stream emits it."""
+        stream_config: Config, spark: SparkSession, moved_to: str) -> None:
+    """o1 arrives on time in o's open session [DAY, DAY + 10]; a batch moves it to day 0 (of
+    n, or of o) before the stream emits it (corrections C10)."""
     backfill_c0(stream_config, spark, "pageviews", "p",
                 [pv_row(f"{u}-0", u, 0) for u in ("n", "o")])
     produce(stream_config, [pageview(u, START + timedelta(minutes=m), f"{u}-{m}")
@@ -800,14 +795,14 @@ def test_an_order_the_stream_holds_then_a_batch_moves_is_held_once_where_it_now_
             + [order("o", START + timedelta(minutes=DAY + 20), "o1"), CLOCK])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
 
-    backfill_c0(stream_config, spark, "orders", "moved", [order_row("o1", "n", 1)])
+    backfill_c0(stream_config, spark, "orders", "moved", [order_row("o1", moved_to, 1)])
     the_stream_lets_go_of_day_1(stream_config, spark)
 
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert [(r["order_id"], r["user_id"]) for r in table_rows(stream_config, spark, "orders")
-            ] == [("o1", "n")]
+            ] == [("o1", moved_to)]
     assert [(r["order_id"], r["user_id"], r["order_ts"])
             for r in table_rows(stream_config, spark, "attributions")] == [
-        ("o1", "n", START + timedelta(minutes=1))]
+        ("o1", moved_to, START + timedelta(minutes=1))]
     assert_tables_equal_from_scratch(stream_config, spark,
                                      closed_before_ms=ms(START + timedelta(days=1, hours=5)))

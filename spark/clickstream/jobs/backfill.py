@@ -20,6 +20,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
+from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.batch_input import (
     KEY,
@@ -35,6 +36,9 @@ from clickstream.jobs.corrections import (
     Snapshot,
     correct,
     landing_scope,
+    old_places,
+    stored_elsewhere,
+    where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.checks import run_commit_version
@@ -48,6 +52,7 @@ from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.spark_session import build_spark, releases_cache
 from clickstream.tables import (
     BACKFILL_QUEUED_BY,
+    MOVED_AWAY,
     ORDERS,
     PAGEVIEWS,
     QUARANTINE,
@@ -121,13 +126,38 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
     return count
 
 
-def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
-             client_id: str) -> DataFrame:
+def _version_before_merge(tables: DeltaTables, run_id: str) -> int | None:
+    """The ``orders`` table's version just before the run's merge; the current one before
+    the run merged (a dry run), or if it merged nothing; None before the table existed."""
+    if not tables.exists(ORDERS.name):
+        return None
+    merged = run_commit_version(tables, ORDERS.name, run_id)
+    if merged is None:
+        return tables.version(ORDERS.name)
+    return merged - 1 if merged > 0 else None
+
+
+def moved_stored_orders(tables: DeltaTables, valid: DataFrame, client_id: str,
+                        run_id: str) -> DataFrame | None:
+    """The batch's orders as they were stored before its merge, where they are no longer:
+    (order_id, client_id, user_id, ts) of their previous place (``corrections`` C10)."""
+    version = _version_before_merge(tables, run_id)
+    return None if version is None else stored_elsewhere(tables, client_id, valid, version)
+
+
+def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind, client_id: str,
+             run_id: str) -> DataFrame:
     """Where the batch lands, per user; for orders also where their previous version was
-    attributed (an order whose ts changed leaves its old session), and to which user an order
-    moved from there (``corrections`` C9)."""
-    moved = valid.select("order_id", "user_id") if kind == "orders" else None
-    return landing_scope(tables, client_id, valid, moved)
+    attributed (an order whose ts changed leaves its old session) or stored before the merge
+    (C10), and to which user an order moved from there (``corrections`` C9)."""
+    if kind != "orders":
+        return landing_scope(valid)
+    now = valid.select("order_id", "user_id")
+    places = [where_attributed(tables, client_id, now)]
+    before = moved_stored_orders(tables, valid, client_id, run_id)
+    if before is not None:
+        places.append(old_places(before, "ts", now))
+    return landing_scope(valid, *places)
 
 
 def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,
@@ -234,10 +264,11 @@ def run_backfill(
 
     started = time.monotonic()
     watermark = stream_watermark_ms(config)
-    scope = scope_of(tables, valid, kind, client_id).persist()
+    scope = scope_of(tables, valid, kind, client_id, run_id).persist()
     summary.corrections = correct(run, scope, orders_only=kind == "orders",
                                   stream_watermark_ms=watermark,
-                                  defer=queue_for_the_stream(tables, valid, kind, run_id))
+                                  defer=queue_for_the_stream(tables, valid, kind, client_id,
+                                                             run_id))
     step("recompute and publish", started)
     for frame in (validated, valid, scope):
         frame.unpersist()
@@ -247,8 +278,10 @@ def run_backfill(
 
 
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
-                         run_id: str) -> Defer:
-    """How the batch's rows of users the stream still owns go to the recompute queue (C4).
+                         client_id: str, run_id: str) -> Defer:
+    """How the batch's rows of users the stream still owns go to the recompute queue (C4),
+    with the places the batch moved orders away from, where the stream may hold them in an
+    open session (C10).
 
     Each attempt that plans queues the rows no earlier attempt of the run queued: an attempt
     that died before recording its plan is planned again, and by then the stream may own
@@ -261,11 +294,21 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
             "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
             F.col(KEY[kind]).alias("record_id"), "ts", F.lit(queued_by).alias("queued_by"),
             F.to_date("ts").alias("event_date"))
+        moved = (moved_stored_orders(tables, valid, client_id, run_id) if kind == "orders"
+                 else None)
+        if moved is not None:  # (C10)
+            rows = rows.unionByName(moved.join(users, ["client_id", "user_id"], "left_semi")
+                                    .select("client_id", "user_id",
+                                            F.lit(contract.ORDER).alias("kind"),
+                                            F.col("order_id").alias("record_id"), "ts",
+                                            F.lit(queued_by + MOVED_AWAY).alias("queued_by"),
+                                            F.to_date("ts").alias("event_date")))
         attempt = (tables.app_version(RECOMPUTE_QUEUE.name, app_id) or 0) + 1
         if attempt > 1:  # a recompute may have folded some in since: queued again, harmless
             earlier = tables.read(RECOMPUTE_QUEUE.name, ["kind", "record_id", "queued_by"])
-            rows = rows.join(earlier.where(F.col("queued_by") == queued_by).select(
-                "kind", "record_id"), ["kind", "record_id"], "left_anti")
+            rows = rows.join(earlier.where(F.col("queued_by").startswith(queued_by)).select(
+                "kind", "record_id", "queued_by"), ["kind", "record_id", "queued_by"],
+                "left_anti")
         tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=app_id, version=attempt,
                            partition_by=RECOMPUTE_QUEUE.partition_by,
                            metadata={"run_id": run_id, "cause": queued_by})

@@ -241,7 +241,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
         valid = batch.valid().persist()
         valid_rows = valid.count()
-        scope = scope_of(batch.tables, valid, kind, client_id)
+        scope = scope_of(batch.tables, valid, kind, client_id, batch.run_id)
         in_reach = 0
         if valid_rows and batch.tables.exists(SESSIONS.name):
             run = batch.correction_run(progress)
@@ -312,12 +312,13 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         timer = Timer(summary, progress)
         watermark = stream_watermark_ms(config)
         valid = batch.valid().persist()
-        scope = scope_of(batch.tables, valid, kind, client_id).persist()
+        scope = scope_of(batch.tables, valid, kind, client_id, run_id).persist()
         with one_run_at_a_time(config, client_id, progress):  # (C6)
             changes = resume(run, summary, timer)
             if changes is None:
                 changes = plan(run, scope, kind == "orders", summary, timer, watermark,
-                               queue_for_the_stream(batch.tables, valid, kind, run_id))
+                               queue_for_the_stream(batch.tables, valid, kind, client_id,
+                                                    run_id))
             if changes is not None:
                 with timer.step("apply to tables"):
                     apply(run, changes)

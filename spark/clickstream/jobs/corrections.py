@@ -19,7 +19,7 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C9):
+Known edge cases, cited inline as (C1)..(C10):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
       A session is stored under the day it starts, so one that began days before the range
@@ -69,6 +69,17 @@ Known edge cases, cited inline as (C1)..(C9):
       and no recompute corrected it. Deferred too, its row is queued and the recompute that
       folds it in plans both users (C8). The other way round needs nothing: the old user is
       planned now (its session loses the order) and the attribution moves with the queued row.
+  C10. An order the stream received on time is in ``orders`` but in no attribution while the
+      stream holds it in an open session. A batch that moves it finds its old place in
+      ``orders`` as it was before the batch's merge (``stored_elsewhere``), not in
+      ``attributions``: from there only, its old user was planned as if the order had never
+      been there, the new one was planned alone, and the stream later emitted the old
+      session with the order in its totals and appended the order's attribution there (the
+      stream only appends): held twice, counted in the old session. Now the old user is in
+      the scope, so it is deferred while the stream holds it and the new user with it (C9);
+      the old place is queued too (``queued_by`` ends in ``MOVED_AWAY``). The stream writes
+      no attribution of an order a backfill queued (``sessionize`` Z11), and the recompute
+      that folds the old place in takes the order out of the old session.
 """
 
 from __future__ import annotations
@@ -537,34 +548,56 @@ def _open_starts(pageviews: DataFrame, cutoff_ms: int, gap_ms: int) -> DataFrame
         *USER_KEY).agg(F.min("start_ms").alias("open_from_ms"))
 
 
+def old_places(stored: DataFrame, ts_column: str, orders: DataFrame) -> DataFrame:
+    """(client_id, user_id, ts_ms, moved_with) of the ``stored`` rows of ``orders`` (a frame
+    with ``order_id`` and ``user_id``, where the orders are now): ``moved_with`` is the user an
+    order moved to if it is another one, else null (C9)."""
+    now = orders.select("order_id", F.col("user_id").alias("now_user_id"))
+    return stored.join(now, "order_id").select(
+        "client_id", "user_id", F.unix_millis(ts_column).alias("ts_ms"),
+        F.when(F.col("now_user_id") != F.col("user_id"), F.col("now_user_id")
+               ).alias("moved_with"))
+
+
 def where_attributed(tables: DeltaTables, client_id: str, orders: DataFrame) -> DataFrame:
-    """(client_id, user_id, ts_ms, moved_with) of the client's stored attributions of
-    ``orders`` (a frame with ``order_id`` and ``user_id``, where the orders are now): where
-    those orders were before a later batch moved them (C7, C8), and ``moved_with`` the user
-    an order moved to if it is another one, else null (C9). All of the client's days are
+    """The places (``old_places``) of the client's stored attributions of ``orders``: where
+    those orders were before a later batch moved them (C7, C8). All of the client's days are
     read (``order_id`` alone tells no day)."""
     if not tables.exists(ATTRIBUTIONS.name):
         return orders.sparkSession.createDataFrame(
             [], "client_id string, user_id string, ts_ms long, moved_with string")
     stored = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
                          partition_filter={"client_id": client_id})
-    now = orders.select("order_id", F.col("user_id").alias("now_user_id"))
-    return stored.join(now, "order_id").select(
-        "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms"),
-        F.when(F.col("now_user_id") != F.col("user_id"), F.col("now_user_id")
-               ).alias("moved_with"))
+    return old_places(stored, "order_ts", orders)
 
 
-def landing_scope(tables: DeltaTables, client_id: str, landed: DataFrame,
-                  moved: DataFrame | None = None) -> DataFrame:
+def stored_elsewhere(tables: DeltaTables, client_id: str, orders: DataFrame,
+                     version: int) -> DataFrame:
+    """(order_id, client_id, user_id, ts) of the rows of ``orders`` (a frame with
+    ``order_id``, ``user_id``, ``ts``: where the orders are now) that ``orders`` held at
+    ``version`` in another place (user or ts) and that no attribution holds. Before a batch's
+    merge, that is where the batch moves them from while the stream holds them in an open
+    session (C10); an attributed order's old place is its attribution (``where_attributed``)."""
+    stored = tables.read(ORDERS.name, ["order_id", "client_id", "user_id", "ts"],
+                         partition_filter={"client_id": client_id}, version=version)
+    now = orders.select("order_id", F.col("user_id").alias("now_user_id"),
+                        F.col("ts").alias("now_ts"))
+    moved = stored.join(now, "order_id").where(
+        (F.col("user_id") != F.col("now_user_id")) | (F.col("ts") != F.col("now_ts")))
+    if tables.exists(ATTRIBUTIONS.name):
+        moved = moved.join(tables.read(ATTRIBUTIONS.name, ["order_id"], partition_filter={
+            "client_id": client_id}), "order_id", "left_anti")
+    return moved.select("order_id", "client_id", "user_id", "ts")
+
+
+def landing_scope(landed: DataFrame, *moved_from: DataFrame) -> DataFrame:
     """Scope rows (client_id, user_id, lo_ms, hi_ms, moved_with): per user, the range the
-    ``landed`` rows (client_id, user_id, ts) fall in, grown to where the ``moved`` orders
-    (order_id, user_id where they are now) are attributed (C7, C8), with the users an order
-    moved to from there (C9)."""
+    ``landed`` rows (client_id, user_id, ts) fall in, grown to the places orders moved from
+    (``old_places``; C7, C8, C10), with the users an order moved to from there (C9)."""
     rows = landed.select("client_id", "user_id", F.unix_millis("ts").alias("ts_ms"),
                          F.lit(None).cast("string").alias("moved_with"))
-    if moved is not None:
-        rows = rows.unionByName(where_attributed(tables, client_id, moved))
+    for places in moved_from:
+        rows = rows.unionByName(places)
     return rows.groupBy("client_id", "user_id").agg(
         F.min("ts_ms").alias("lo_ms"), F.max("ts_ms").alias("hi_ms"),
         F.collect_set("moved_with").alias("moved_with"))

@@ -92,6 +92,7 @@ from clickstream.jobs.corrections import (
     resume,
     unfinished_plan,
     unfinished_plan_seq,
+    where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -101,6 +102,7 @@ from clickstream.tables import (
     ATTRIBUTIONS,
     BACKFILL_QUEUED_BY,
     CORRECTIONS,
+    MOVED_AWAY,
     ORDERS,
     PAGEVIEWS,
     RECOMPUTE_QUEUE,
@@ -192,12 +194,15 @@ def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
     attributed now (``corrections`` C8): an order moved to another day while its user was
     deferred was queued where it now is, and its stored row is where it was. Only a batch
     moves an order (the stream stores an order_id once), so the client's attributions are
-    read only when the queue holds orders a backfill queued."""
+    read only when the queue holds orders a backfill queued where they now are (a row it
+    queued where an order was, C10, is not where the order is)."""
     backfilled_orders = queued.where(
         (F.col("kind") == contract.ORDER) & F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
+        & ~F.col("queued_by").endswith(MOVED_AWAY)
     ).select(F.col("record_id").alias("order_id"), "user_id")
-    return landing_scope(tables, client, queued,
-                         None if backfilled_orders.isEmpty() else backfilled_orders)
+    if backfilled_orders.isEmpty():
+        return landing_scope(queued)
+    return landing_scope(queued, where_attributed(tables, client, backfilled_orders))
 
 
 def _correct(run: Run, scope: DataFrame, watermark: int | None

@@ -68,7 +68,10 @@ Known edge cases, cited inline as (Z1)..(Z11):
       record on time, it is not stored again: on-time rows whose id a backfill queued are
       dropped from the stored rows (they still reach the session state, which owns them).
       Once the recompute has folded such a record in and dequeued it, its session is closed,
-      so a copy arriving after that is late and meets Z2.
+      so a copy arriving after that is late and meets Z2. Nor does the stream write the
+      attribution of an order a backfill queued: the recompute that folds the queued row in
+      attributes it. The backfill may have moved it to another user or time while the stream
+      held it where it was (``corrections`` C10); appended there, the order was held twice.
 """
 
 from __future__ import annotations
@@ -483,6 +486,11 @@ class MicroBatchWriter:
             _ms_to_ts("record_ts_ms").alias("order_ts"), "session_id",
             F.lit(1).alias("revision"), F.to_date(_ms_to_ts("record_ts_ms")).alias("order_date"),
         )
+        if backfilled is not None:  # (Z11) the recompute attributes these orders
+            attributions = attributions.join(F.broadcast(backfilled.where(
+                F.col("kind") == contract.ORDER).select(
+                "client_id", F.col("record_id").alias("order_id"))), ["client_id", "order_id"],
+                "left_anti")
 
         def table_then_topic(spec: TableSpec, rows: DataFrame,
                              publish: Callable[[Config, DataFrame], int]) -> int:
