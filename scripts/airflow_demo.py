@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -32,11 +33,27 @@ def client(base_url: str, password_file: str) -> httpx.Client:
                         headers={"Authorization": f"Bearer {token}"})
 
 
+def with_retries(send: Callable[[], httpx.Response], what: str,
+                 attempts: int = 5) -> httpx.Response:
+    """``send()`` again after a 5xx: with the demo's SQLite metadata DB, a write waits at most
+    5 s for the lock while tasks start, and the API answers 500 ("database is locked")."""
+    for attempt in range(1, attempts + 1):
+        response = send()
+        if response.status_code < 500 or attempt == attempts:
+            response.raise_for_status()
+            return response
+        print(f"  {what}: the API answered {response.status_code} (a busy SQLite metadata DB?); "
+              f"retrying ({attempt} of {attempts - 1})", flush=True)
+        time.sleep(2 * attempt)
+    raise AssertionError("unreachable")
+
+
 def wait_for_dag(api: httpx.Client, dag_id: str, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if api.get(f"/dags/{dag_id}").status_code == 200:
-            api.patch(f"/dags/{dag_id}", json={"is_paused": False}).raise_for_status()
+            with_retries(lambda: api.patch(f"/dags/{dag_id}", json={"is_paused": False}),
+                         f"unpause {dag_id}")
             return
         time.sleep(2)
     raise SystemExit(f"DAG {dag_id} was not parsed within {timeout_s:.0f} s; see the "
@@ -45,8 +62,8 @@ def wait_for_dag(api: httpx.Client, dag_id: str, timeout_s: float = 180) -> None
 
 def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int:
     wait_for_dag(api, dag_id)
-    response = api.post(f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
-    response.raise_for_status()
+    response = with_retries(lambda: api.post(f"/dags/{dag_id}/dagRuns", json={
+        "logical_date": None, "conf": conf}), f"trigger {dag_id}")
     run_id = response.json()["dag_run_id"]
     print(f"triggered {dag_id} run {run_id} with {json.dumps(conf)}", flush=True)
     deadline, state, seen = time.monotonic() + timeout_s, "queued", {}
