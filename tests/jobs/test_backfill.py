@@ -557,7 +557,7 @@ def test_a_replanned_attempt_queues_the_users_the_stream_took_over_since(
     tables = open_tables(stream_config, spark)
 
     def attempt(*users: str) -> None:
-        queue = queue_for_the_stream(tables, valid, "pageviews", "client-00", "run-1")
+        queue = queue_for_the_stream(tables, valid, "pageviews", "run-1", None)
         queue(spark.createDataFrame([("client-00", u) for u in users], "client_id string, "
                                     "user_id string"))
 

@@ -137,28 +137,36 @@ def _version_before_merge(tables: DeltaTables, run_id: str) -> int | None:
     return merged - 1 if merged > 0 else None
 
 
-def moved_stored_orders(tables: DeltaTables, valid: DataFrame, client_id: str,
-                        run_id: str) -> DataFrame | None:
+def moved_stored_orders(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
+                        client_id: str, run_id: str) -> DataFrame | None:
     """The batch's orders as they were stored before its merge, where they are no longer:
-    (order_id, client_id, user_id, ts) of their previous place (``corrections`` C10)."""
-    version = _version_before_merge(tables, run_id)
-    return None if version is None else stored_elsewhere(tables, client_id, valid, version)
+    (order_id, client_id, user_id, ts) of their previous place (``corrections`` C10); None if
+    there are none. Rare, so looked for once, first, and kept (persisted: the caller
+    unpersists) for both the scope and the queue: unioned into the scope whether empty or
+    not, its reads reshaped the scope's plan and a year of orders took ~7% longer
+    (BENCHMARKS.md, session 30)."""
+    version = _version_before_merge(tables, run_id) if kind == "orders" else None
+    if version is None:
+        return None
+    moved = stored_elsewhere(tables, client_id, valid, version).persist()
+    if moved.isEmpty():
+        moved.unpersist()
+        return None
+    return moved
 
 
 def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind, client_id: str,
-             run_id: str) -> DataFrame:
+             moved: DataFrame | None) -> DataFrame:
     """Where the batch lands, per user; for orders also where their previous version was
     attributed (an order whose ts changed leaves its old session) or stored before the merge
-    (C10), and to which user an order moved from there (``corrections`` C9)."""
+    (``moved``, from ``moved_stored_orders``: C10), and to which user an order moved from
+    there (``corrections`` C9)."""
     if kind != "orders":
         return landing_scope(valid)
     now = valid.select("order_id", "user_id")
     places = [where_attributed(tables, client_id, now)]
-    before = moved_stored_orders(tables, valid, client_id, run_id)
-    # Rare, so looked for first: unioned in whether empty or not, its reads reshaped the
-    # scope's plan, and a year of orders took ~7% longer (BENCHMARKS.md, session 30).
-    if before is not None and not before.isEmpty():
-        places.append(old_places(before, "ts", now))
+    if moved is not None:
+        places.append(old_places(moved, "ts", now))
     return landing_scope(valid, *places)
 
 
@@ -266,24 +274,25 @@ def run_backfill(
 
     started = time.monotonic()
     watermark = stream_watermark_ms(config)
-    scope = scope_of(tables, valid, kind, client_id, run_id).persist()
+    moved = moved_stored_orders(tables, valid, kind, client_id, run_id)
+    scope = scope_of(tables, valid, kind, client_id, moved).persist()
     summary.corrections = correct(run, scope, orders_only=kind == "orders",
                                   stream_watermark_ms=watermark,
-                                  defer=queue_for_the_stream(tables, valid, kind, client_id,
-                                                             run_id))
+                                  defer=queue_for_the_stream(tables, valid, kind, run_id, moved))
     step("recompute and publish", started)
-    for frame in (validated, valid, scope):
-        frame.unpersist()
+    for frame in (validated, valid, scope, moved):
+        if frame is not None:
+            frame.unpersist()
     if valid_count == 0:
         progress("  the batch has no valid rows")
     return summary
 
 
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
-                         client_id: str, run_id: str) -> Defer:
+                         run_id: str, moved: DataFrame | None) -> Defer:
     """How the batch's rows of users the stream still owns go to the recompute queue (C4),
-    with the places the batch moved orders away from, where the stream may hold them in an
-    open session (C10).
+    with the places the batch moved orders away from (``moved``, from
+    ``moved_stored_orders``), where the stream may hold them in an open session (C10).
 
     Each attempt that plans queues the rows no earlier attempt of the run queued: an attempt
     that died before recording its plan is planned again, and by then the stream may own
@@ -296,8 +305,6 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
             "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
             F.col(KEY[kind]).alias("record_id"), "ts", F.lit(queued_by).alias("queued_by"),
             F.to_date("ts").alias("event_date"))
-        moved = (moved_stored_orders(tables, valid, client_id, run_id) if kind == "orders"
-                 else None)
         if moved is not None:  # (C10)
             rows = rows.unionByName(moved.join(users, ["client_id", "user_id"], "left_semi")
                                     .select("client_id", "user_id",

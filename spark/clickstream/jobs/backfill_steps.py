@@ -46,6 +46,7 @@ from clickstream.errors import BatchRefusedError, ConfigError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.backfill import (
     merge_valid_rows,
+    moved_stored_orders,
     quarantine_or_refuse,
     queue_for_the_stream,
     scope_of,
@@ -241,7 +242,8 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
         valid = batch.valid().persist()
         valid_rows = valid.count()
-        scope = scope_of(batch.tables, valid, kind, client_id, batch.run_id)
+        moved = moved_stored_orders(batch.tables, valid, kind, client_id, batch.run_id)
+        scope = scope_of(batch.tables, valid, kind, client_id, moved)
         in_reach = 0
         if valid_rows and batch.tables.exists(SESSIONS.name):
             run = batch.correction_run(progress)
@@ -258,7 +260,9 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
             first_reasons=first, new_or_changed=_would_merge(batch, valid),
             users_affected=scope.count(), stored_sessions_in_reach=in_reach,
             quality_gate=verdict)
-        valid.unpersist()
+        for frame in (valid, moved):
+            if frame is not None:
+                frame.unpersist()
         progress(check.describe())
         return check
     finally:
@@ -312,19 +316,20 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         timer = Timer(summary, progress)
         watermark = stream_watermark_ms(config)
         valid = batch.valid().persist()
-        scope = scope_of(batch.tables, valid, kind, client_id, run_id).persist()
+        moved = moved_stored_orders(batch.tables, valid, kind, client_id, run_id)
+        scope = scope_of(batch.tables, valid, kind, client_id, moved).persist()
         with one_run_at_a_time(config, client_id, progress):  # (C6)
             changes = resume(run, summary, timer)
             if changes is None:
                 changes = plan(run, scope, kind == "orders", summary, timer, watermark,
-                               queue_for_the_stream(batch.tables, valid, kind, client_id,
-                                                    run_id))
+                               queue_for_the_stream(batch.tables, valid, kind, run_id, moved))
             if changes is not None:
                 with timer.step("apply to tables"):
                     apply(run, changes)
                 changes.unpersist()
-        for frame in (valid, scope):
-            frame.unpersist()
+        for frame in (valid, scope, moved):
+            if frame is not None:
+                frame.unpersist()
         progress(f"recompute {run_id}: {summary.describe()}")
         return summary
     finally:
