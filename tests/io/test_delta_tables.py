@@ -26,6 +26,7 @@ from clickstream.errors import ClickstreamError, CommitConflictError, ConfigErro
 from clickstream.io.delta_rs_engine import DeltaRsTables, _ActiveFile, _removes
 from clickstream.io.delta_spark_engine import delta_jars_loadable
 from clickstream.io.delta_tables import (
+    AppendResult,
     DeltaTables,
     UpsertResult,
     check_partition_predicate,
@@ -352,11 +353,14 @@ def test_a_commit_that_landed_while_its_call_raised_keeps_its_files_after_a_comp
 
     monkeypatch.setattr(DeltaTable, "create_write_transaction", lands_then_raises)
     try:
-        tables.append_once("orders", orders(spark, ("o2", "c1", D1, "1")), app_id="mine",
-                           version=1, partition_by=PARTS, metadata=META)
+        result = tables.append_once("orders", orders(spark, ("o2", "c1", D1, "1")),
+                                    app_id="mine", version=1, partition_by=PARTS, metadata=META)
     except ClickstreamError as exc:  # the post-commit error is passed on
         assert isinstance(error, DeltaError) and not isinstance(error, CommitFailedError), exc
         assert "unless the error came after the commit" in str(exc)  # not "nothing landed"
+    else:  # the retry found the step done by its own commit: this call committed
+        assert isinstance(error, CommitFailedError)
+        assert result == AppendResult(committed=True, rows=1)
 
     path = tables.table_path("orders")
     assert [h["operation"] for h in tables.history("orders", limit=2)] == ["OPTIMIZE", "WRITE"]
@@ -366,6 +370,41 @@ def test_a_commit_that_landed_while_its_call_raised_keeps_its_files_after_a_comp
     assert sorted(tables.read_arrow("orders", version=2).column("order_id").to_pylist()) == [
         "o1", "o2"]
     assert ids(tables.read("orders")) == ["o1", "o2"]
+
+
+@pytest.mark.parametrize("step", ["upsert", "replace_partitions"])
+def test_a_call_whose_acknowledgement_was_lost_reports_its_commit(config, spark, monkeypatch,
+                                                                   step):
+    """The first commit lands and its call raises CommitFailedError; the retry finds the step
+    done by a commit of its own files and reports the rows written, not "already done" (which
+    made a correction's plan look recorded by another run). Fault injection as above."""
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
+                       version=1, partition_by=PARTS, metadata=META)
+    real = DeltaTable.create_write_transaction
+    calls: list[int] = []
+
+    def lands_then_raises(self: DeltaTable, *args, **kwargs) -> None:
+        calls.append(self.version())
+        real(self, *args, **kwargs)
+        if len(calls) == 1:
+            raise CommitFailedError("the commit's acknowledgement was lost")
+
+    monkeypatch.setattr(DeltaTable, "create_write_transaction", lands_then_raises)
+    before = tables.version("orders")
+    rows = orders(spark, ("o1", "c1", D1, "5"), ("o2", "c1", D1, "2"))
+    if step == "upsert":
+        result = tables.upsert("orders", rows, keys=["client_id", "order_id"], app_id="mine",
+                               version=1, metadata=META)
+        assert result == UpsertResult(inserted=1, updated=1, committed=True)
+    else:
+        assert tables.replace_partitions("orders", rows, predicate={"client_id": "c1"},
+                                         app_id="mine", version=1, metadata=META) is True
+    assert calls == [before]  # one commit: the retry saw the step done, wrote nothing
+    assert tables.version("orders") == before + 1
+    assert [h.get("app_id") for h in tables.history("orders", limit=1)] == ["mine"]
+    assert sorted((r.order_id, r.amount) for r in tables.read("orders").collect()) == [
+        ("o1", Decimal("5.0000")), ("o2", Decimal("2.0000"))]
 
 
 def test_conflicts_on_every_attempt_raise_and_commit_nothing(config, spark):

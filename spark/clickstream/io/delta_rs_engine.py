@@ -83,7 +83,9 @@ Known edge cases (cited inline as "edge case N"):
     adds, not only the files still active: a compaction (or another writer's rewrite) that
     removed them in between made them look uncommitted, and deleting them broke the version
     that added them for time travel, pinned reads (a correction's ``read_version``, the
-    recompute queue's version) and readers still on it.
+    recompute queue's version) and readers still on it. When the retry within the call finds
+    the step done by a commit of its own files, the call reports that it committed (not
+    "already done": a backfill's summary would count its merged rows as duplicates).
 """
 
 from __future__ import annotations
@@ -268,7 +270,8 @@ class DeltaRsTables(DeltaTables):
             )
             return True
 
-        outcome = self._commit_files(name, "append", files, attempt, since=table.version())
+        outcome = self._commit_files(name, "append", files, attempt, since=table.version(),
+                                     landed=True)
         if outcome is _SKIPPED:
             return AppendResult(committed=False)
         return AppendResult(committed=True, rows=sum(f.rows for f in files))
@@ -367,6 +370,7 @@ class DeltaRsTables(DeltaTables):
             name, pa.concat_tables([source, _cast_to_table(kept, read)]), read)
         rewritten = {f.log_path for f in holders}
         checked = {f.log_path for f in seen}
+        result = UpsertResult(source.num_rows - updated, updated)
 
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
@@ -390,9 +394,10 @@ class DeltaRsTables(DeltaTables):
                 schema=current.schema(), partition_by=_partition_columns(current),
                 commit_properties=properties,
             )
-            return UpsertResult(source.num_rows - updated, updated)
+            return result
 
-        return self._commit_files(name, "upsert", files, attempt, since=read.version())
+        return self._commit_files(name, "upsert", files, attempt, since=read.version(),
+                                  landed=result)
 
     def _keys_in_files(
         self, name: str, table: DeltaTable, files: list[_ActiveFile], keys: pa.Table
@@ -486,7 +491,7 @@ class DeltaRsTables(DeltaTables):
             return True
 
         outcome = self._commit_files(name, "replace_partitions", files, attempt,
-                                     since=table.version())
+                                     since=table.version(), landed=True)
         return outcome is not _SKIPPED
 
     # -- readers ---------------------------------------------------------------------------
@@ -756,11 +761,14 @@ class DeltaRsTables(DeltaTables):
         attempt: Callable[[DeltaTable], object],
         *,
         since: int,
+        landed: object,
     ) -> object:
         """Commit loop for written files; deletes them when they end up uncommitted.
 
         ``since`` is a version loaded before the files were written: a commit of theirs, even
-        one whose call raised, comes after it (edge case 17).
+        one whose call raised, comes after it (edge case 17). ``landed`` is the outcome when an
+        attempt finds the step done by a commit of these very files: an earlier attempt's,
+        whose call raised (a lost acknowledgement), so this call committed after all.
         """
         try:
             outcome = self._commit_loop(name, operation, attempt)
@@ -768,8 +776,16 @@ class DeltaRsTables(DeltaTables):
             self._discard(name, files, since=since)  # edge case 1
             raise
         if outcome is _SKIPPED:
+            if files and self._all_added_since(name, files, since):  # edge case 17
+                return landed
             self._discard(name, files, since=since)  # edge case 2
         return outcome
+
+    def _all_added_since(self, name: str, files: list[_WrittenFile], since: int) -> bool:
+        """Whether commits after version ``since`` add every one of ``files``."""
+        table = self._load(name)
+        added = None if table is None else self._added_since(name, since, table.version())
+        return added is not None and all(f.path in added for f in files)
 
     def _commit_loop(
         self, name: str, operation: str, attempt: Callable[[DeltaTable], _T]
