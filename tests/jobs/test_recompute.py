@@ -659,9 +659,19 @@ DAY = 24 * 60
 
 
 def backfill_c0(config: Config, spark: SparkSession, kind: str, name: str,
-                rows: list[dict]) -> None:
-    run_backfill(config, kind=kind, client_id="client-00", spark=spark, progress=quiet,
-                 path=write_rows(config, name, rows, "parquet"))
+                rows: list[dict], via: str = "one process") -> None:
+    """Backfill ``rows`` of client-00 in one ``run_backfill``, or as the DAG does: each step
+    (``backfill_steps.STEPS``) a call of its own, the recompute step after the merge committed."""
+    path = write_rows(config, name, rows, "parquet")
+    if via == "one process":
+        run_backfill(config, kind=kind, client_id="client-00", spark=spark, progress=quiet,
+                     path=path)
+        return
+    run_id = backfill_steps.locate_batch(config, kind=kind, client_id="client-00",
+                                         path=path)["run_id"]
+    for step in backfill_steps.STEPS:
+        backfill_steps.run_step(config, step, kind=kind, client_id="client-00", path=path,
+                                run_id=run_id, spark=spark, progress=quiet)
 
 
 def test_an_order_moved_to_another_day_while_its_user_is_deferred_is_held_once(
@@ -783,11 +793,14 @@ def test_moved_orders_are_held_once_where_they_now_are_once_the_stream_lets_go(
                                      closed_before_ms=ms(START + timedelta(days=1, hours=5)))
 
 
-@pytest.mark.parametrize("moved_to", ["n", "o"], ids=["to-another-user", "to-its-users-day-0"])
+@pytest.mark.parametrize("moved_to, via", [
+    ("n", "one process"), ("o", "one process"), ("n", "airflow steps")],
+    ids=["to-another-user", "to-its-users-day-0", "to-another-user-by-the-dag-steps"])
 def test_an_order_the_stream_holds_then_a_batch_moves_is_held_once_where_it_now_is(
-        stream_config: Config, spark: SparkSession, moved_to: str) -> None:
+        stream_config: Config, spark: SparkSession, moved_to: str, via: str) -> None:
     """o1 arrives on time in o's open session [DAY, DAY + 10]; a batch moves it to day 0 (of
-    n, or of o) before the stream emits it (corrections C10)."""
+    n, or of o) before the stream emits it (corrections C10). By the DAG's steps, the
+    recompute finds the order's old place in ``orders`` as of before the merge step's commit."""
     backfill_c0(stream_config, spark, "pageviews", "p",
                 [pv_row(f"{u}-0", u, 0) for u in ("n", "o")])
     produce(stream_config, [pageview(u, START + timedelta(minutes=m), f"{u}-{m}")
@@ -795,7 +808,7 @@ def test_an_order_the_stream_holds_then_a_batch_moves_is_held_once_where_it_now_
             + [order("o", START + timedelta(minutes=DAY + 20), "o1"), CLOCK])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
 
-    backfill_c0(stream_config, spark, "orders", "moved", [order_row("o1", moved_to, 1)])
+    backfill_c0(stream_config, spark, "orders", "moved", [order_row("o1", moved_to, 1)], via)
     the_stream_lets_go_of_day_1(stream_config, spark)
 
     assert table_rows(stream_config, spark, "recompute_queue") == []
