@@ -36,7 +36,9 @@ from clickstream.errors import (
 )
 from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker
 from clickstream.io.kafka_clients import (
+    BULK_LINGER_MS,
     LIBRDKAFKA_LOG,
+    PACED_LINGER_MS,
     RepeatedLogFilter,
     check_no_data_loss,
     consumer_config,
@@ -49,6 +51,7 @@ from clickstream.io.kafka_clients import (
     produce_waiting,
     producer_config,
     read_compacted,
+    send_linger,
     topic_id,
     topic_watermarks,
 )
@@ -260,6 +263,18 @@ def test_client_configs_layer_defaults_options_and_extra(config: Config) -> None
     assert consumed["group.id"] == "g1" and consumed["enable.auto.commit"] is False
     assert consumed["session.timeout.ms"] <= 10_000 and consumed["linger.ms"] == "50"
     assert consumer_config(cfg)["group.id"] != consumer_config(cfg)["group.id"]
+
+
+def test_sends_linger_by_kind_unless_the_operator_chose_a_linger(config: Config) -> None:
+    """Bulk sends fed from Spark linger longest (the embedded broker serves one stored batch
+    per fetch: small batches made reading back quadratic); paced live feeds less; an operator's
+    ``linger.ms`` (or its alias) in ``CLICKSTREAM_KAFKA_OPTIONS`` wins over both."""
+    assert send_linger(config, paced=False) == {"linger.ms": BULK_LINGER_MS}
+    assert send_linger(config, paced=True) == {"linger.ms": PACED_LINGER_MS}
+    assert PACED_LINGER_MS < BULK_LINGER_MS
+    for name in ("linger.ms", "queue.buffering.max.ms"):
+        chosen = config.replace(kafka_options={name: "7"})
+        assert producer_config(chosen, **send_linger(chosen, paced=False))[name] == "7"
 
 
 def test_a_setting_librdkafka_refuses_is_named_with_its_variable(config: Config) -> None:

@@ -61,9 +61,11 @@ Known limits (measured with librdkafka 2.16.0; limit 2 is exercised by the io te
    quadratic: 15,000 one-record batches in a partition read back in 2.8 s (187 µs a record)
    against 0.02 s for the same records produced in bulk; in the sessionizer's memory
    benchmark the mock's thread spent 82% of its time in that scan and the sessionizer,
-   starved of records, fell behind at 2,500 events/s. Paced producers therefore linger
-   (:data:`clickstream.io.kafka_clients.PACED_LINGER_MS`); real Kafka returns many batches
-   per fetch and indexes its log.
+   starved of records, fell behind at 2,500 events/s. Producers therefore linger
+   (:data:`clickstream.io.kafka_clients.PACED_LINGER_MS`, and ``BULK_LINGER_MS`` for sends
+   fed from Spark, whose 5 ms batches made the backfill's publish gate read back in up to
+   ~19 s what it reads in a few); real Kafka returns many batches per fetch and indexes its
+   log.
 """
 
 from __future__ import annotations

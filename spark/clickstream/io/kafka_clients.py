@@ -144,6 +144,12 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
 # batches makes reading it quadratic. 50 ms gives ~8 records per batch at 2,500 events/s over
 # 16 partitions, and costs a live event at most 50 ms of latency.
 PACED_LINGER_MS = 50
+# Bulk sends (a table's rows streamed from Spark: changelogs, corrections, replays) wait this
+# long: fed at ~100k records/s over hundreds of partitions, 5 ms made batches of one or two
+# records, and reading 300k of them back took 8.4 s (27.6 s behind an earlier such publish)
+# against 0.7 s (1.5 s) with 100 ms (BENCHMARKS.md, session 31). It costs no latency: the
+# final flush sends what is lingering at once.
+BULK_LINGER_MS = 100
 # Offsets live with the outputs (Delta), so nothing is auto-committed. A small session timeout
 # because classic groups wait session.timeout.ms on every rejoin (6 s is the brokers' minimum).
 CONSUMER_DEFAULTS: Mapping[str, Any] = {
@@ -361,6 +367,14 @@ def produce_json(producer: Producer, topic: str, key: str | bytes | None,
     producer.poll(0)
 
 
+def send_linger(config: Config, *, paced: bool) -> KafkaConfig:
+    """The ``linger.ms`` of a paced or a bulk send (:data:`PACED_LINGER_MS`,
+    :data:`BULK_LINGER_MS`), unless ``kafka_options`` sets one: the user's choice wins."""
+    if {"linger.ms", "queue.buffering.max.ms"} & set(config.kafka_options):
+        return {}
+    return {"linger.ms": PACED_LINGER_MS if paced else BULK_LINGER_MS}
+
+
 def produce_records(config: Config, topic: str,
                     records: Iterable[tuple[str | bytes | None, str | bytes | None]], *,
                     rate_per_second: float | None = None, flush_timeout_s: float = 60.0) -> int:
@@ -375,7 +389,8 @@ def produce_records(config: Config, topic: str,
         topic: Target topic.
         records: ``(key, value)`` pairs; str is UTF-8 encoded, a None value is a tombstone.
         rate_per_second: Pace sending to about this many records per second (batching for up
-            to :data:`PACED_LINGER_MS`); None = as fast as possible.
+            to :data:`PACED_LINGER_MS`); None = as fast as possible (batching for up to
+            :data:`BULK_LINGER_MS`, see :func:`send_linger`).
         flush_timeout_s: How long the final flush may take.
 
     Returns:
@@ -384,7 +399,7 @@ def produce_records(config: Config, topic: str,
     Raises:
         DeliveryError: Some records were not acknowledged (see :func:`flush_or_raise`).
     """
-    producer = make_producer(config, **({"linger.ms": PACED_LINGER_MS} if rate_per_second else {}))
+    producer = make_producer(config, **send_linger(config, paced=bool(rate_per_second)))
     started = time.monotonic()
     sent = 0
     with gc_paused():
