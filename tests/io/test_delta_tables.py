@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
@@ -322,6 +323,25 @@ def test_replayed_step_racing_its_original_writes_nothing(config, spark):
     assert len(parquet_on_disk(replay, "orders")) == 1  # the loser's file was deleted
 
 
+def land_then_raise_once(monkeypatch: pytest.MonkeyPatch, error: Exception,
+                         before_raising: Callable[[], object] = lambda: None) -> list[int]:
+    """Fault injection at one call: the first ``DeltaTable.create_write_transaction`` commits
+    for real, runs ``before_raising``, then raises ``error``. Returns the version each call
+    started from."""
+    real = DeltaTable.create_write_transaction
+    calls: list[int] = []
+
+    def lands_then_raises(self: DeltaTable, *args, **kwargs) -> None:
+        calls.append(self.version())
+        real(self, *args, **kwargs)
+        if len(calls) == 1:
+            before_raising()
+            raise error
+
+    monkeypatch.setattr(DeltaTable, "create_write_transaction", lands_then_raises)
+    return calls
+
+
 @pytest.mark.parametrize("error", [
     DeltaError("post-commit hook failed: could not write the checkpoint"),
     CommitFailedError("the commit's acknowledgement was lost: version 2 already exists"),
@@ -341,17 +361,7 @@ def test_a_commit_that_landed_while_its_call_raised_keeps_its_files_after_a_comp
     tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
                        version=1, partition_by=PARTS, metadata=META)
     compactor = DeltaRsTables(config)
-    real = DeltaTable.create_write_transaction
-    calls: list[int] = []
-
-    def lands_then_raises(self: DeltaTable, *args, **kwargs) -> None:
-        calls.append(self.version())
-        real(self, *args, **kwargs)
-        if len(calls) == 1:
-            compactor.optimize("orders")
-            raise error
-
-    monkeypatch.setattr(DeltaTable, "create_write_transaction", lands_then_raises)
+    land_then_raise_once(monkeypatch, error, lambda: compactor.optimize("orders"))
     try:
         result = tables.append_once("orders", orders(spark, ("o2", "c1", D1, "1")),
                                     app_id="mine", version=1, partition_by=PARTS, metadata=META)
@@ -381,16 +391,8 @@ def test_a_call_whose_acknowledgement_was_lost_reports_its_commit(config, spark,
     tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
     tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
                        version=1, partition_by=PARTS, metadata=META)
-    real = DeltaTable.create_write_transaction
-    calls: list[int] = []
-
-    def lands_then_raises(self: DeltaTable, *args, **kwargs) -> None:
-        calls.append(self.version())
-        real(self, *args, **kwargs)
-        if len(calls) == 1:
-            raise CommitFailedError("the commit's acknowledgement was lost")
-
-    monkeypatch.setattr(DeltaTable, "create_write_transaction", lands_then_raises)
+    calls = land_then_raise_once(monkeypatch,
+                                 CommitFailedError("the commit's acknowledgement was lost"))
     before = tables.version("orders")
     rows = orders(spark, ("o1", "c1", D1, "5"), ("o2", "c1", D1, "2"))
     if step == "upsert":
