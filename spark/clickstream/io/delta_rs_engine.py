@@ -84,8 +84,9 @@ Known edge cases (cited inline as "edge case N"):
     removed them in between made them look uncommitted, and deleting them broke the version
     that added them for time travel, pinned reads (a correction's ``read_version``, the
     recompute queue's version) and readers still on it. When the retry within the call finds
-    the step done by a commit of its own files, the call reports that it committed (not
-    "already done": a backfill's summary would count its merged rows as duplicates).
+    the step done by a commit of its own files, the call reports that it committed. It
+    reported "already done", so a correction run took its own recorded plan for another
+    run's (``corrections`` C6) and failed, and the sessionizer counted 0 rows written.
 """
 
 from __future__ import annotations

@@ -145,10 +145,10 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
 # 16 partitions, and costs a live event at most 50 ms of latency.
 PACED_LINGER_MS = 50
 # Bulk sends (a table's rows streamed from Spark: changelogs, corrections, replays) wait this
-# long: fed at ~100k records/s over hundreds of partitions, 5 ms made batches of one or two
-# records, and reading 300k of them back took 8.4 s (27.6 s behind an earlier such publish)
-# against 0.7 s (1.5 s) with 100 ms (BENCHMARKS.md, session 31). It costs no latency: the
-# final flush sends what is lingering at once.
+# long: fed at ~100k records/s over hundreds of partitions, 5 ms closed a batch after about
+# one record, and reading 300k such records back took 8.4 s (27.6 s behind an earlier such
+# publish) against 0.7 s (1.5 s) with 100 ms (bench/publish_readback_bench.py, BENCHMARKS.md
+# session 31). It costs no latency: the final flush sends what is lingering at once.
 BULK_LINGER_MS = 100
 # Offsets live with the outputs (Delta), so nothing is auto-committed. A small session timeout
 # because classic groups wait session.timeout.ms on every rejoin (6 s is the brokers' minimum).
