@@ -75,8 +75,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "bench" / "results"
+from results_file import REPO, git_dirty, git_head, source_sha256, write_result
+
 BENCHMARKS_MD = REPO / "BENCHMARKS.md"
 CLIENT = "client-00"
 OTHER_CLIENTS = ("client-01", "client-02")
@@ -1201,17 +1201,8 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
 def _source_fingerprint() -> dict[str, Any]:
     """Which product code ran: git HEAD, and a hash of spark/clickstream (files change
     uncommitted while other engineers work)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "spark" / "clickstream").rglob("*.py")):
-        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "spark"],
-                           capture_output=True, text=True, check=False).stdout.splitlines()
-    return {"git_head": head or None, "uncommitted_files_under_spark": len(dirty),
-            "sha256_spark_clickstream": digest.hexdigest()[:16]}
+    return {"git_head": git_head(), "uncommitted_files_under_spark": len(git_dirty("spark")),
+            "sha256_spark_clickstream": source_sha256()}
 
 
 def _machine() -> dict[str, Any]:
@@ -1409,31 +1400,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     OTHER_PATTERNS.extend(args.other_pattern)
     MAX_WAIT_CPU_S[0] = args.max_wait_cpu
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     if args.orders_days is not None and not args.phase_alone:
         raise SystemExit("--orders-days goes with --phase-alone (the sweep takes --sweep-days)")
     if args.orders_days is not None and args.orders_days < 1:
         raise SystemExit(f"--orders-days must be at least 1; got {args.orders_days}")
     if args.sweep_days:
         result = run_sweep(args)
-        path = RESULTS_DIR / f"backfill-sweep-{result['scale']['name']}-{stamp}.json"
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        path = write_result(f"backfill-sweep-{result['scale']['name']}", result)
         print(sweep_markdown(result, path))
         print(f"wrote {path}")
         return 0
     if args.phase_alone:
         result = run_phase_alone(args)
-        path = RESULTS_DIR / f"backfill-phase-{result['scale']['name']}-{stamp}.json"
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        path = write_result(f"backfill-phase-{result['scale']['name']}", result)
         phase = result[args.phase_alone]
         print(f"{args.phase_alone}: {phase['wall_s']:.1f}s; steps "
               f"{phase.get('correction_steps') or phase.get('steps') or ''}")
         print(f"wrote {path}")
         return 0
     result = run(args)
-    path = RESULTS_DIR / f"backfill-{result['scale']['name']}-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    path = write_result(f"backfill-{result['scale']['name']}", result)
     for line in summary_lines(result):
         print(line)
     print(f"wrote {path}")

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import sys
 import time
 import uuid
-from datetime import UTC, datetime
-from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from results_file import git_head, write_result
+
 VALUE = json.dumps({"session_id": "x" * 32, "client_id": "client-00", "user_id": "u-000123",
                     "session_start": "2025-03-01T10:00:00", "pageview_count": 7,
                     "landing_url": "/a/b/c", "exit_url": "/d/e", "revenue": "12.5000",
@@ -72,16 +71,13 @@ def main(argv: list[str] | None = None) -> int:
                              "send_s": round(sent_s, 2), "read_back_s": round(read_s, 2)})
                 print(f"linger {linger_ms} ms, {publish}: sent in {sent_s:.1f}s, read back "
                       f"{keys:,} keys in {read_s:.1f}s", flush=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=Path(__file__).parent, check=False).stdout.strip()
-    result = {"benchmark": "publish gate read-back by linger", "issue": 3, "git_head": head,
-              "command": "bench/publish_readback_bench.py " + " ".join(argv or []),
+    result = {"benchmark": "publish gate read-back by linger", "issue": 3,
+              "git_head": git_head(),
+              "command": " ".join(["bench/publish_readback_bench.py",
+                                  *(sys.argv[1:] if argv is None else argv)]),
               "records": args.records, "rate": args.rate, "partitions": args.partitions,
               "runs": runs}
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"publish-readback-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_result('publish-readback', result)}")
     return 0
 
 

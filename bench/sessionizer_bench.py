@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import heapq
 import itertools
 import json
@@ -60,6 +59,8 @@ from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
+import results_file
+from results_file import REPO, git_dirty, git_head, source_sha256
 
 from clickstream.config import Config
 from clickstream.io.kafka_clients import (
@@ -69,8 +70,6 @@ from clickstream.io.kafka_clients import (
     topic_watermarks,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "bench" / "results"
 VENV_BIN = Path(sys.executable).parent
 TOPIC = "events"
 EVENT_PARTITIONS = 16  # what the product's broker creates (clickstream.io.kafka_broker)
@@ -137,17 +136,9 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         out = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=30)
         info["java"] = out.stderr.splitlines()[0]
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "spark" / "clickstream").rglob("*.py")):
-        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
-    info["clickstream_source_sha256"] = digest.hexdigest()[:16]
-    with contextlib.suppress(Exception):
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                               text=True, timeout=30).stdout.strip()
-        info["git_commit"] = commit
-        info["git_dirty"] = bool(dirty)
+    info["clickstream_source_sha256"] = source_sha256()
+    info["git_commit"] = git_head(short=False)
+    info["git_dirty"] = bool(git_dirty())
     return info
 
 
@@ -157,14 +148,7 @@ MAX_CONTENTION_PCT = [25.0]  # set from --max-contention-pct
 
 def write_result(name: str, result: dict[str, Any], path: Path | None = None) -> Path:
     result.setdefault("quiet_check", QUIET)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    if path is None:
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        path = RESULTS_DIR / f"{name}-{stamp}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    return results_file.write_result(name, result, path, indent=1)
 
 
 def cpu_seconds_self() -> float:
@@ -1972,8 +1956,7 @@ def latency_windows(table: Path, t0: float, window_s: float = 10.0) -> list[dict
 def cmd_memory(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"benchmark": "memory", "argv": sys.argv, "machine": machine_info(),
                               "status": "running"}
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out_path = RESULTS_DIR / f"memory-{stamp}.json"
+    out_path = results_file.RESULTS_DIR / f"memory-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
     feed = make_feed(args, "simulated")
     samples: list[dict[str, Any]] = []
     with Workspace(args, "memory") as ws:

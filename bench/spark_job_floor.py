@@ -22,9 +22,8 @@ import sys
 import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from results_file import git_head, write_result
 
 
 def child(folder: str) -> None:
@@ -78,22 +77,14 @@ def main() -> int:
         runs.append({"process_wall_s": round(wall, 2), "rows_read": steps["rows_read"],
                      **{k: round(v - started, 2) for k, v in steps.items() if k.endswith("_s")},
                      "loadavg_after": os.getloadavg()[0]})
-    result = {"benchmark": "spark-job-floor", "commit": _commit(), "cpus": os.cpu_count(),
+    result = {"benchmark": "spark-job-floor", "commit": git_head(), "cpus": os.cpu_count(),
               "runs": runs,
               "median_process_wall_s": statistics.median(r["process_wall_s"] for r in runs),
               "finished_at": datetime.now(UTC).isoformat(timespec="seconds")}
-    RESULTS_DIR.mkdir(exist_ok=True)
-    out = RESULTS_DIR / f"spark-job-floor-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = write_result("spark-job-floor", result, indent=1)
     print(f"spark job floor: {result['median_process_wall_s']:.1f} s per process (median of "
           f"{len(runs)}; Spark up, one 10-row Delta commit, one read) -> {out}")
     return 0
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=False)
-    return done.stdout.strip()
 
 
 if __name__ == "__main__":

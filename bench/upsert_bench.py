@@ -13,15 +13,13 @@ orders), copied to a scratch folder. Prints the two timings and writes
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from results_file import git_head, write_result
+
 CLIENT = "client-00"
 
 
@@ -78,15 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     if stored != rows:
         raise SystemExit(f"client {CLIENT} holds {stored:,} orders after the upserts, not {rows:,}")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=Path(__file__).parent, check=False).stdout.strip()
-    result = {"benchmark": "orders upsert alone", "issue": 3, "git_head": head,
+    result = {"benchmark": "orders upsert alone", "issue": 3, "git_head": git_head(),
               "command": "bench/upsert_bench.py --workdir " + str(args.workdir),
               "orders": rows, "runs": runs, "spark_master": "local[2]"}
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"upsert-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_result('upsert', result)}")
     return 0
 
 
