@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import child_jvm
 from tests.dags.airflow_env import configure_airflow_env
 
 configure_airflow_env()
@@ -39,7 +40,9 @@ def env_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, broker: Embedded
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     # The embedded profile's spark_default connection, as scripts/airflow.sh sets it (master
-    # local[2] here), and pyspark's spark-submit on PATH for SparkSubmitOperator.
+    # local[2] here), pyspark's spark-submit on PATH for SparkSubmitOperator, and the JVM
+    # settings of the tests' child processes (this worker's own JVM is running already).
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", child_jvm.JAVA_TOOL_OPTIONS)
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", "spark://local%5B2%5D")
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep
                        + os.environ["PATH"])

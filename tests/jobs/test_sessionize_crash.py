@@ -18,6 +18,7 @@ from pyspark.sql import SparkSession
 from clickstream.config import ENV_NAMES, Config
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.jobs.generate import Delivery, Scale, live_records
+from tests import child_jvm
 from tests.jobs.test_sessionize import (
     SCALE,
     assert_sessions_match_reference,
@@ -38,6 +39,7 @@ def cli_env(config: Config) -> dict[str, str]:
             continue
         env[var] = str(value)
     env["CLICKSTREAM_TRIGGER_INTERVAL"] = "0.5s"
+    env["JAVA_TOOL_OPTIONS"] = child_jvm.JAVA_TOOL_OPTIONS
     return env
 
 
