@@ -423,7 +423,10 @@ class MicroBatchWriter:
         valid = records.where(F.col("error").isNull()).withColumn(
             "event_date", F.to_date("ts"))
         duplicates = emitted.where(F.col("kind") == "duplicate")
-        backfilled = _queued_by_backfills(self.tables)  # (Z11)
+        # (Z11) One snapshot: the delta-rs engine's read lists the version's files now, so the
+        # records' wave and the attributions below see the same queue even if a recompute
+        # dequeues in between.
+        backfilled = _queued_by_backfills(self.tables)
 
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
             rows = valid.where(F.col("event_type") == kind).dropDuplicates(["client_id", key])
