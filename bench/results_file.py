@@ -44,12 +44,17 @@ def source_sha256() -> str:
     return digest.hexdigest()[:16]
 
 
+def result_path(name: str) -> Path:
+    """A new result file's path: ``name`` stamped with the current UTC time."""
+    return RESULTS_DIR / f"{name}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+
+
 def write_result(name: str, result: dict[str, Any], path: Path | None = None, *,
                  indent: int = 2) -> Path:
     """Writes ``result`` whole or not at all (a run killed mid-write leaves no half file to
     cite); a new stamped file unless ``path`` names one to overwrite (a long run's updates)."""
     if path is None:
-        path = RESULTS_DIR / f"{name}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+        path = result_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".json.tmp")
     partial.write_text(json.dumps(result, indent=indent, default=str) + "\n")

@@ -1956,7 +1956,7 @@ def latency_windows(table: Path, t0: float, window_s: float = 10.0) -> list[dict
 def cmd_memory(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"benchmark": "memory", "argv": sys.argv, "machine": machine_info(),
                               "status": "running"}
-    out_path = results_file.RESULTS_DIR / f"memory-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+    out_path = results_file.result_path("memory")
     feed = make_feed(args, "simulated")
     samples: list[dict[str, Any]] = []
     with Workspace(args, "memory") as ws:
