@@ -3,6 +3,7 @@ a Config rooted in a temp folder."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,10 @@ def spark(spark_config: Config) -> Iterator[object]:
     from clickstream.spark_session import build_spark
 
     session = build_spark(spark_config, "clickstream-tests")
+    # Runtime settings for an A/B of the tests' own cost (bench/suite_profile.py): key=value,...
+    for setting in filter(None, os.environ.get("CLICKSTREAM_TEST_SPARK_CONF", "").split(",")):
+        key, _, value = setting.partition("=")
+        session.conf.set(key.strip(), value.strip())
     yield session
     session.stop()
 
