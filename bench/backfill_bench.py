@@ -75,6 +75,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
+from proc_cpu import process_tree
 from results_file import REPO, git_dirty, git_head, source_sha256, write_result
 
 BENCHMARKS_MD = REPO / "BENCHMARKS.md"
@@ -156,28 +157,8 @@ def own_cpu() -> float:
 
 def tree_cpu() -> dict[tuple[int, int], float]:
     """CPU seconds of this process and each live descendant (the phase processes and their
-    Spark JVMs), by (pid, start time). Per process and without ``cutime``, so nothing is
-    counted twice; ``os.times`` alone misses the JVMs, which pyspark never reaps."""
-    hz = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                text = (entry / "stat").read_text()
-            except OSError:  # exited meanwhile
-                continue
-            stats[int(entry.name)] = text[text.rindex(")") + 2:].split()
-    children: dict[int, list[int]] = {}
-    for pid, fields in stats.items():
-        children.setdefault(int(fields[1]), []).append(pid)
-    tree, todo = [], [os.getpid()]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    # fields from "state" on: utime, stime are the 12th, 13th; starttime the 20th
-    return {(pid, int(stats[pid][19])): (int(stats[pid][11]) + int(stats[pid][12])) / hz
-            for pid in tree if pid in stats}
+    Spark JVMs), by (pid, start time); see ``proc_cpu.process_tree``."""
+    return {key: cpu_s for key, (_, cpu_s) in process_tree(os.getpid()).items()}
 
 
 def busy_share(window_s: float = 5.0) -> float:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_cpu import process_tree, thread_cpu
 from results_file import REPO, git_dirty, git_head, source_sha256, write_result
 
 TEST_SPARK_CONF_ENV = "CLICKSTREAM_TEST_SPARK_CONF"
@@ -64,47 +65,20 @@ class TreeCpu:
 
     def __init__(self, root: int, interval_s: float = 0.25) -> None:
         self.root, self.interval_s = root, interval_s
-        self.seconds: dict[int, float] = {}
-        self.names: dict[int, str] = {}
-        self.java_threads: dict[tuple[int, int], tuple[str, float]] = {}
+        self.processes: dict[tuple[int, int], tuple[str, float]] = {}
+        self.java_threads: dict[tuple[tuple[int, int], int], tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _children(self) -> dict[int, list[int]]:
-        children: dict[int, list[int]] = collections.defaultdict(list)
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                stat = _stat(int(entry.name))
-                if stat is not None:
-                    children[stat[1]].append(int(entry.name))
-        return children
-
     def _run(self) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
         while not self._stop.is_set():
-            children, todo = self._children(), [self.root]
-            while todo:
-                pid = todo.pop()
-                stat = _stat(pid)
-                if stat is not None:
-                    self.seconds[pid] = stat[2] / tick
-                    self.names[pid] = stat[0]
-                    if stat[0] == "java":
-                        self._read_threads(pid, tick)
-                todo.extend(children.get(pid, ()))
+            for key, (name, cpu_s) in process_tree(self.root).items():
+                self.processes[key] = (name, cpu_s)
+                if name == "java":  # JIT compilers, GC, Spark's task and RPC threads
+                    for tid, thread in thread_cpu(key[0]).items():
+                        self.java_threads[(key, tid)] = thread
             self._stop.wait(self.interval_s)
-
-    def _read_threads(self, pid: int, tick: int) -> None:
-        """Each thread's CPU by its name (JIT compilers, GC, Spark's task and RPC threads)."""
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            return
-        for tid in tasks:
-            stat = _stat(pid, int(tid))
-            if stat is not None:
-                self.java_threads[(pid, int(tid))] = (stat[0], stat[2] / tick)
 
     def stop(self) -> tuple[dict[str, float], dict[str, float]]:
         """(CPU seconds by process name, the JVMs' CPU seconds by thread name: digits become
@@ -112,28 +86,17 @@ class TreeCpu:
         self._stop.set()
         self._thread.join()
         by_name: dict[str, float] = collections.Counter()
-        for pid, seconds in self.seconds.items():
-            by_name[self.names[pid]] += seconds
+        for name, cpu_s in self.processes.values():
+            by_name[name] += cpu_s
         by_thread: dict[str, float] = collections.Counter()
-        for name, seconds in self.java_threads.values():  # C1 and C2 compilers kept apart
+        for name, cpu_s in self.java_threads.values():  # C1 and C2 compilers kept apart
             by_thread[name if name.startswith(("C1 ", "C2 ")) else re.sub(r"\d+", "N", name)] \
-                += seconds
+                += cpu_s
         seen = sum(by_thread.values())
         by_thread["exited threads"] = by_name.get("java", 0.0) - seen
-        return ({name: round(seconds, 1) for name, seconds in sorted(by_name.items())},
-                {name: round(seconds, 1) for name, seconds in
-                 sorted(by_thread.items(), key=lambda item: -item[1]) if seconds >= 0.5})
-
-
-def _stat(pid: int, tid: int | None = None) -> tuple[str, int, int] | None:
-    """(command name, parent pid, user + system clock ticks) of a live process (or thread)."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return None
-    name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-    return name, int(rest[1]), int(rest[11]) + int(rest[12])
+        return ({name: round(cpu_s, 1) for name, cpu_s in sorted(by_name.items())},
+                {name: round(cpu_s, 1) for name, cpu_s in
+                 sorted(by_thread.items(), key=lambda item: -item[1]) if cpu_s >= 0.5})
 
 
 def run_once(tests: list[str], conf: str, jfr: Path | None) -> dict[str, Any]:
