@@ -14,7 +14,10 @@ run A/B pairs alternately (``--rounds``).
 A variant is ``name:key=value,key=value``: Spark settings applied to the tests' session
 (``CLICKSTREAM_TEST_SPARK_CONF``, read by ``tests/conftest.py``), never to the product's; an
 entry ``java=-XX:...`` is a JVM option instead, for every JVM the tests start
-(``JAVA_TOOL_OPTIONS``), e.g. ``--variant c1:java=-XX:TieredStopAtLevel=1``.
+(``JAVA_TOOL_OPTIONS``), e.g. ``--variant c1:java=-XX:TieredStopAtLevel=1``; an entry
+``launch=key=value`` is a Spark setting read only when the JVM starts (a static one, which
+the session cannot change once built), given through a ``spark-defaults.conf`` of its own
+(``SPARK_CONF_DIR``); a setting ``build_spark`` makes itself wins over it.
 """
 
 from __future__ import annotations
@@ -102,13 +105,19 @@ class TreeCpu:
 def run_once(tests: list[str], conf: str, jfr: Path | None) -> dict[str, Any]:
     settings = [s.strip() for s in conf.split(",") if s.strip()]
     java = [s.removeprefix("java=") for s in settings if s.startswith("java=")]
-    spark = [s for s in settings if not s.startswith("java=")]
+    launch = [s.removeprefix("launch=") for s in settings if s.startswith("launch=")]
+    spark = [s for s in settings if not s.startswith(("java=", "launch="))]
     if jfr is not None:  # deep stacks: plan printing recurses far below JFR's default 64
         java += ["-XX:FlightRecorderOptions:stackdepth=2048",
                  f"-XX:StartFlightRecording=filename={jfr},settings=profile"]
     env = dict(os.environ, **{TEST_SPARK_CONF_ENV: ",".join(spark)})
     if java:
         env["JAVA_TOOL_OPTIONS"] = " ".join([env.get("JAVA_TOOL_OPTIONS", ""), *java]).strip()
+    conf_dir = tempfile.TemporaryDirectory(prefix="suite-profile-conf-")
+    if launch:
+        Path(conf_dir.name, "spark-defaults.conf").write_text(
+            "".join(f"{key} {value}\n" for key, _, value in (s.partition("=") for s in launch)))
+        env["SPARK_CONF_DIR"] = conf_dir.name
     command = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider",
                *tests]
     started = time.monotonic()
@@ -117,6 +126,7 @@ def run_once(tests: list[str], conf: str, jfr: Path | None) -> dict[str, Any]:
     cpu = TreeCpu(process.pid)
     output, _ = process.communicate()
     wall = time.monotonic() - started
+    conf_dir.cleanup()
     by_process, by_jvm_thread = cpu.stop()
     last = output.strip().splitlines()[-1] if output.strip() else ""
     if process.returncode != 0:

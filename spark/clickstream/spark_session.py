@@ -59,6 +59,12 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # with full plans and 14.7 s with them cut here (BENCHMARKS.md, session 18). Only
         # plan text is shortened (explain output, listener events, errors quoting a plan).
         .config("spark.sql.maxPlanStringLength", str(MAX_PLAN_STRING_CHARS))
+        # PySpark's DataFrame debugging wraps every `functions.*` call in ~5 JVM round trips
+        # (the active session, a setting, the Python call site set and cleared) so that a
+        # Spark error can name the Python line that built the failing expression. Our jobs
+        # build plans from many small calls: off, the backfill tests took 2-5% less CPU and
+        # 5% less time (BENCHMARKS.md, session 34). Errors keep their Python traceback.
+        .config("spark.python.sql.dataFrameDebugging.enabled", "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stateStore.providerClass",
