@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from pyspark.sql import SparkSession
+from py4j.java_gateway import JavaObject
+from pyspark.sql import DataFrame, SparkSession
 
 from clickstream.config import ENV_NAMES, Config
 
@@ -129,13 +130,57 @@ def submitted_args(command: str, args: list[str]) -> list[str]:
     return [command, *args, *(["--spark-master", master] if master else [])]
 
 
-def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
-    """Free every cached DataFrame of the active session when ``job`` ends, however it ends.
+# Frames made by keep(), by id, with the JVM RDD holding their blocks, until released.
+_KEPT: dict[int, tuple[DataFrame, JavaObject]] = {}
 
-    Batch jobs persist intermediate frames; a job that stops on an error (a refused batch, a
-    failed gate) would otherwise leave them cached, and a long-lived session (the test suite,
-    a notebook, an in-process Airflow task) would fill its heap run after run. A job owns
-    its session's cache while it runs: do not share one session between concurrent jobs.
+
+def keep(frame: DataFrame) -> DataFrame:
+    """``frame`` computed now and kept in the executors' block stores until :func:`release`.
+
+    Rather than ``persist``: a persisted frame keeps its lineage, and Spark writes a query's
+    whole plan out as text for its listeners when it starts and again at every adaptive
+    re-plan, UI on or off, a persisted frame's cached plan included, and the cached plans
+    inside that one too. The recompute builds queries on several frames built on each
+    other, and planned and printed their lineage again in each (BENCHMARKS.md, session 34).
+    A kept frame is a local checkpoint: a query built on it plans a scan of its blocks.
+
+    Unlike a persisted frame, a released one cannot be computed again: a use after
+    :func:`release` fails (``CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND``) instead of reading its
+    sources a second time. So is an executor's loss while it holds some of the blocks.
+    """
+    kept = frame.localCheckpoint(eager=True)
+    _KEPT[id(kept)] = (kept, kept._jdf.queryExecution().analyzed().rdd())
+    return kept
+
+
+def release(*frames: DataFrame | None) -> None:
+    """Free the blocks of frames made by :func:`keep` and unpersist any others (None:
+    nothing to release)."""
+    for frame in frames:
+        if frame is None:
+            continue
+        kept = _KEPT.pop(id(frame), None)
+        if kept is None:
+            frame.unpersist()
+        else:
+            _free_blocks(kept[1])
+
+
+def _free_blocks(rdd: JavaObject) -> None:
+    # What RDD.unpersist does, without its warning that a checkpointed RDD cannot be
+    # recomputed (keep() says so); the cleaner does the same once the RDD is garbage.
+    rdd.context().unpersistRDD(rdd.id(), False)
+
+
+def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
+    """Free every cached DataFrame of the active session, and every kept one, when ``job``
+    ends, however it ends.
+
+    Batch jobs persist or keep intermediate frames; a job that stops on an error (a refused
+    batch, a failed gate) would otherwise leave them in memory, and a long-lived session (the
+    test suite, a notebook, an in-process Airflow task) would fill its heap run after run. A
+    job owns its session's cache while it runs: do not share one session between concurrent
+    jobs.
     """
     @functools.wraps(job)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -145,4 +190,5 @@ def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
             spark = SparkSession.getActiveSession()
             if spark is not None:
                 spark.catalog.clearCache()
+            release(*(frame for frame, _ in list(_KEPT.values())))
     return run

@@ -114,6 +114,7 @@ from clickstream.sessions.batch_adapter import (
     reattribute_frames,
     sessionize_frames,
 )
+from clickstream.spark_session import keep, release
 from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
 
 BUCKETS = 16
@@ -179,8 +180,7 @@ class Run:
     next_seq: int | None = None
 
     def release_snapshots(self) -> None:
-        for snapshot in self.snapshots.values():
-            snapshot.rows.unpersist()
+        release(*(snapshot.rows for snapshot in self.snapshots.values()))
         self.snapshots.clear()
 
     @property
@@ -242,14 +242,14 @@ def _snapshot(run: Run, spec, date_column: str, dates: list[date]) -> DataFrame:
     rows = _read_days(run, spec, date_column, dates, version if version >= 0 else None)
     previous = run.snapshots.get(spec.name)
     if previous is not None:
-        previous.rows.unpersist()
-    run.snapshots[spec.name] = Snapshot(version, frozenset(dates), rows.persist())
-    rows.count()  # one scan fills the cache; two uses in one job would both scan the files
+        release(previous.rows)
+    rows = keep(rows)  # one scan; two uses in one job would both scan the files
+    run.snapshots[spec.name] = Snapshot(version, frozenset(dates), rows)
     return rows
 
 
 def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
-    """(windows per user [lo_ms, hi_ms], persisted; stored sessions inside them) (C1).
+    """(windows per user [lo_ms, hi_ms], kept; stored sessions inside them) (C1).
 
     The sessions are a filter of the run's snapshot (C5), cheap to evaluate again: caching a
     second copy of most of a client's sessions would cost more memory than it saves."""
@@ -266,9 +266,9 @@ def grow_windows(run: Run, scope: DataFrame) -> tuple[DataFrame, DataFrame]:
         & (_ms("session_end") + run.gap_ms > F.col("lo_ms")))
     grown = near.groupBy("client_id", "user_id").agg(
         F.min(_ms("session_start")).alias("s_lo"), F.max(_ms("session_end")).alias("s_hi"))
-    windows = scope.join(grown, ["client_id", "user_id"], "left").select(
+    windows = keep(scope.join(grown, ["client_id", "user_id"], "left").select(
         "client_id", "user_id", F.least("lo_ms", F.coalesce("s_lo", "lo_ms")).alias("lo_ms"),
-        F.greatest("hi_ms", F.coalesce("s_hi", "hi_ms")).alias("hi_ms")).persist()
+        F.greatest("hi_ms", F.coalesce("s_hi", "hi_ms")).alias("hi_ms")))
     inside = sessions.join(windows, ["client_id", "user_id"]).where(
         (_ms("session_start") >= F.col("lo_ms")) & (_ms("session_end") <= F.col("hi_ms"))
     ).select(*SESSIONS.schema.fieldNames())
@@ -355,43 +355,36 @@ class Recomputed:
 
     sessions: DataFrame  # the sessions as they now are that the gate checks (see _reattributed)
     before: DataFrame  # the stored sessions to diff ...
-    after: DataFrame  # ... against these (persisted)
-    attributions: DataFrame  # every order of the windows and its session (persisted)
+    after: DataFrame  # ... against these
+    attributions: DataFrame  # every order of the windows and its session
     retract: bool  # whether a stored session missing from ``after`` is retracted
-    held: tuple[DataFrame, ...]  # the persisted frames all of the above are computed from
+    held: tuple[DataFrame, ...]  # the kept frames all of the above are computed from
 
     def release(self) -> None:
-        for frame in self.held:
-            frame.unpersist()
+        release(*self.held)
 
 
 def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataFrame,
               orders_only: bool) -> Recomputed:
     """New sessions and attributions inside the windows.
 
-    Both come from one pass of the Python worker, kept until both are materialised (each
-    would otherwise run it again)."""
+    Both come from one pass of the Python worker, kept (each would otherwise run it again)."""
     if orders_only:
         emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
     else:
         pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 1)  # up to hi
         emitted = sessionize_frames(pageviews, orders, run.gap_ms, BUCKETS)
-    emitted = emitted.persist()
-    attributions = _attribution_rows(emitted).persist()
-    attributions.count()
+    emitted = keep(emitted)
+    attributions = _attribution_rows(emitted)
     if orders_only:
-        result = _reattributed(_session_rows(emitted), old_sessions, attributions)
-    else:
-        sessions = _session_rows(emitted).persist()
-        sessions.count()
-        result = Recomputed(sessions, old_sessions, sessions, attributions, retract=True,
-                            held=(sessions, attributions))
-    emitted.unpersist()
-    return result
+        return _reattributed(_session_rows(emitted), old_sessions, attributions, emitted)
+    sessions = _session_rows(emitted)
+    return Recomputed(sessions, old_sessions, sessions, attributions, retract=True,
+                      held=(emitted,))
 
 
-def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: DataFrame
-                  ) -> Recomputed:
+def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: DataFrame,
+                  emitted: DataFrame) -> Recomputed:
     """Orders only: the sessions whose totals changed are diffed, the rest keep their stored
     rows (C2).
 
@@ -412,9 +405,8 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
     touched = totals.join(attributions.where(F.col("session_id").isNotNull())
                           .select("session_id").distinct(), "session_id", "full_outer"
                           ).withColumn("_touched", F.lit(True))
-    joined = old_sessions.join(touched, "session_id", "left").where(
-        F.col("_touched") | (F.col("order_count") > 0)).persist()
-    joined.count()
+    joined = keep(old_sessions.join(touched, "session_id", "left").where(
+        F.col("_touched") | (F.col("order_count") > 0)))
     stored = SESSIONS.schema.fieldNames()
     kept = {"order_count": F.coalesce("new_count", "order_count").cast("int"),
             "revenue": F.coalesce("new_revenue", "revenue")}
@@ -423,7 +415,7 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
     return Recomputed(
         sessions=joined.select(*(v for c, v in now.items() if not c.endswith("_url"))),
         before=changed_rows.select(*stored), after=changed_rows.select(*now.values()),
-        attributions=attributions, retract=False, held=(joined, attributions))
+        attributions=attributions, retract=False, held=(joined, emitted))
 
 
 def _differs(columns: tuple[str, ...]) -> Column:
@@ -633,7 +625,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     run_seq = run.next_seq or next_plan_seq(run)
     with timer.step("find affected sessions"):
         windows, old_sessions = grow_windows(run, scope)
-        grown = (windows,)  # persisted: released once the plan is computed
+        grown = (windows,)  # kept: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)
             open_from = open_session_starts(run.tables, run.client_id, run.gap_ms,
                                             stream_watermark_ms, windows.select(*USER_KEY),
@@ -642,7 +634,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             open_tail = ((F.col("hi_ms") + run.gap_ms > F.lit(stream_watermark_ms))
                          | (F.col("hi_ms") + run.gap_ms > F.coalesce("open_from_ms", F.lit(
                              _NEVER_MS))))
-            windows = windows.persist()
+            windows = keep(windows)
             grown = (*grown, windows)
             deferred = with_moved_orders_users(  # (C9)
                 windows.where(open_tail).select("client_id", "user_id"), scope)
@@ -654,12 +646,11 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
                                              ["client_id", "user_id"], "left_semi")
         windows = Windows.of(windows)
         if windows.lo_ms is None:  # an empty scope, or every user left to the stream
-            for frame in grown:
-                frame.unpersist()
+            release(*grown)
             run.release_snapshots()
             return None
     with timer.step("recompute sessions and attributions"):
-        orders = window_orders(run, windows).persist()
+        orders = keep(window_orders(run, windows))
         grown = (*grown, orders)
         # Computed here, so that the gate reading them is timed for its own checks alone.
         new = recompute(run, windows, old_sessions, orders, orders_only)
@@ -667,11 +658,11 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         gate_recomputed_sessions(run, new.sessions, new.attributions, orders)
         old_attributions = windows.rows_of(run, ATTRIBUTIONS, "order_date", "order_ts",
                                            run.gap_ms, keep_for_apply=True)
-        changes = diff(new.before, new.after, SESSIONS, SESSION_CONTENT, "session_date",
-                       "session", run, run_seq, retract=new.retract).unionByName(
+        changes = keep(diff(new.before, new.after, SESSIONS, SESSION_CONTENT, "session_date",
+                            "session", run, run_seq, retract=new.retract).unionByName(
             diff(old_attributions, new.attributions, ATTRIBUTIONS, ATTRIBUTION_CONTENT,
                  "order_date", "attribution", run, run_seq, retract=False)
-        ).localCheckpoint()  # computed once; every later use plans a scan, not its lineage
+        ))  # computed once; every later use plans a scan, not its lineage
         counts = {(r.entity, r.change): r["count"] for r in
                   changes.groupBy("entity", "change").count().collect()}
         attributed = new.attributions.groupBy(F.col("session_id").isNotNull().alias("a"))
@@ -680,10 +671,9 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     summary.orders_attributed = by_kind.get(True, 0)
     summary.orders_unattributed = by_kind.get(False, 0)
     new.release()
-    for frame in grown:
-        frame.unpersist()
+    release(*grown)
     if not counts:
-        changes.unpersist()
+        release(changes)
         run.release_snapshots()
         return None
     with timer.step("record corrections"):
@@ -700,7 +690,7 @@ def record_plan(run: Run, changes: DataFrame, run_seq: int) -> None:
         partition_by=CORRECTIONS.partition_by,
         metadata={"run_id": run.run_id, "cause": run.cause})
     if not recorded:  # (C6)
-        changes.unpersist()
+        release(changes)
         raise ClickstreamError(
             f"{run.run_id}: another correction run of client {run.client_id} recorded a plan "
             "while this one was planning (a process outside this machine's lock, C6); "
@@ -828,7 +818,7 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
             # Another writer (the stream) committed into these days since they were read:
             # read them again at the new version; the plan's changes still apply (C5).
             if snapshot is not None:
-                run.snapshots.pop(spec.name).rows.unpersist()
+                release(run.snapshots.pop(spec.name).rows)
             run.progress(f"  apply: {spec.name} changed under the run (attempt {attempt}); "
                          "reading its days again")
 
@@ -946,7 +936,7 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
     run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
                  "them: finishing them first ...")
     finish(run, changes, timer, step="finish an interrupted run", check_applied=True)
-    changes.unpersist()
+    release(changes)
     return None
 
 
@@ -984,7 +974,7 @@ def _correct_locked(run: Run, scope: DataFrame, orders_only: bool,
             figures = correction_figures(run, changes)  # old values by time travel
         write_correction_report(run, summary, figures or CorrectionFigures())
     if changes is not None:
-        changes.unpersist()
+        release(changes)
 
 
 def correct(run: Run, scope: DataFrame, *, orders_only: bool,

@@ -97,7 +97,7 @@ from clickstream.jobs.corrections import (
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
 from clickstream.sessions.batch_adapter import sessionize_frames
-from clickstream.spark_session import build_spark, releases_cache
+from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
     ATTRIBUTIONS,
     BACKFILL_QUEUED_BY,
@@ -366,9 +366,9 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     active = (_users_the_stream_holds(pageviews, orders, watermark - config.session_gap_ms)
               if watermark is not None
               else spark.createDataFrame([], "client_id string, user_id string"))
-    emitted = sessionize_frames(pageviews.join(active, users, "left_anti"),
-                                orders.join(active, users, "left_anti"),
-                                config.session_gap_ms, BUCKETS).persist()
+    emitted = keep(sessionize_frames(pageviews.join(active, users, "left_anti"),
+                                     orders.join(active, users, "left_anti"),
+                                     config.session_gap_ms, BUCKETS))
     run_seq = next_plan_seq(run)
     rewrites: list[_Rewrite] = []
     changes: list[DataFrame] = []
@@ -395,7 +395,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         # Attributions retracted too, as their tombstones below are (R8).
         changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq))
         rewrites.append(_Rewrite(spec, topic, stored, kept, fresh, retracted, read_version))
-    plan = reduce(DataFrame.unionByName, changes).localCheckpoint()
+    plan = keep(reduce(DataFrame.unionByName, changes))
     planned = not plan.isEmpty()
     if planned:
         record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
@@ -430,7 +430,6 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         mark_published(run, plan)
     counts = {r.spec.name: r.fresh.count() for r in rewrites}
     gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)
-    for frame in (emitted, plan, *(f for r in rewrites for f in (r.fresh, r.retracted))):
-        frame.unpersist()
+    release(emitted, plan, *(f for r in rewrites for f in (r.fresh, r.retracted)))
     return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
                                 time.monotonic() - started, gone, active.count())
