@@ -1,4 +1,5 @@
-"""The driver's JVM gets CLICKSTREAM_DRIVER_MEMORY, or the job says it did not."""
+"""The one SparkSession builder: the driver's JVM gets CLICKSTREAM_DRIVER_MEMORY (or the job
+says it did not), its settings, and the frames a job keeps."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.spark_session import build_spark, driver_heap_mib
+from clickstream.spark_session import build_spark, driver_heap_mib, keep, release, releases_cache
 
 
 def test_a_driver_with_less_heap_than_configured_warns(
@@ -32,3 +33,39 @@ def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(
     spark.range(1).select(F.col("id") + 1).collect()
     assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
     assert is_debugging_enabled() is False
+
+
+def _stored_rdds(spark: SparkSession) -> set[int]:
+    return {info.id() for info in spark.sparkContext._jsc.sc().getRDDStorageInfo()}
+
+
+def test_a_kept_frame_is_a_scan_of_its_blocks_until_released(spark: SparkSession) -> None:
+    from pyspark.sql import functions as F
+
+    before = _stored_rdds(spark)
+    kept = keep(spark.range(1000).where("id % 7 = 0").groupBy((F.col("id") % 3).alias("k"))
+                .count())
+    assert _stored_rdds(spark) - before  # computed now, not at first use
+    query = kept.where("k > 0").join(kept.withColumnRenamed("count", "n"), "k")
+    plan = query._jdf.queryExecution().executedPlan().toString()
+    assert "Range" not in plan and "Scan ExistingRDD" in plan, plan  # no lineage to plan
+    sevens_by_k = [sum(1 for i in range(0, 1000, 7) if i % 3 == k) for k in (1, 2)]
+    assert sorted(r["count"] for r in query.collect()) == sorted(sevens_by_k)
+    release(kept)
+    assert _stored_rdds(spark) == before
+
+
+def test_a_job_frees_what_it_kept_however_it_ends(spark: SparkSession) -> None:
+    kept_by_the_job: set[int] = set()
+
+    @releases_cache
+    def failing_job() -> None:
+        before = _stored_rdds(spark)
+        keep(spark.range(100))
+        kept_by_the_job.update(_stored_rdds(spark) - before)
+        raise RuntimeError("the job stops here")
+
+    with pytest.raises(RuntimeError, match="stops here"):
+        failing_job()
+    assert kept_by_the_job
+    assert not kept_by_the_job & _stored_rdds(spark)
