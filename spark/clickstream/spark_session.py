@@ -146,7 +146,7 @@ def keep(frame: DataFrame) -> DataFrame:
 
     Unlike a persisted frame, a released one cannot be computed again: a use after
     :func:`release` fails (``CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND``) instead of reading its
-    sources a second time. So is an executor's loss while it holds some of the blocks.
+    sources a second time; so does one that reads blocks from an executor lost since.
     """
     kept = frame.localCheckpoint(eager=True)
     _KEPT[id(kept)] = (kept, kept._jdf.queryExecution().analyzed().rdd())
