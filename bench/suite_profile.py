@@ -118,20 +118,19 @@ def run_once(tests: list[str], conf: str, jfr: Path | None) -> dict[str, Any]:
     env = dict(os.environ, **{TEST_SPARK_CONF_ENV: ",".join(spark)})
     if java:
         env["JAVA_TOOL_OPTIONS"] = " ".join([env.get("JAVA_TOOL_OPTIONS", ""), *java]).strip()
-    conf_dir = tempfile.TemporaryDirectory(prefix="suite-profile-conf-")
-    if launch:
-        Path(conf_dir.name, "spark-defaults.conf").write_text(
-            "".join(f"{key} {value}\n" for key, _, value in (s.partition("=") for s in launch)))
-        env["SPARK_CONF_DIR"] = conf_dir.name
     command = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider",
                *tests]
-    started = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    cpu = TreeCpu(process.pid)
-    output, _ = process.communicate()
-    wall = time.monotonic() - started
-    conf_dir.cleanup()
+    with tempfile.TemporaryDirectory(prefix="suite-profile-conf-") as conf_dir:
+        if launch:
+            Path(conf_dir, "spark-defaults.conf").write_text("".join(
+                f"{key} {value}\n" for key, _, value in (s.partition("=") for s in launch)))
+            env["SPARK_CONF_DIR"] = conf_dir
+        started = time.monotonic()
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        cpu = TreeCpu(process.pid)
+        output, _ = process.communicate()
+        wall = time.monotonic() - started
     by_process, by_jvm_thread = cpu.stop()
     last = output.strip().splitlines()[-1] if output.strip() else ""
     if process.returncode != 0:
