@@ -406,7 +406,11 @@ class DeltaRsTables(DeltaTables):
         """The rows of ``keys`` the files hold (only their key columns are read), each with
         the index of its file in ``files`` as column ``_FILE``."""
         stored = self._read_files(name, table, files, keys.column_names)
-        return stored.join(keys, keys.column_names, join_type="left semi")
+        # Acero hashes the right input. At commit time the files are the few added since the
+        # read and the keys a whole batch: hashing the batch's keys each attempt took longer
+        # than a stream's commit interval, so an upsert beside one never got through. The
+        # keys are unique (_check_keys), so the inner join has the files' matching rows.
+        return keys.join(stored, keys.column_names, join_type="inner")
 
     def _read_files(
         self, name: str, table: DeltaTable, files: list[_ActiveFile],
@@ -793,8 +797,14 @@ class DeltaRsTables(DeltaTables):
     ) -> _T:
         """Run ``attempt`` on a fresh snapshot until it commits (edge case 3)."""
         first: Exception | None = None
+        table: DeltaTable | None = None
         for number in range(1, self._max_attempts + 1):
-            table = self._require(name)
+            # A retry reads only the commits it lost to: the shorter the time from snapshot to
+            # commit, the likelier the attempt lands between a stream's commits.
+            if table is None:
+                table = self._require(name)
+            else:
+                table.update_incremental()
             if self._before_commit is not None:
                 self._before_commit(name, number)
             try:
