@@ -35,24 +35,24 @@ def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(
     assert is_debugging_enabled() is False
 
 
-def _stored_rdds(spark: SparkSession) -> set[int]:
+def stored_rdds(spark: SparkSession) -> set[int]:
     return {info.id() for info in spark.sparkContext._jsc.sc().getRDDStorageInfo()}
 
 
 def test_a_kept_frame_is_a_scan_of_its_blocks_until_released(spark: SparkSession) -> None:
     from pyspark.sql import functions as F
 
-    before = _stored_rdds(spark)
+    before = stored_rdds(spark)
     kept = keep(spark.range(1000).where("id % 7 = 0").groupBy((F.col("id") % 3).alias("k"))
                 .count())
-    assert _stored_rdds(spark) - before  # computed now, not at first use
+    assert stored_rdds(spark) - before  # computed now, not at first use
     query = kept.where("k > 0").join(kept.withColumnRenamed("count", "n"), "k")
     plan = query._jdf.queryExecution().executedPlan().toString()
     assert "Range" not in plan and "Scan ExistingRDD" in plan, plan  # no lineage to plan
     sevens_by_k = [sum(1 for i in range(0, 1000, 7) if i % 3 == k) for k in (1, 2)]
     assert sorted(r["count"] for r in query.collect()) == sorted(sevens_by_k)
     release(kept)
-    assert _stored_rdds(spark) == before
+    assert stored_rdds(spark) == before
 
 
 def test_a_job_frees_what_it_kept_however_it_ends(spark: SparkSession) -> None:
@@ -60,12 +60,12 @@ def test_a_job_frees_what_it_kept_however_it_ends(spark: SparkSession) -> None:
 
     @releases_cache
     def failing_job() -> None:
-        before = _stored_rdds(spark)
+        before = stored_rdds(spark)
         keep(spark.range(100))
-        kept_by_the_job.update(_stored_rdds(spark) - before)
+        kept_by_the_job.update(stored_rdds(spark) - before)
         raise RuntimeError("the job stops here")
 
     with pytest.raises(RuntimeError, match="stops here"):
         failing_job()
     assert kept_by_the_job
-    assert not kept_by_the_job & _stored_rdds(spark)
+    assert not kept_by_the_job & stored_rdds(spark)

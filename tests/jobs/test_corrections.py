@@ -24,9 +24,11 @@ from clickstream.jobs.corrections import (
     plan,
 )
 from clickstream.quality.correction_report import correction_figures
+from clickstream.spark_session import release
 from clickstream.tables import ORDERS, SESSIONS
 from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
 from tests.jobs.test_sessionize import table_rows
+from tests.test_spark_session import stored_rdds
 
 
 def quiet(_: str) -> None:
@@ -193,3 +195,21 @@ def _three_backfills_of_two_users(config: Config, spark: SparkSession
                                                 (("d", 25), ("e", 50), ("f", 75))], "parquet"))
     return sorted((r["user_id"], r["pageview_count"], r["order_count"], r["revision"])
                   for r in table_rows(config, spark, "sessions"))
+
+
+def test_users_orders_moved_to_are_followed_along_a_chain_and_only_the_answer_stays_kept(
+        spark: SparkSession) -> None:
+    """(C9) An order moved from u1 to u2 and one from u2 to u3: deferring u1 defers both. Each
+    round's frame is released once the next one holds its rows."""
+    scope = spark.createDataFrame(
+        [("client-00", "u1", ["u2"]), ("client-00", "u2", ["u3"]), ("client-00", "u4", ["u5"])],
+        "client_id string, user_id string, moved_with array<string>")
+    deferred = spark.createDataFrame([("client-00", "u1")], "client_id string, user_id string")
+    before = stored_rdds(spark)
+
+    grown = corrections.with_moved_orders_users(deferred, scope)
+
+    assert sorted(r.user_id for r in grown.collect()) == ["u1", "u2", "u3"]
+    assert len(stored_rdds(spark) - before) == 1  # the answer's blocks, nothing else
+    release(grown)
+    assert stored_rdds(spark) == before

@@ -496,29 +496,37 @@ def open_session_starts(tables: DeltaTables, client_id: str, gap_ms: int, waterm
     cutoff_ms = watermark_ms - gap_ms
     since, last = _recent_days(watermark_ms, gap_ms)
     recent_since = since
+    read: list[DataFrame] = []  # kept by this function, released before it returns
     settled: list[DataFrame] = []
     users = among  # None: all of the client's users
     days_back = 1
+
+    def found(*more: DataFrame) -> DataFrame:
+        result = keep(reduce(DataFrame.unionByName, [*settled, *more]))
+        release(*read)
+        return result
+
     while True:
         rows = _recent_pageviews(tables, client_id, since, last)
         if users is not None:
             rows = rows.join(users, USER_KEY, "left_semi")
-        starts = _open_starts(rows, cutoff_ms, gap_ms).localCheckpoint()
+        starts = keep(_open_starts(rows, cutoff_ms, gap_ms))
+        read.append(starts)
         # Only a session that starts within one gap of the first day read can reach before it.
         reaching = F.col("open_from_ms") < F.lit(_day_start_ms(since) + gap_ms)
         settled.append(starts.where(~reaching))
-        users = starts.where(reaching).select(*USER_KEY).localCheckpoint()
+        users = keep(starts.where(reaching).select(*USER_KEY))
+        read.append(users)
         reaching_users = users.count()
         if not reaching_users:
-            return reduce(DataFrame.unionByName, settled)
+            return found()
         days_back *= 2
         reached, since = since, since - timedelta(days=days_back)
         if (recent_since - since).days > OPEN_SESSION_MAX_DAYS:
             if progress is not None:
                 progress(f"  sessions open in the stream since before {reached} "
                          f"({reaching_users} users): their corrections wait until they close")
-            return reduce(DataFrame.unionByName, settled).unionByName(
-                users.withColumn("open_from_ms", F.lit(-_NEVER_MS)))
+            return found(users.withColumn("open_from_ms", F.lit(-_NEVER_MS)))
         if progress is not None:
             progress(f"  sessions open in the stream since before {reached} "
                      f"({reaching_users} users): reading their pageviews from {since} on")
@@ -600,18 +608,21 @@ def with_moved_orders_users(deferred: DataFrame, scope: DataFrame) -> DataFrame:
     through chains of moves too (C9)."""
     if "moved_with" not in scope.columns:
         return deferred
-    moves = scope.select("client_id", F.col("user_id").alias("from_user_id"),
-                         F.explode("moved_with").alias("user_id")).localCheckpoint()
+    moves = keep(scope.select("client_id", F.col("user_id").alias("from_user_id"),
+                              F.explode("moved_with").alias("user_id")))
     if moves.isEmpty():
+        release(moves)
         return deferred
-    deferred = deferred.distinct().localCheckpoint()
+    deferred = keep(deferred.distinct())
     known = deferred.count()
     while True:
         moved_to = moves.join(deferred.withColumnRenamed("user_id", "from_user_id"),
                               ["client_id", "from_user_id"], "left_semi").select(*USER_KEY)
-        grown = deferred.unionByName(moved_to).distinct().localCheckpoint()
+        grown = keep(deferred.unionByName(moved_to).distinct())
+        release(deferred)  # superseded: grown holds its rows
         count = grown.count()
         if count == known:
+            release(moves)
             return grown
         deferred, known = grown, count
 
@@ -635,9 +646,10 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
                          | (F.col("hi_ms") + run.gap_ms > F.coalesce("open_from_ms", F.lit(
                              _NEVER_MS))))
             windows = keep(windows)
-            grown = (*grown, windows)
+            release(open_from)
             deferred = with_moved_orders_users(  # (C9)
                 windows.where(open_tail).select("client_id", "user_id"), scope)
+            grown = (*grown, windows, deferred)
             summary.deferred_users = deferred.count()
             if summary.deferred_users and defer is not None:
                 defer(deferred)  # before anything is recorded (C4)

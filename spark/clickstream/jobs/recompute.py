@@ -168,7 +168,7 @@ def run_recompute(
         folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
                                                         "left_anti")
         dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
-        mine.unpersist()
+        release(mine, left)
     if failed:
         raise ClickstreamError(
             f"recompute failed for {len(failed)} of {len(clients)} clients, whose rows stay "
@@ -211,7 +211,7 @@ def _correct(run: Run, scope: DataFrame, watermark: int | None
     left: list[DataFrame] = []
 
     def defer(users: DataFrame) -> None:
-        left.append(users.localCheckpoint())  # its lineage reads frames released after plan
+        left.append(keep(users))  # its lineage reads frames released after plan
 
     result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark, defer=defer)
     if result.resumed:  # an interrupted plan was finished: planning again names the deferred
@@ -331,9 +331,9 @@ def _users_the_stream_holds(pageviews: DataFrame, orders: DataFrame, cutoff_ms: 
     cutoff = F.timestamp_millis(F.lit(cutoff_ms))
     # The day first: partitions before it are not read a second time (the rewrite reads all).
     later = (F.col("event_date") >= F.to_date(cutoff)) & (F.col("ts") > cutoff)
-    return (pageviews.where(later).select("client_id", "user_id")
-            .unionByName(orders.where(later).select("client_id", "user_id"))
-            .distinct().localCheckpoint())
+    return keep(pageviews.where(later).select("client_id", "user_id")
+                .unionByName(orders.where(later).select("client_id", "user_id"))
+                .distinct())
 
 
 @dataclass
@@ -430,6 +430,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         mark_published(run, plan)
     counts = {r.spec.name: r.fresh.count() for r in rewrites}
     gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)
-    release(emitted, plan, *(f for r in rewrites for f in (r.fresh, r.retracted)))
+    held = active.count()
+    release(emitted, plan, active, *(f for r in rewrites for f in (r.fresh, r.retracted)))
     return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
-                                time.monotonic() - started, gone, active.count())
+                                time.monotonic() - started, gone, held)
