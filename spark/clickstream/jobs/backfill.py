@@ -49,7 +49,7 @@ from clickstream.quality.gates import (
     warm_up,
 )
 from clickstream.quality.gates import enabled as gates_enabled
-from clickstream.spark_session import build_spark, releases_cache
+from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
     BACKFILL_QUEUED_BY,
     MOVED_AWAY,
@@ -95,13 +95,13 @@ def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_i
     stored = _stored(tables, PAGEVIEWS, client_id, dates)
     if stored is not None:
         rows = rows.join(stored.select("event_id"), "event_id", "left_anti")
-    rows = rows.persist()
+    rows = keep(rows)
     count = rows.count()
     if count:
         tables.append_once(PAGEVIEWS.name, rows, app_id=f"backfill-{run_id}", version=1,
                            partition_by=PAGEVIEWS.partition_by,
                            metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
-    rows.unpersist()
+    release(rows)
     return count
 
 
@@ -115,14 +115,14 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
         stored = tables.read(ORDERS.name, partition_filter={"client_id": client_id})
         same = ["order_id", "client_id", "user_id", "ts", "amount", "currency"]
         rows = rows.join(stored.select(*same), same, "left_anti")
-    rows = rows.persist()
+    rows = keep(rows)
     count = rows.count()
     if count:
         tables.upsert(ORDERS.name, rows, keys=["order_id"], partition_by=ORDERS.partition_by,
                       partition_filter={"client_id": client_id},
                       app_id=f"backfill-{run_id}", version=1,
                       metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
-    rows.unpersist()
+    release(rows)
     return count
 
 
@@ -141,16 +141,16 @@ def moved_stored_orders(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
                         client_id: str, run_id: str) -> DataFrame | None:
     """The batch's orders as they were stored before its merge, where they are no longer:
     (order_id, client_id, user_id, ts) of their previous place (``corrections`` C10); None if
-    there are none. Rare, so looked for once, first, and kept (persisted: the caller
-    unpersists) for both the scope and the queue: unioned into the scope whether empty or
+    there are none. Rare, so looked for once, first, and kept (``keep``: the caller
+    releases it) for both the scope and the queue: unioned into the scope whether empty or
     not, its reads reshaped the scope's plan and a year of orders took ~7% longer
     (BENCHMARKS.md, session 30)."""
     version = _version_before_merge(tables, run_id) if kind == "orders" else None
     if version is None:
         return None
-    moved = stored_elsewhere(tables, client_id, valid, version).persist()
+    moved = keep(stored_elsewhere(tables, client_id, valid, version))
     if moved.isEmpty():
-        moved.unpersist()
+        release(moved)
         return None
     return moved
 
@@ -215,13 +215,12 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     if kind == "orders" and snapshots is not None and gates_enabled(config):
         version = run_commit_version(tables, ORDERS.name, run_id)
         if version is not None:
-            stored = Snapshot(version, None, tables.read(
-                ORDERS.name, partition_filter={"client_id": client_id}, schema=ORDERS.schema,
-                version=version).persist())
             # Read here rather than inside the gate, which then times its checks alone (as
             # recomputed_sessions does): for a batch that spans the client's history, as a
             # year of orders does, the recompute's windows would read all these rows anyway.
-            stored.rows.count()
+            stored = Snapshot(version, None, keep(tables.read(
+                ORDERS.name, partition_filter={"client_id": client_id}, schema=ORDERS.schema,
+                version=version)))
             snapshots[ORDERS.name] = stored
     gate = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
                                    run_id=run_id, valid=valid, dates=dates, stored=stored)
@@ -251,7 +250,7 @@ def run_backfill(
 
     started = time.monotonic()
     raw = read_batch(spark, files, kind)
-    batch = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
+    batch = keep(validate_batch(raw, kind, client_id, config.max_ts_ahead_ms))
     summary.rows_read = batch.count()
     # The historical_batch gate judges the batch as a whole: it marks the rows it implicates
     # (quarantined below, once) and refuses the batch, after quarantining, when too many are bad.
@@ -260,7 +259,7 @@ def run_backfill(
                                         client_id=client_id, config=config, run_id=run_id)
     summary.quarantined = quarantine_or_refuse(tables, batch, gate, run_id, progress)
     valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY[kind]]).drop("error")
-    valid = valid.persist()
+    valid = keep(valid)
     valid_count = valid.count()
     step("validate", started)
 
@@ -275,14 +274,12 @@ def run_backfill(
     started = time.monotonic()
     watermark = stream_watermark_ms(config)
     moved = moved_stored_orders(tables, valid, kind, client_id, run_id)
-    scope = scope_of(tables, valid, kind, client_id, moved).persist()
+    scope = keep(scope_of(tables, valid, kind, client_id, moved))
     summary.corrections = correct(run, scope, orders_only=kind == "orders",
                                   stream_watermark_ms=watermark,
                                   defer=queue_for_the_stream(tables, valid, kind, run_id, moved))
     step("recompute and publish", started)
-    for frame in (validated, valid, scope, moved):
-        if frame is not None:
-            frame.unpersist()
+    release(validated, valid, scope, moved)
     if valid_count == 0:
         progress("  the batch has no valid rows")
     return summary

@@ -79,7 +79,7 @@ from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_historical_batch
-from clickstream.spark_session import build_spark, releases_cache
+from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import ORDERS, PAGEVIEWS, SESSIONS
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class _Batch:
         self.tables: DeltaTables = open_tables(config, self.spark)
         raw = read_batch(self.spark, self.files, kind)
         self.raw_schema = raw.schema
-        self.rows = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
+        self.rows = keep(validate_batch(raw, kind, client_id, config.max_ts_ahead_ms))
 
     def gate(self) -> GateResult | None:
         """The ``historical_batch`` quality gate (as ``run_backfill`` runs it): marks the rows
@@ -174,8 +174,8 @@ class _Batch:
             self.rows, self.raw_schema, kind=self.kind, key=KEY[self.kind],
             client_id=self.client_id, config=self.config, run_id=self.run_id)
         if marked is not self.rows:
-            marked = marked.persist()
-            self.rows.unpersist()
+            marked = keep(marked)
+            release(self.rows)
             self.rows = marked
         return result
 
@@ -191,7 +191,7 @@ class _Batch:
                    f"backfill-{self.run_id}", f"backfill {self.run_id}", progress)
 
     def close(self) -> None:
-        self.rows.unpersist()
+        release(self.rows)
 
 
 def _would_merge(batch: _Batch, valid: DataFrame) -> int:
@@ -240,7 +240,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         rows_read = batch.rows.count()
         reasons = batch.bad().groupBy("error").count().orderBy(F.desc("count"), "error")
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
-        valid = batch.valid().persist()
+        valid = keep(batch.valid())
         valid_rows = valid.count()
         moved = moved_stored_orders(batch.tables, valid, kind, client_id, batch.run_id)
         scope = scope_of(batch.tables, valid, kind, client_id, moved)
@@ -249,8 +249,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
             run = batch.correction_run(progress)
             windows, inside = grow_windows(run, scope)
             in_reach = inside.count()
-            windows.unpersist()
-            inside.unpersist()
+            release(windows, inside)
             run.release_snapshots()
         check = BatchCheck(
             run_id=batch.run_id, kind=kind, client_id=client_id, path=path,
@@ -260,9 +259,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
             first_reasons=first, new_or_changed=_would_merge(batch, valid),
             users_affected=scope.count(), stored_sessions_in_reach=in_reach,
             quality_gate=verdict)
-        for frame in (valid, moved):
-            if frame is not None:
-                frame.unpersist()
+        release(valid, moved)
         progress(check.describe())
         return check
     finally:
@@ -287,9 +284,9 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         rows_read = batch.rows.count()
         # The same rows and transactions as run_backfill (S2).
         quarantined = quarantine_or_refuse(tables, batch.rows, gate, run_id, progress)
-        valid = batch.valid().persist()
+        valid = keep(batch.valid())
         merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id, progress)
-        valid.unpersist()
+        release(valid)
         result = MergeResult(run_id, rows_read, merged, rows_read - quarantined - merged,
                              quarantined)
         progress(result.describe())
@@ -315,9 +312,9 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         summary = CorrectionSummary()
         timer = Timer(summary, progress)
         watermark = stream_watermark_ms(config)
-        valid = batch.valid().persist()
+        valid = keep(batch.valid())
         moved = moved_stored_orders(batch.tables, valid, kind, client_id, run_id)
-        scope = scope_of(batch.tables, valid, kind, client_id, moved).persist()
+        scope = keep(scope_of(batch.tables, valid, kind, client_id, moved))
         with one_run_at_a_time(config, client_id, progress):  # (C6)
             changes = resume(run, summary, timer)
             if changes is None:
@@ -326,10 +323,8 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
             if changes is not None:
                 with timer.step("apply to tables"):
                     apply(run, changes)
-                changes.unpersist()
-        for frame in (valid, scope, moved):
-            if frame is not None:
-                frame.unpersist()
+                release(changes)
+        release(valid, scope, moved)
         progress(f"recompute {run_id}: {summary.describe()}")
         return summary
     finally:
@@ -371,7 +366,7 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
             return counts
         counts = check_plan_applied(run, changes)
     finally:
-        changes.unpersist()
+        release(changes)
     progress(f"check {run_id}: tables hold all {counts['sessions']} session and "
              f"{counts['attributions']} attribution corrections")
     return counts
@@ -395,7 +390,7 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
     with one_run_at_a_time(config, client_id, progress):  # (C6)
         changes = unfinished_plan(run)
         if changes is not None and changes.select("run_id").first()[0] != run.run_id:
-            changes.unpersist()  # a later run plans only once this one was published
+            release(changes)  # a later run plans only once this one was published
             changes = None
         if changes is None:
             progress(f"publish {run_id}: nothing left to publish (no corrections, or they were "
@@ -403,7 +398,7 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
             return 0
         sent = publish_changes(run, changes)
         mark_published(run, changes)
-        changes.unpersist()
+        release(changes)
     progress(f"publish {run_id}: {sent} records to {config.sessions_topic} and "
              f"{config.attributions_topic} at {config.kafka_bootstrap_servers}")
     return sent
