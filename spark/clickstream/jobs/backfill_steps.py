@@ -165,7 +165,8 @@ class _Batch:
         self.tables: DeltaTables = open_tables(config, self.spark)
         raw = read_batch(self.spark, self.files, kind)
         self.raw_schema = raw.schema
-        self.rows = keep(validate_batch(raw, kind, client_id, config.max_ts_ahead_ms))
+        # Batch-sized: persisted, not kept (``backfill``, the comment above merge_pageviews).
+        self.rows = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
 
     def gate(self) -> GateResult | None:
         """The ``historical_batch`` quality gate (as ``run_backfill`` runs it): marks the rows
@@ -174,7 +175,7 @@ class _Batch:
             self.rows, self.raw_schema, kind=self.kind, key=KEY[self.kind],
             client_id=self.client_id, config=self.config, run_id=self.run_id)
         if marked is not self.rows:
-            marked = keep(marked)
+            marked = marked.persist()
             release(self.rows)
             self.rows = marked
         return result
@@ -240,7 +241,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         rows_read = batch.rows.count()
         reasons = batch.bad().groupBy("error").count().orderBy(F.desc("count"), "error")
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
-        valid = keep(batch.valid())
+        valid = batch.valid().persist()
         valid_rows = valid.count()
         moved = moved_stored_orders(batch.tables, valid, kind, client_id, batch.run_id)
         scope = scope_of(batch.tables, valid, kind, client_id, moved)
@@ -284,7 +285,7 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         rows_read = batch.rows.count()
         # The same rows and transactions as run_backfill (S2).
         quarantined = quarantine_or_refuse(tables, batch.rows, gate, run_id, progress)
-        valid = keep(batch.valid())
+        valid = batch.valid().persist()
         merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id, progress)
         release(valid)
         result = MergeResult(run_id, rows_read, merged, rows_read - quarantined - merged,
@@ -312,7 +313,7 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         summary = CorrectionSummary()
         timer = Timer(summary, progress)
         watermark = stream_watermark_ms(config)
-        valid = keep(batch.valid())
+        valid = batch.valid().persist()
         moved = moved_stored_orders(batch.tables, valid, kind, client_id, run_id)
         scope = keep(scope_of(batch.tables, valid, kind, client_id, moved))
         with one_run_at_a_time(config, client_id, progress):  # (C6)
