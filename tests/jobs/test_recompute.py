@@ -701,6 +701,29 @@ def test_an_order_moved_to_another_day_while_its_user_is_deferred_is_held_once(
                                      closed_before_ms=ms(START + timedelta(days=1, hours=4)))
 
 
+@pytest.mark.parametrize("via", ["one process", "airflow steps"])
+def test_a_batch_moving_an_order_an_interrupted_plan_moved_reads_its_scope_after_finishing_it(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+        via: str) -> None:
+    """(C6, C7) A first batch moves o1 from u to v and is killed after recording its plan. A
+    second batch moves o1 to w: its run finishes the first plan (o1 attributed to v), then
+    plans. Its scope, read before that, found o1 attributed to u, so v was not planned and
+    v's session kept o1 in its order count and revenue."""
+    backfill_c0(stream_config, spark, "pageviews", "p",
+                [pv_row(f"p-{user}", user, 0) for user in ("u", "v", "w")])
+    backfill_c0(stream_config, spark, "orders", "first", [order_row("o1", "u", 1)])
+    killed_at(monkeypatch, corrections, "apply", lambda: backfill_c0(
+        stream_config, spark, "orders", "to-v", [order_row("o1", "v", 1)]))
+    assert [r["user_id"] for r in table_rows(stream_config, spark, "attributions")] == ["u"]
+
+    backfill_c0(stream_config, spark, "orders", "to-w", [order_row("o1", "w", 1)], via)
+    assert [(r["order_id"], r["user_id"]) for r in table_rows(
+        stream_config, spark, "attributions")] == [("o1", "w")]
+    assert {r["user_id"]: r["order_count"] for r in table_rows(
+        stream_config, spark, "sessions")} == {"u": 0, "v": 0, "w": 1}
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
 def test_a_full_recompute_rewrites_an_order_a_held_user_lost_to_one_it_rewrites(
         stream_config: Config, spark: SparkSession) -> None:
     """(R9) o1 moved (C7) from w to v while the stream held v: v's row was queued and w's

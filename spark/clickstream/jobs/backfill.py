@@ -281,14 +281,13 @@ def run_backfill(
     step("merge", started)
 
     started = time.monotonic()
-    watermark = stream_watermark_ms(config)
-    moved = moved_stored_orders(tables, valid, kind, client_id, run_id)
-    scope = keep(scope_of(tables, valid, kind, client_id, moved))
-    summary.corrections = correct(run, scope, orders_only=kind == "orders",
-                                  stream_watermark_ms=watermark,
-                                  defer=queue_for_the_stream(tables, valid, kind, run_id, moved))
+    scope = BatchScope(tables, valid, kind, client_id, run_id)
+    summary.corrections = correct(run, scope.read, orders_only=kind == "orders",
+                                  stream_watermark_ms=stream_watermark_ms(config),
+                                  defer=scope.defer)
     step("recompute and publish", started)
-    release(validated, valid, scope, moved)
+    scope.release()
+    release(validated, valid)
     if valid_count == 0:
         progress("  the batch has no valid rows")
     return summary
@@ -329,3 +328,32 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
                            metadata={"run_id": run_id, "cause": queued_by})
 
     return queue
+
+
+class BatchScope:
+    """A merged batch's scope (``scope_of``) and its queue for the stream
+    (``queue_for_the_stream``), read only when its run plans: after ``resume()`` took the
+    plan's step, under the client's lock, so that nothing it reads is older than a plan
+    another run recorded (``corrections`` C6); a run that resumes its own plan reads nothing.
+    """
+
+    def __init__(self, tables: DeltaTables, valid: DataFrame, kind: BatchKind, client_id: str,
+                 run_id: str) -> None:
+        self.tables, self.valid, self.kind = tables, valid, kind
+        self.client_id, self.run_id = client_id, run_id
+        self._moved: DataFrame | None = None
+
+    def read(self) -> DataFrame:
+        """The scope, kept: the caller releases it (``corrections.ScopeReader``)."""
+        release(self._moved)
+        self._moved = moved_stored_orders(self.tables, self.valid, self.kind, self.client_id,
+                                          self.run_id)
+        return keep(scope_of(self.tables, self.valid, self.kind, self.client_id, self._moved))
+
+    def defer(self, users: DataFrame) -> None:
+        """Queue the batch's rows of ``users``, whom the stream holds (``corrections.Defer``)."""
+        queue_for_the_stream(self.tables, self.valid, self.kind, self.run_id, self._moved)(users)
+
+    def release(self) -> None:
+        release(self._moved)
+        self._moved = None

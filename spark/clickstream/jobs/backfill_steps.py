@@ -45,11 +45,9 @@ from clickstream.config import Config
 from clickstream.errors import BatchRefusedError, ConfigError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.backfill import (
+    BatchScope,
     merge_valid_rows,
-    moved_stored_orders,
     quarantine_or_refuse,
-    queue_for_the_stream,
-    scope_of,
 )
 from clickstream.jobs.batch_input import (
     KEY,
@@ -79,7 +77,7 @@ from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_historical_batch
-from clickstream.spark_session import build_spark, keep, release, releases_cache
+from clickstream.spark_session import build_spark, release, releases_cache
 from clickstream.tables import ORDERS, PAGEVIEWS, SESSIONS
 
 if TYPE_CHECKING:
@@ -243,8 +241,8 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
         valid = batch.valid().persist()
         valid_rows = valid.count()
-        moved = moved_stored_orders(batch.tables, valid, kind, client_id, batch.run_id)
-        scope = scope_of(batch.tables, valid, kind, client_id, moved)
+        batch_scope = BatchScope(batch.tables, valid, kind, client_id, batch.run_id)
+        scope = batch_scope.read()
         in_reach = 0
         if valid_rows and batch.tables.exists(SESSIONS.name):
             run = batch.correction_run(progress)
@@ -260,7 +258,8 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
             first_reasons=first, new_or_changed=_would_merge(batch, valid),
             users_affected=scope.count(), stored_sessions_in_reach=in_reach,
             quality_gate=verdict)
-        release(valid, moved)
+        batch_scope.release()
+        release(valid, scope)
         progress(check.describe())
         return check
     finally:
@@ -312,24 +311,33 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
         run = batch.correction_run(progress)
         summary = CorrectionSummary()
         timer = Timer(summary, progress)
-        watermark = stream_watermark_ms(config)
-        valid = batch.valid().persist()
-        moved = moved_stored_orders(batch.tables, valid, kind, client_id, run_id)
-        scope = keep(scope_of(batch.tables, valid, kind, client_id, moved))
         with one_run_at_a_time(config, client_id, progress):  # (C6)
             changes = resume(run, summary, timer)
             if changes is None:
-                changes = plan(run, scope, kind == "orders", summary, timer, watermark,
-                               queue_for_the_stream(batch.tables, valid, kind, run_id, moved))
+                changes = _plan_batch(batch, run, summary, timer)
             if changes is not None:
                 with timer.step("apply to tables"):
                     apply(run, changes)
                 release(changes)
-        release(valid, scope, moved)
         progress(f"recompute {run_id}: {summary.describe()}")
         return summary
     finally:
         batch.close()
+
+
+def _plan_batch(batch: _Batch, run: Run, summary: CorrectionSummary, timer: Timer
+                ) -> DataFrame | None:
+    """Plan the batch's corrections; called only when ``resume()`` found no plan of the run
+    (``BatchScope``)."""
+    valid = batch.valid().persist()
+    scope = BatchScope(batch.tables, valid, batch.kind, batch.client_id, batch.run_id)
+    rows = scope.read()
+    try:
+        return plan(run, rows, batch.kind == "orders", summary, timer,
+                    stream_watermark_ms(batch.config), scope.defer)
+    finally:
+        scope.release()
+        release(rows, valid)
 
 
 @releases_cache

@@ -49,6 +49,8 @@ Known edge cases, cited inline as (C1)..(C10):
       numbered (the run's step in ``corrections``) and a marker step records the last one
       published; a run starts by finishing the client's unpublished plan, its own (resumed)
       or another run's. A rerun of a finished run plans again (usually: nothing changes).
+      A run reads its scope only after that (``ScopeReader``): read before, it missed where
+      the plan it finished first had moved an order (C7), which stayed there too.
   C7. A later batch may move an order to another user or day (same ``order_id``). Its old
       attribution is in the plan's windows (``backfill.scope_of`` adds where it was), the
       user is part of the compared content, and a plan row's ``partition_date`` is the stored
@@ -451,6 +453,8 @@ def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
 
 
 Defer = Callable[[DataFrame], None]  # called with the (client_id, user_id) left to the stream
+# Reads a run's scope; called only when the run plans, after resume() (C6).
+ScopeReader = Callable[[], DataFrame]
 _NEVER_MS = 2**62
 
 
@@ -968,14 +972,18 @@ def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "",
         mark_published(run, changes)
 
 
-def _correct_locked(run: Run, scope: DataFrame, orders_only: bool,
+def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
                     stream_watermark_ms: int | None, summary: CorrectionSummary,
                     defer: Defer | None) -> None:
     timer = Timer(summary, run.progress)
     figures = None
     changes = resume(run, summary, timer)
     if changes is None:
-        changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
+        scope = read_scope()
+        try:
+            changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
+        finally:
+            release(scope)
         if changes is not None:
             with timer.step("correction report"):
                 figures = _figures_before_apply(run, changes)
@@ -989,13 +997,16 @@ def _correct_locked(run: Run, scope: DataFrame, orders_only: bool,
         release(changes)
 
 
-def correct(run: Run, scope: DataFrame, *, orders_only: bool,
+def correct(run: Run, read_scope: ScopeReader, *, orders_only: bool,
             stream_watermark_ms: int | None = None,
             summary: CorrectionSummary | None = None,
             defer: Defer | None = None) -> CorrectionSummary:
-    """Plan (or resume), apply and publish the corrections of ``scope`` for ``run.client_id``.
+    """Plan (or resume), apply and publish the corrections of a scope for ``run.client_id``.
 
-    ``scope`` has client_id, user_id, lo_ms, hi_ms: where new or changed rows landed.
+    ``read_scope`` returns the scope (client_id, user_id, lo_ms, hi_ms: where new or changed
+    rows landed), which is released after planning. It is called only if the run plans, under
+    the client's lock and after ``resume()`` took the plan's step, so that what it reads is
+    not older than a plan another run recorded meanwhile (C6); a resumed run reads nothing.
     ``stream_watermark_ms``: the watermark of the sessionizer's last committed micro-batch;
     users whose window reaches the stream's open sessions are left to it (C4), counted in
     ``deferred_users`` and handed to ``defer``. Runs of one client wait for each other, and
@@ -1003,5 +1014,5 @@ def correct(run: Run, scope: DataFrame, *, orders_only: bool,
     """
     summary = summary or CorrectionSummary()
     with one_run_at_a_time(run.config, run.client_id, run.progress):
-        _correct_locked(run, scope, orders_only, stream_watermark_ms, summary, defer)
+        _correct_locked(run, read_scope, orders_only, stream_watermark_ms, summary, defer)
     return summary

@@ -62,7 +62,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import reduce
+from functools import partial, reduce
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -77,6 +77,7 @@ from clickstream.jobs.corrections import (
     BUCKETS,
     CorrectionSummary,
     Run,
+    ScopeReader,
     Timer,
     _attribution_rows,
     _differs,
@@ -156,9 +157,8 @@ def run_recompute(
                  + ("; an interrupted plan to finish first" if client in unfinished else ""))
         run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
                   f"recompute queue version {queue_version}", progress)
-        scope = _scope(tables, client, mine)
         try:
-            result, left = _correct(run, scope, watermark)
+            result, left = _correct(run, partial(_scope, tables, client, mine), watermark)
         except ClickstreamError as error:  # one client's trouble does not stop the others
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
@@ -205,7 +205,7 @@ def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
     return landing_scope(queued, where_attributed(tables, client, backfilled_orders))
 
 
-def _correct(run: Run, scope: DataFrame, watermark: int | None
+def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
              ) -> tuple[CorrectionSummary, DataFrame | None]:
     """The run's corrections, and the users left to the stream (their rows stay queued)."""
     left: list[DataFrame] = []
@@ -213,9 +213,10 @@ def _correct(run: Run, scope: DataFrame, watermark: int | None
     def defer(users: DataFrame) -> None:
         left.append(keep(users))  # its lineage reads frames released after plan
 
-    result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark, defer=defer)
+    result = correct(run, read_scope, orders_only=False, stream_watermark_ms=watermark,
+                     defer=defer)
     if result.resumed:  # an interrupted plan was finished: planning again names the deferred
-        result = correct(run, scope, orders_only=False, stream_watermark_ms=watermark,
+        result = correct(run, read_scope, orders_only=False, stream_watermark_ms=watermark,
                          defer=defer)
     return result, (left[0] if left else None)
 
