@@ -50,7 +50,8 @@ Known edge cases, cited inline as (C1)..(C10):
       published; a run starts by finishing the client's unpublished plan, its own (resumed)
       or another run's. A rerun of a finished run plans again (usually: nothing changes).
       A run reads its scope only after that (``ScopeReader``): read before, it missed where
-      the plan it finished first had moved an order (C7), which stayed there too.
+      the plan it finished first had moved an order (C7), and that session kept the order
+      in its totals.
   C7. A later batch may move an order to another user or day (same ``order_id``). Its old
       attribution is in the plan's windows (``backfill.scope_of`` adds where it was), the
       user is part of the compared content, and a plan row's ``partition_date`` is the stored
