@@ -66,7 +66,7 @@ from clickstream.jobs.corrections import (
     grow_windows,
     mark_published,
     one_run_at_a_time,
-    plan,
+    plan_scope,
     publish_changes,
     published_through,
     resume,
@@ -331,13 +331,12 @@ def _plan_batch(batch: _Batch, run: Run, summary: CorrectionSummary, timer: Time
     (``BatchScope``)."""
     valid = batch.valid().persist()
     scope = BatchScope(batch.tables, valid, batch.kind, batch.client_id, batch.run_id)
-    rows = scope.read()
     try:
-        return plan(run, rows, batch.kind == "orders", summary, timer,
-                    stream_watermark_ms(batch.config), scope.defer)
+        return plan_scope(run, scope.read, batch.kind == "orders", summary, timer,
+                          stream_watermark_ms(batch.config), scope.defer)
     finally:
         scope.release()
-        release(rows, valid)
+        release(valid)
 
 
 @releases_cache

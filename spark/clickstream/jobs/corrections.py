@@ -698,6 +698,18 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     return changes  # what was recorded: no need to read the plan back (C3)
 
 
+def plan_scope(run: Run, read_scope: ScopeReader, orders_only: bool,
+               summary: CorrectionSummary, timer: Timer, stream_watermark_ms: int | None,
+               defer: Defer | None = None) -> DataFrame | None:
+    """``plan`` of the scope ``read_scope`` reads now, released once planned. Called only
+    after ``resume()`` found nothing to resume, under the client's lock (C6)."""
+    scope = read_scope()
+    try:
+        return plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
+    finally:
+        release(scope)
+
+
 def record_plan(run: Run, changes: DataFrame, run_seq: int) -> None:
     """Store ``changes`` as the client's plan number ``run_seq`` (C3), unless another run
     recorded one since ``run_seq`` was taken (C6): then nothing is recorded, and it raises."""
@@ -980,11 +992,8 @@ def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
     figures = None
     changes = resume(run, summary, timer)
     if changes is None:
-        scope = read_scope()
-        try:
-            changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
-        finally:
-            release(scope)
+        changes = plan_scope(run, read_scope, orders_only, summary, timer, stream_watermark_ms,
+                             defer)
         if changes is not None:
             with timer.step("correction report"):
                 figures = _figures_before_apply(run, changes)
