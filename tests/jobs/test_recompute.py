@@ -5,6 +5,7 @@ always ends equal to the sessions table (the brief's invariant)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
@@ -434,6 +435,39 @@ def test_a_dag_run_checked_after_another_run_published_and_changed_its_plan_pass
     assert step("check-applied") == {"sessions": 2, "attributions": 0}
     assert step("publish") == {"published": 0}  # by the recompute already
     assert_topic_equals_table(stream_config, spark)
+
+
+@pytest.mark.parametrize("step", [backfill_steps.check_applied,
+                                  backfill_steps.publish_corrections],
+                         ids=["check-applied", "publish"])
+def test_the_dag_steps_after_apply_wait_for_another_correction_run_of_the_client(
+        stream_config: Config, spark: SparkSession, step: Callable[..., object]) -> None:
+    """(C6) The check read the plan, then the tables, without the client's lock: another run
+    could publish the plan and apply a later one in between, and the check then failed on
+    that run's changes."""
+    held, let_go = threading.Event(), threading.Event()
+
+    def another_run() -> None:
+        with corrections.one_run_at_a_time(stream_config, "c1"):
+            held.set()
+            let_go.wait(timeout=120)
+
+    holder = threading.Thread(target=another_run)
+    holder.start()
+    said: list[str] = []
+
+    def progress(message: str) -> None:
+        said.append(message)
+        if "waiting for another correction run of client c1" in message:
+            let_go.set()
+
+    try:
+        assert held.wait(timeout=60)
+        step(stream_config, client_id="c1", run_id="r1", spark=spark, progress=progress)
+    finally:
+        let_go.set()
+        holder.join()
+    assert any("waiting for another correction run of client c1" in m for m in said), said
 
 
 def test_a_full_recompute_leaves_an_order_the_stream_holds_to_the_stream(

@@ -358,23 +358,26 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
     tables = open_tables(config, spark)
     run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
               progress)
-    changes = stored_plan(run)
-    if changes is None:
-        progress(f"check {run_id}: no corrections planned, nothing to check")
-        return {"sessions": 0, "attributions": 0}
-    try:
-        run_seq = changes.select("run_seq").first()[0]
-        if run_seq <= published_through(run):  # (S4)
-            counts = {entity: changes.where(F.col("entity") == entity[:-1]).count()
-                      for entity in ("sessions", "attributions")}
-            progress(f"check {run_id}: its {counts['sessions']} session and "
-                     f"{counts['attributions']} attribution corrections were applied and "
-                     "published already (later runs of the client may have changed them "
-                     "since), nothing to check")
-            return counts
-        counts = check_plan_applied(run, changes)
-    finally:
-        release(changes)
+    # (C6) Under the lock: unlocked, another run could publish this plan and apply a later
+    # one between the two reads below, and the check would fail on that run's changes.
+    with one_run_at_a_time(config, client_id, progress):
+        changes = stored_plan(run)
+        if changes is None:
+            progress(f"check {run_id}: no corrections planned, nothing to check")
+            return {"sessions": 0, "attributions": 0}
+        try:
+            run_seq = changes.select("run_seq").first()[0]
+            if run_seq <= published_through(run):  # (S4)
+                counts = {entity: changes.where(F.col("entity") == entity[:-1]).count()
+                          for entity in ("sessions", "attributions")}
+                progress(f"check {run_id}: its {counts['sessions']} session and "
+                         f"{counts['attributions']} attribution corrections were applied and "
+                         "published already (later runs of the client may have changed them "
+                         "since), nothing to check")
+                return counts
+            counts = check_plan_applied(run, changes)
+        finally:
+            release(changes)
     progress(f"check {run_id}: tables hold all {counts['sessions']} session and "
              f"{counts['attributions']} attribution corrections")
     return counts
