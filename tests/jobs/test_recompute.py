@@ -850,6 +850,37 @@ def test_moved_orders_are_held_once_where_they_now_are_once_the_stream_lets_go(
                                      closed_before_ms=ms(START + timedelta(days=1, hours=5)))
 
 
+def test_a_batch_planning_where_a_queued_moved_order_now_is_moves_it_from_where_it_was(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(C11) o1 moves from a (day 0) to b's day 1 while the stream holds b: queued there, still
+    attributed to a. The stream lets go of b, and before the recompute folds o1 in, a batch
+    with a pageview of b plans b's day 1. It found o1 stored there and no attribution of it in
+    its windows: it attributed o1 to b at revision 1 beside a's row (held twice, the topic's
+    revision going down), and the recompute met both rows."""
+    backfill_c0(stream_config, spark, "pageviews", "p", users_with_two_sessions({"a", "b"}))
+    backfill_c0(stream_config, spark, "orders", "first", [order_row("o1", "a", 1)])
+    produce(stream_config, [CLOCK])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    backfill_c0(stream_config, spark, "orders", "moved", [order_row("o1", "b", DAY + 20)])
+    produce(stream_config, [pageview("z", START + timedelta(days=1, hours=6), "z2")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # b's day 1 closed
+    assert [(r["record_id"], r["user_id"]) for r in table_rows(
+        stream_config, spark, "recompute_queue")] == [("o1", "b")]
+
+    backfill_c0(stream_config, spark, "pageviews", "b-more", [pv_row("b-x", "b", DAY + 15)])
+    assert [(r["user_id"], r["revision"]) for r in table_rows(
+        stream_config, spark, "attributions")] == [("b", 2)]
+    assert_attributions_topic_equals_table(stream_config, spark)
+
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert [(r["user_id"], r["revision"]) for r in table_rows(
+        stream_config, spark, "attributions")] == [("b", 2)]
+    assert_attributions_topic_equals_table(stream_config, spark)
+    assert_tables_equal_from_scratch(stream_config, spark,
+                                     closed_before_ms=ms(START + timedelta(days=1, hours=5)))
+
+
 @pytest.mark.parametrize("moved_to, via", [
     ("n", "one process"), ("o", "one process"), ("n", "airflow steps")],
     ids=["to-another-user", "to-its-users-day-0", "to-another-user-by-the-dag-steps"])

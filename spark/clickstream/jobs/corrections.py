@@ -59,10 +59,10 @@ Known edge cases, cited inline as (C1)..(C10):
       partition, so the order is never held twice.
   C8. A moved order (C7) whose user's window is deferred (C4) is queued where it now is; the
       stored attribution stays where it was. The recompute that folds the queued row in adds
-      where the order is attributed to its scope (``where_attributed``), as a backfill's
-      scope does: planned from the queued row alone, its window missed the stored row on
-      another day, so apply wrote the order on its new day and left it on the old one (held
-      twice, the topic once), and the old session kept it in its totals.
+      where the order is attributed to its scope, as every plan does (C11): planned from the
+      queued row alone, its window missed the stored row on another day, so apply wrote the
+      order on its new day and left it on the old one (held twice, the topic once), and the
+      old session kept it in its totals.
   C9. A moved order's new user waits while its old user (where it is attributed) is
       deferred (C4): ``with_moved_orders_users``, from the scope's ``moved_with`` (for where
       an order was, the user it moved to). Planned alone, the new user's window did not hold
@@ -83,6 +83,14 @@ Known edge cases, cited inline as (C1)..(C10):
       the old place is queued too (``queued_by`` ends in ``MOVED_AWAY``). The stream writes
       no attribution of an order a backfill queued (``sessionize`` Z11), and the recompute
       that folds the old place in takes the order out of the old session.
+  C11. Until a recompute folds a C8 row in, the order is stored where it now is and
+      attributed where it was. Another run whose windows reach its new place (a batch of
+      that user once the stream let go) found it there with no stored attribution in its
+      windows: it planned a new one at revision 1 beside the stored one, held twice and
+      republished at a lower revision; a recompute that then met both rows could write it
+      twice. Every plan now grows its scope to where the orders queued for its users are
+      attributed (``with_queued_orders_places``, through those places' users too), so the
+      first run to plan the new place moves the order, as C7 does.
 """
 
 from __future__ import annotations
@@ -100,6 +108,7 @@ from pyspark.sql import functions as F
 
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
+from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import spark_row_value
 from clickstream.io.kafka_clients import produce_records
@@ -118,7 +127,16 @@ from clickstream.sessions.batch_adapter import (
     sessionize_frames,
 )
 from clickstream.spark_session import keep, release
-from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, PAGEVIEWS, SESSIONS
+from clickstream.tables import (
+    ATTRIBUTIONS,
+    BACKFILL_QUEUED_BY,
+    CORRECTIONS,
+    MOVED_AWAY,
+    ORDERS,
+    PAGEVIEWS,
+    RECOMPUTE_QUEUE,
+    SESSIONS,
+)
 
 BUCKETS = 16
 USER_KEY = ["client_id", "user_id"]
@@ -571,9 +589,57 @@ def where_attributed(tables: DeltaTables, client_id: str, orders: DataFrame) -> 
     if not tables.exists(ATTRIBUTIONS.name):
         return orders.sparkSession.createDataFrame(
             [], "client_id string, user_id string, ts_ms long, moved_with string")
-    stored = tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
-                         partition_filter={"client_id": client_id})
-    return old_places(stored, "order_ts", orders)
+    return old_places(_client_attributions(tables, client_id), "order_ts", orders)
+
+
+def _client_attributions(tables: DeltaTables, client_id: str) -> DataFrame:
+    return tables.read(ATTRIBUTIONS.name, ["order_id", "client_id", "user_id", "order_ts"],
+                       partition_filter={"client_id": client_id})
+
+
+def queued_backfilled_orders(queued: DataFrame) -> DataFrame:
+    """(client_id, order_id, user_id) of the ``recompute_queue`` rows a backfill queued where
+    its orders now are, for users the stream held (C8); a row it queued where an order was
+    (``MOVED_AWAY``, C10) is not where the order is."""
+    return queued.where(
+        (F.col("kind") == contract.ORDER) & F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
+        & ~F.col("queued_by").endswith(MOVED_AWAY)
+    ).select("client_id", F.col("record_id").alias("order_id"), "user_id")
+
+
+def with_queued_orders_places(run: Run, scope: DataFrame) -> DataFrame:
+    """``scope`` grown to where the orders a backfill queued for its users are attributed
+    (C11), and, through those places' users, to where theirs are, and so on. Every other
+    order is attributed where it is stored (C7), so only the queue (small) is read, and the
+    client's attributions when it holds such orders of the scope's users."""
+    if not run.tables.exists(RECOMPUTE_QUEUE.name) or not run.tables.exists(ATTRIBUTIONS.name):
+        return scope
+    queued = queued_backfilled_orders(run.tables.read(
+        RECOMPUTE_QUEUE.name, partition_filter={"client_id": run.client_id}))
+    reached = {r.user_id for r in queued.join(scope.select(*USER_KEY), USER_KEY, "left_semi")
+               .select("user_id").distinct().collect()}
+    if not reached:
+        return scope
+    places: dict[str, list[tuple[str, int]]] = {}  # user queued -> (attributed user, ts)
+    for row in queued.select("order_id", F.col("user_id").alias("now_user_id")).join(
+            _client_attributions(run.tables, run.client_id), "order_id").select(
+            "now_user_id", "user_id", F.unix_millis("order_ts").alias("ts_ms")).collect():
+        places.setdefault(row.now_user_id, []).append((row.user_id, row.ts_ms))
+    added: list[tuple[str, str, int, int, list[str]]] = []
+    done: set[str] = set()
+    while reached:
+        user = reached.pop()
+        done.add(user)
+        for place_user, ts_ms in places.get(user, ()):
+            added.append((run.client_id, place_user, ts_ms, ts_ms,
+                          [user] if place_user != user else []))  # (C9)
+            if place_user in places and place_user not in done:
+                reached.add(place_user)
+    if not added:
+        return scope
+    return scope.unionByName(run.spark.createDataFrame(
+        added, "client_id string, user_id string, lo_ms long, hi_ms long, "
+        "moved_with array<string>"), allowMissingColumns=True)
 
 
 def stored_elsewhere(tables: DeltaTables, client_id: str, orders: DataFrame,
@@ -640,6 +706,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
     # plan another run recorded meanwhile (from tables this one did not see) is noticed (C6).
     run_seq = run.next_seq or next_plan_seq(run)
     with timer.step("find affected sessions"):
+        scope = with_queued_orders_places(run, scope)  # (C11)
         windows, old_sessions = grow_windows(run, scope)
         grown = (windows,)  # kept: released once the plan is computed
         if stream_watermark_ms is not None:  # (C4)

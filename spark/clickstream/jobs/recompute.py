@@ -69,7 +69,6 @@ from pyspark.sql import functions as F
 
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
-from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_rows
 from clickstream.io.kafka_clients import produce_records
@@ -93,7 +92,6 @@ from clickstream.jobs.corrections import (
     resume,
     unfinished_plan,
     unfinished_plan_seq,
-    where_attributed,
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
@@ -101,9 +99,7 @@ from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
     ATTRIBUTIONS,
-    BACKFILL_QUEUED_BY,
     CORRECTIONS,
-    MOVED_AWAY,
     ORDERS,
     PAGEVIEWS,
     RECOMPUTE_QUEUE,
@@ -158,7 +154,7 @@ def run_recompute(
         run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
                   f"recompute queue version {queue_version}", progress)
         try:
-            result, left = _correct(run, partial(_scope, tables, client, mine), watermark)
+            result, left = _correct(run, partial(landing_scope, mine), watermark)
         except ClickstreamError as error:  # one client's trouble does not stop the others
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
@@ -187,22 +183,6 @@ def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: 
         partition_filter={"client_id": only} if only else None)
     return {client for client in clients if client is not None and unfinished_plan_seq(
         Run(spark, config, tables, client, "plan-lookup", "plan lookup")) is not None}
-
-
-def _scope(tables: DeltaTables, client: str, queued: DataFrame) -> DataFrame:
-    """Per user, the range its queued rows landed in, grown to where the queued orders are
-    attributed now (``corrections`` C8): an order moved to another day while its user was
-    deferred was queued where it now is, and its stored row is where it was. Only a batch
-    moves an order (the stream stores an order_id once), so the client's attributions are
-    read only when the queue holds orders a backfill queued where they now are (a row it
-    queued where an order was, C10, is not where the order is)."""
-    backfilled_orders = queued.where(
-        (F.col("kind") == contract.ORDER) & F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
-        & ~F.col("queued_by").endswith(MOVED_AWAY)
-    ).select(F.col("record_id").alias("order_id"), "user_id")
-    if backfilled_orders.isEmpty():
-        return landing_scope(queued)
-    return landing_scope(queued, where_attributed(tables, client, backfilled_orders))
 
 
 def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
