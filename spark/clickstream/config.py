@@ -22,6 +22,7 @@ DEFAULT_VAR = REPO_ROOT / "var"
 KafkaSourceKind = Literal["python", "native"]
 DeltaEngineKind = Literal["deltalake", "delta-spark"]
 QualityGatesMode = Literal["enforce", "off"]
+JvmClassArchiveMode = Literal["auto", "off"]
 
 # Environment variable name for each field; one place, used by the CLI and the docs.
 ENV_NAMES: dict[str, str] = {
@@ -45,6 +46,7 @@ ENV_NAMES: dict[str, str] = {
     "quality_gates": "CLICKSTREAM_QUALITY_GATES",
     "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
     "fail_on_data_loss": "CLICKSTREAM_FAIL_ON_DATA_LOSS",
+    "jvm_class_archive": "CLICKSTREAM_JVM_CLASS_ARCHIVE",
 }
 
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
@@ -133,11 +135,16 @@ class Config:
     # not read. False: it records each lost run of offsets in quarantine and reads on, keeping
     # its checkpoint and state (io.kafka_source K1, K2; Spark's failOnDataLoss=false).
     fail_on_data_loss: bool = True
+    # "auto": drivers map the class archive scripts/setup.sh built for this environment, when
+    # it is there (clickstream.jvm_class_archive: about half a short job's start-up CPU);
+    # "off": they load every class from the jars.
+    jvm_class_archive: JvmClassArchiveMode = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
         _check_choice("delta_engine", self.delta_engine, DeltaEngineKind)
         _check_choice("quality_gates", self.quality_gates, QualityGatesMode)
+        _check_choice("jvm_class_archive", self.jvm_class_archive, JvmClassArchiveMode)
         if not isinstance(self.fail_on_data_loss, bool):  # a text "false" would be true
             raise ConfigError(f"{ENV_NAMES['fail_on_data_loss']} must be true or false, got "
                               f"{self.fail_on_data_loss!r}")

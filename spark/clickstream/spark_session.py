@@ -11,6 +11,7 @@ from typing import ParamSpec, TypeVar
 from py4j.java_gateway import JavaObject
 from pyspark.sql import DataFrame, SparkSession
 
+from clickstream import jvm_class_archive
 from clickstream.config import ENV_NAMES, Config
 
 P = ParamSpec("P")
@@ -98,8 +99,11 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
     process slowly claims memory other jobs on the machine counted on, and its RSS mixes heap
     sizing with real growth. Fixed, the memory a service needs is known at start, and RSS
     growth is growth outside the heap. Batch jobs keep a heap that grows only when needed.
+    Every driver maps the environment's class archive when there is one
+    (:mod:`clickstream.jvm_class_archive`).
     """
-    java_options = [f"-Dderby.system.home={config.home}"]
+    java_options = [f"-Dderby.system.home={config.home}",
+                    *jvm_class_archive.launch_options(config)]
     if long_running:
         java_options += [f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch"]
     return {"spark.driver.memory": config.driver_memory,

@@ -1,0 +1,75 @@
+"""The class archive setup builds: drivers map it, and a stale one starts them quietly without."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from clickstream import jvm_class_archive
+from clickstream.config import Config
+from clickstream.spark_session import driver_launch_conf
+
+JOB = """
+from clickstream.config import Config
+from clickstream.spark_session import build_spark
+spark = build_spark(Config.from_env())
+assert spark.range(100).selectExpr("id % 7 AS k").groupBy("k").count().count() == 7
+"""
+
+
+def submit(tmp_path: Path, config: Config, *conf: str) -> tuple[str, list[str]]:
+    """spark-submit a small job with the driver options the product passes (and ``conf``,
+    more ``key=value`` settings); (its output, the JVM's class-load log lines)."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    log = tmp_path / "classes.log"
+    options = driver_launch_conf(config)["spark.driver.extraJavaOptions"]
+    env = {**os.environ, "CLICKSTREAM_HOME": str(config.home),
+           "CLICKSTREAM_WAREHOUSE": str(config.warehouse), "PYSPARK_PYTHON": sys.executable}
+    finished = subprocess.run(
+        [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[1]", "--conf",
+         f"spark.driver.extraJavaOptions={options} -Xlog:class+load=info:file={log}",
+         *(arg for setting in conf for arg in ("--conf", setting)), str(script)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished.stdout + finished.stderr, log.read_text().splitlines()
+
+
+def mapped(classes: list[str]) -> list[str]:
+    return [line for line in classes if "source: shared objects file (top)" in line]
+
+
+def test_setup_built_the_archive_for_this_environment_and_drivers_map_it(
+        tmp_path: Path, config: Config) -> None:
+    assert jvm_class_archive.ARCHIVE.is_file(), "run scripts/setup.sh: it builds the archive"
+    assert jvm_class_archive.ARCHIVE.with_suffix(".stamp").read_text().strip() == \
+        jvm_class_archive.environment_stamp()
+    _, classes = submit(tmp_path, config)
+    read_from_jars = [line for line in classes if "source: file:" in line
+                      or "source: jar:" in line]
+    # Without the archive, every one of these ~12,000 classes is read from a jar; what still
+    # is (~400, Janino's compiler) was not loaded by the warm-up's driver (lambdas and
+    # generated classes, defined at run time, are neither).
+    assert len(mapped(classes)) > 5_000
+    assert len(read_from_jars) < 0.1 * len(mapped(classes)), read_from_jars[:20]
+
+
+def test_off_leaves_the_archive_out(config: Config) -> None:
+    options = driver_launch_conf(config.replace(jvm_class_archive="off"))
+    assert "SharedArchiveFile" not in options["spark.driver.extraJavaOptions"]
+    assert jvm_class_archive.launch_options(config.replace(jvm_class_archive="off")) == []
+
+
+def test_a_driver_on_other_jars_than_the_archives_starts_without_it_and_without_a_word(
+        tmp_path: Path, config: Config) -> None:
+    # One more jar on the driver's class path: what the JVM sees when the jars changed since
+    # the archive was made (its warning would break a CLI command's one-line error).
+    jar = min((jvm_class_archive.spark_home() / "jars").glob("*.jar"),
+              key=lambda path: path.stat().st_size)
+    other = shutil.copy(jar, tmp_path / "other.jar")
+    output, classes = submit(tmp_path, config, f"spark.driver.extraClassPath={other}")
+    assert mapped(classes) == []
+    assert "shared archive" not in output and "[cds" not in output
