@@ -34,6 +34,7 @@ ARCHIVE = Path(sys.prefix) / "share" / "clickstream" / "spark-driver-classes.jsa
 # The JVM reports an archive it cannot use (another JVM build, changed jars) with a warning on
 # stdout and starts without it: the output of a command (a step's JSON) must stay its own.
 QUIET = ("-Xlog:cds=off", "-Xlog:cds+dynamic=off")
+WARM_UP_TIMEOUT_S = 900  # it takes 80-90 s here
 
 
 def launch_options(config: Config) -> list[str]:
@@ -81,7 +82,7 @@ def build(stamp: str, progress: Callable[[str], None] = print) -> Path:
     ARCHIVE.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     progress("jvm class archive: running a small end-to-end job to record the classes a "
-             "driver loads (~1 min, once per environment)")
+             "driver loads (~1.5 min, once per environment)")
     with tempfile.TemporaryDirectory(prefix="clickstream-class-archive-") as workdir:
         partial = ARCHIVE.with_name(f".{ARCHIVE.name}.{os.getpid()}")
         java_options = f"-XX:ArchiveClassesAtExit={partial} {' '.join(QUIET)}"
@@ -92,7 +93,15 @@ def build(stamp: str, progress: Callable[[str], None] = print) -> Path:
                "SPARK_HOME": str(spark_home()), "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable}
         env.pop("JAVA_TOOL_OPTIONS", None)
-        finished = subprocess.run(command, env=env, capture_output=True, text=True)
+        try:
+            finished = subprocess.run(command, env=env, capture_output=True, text=True,
+                                      timeout=WARM_UP_TIMEOUT_S)
+        except subprocess.TimeoutExpired as error:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(
+                f"jvm class archive: the warm-up job did not finish in {WARM_UP_TIMEOUT_S} s "
+                "(stopped), so no archive was written; jobs start without one (slower, "
+                "otherwise the same)") from error
         if finished.returncode != 0 or not partial.is_file():
             partial.unlink(missing_ok=True)
             tail = "\n".join((finished.stdout + finished.stderr).strip().splitlines()[-20:])
