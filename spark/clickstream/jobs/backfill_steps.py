@@ -76,7 +76,7 @@ from clickstream.jobs.corrections import (
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.correction_report import write_correction_report
-from clickstream.quality.gates import gate_historical_batch
+from clickstream.quality.gates import gate_historical_batch, warm_up
 from clickstream.spark_session import build_spark, release, releases_cache
 from clickstream.tables import ORDERS, PAGEVIEWS, SESSIONS
 
@@ -482,6 +482,7 @@ def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
 # --- steps as separate processes (the DAG's spark-submit tasks) ------------------------------
 
 STEPS = ("check", "merge", "recompute", "check-applied", "publish", "report")
+GATED_STEPS = ("merge", "recompute", "publish")  # and check, in a dry run
 
 
 def locate_batch(config: Config, *, kind: BatchKind, client_id: str, path: str
@@ -526,6 +527,8 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
     """
     if step not in STEPS:
         raise ConfigError(f"unknown backfill step {step!r}; one of: {', '.join(STEPS)}")
+    if step in GATED_STEPS or (step == "check" and dry_run):
+        warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark's
     batch = {"kind": kind, "client_id": client_id, "path": path, "spark": spark,
              "progress": progress}
     if step == "check":
