@@ -47,7 +47,9 @@ def test_setup_built_the_archive_for_this_environment_and_drivers_map_it(
     assert jvm_class_archive.ARCHIVE.is_file(), "run scripts/setup.sh: it builds the archive"
     assert jvm_class_archive.ARCHIVE.with_suffix(".stamp").read_text().strip() == \
         jvm_class_archive.environment_stamp()
-    _, classes = submit(tmp_path, config)
+    assert jvm_class_archive.usable()
+    # A space in a path: Spark splits the driver's options at spaces unless quoted.
+    _, classes = submit(tmp_path, config.replace(home=tmp_path / "home with a space"))
     read_from_jars = [line for line in classes if "source: file:" in line
                       or "source: jar:" in line]
     # Without the archive, every one of these ~12,000 classes is read from a jar; what still
@@ -57,16 +59,22 @@ def test_setup_built_the_archive_for_this_environment_and_drivers_map_it(
     assert len(read_from_jars) < 0.1 * len(mapped(classes)), read_from_jars[:20]
 
 
-def test_off_leaves_the_archive_out(config: Config) -> None:
+def test_off_or_no_archive_leaves_the_option_out(config: Config, tmp_path: Path,
+                                                 monkeypatch) -> None:
     options = driver_launch_conf(config.replace(jvm_class_archive="off"))
     assert "SharedArchiveFile" not in options["spark.driver.extraJavaOptions"]
     assert jvm_class_archive.launch_options(config.replace(jvm_class_archive="off")) == []
+    # Named but missing, the JVM would drop its default archive of the JDK's classes too.
+    assert jvm_class_archive.launch_options(config) != []
+    monkeypatch.setattr(jvm_class_archive, "ARCHIVE", tmp_path / "missing.jsa")
+    assert jvm_class_archive.launch_options(config) == []
 
 
 def test_a_driver_on_other_jars_than_the_archives_starts_without_it_and_without_a_word(
         tmp_path: Path, config: Config) -> None:
     # One more jar on the driver's class path: what the JVM sees when the jars changed since
     # the archive was made (its warning would break a CLI command's one-line error).
+    assert jvm_class_archive.launch_options(config) != []
     jar = min((jvm_class_archive.spark_home() / "jars").glob("*.jar"),
               key=lambda path: path.stat().st_size)
     other = shutil.copy(jar, tmp_path / "other.jar")

@@ -3,22 +3,25 @@
 Every job starts a JVM of its own: each spark-submit step of a DAG run, each CLI command, the
 sessionizer's restarts. Starting Spark, a JVM loads and verifies ~12,000 classes from the jars,
 about half of the CPU of a short job's start here: a driver that builds its session and runs
-one query took 9.7-11.3 CPU-s, and 5.5-6.0 with the archive (BENCHMARKS.md, session 38). With
-it, the JVM maps those classes, parsed and verified already, from one file (Java's AppCDS).
+one query took 9.7-10.2 CPU-s, and 5.5 with the archive (BENCHMARKS.md, session 38). With it,
+the JVM maps those classes, parsed and verified already, from one file (Java's AppCDS).
 
 ``scripts/setup.sh`` builds the archive once per environment (:func:`build_if_stale`), by
 running a small end-to-end workload of the product (:func:`_warm_up`) in a driver started with
 ``-XX:ArchiveClassesAtExit``; :func:`launch_options` hands it to every driver the product starts
 (``spark_session.driver_launch_conf``). An archive is valid only for the JVM build and the jars
-it was made from: the JVM checks both when it starts and, if either changed, starts without it,
-as it would without the option. A stale or missing archive costs start-up time, never
-correctness; ``CLICKSTREAM_JVM_CLASS_ARCHIVE=off`` leaves it out.
+it was made from: the JVM checks both when it starts and, if either changed, starts without it.
+Setup rebuilds it when the stamp of the JVM and the jars changed or a probe driver does not
+map it (:func:`usable`: that also catches a damaged file, which would crash a driver). A
+stale or missing archive costs start-up time, never correctness;
+``CLICKSTREAM_JVM_CLASS_ARCHIVE=off`` leaves it out.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,10 +41,16 @@ WARM_UP_TIMEOUT_S = 900  # it takes 80-90 s here
 
 
 def launch_options(config: Config) -> list[str]:
-    """The driver's JVM options that map the archive, when there is one and it is wanted."""
-    if config.jvm_class_archive == "off" or not ARCHIVE.is_file():
+    """The driver's JVM options that map the archive, when there is one it can read and it is
+    wanted. (Named but missing or unreadable, the JVM would drop its own default archive of
+    the JDK's classes too.) Quoted: Spark splits ``extraJavaOptions`` at spaces."""
+    if config.jvm_class_archive == "off" or not _readable(ARCHIVE):
         return []
-    return [f"-XX:SharedArchiveFile={ARCHIVE}", *QUIET]
+    return [f'"-XX:SharedArchiveFile={ARCHIVE}"', *QUIET]
+
+
+def _readable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.R_OK)
 
 
 def environment_stamp() -> str:
@@ -57,20 +66,48 @@ def environment_stamp() -> str:
 
 
 def spark_home() -> Path:
+    """Where spark-submit finds Spark's jars (pip's pyspark unless SPARK_HOME says)."""
     import pyspark
 
     return Path(os.environ.get("SPARK_HOME") or Path(pyspark.__file__).parent)
+
+
+def _spark_submit() -> str:
+    return str(Path(sys.executable).parent / "spark-submit")
+
+
+def _submit_env() -> dict[str, str]:
+    env = {**os.environ, "CLICKSTREAM_JVM_CLASS_ARCHIVE": "off",
+           "SPARK_HOME": str(spark_home()), "PYSPARK_PYTHON": sys.executable,
+           "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env.pop("JAVA_TOOL_OPTIONS", None)
+    return env
 
 
 def _stamp_path() -> Path:
     return ARCHIVE.with_suffix(".stamp")
 
 
+def usable() -> bool:
+    """Whether a driver spark-submit starts here maps the archive: with ``-Xshare:on`` the JVM
+    refuses to start when it cannot (another JVM build or base archive, other jars or
+    configuration folder first on the class path), and a damaged file fails its checksum or
+    crashes this probe (a job would crash the same way). ~1 s."""
+    with tempfile.TemporaryDirectory(prefix="clickstream-class-archive-") as scratch:
+        probe = subprocess.run(  # in scratch: a crashed JVM writes its hs_err log there
+            [_spark_submit(), "--conf", "spark.driver.extraJavaOptions=-Xshare:on "
+             f'-XX:+VerifySharedSpaces "-XX:SharedArchiveFile={ARCHIVE}"', "--version"],
+            env=_submit_env(), cwd=scratch, capture_output=True, text=True, timeout=300)
+    return probe.returncode == 0
+
+
 def build_if_stale(progress: Callable[[str], None] = print) -> Path:
-    """Build the archive unless the one there was made for this JVM and these jars."""
+    """Build the archive unless the one there was made for this JVM and these jars, and a
+    driver maps it."""
     stamp = environment_stamp()
     stamp_path = _stamp_path()
-    if ARCHIVE.is_file() and stamp_path.is_file() and stamp_path.read_text().strip() == stamp:
+    if (_readable(ARCHIVE) and stamp_path.is_file()
+            and stamp_path.read_text().strip() == stamp and usable()):
         progress(f"jvm class archive: up to date ({ARCHIVE})")
         return ARCHIVE
     return build(stamp, progress)
@@ -78,38 +115,45 @@ def build_if_stale(progress: Callable[[str], None] = print) -> Path:
 
 def build(stamp: str, progress: Callable[[str], None] = print) -> Path:
     """Run the warm-up in a driver that writes the classes it loaded at exit; replace the
-    archive only once the new one is complete."""
+    archive only once the new one is complete and a driver maps it."""
     ARCHIVE.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     progress("jvm class archive: running a small end-to-end job to record the classes a "
-             "driver loads (~1.5 min, once per environment)")
+             "driver loads (~1.5 min, when the JVM or Spark's jars changed)")
     with tempfile.TemporaryDirectory(prefix="clickstream-class-archive-") as workdir:
         partial = ARCHIVE.with_name(f".{ARCHIVE.name}.{os.getpid()}")
-        java_options = f"-XX:ArchiveClassesAtExit={partial} {' '.join(QUIET)}"
-        command = [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[2]",
+        java_options = f'"-XX:ArchiveClassesAtExit={partial}" {" ".join(QUIET)}'
+        command = [_spark_submit(), "--master", "local[2]",
                    "--conf", f"spark.driver.extraJavaOptions={java_options}",
                    str(Path(__file__)), "--warm-up", workdir]
-        env = {**os.environ, "CLICKSTREAM_JVM_CLASS_ARCHIVE": "off",
-               "SPARK_HOME": str(spark_home()), "PYSPARK_PYTHON": sys.executable,
-               "PYSPARK_DRIVER_PYTHON": sys.executable}
-        env.pop("JAVA_TOOL_OPTIONS", None)
+        # Its own process group: on a timeout, the driver's Python and broker go too.
+        job = subprocess.Popen(command, env=_submit_env(), cwd=workdir, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
         try:
-            finished = subprocess.run(command, env=env, capture_output=True, text=True,
-                                      timeout=WARM_UP_TIMEOUT_S)
+            output, _ = job.communicate(timeout=WARM_UP_TIMEOUT_S)
         except subprocess.TimeoutExpired as error:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
             partial.unlink(missing_ok=True)
             raise RuntimeError(
                 f"jvm class archive: the warm-up job did not finish in {WARM_UP_TIMEOUT_S} s "
                 "(stopped), so no archive was written; jobs start without one (slower, "
                 "otherwise the same)") from error
-        if finished.returncode != 0 or not partial.is_file():
+        if job.returncode != 0 or not partial.is_file():
             partial.unlink(missing_ok=True)
-            tail = "\n".join((finished.stdout + finished.stderr).strip().splitlines()[-20:])
+            tail = "\n".join(output.strip().splitlines()[-20:])
             raise RuntimeError(
-                f"jvm class archive: the warm-up job failed (exit {finished.returncode}), so no "
+                f"jvm class archive: the warm-up job failed (exit {job.returncode}), so no "
                 f"archive was written; jobs start without one (slower, otherwise the same). "
                 f"Its last lines:\n{tail}")
+        partial.chmod(0o444)  # every user's jobs read it
         partial.replace(ARCHIVE)
+    if not usable():
+        ARCHIVE.unlink()
+        raise RuntimeError(
+            f"jvm class archive: a driver does not map the archive just built ({ARCHIVE}), so "
+            "it was removed; jobs start without one (slower, otherwise the same)")
     _stamp_path().write_text(stamp + "\n")
     progress(f"jvm class archive: {ARCHIVE} ({ARCHIVE.stat().st_size / 2**20:.0f} MiB) in "
              f"{time.monotonic() - started:.0f}s")

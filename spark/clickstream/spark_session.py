@@ -102,7 +102,8 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
     Every driver maps the environment's class archive when there is one
     (:mod:`clickstream.jvm_class_archive`).
     """
-    java_options = [f"-Dderby.system.home={config.home}",
+    # Quoted: Spark splits extraJavaOptions at spaces, and paths may hold some.
+    java_options = [f'"-Dderby.system.home={config.home}"',
                     *jvm_class_archive.launch_options(config)]
     if long_running:
         java_options += [f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch"]
