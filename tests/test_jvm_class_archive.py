@@ -81,3 +81,13 @@ def test_a_driver_on_other_jars_than_the_archives_starts_without_it_and_without_
     output, classes = submit(tmp_path, config, f"spark.driver.extraClassPath={other}")
     assert mapped(classes) == []
     assert "shared archive" not in output and "[cds" not in output
+
+
+def test_the_setup_probe_tells_a_damaged_archive_from_a_good_one(
+        tmp_path: Path, monkeypatch) -> None:
+    assert jvm_class_archive.usable()
+    damaged = tmp_path / "damaged.jsa"  # a copy cut short, as a full disk or a crash leaves it
+    with jvm_class_archive.ARCHIVE.open("rb") as good, damaged.open("wb") as cut:
+        cut.write(good.read(jvm_class_archive.ARCHIVE.stat().st_size // 2))
+    monkeypatch.setattr(jvm_class_archive, "ARCHIVE", damaged)
+    assert not jvm_class_archive.usable()  # setup builds it again; a driver would crash on it
