@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from clickstream import jvm_class_archive
 from clickstream.config import Config
 from clickstream.spark_session import driver_launch_conf
-
-JOB = """
-from clickstream.config import Config
-from clickstream.spark_session import build_spark
-spark = build_spark(Config.from_env())
-assert spark.range(100).selectExpr("id % 7 AS k").groupBy("k").count().count() == 7
-"""
-
-
-def submit(tmp_path: Path, config: Config, *conf: str) -> tuple[str, list[str]]:
-    """spark-submit a small job with the driver options the product passes (and ``conf``,
-    more ``key=value`` settings); (its output, the JVM's class-load log lines)."""
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
-    log = tmp_path / "classes.log"
-    options = driver_launch_conf(config)["spark.driver.extraJavaOptions"]
-    env = {**os.environ, "CLICKSTREAM_HOME": str(config.home),
-           "CLICKSTREAM_WAREHOUSE": str(config.warehouse), "PYSPARK_PYTHON": sys.executable}
-    finished = subprocess.run(
-        [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[1]", "--conf",
-         f"spark.driver.extraJavaOptions={options} -Xlog:class+load=info:file={log}",
-         *(arg for setting in conf for arg in ("--conf", setting)), str(script)],
-        env=env, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    return finished.stdout + finished.stderr, log.read_text().splitlines()
+from tests.child_jvm import submit_driver
 
 
 def mapped(classes: list[str]) -> list[str]:
@@ -49,7 +22,7 @@ def test_setup_built_the_archive_for_this_environment_and_drivers_map_it(
         jvm_class_archive.environment_stamp()
     assert jvm_class_archive.usable()
     # A space in a path: Spark splits the driver's options at spaces unless quoted.
-    _, classes = submit(tmp_path, config.replace(home=tmp_path / "home with a space"))
+    _, classes = submit_driver(tmp_path, config.replace(home=tmp_path / "home with a space"))
     read_from_jars = [line for line in classes if "source: file:" in line
                       or "source: jar:" in line]
     # Without the archive, every one of these ~12,000 classes is read from a jar; what still
@@ -78,7 +51,7 @@ def test_a_driver_on_other_jars_than_the_archives_starts_without_it_and_without_
     jar = min((jvm_class_archive.spark_home() / "jars").glob("*.jar"),
               key=lambda path: path.stat().st_size)
     other = shutil.copy(jar, tmp_path / "other.jar")
-    output, classes = submit(tmp_path, config, f"spark.driver.extraClassPath={other}")
+    output, classes = submit_driver(tmp_path, config, f"spark.driver.extraClassPath={other}")
     assert mapped(classes) == []
     assert "shared archive" not in output and "[cds" not in output
 

@@ -1,13 +1,29 @@
 """The one SparkSession builder: the driver's JVM gets CLICKSTREAM_DRIVER_MEMORY (or the job
-says it did not), its settings, and the frames a job keeps."""
+says it did not) and CLICKSTREAM_DRIVER_GC's collector, its settings, and the frames a job
+keeps."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.spark_session import build_spark, driver_heap_mib, keep, release, releases_cache
+from clickstream.spark_session import (
+    build_spark,
+    collector_options,
+    driver_heap_mib,
+    keep,
+    release,
+    releases_cache,
+)
+from tests.child_jvm import submit_driver
+
+# The names the JVM's collectors report (java.lang.management), by collector.
+COLLECTOR_BEANS = {"parallel": "PS MarkSweep,PS Scavenge",
+                   "g1": "G1 Concurrent GC,G1 Old Generation,G1 Young Generation",
+                   "serial": "Copy,MarkSweepCompact"}
 
 
 def test_a_driver_with_less_heap_than_configured_warns(
@@ -21,6 +37,28 @@ def test_a_driver_with_less_heap_than_configured_warns(
     build_spark(spark_config.replace(driver_memory=f"{2 * heap}m"))  # the JVM already runs
     assert (f"CLICKSTREAM_DRIVER_MEMORY={2 * heap}m, but this driver's JVM has a {heap} MiB "
             "heap") in capfd.readouterr().err
+
+
+def collectors(spark: SparkSession) -> str:
+    beans = spark._jvm.java.lang.management.ManagementFactory.getGarbageCollectorMXBeans()
+    return ",".join(sorted(bean.getName() for bean in beans))
+
+
+def test_the_driver_runs_the_configured_collector(spark: SparkSession,
+                                                  spark_config: Config) -> None:
+    assert collector_options(spark_config), "this environment's JVM options choose a collector"
+    assert collectors(spark) == COLLECTOR_BEANS[spark_config.driver_gc]
+
+
+def test_a_collector_the_environment_chooses_wins(tmp_path: Path, config: Config,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    assert collector_options(config.replace(driver_gc="g1")) == ["-XX:+UseG1GC"]
+    serial = "-XX:+UseSerialGC -Xss4m"
+    monkeypatch.setenv("JDK_JAVA_OPTIONS", serial)
+    assert collector_options(config.replace(driver_gc="g1")) == []
+    # Both on one JVM's command line, it would refuse to start.
+    output, _ = submit_driver(tmp_path, config.replace(driver_gc="g1"))
+    assert f"collectors: {COLLECTOR_BEANS['serial']}" in output
 
 
 def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(

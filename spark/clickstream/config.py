@@ -23,6 +23,7 @@ KafkaSourceKind = Literal["python", "native"]
 DeltaEngineKind = Literal["deltalake", "delta-spark"]
 QualityGatesMode = Literal["enforce", "off"]
 JvmClassArchiveMode = Literal["auto", "off"]
+DriverGcKind = Literal["parallel", "g1"]
 
 # Environment variable name for each field; one place, used by the CLI and the docs.
 ENV_NAMES: dict[str, str] = {
@@ -47,6 +48,7 @@ ENV_NAMES: dict[str, str] = {
     "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
     "fail_on_data_loss": "CLICKSTREAM_FAIL_ON_DATA_LOSS",
     "jvm_class_archive": "CLICKSTREAM_JVM_CLASS_ARCHIVE",
+    "driver_gc": "CLICKSTREAM_DRIVER_GC",
 }
 
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
@@ -139,12 +141,18 @@ class Config:
     # it is there (clickstream.jvm_class_archive: about half a short job's start-up CPU);
     # "off": they load every class from the jars.
     jvm_class_archive: JvmClassArchiveMode = "auto"
+    # The driver JVM's garbage collector. "parallel": the most work per CPU-second, and every
+    # job here is bound by its two cores (5-7% faster than G1: BENCHMARKS.md, session 39);
+    # its pauses (tens of ms at these heaps) are far below a micro-batch. "g1": the JVM's own
+    # default, shorter pauses at a cost in throughput.
+    driver_gc: DriverGcKind = "parallel"
 
     def __post_init__(self) -> None:
         _check_choice("kafka_source", self.kafka_source, KafkaSourceKind)
         _check_choice("delta_engine", self.delta_engine, DeltaEngineKind)
         _check_choice("quality_gates", self.quality_gates, QualityGatesMode)
         _check_choice("jvm_class_archive", self.jvm_class_archive, JvmClassArchiveMode)
+        _check_choice("driver_gc", self.driver_gc, DriverGcKind)
         if not isinstance(self.fail_on_data_loss, bool):  # a text "false" would be true
             raise ConfigError(f"{ENV_NAMES['fail_on_data_loss']} must be true or false, got "
                               f"{self.fail_on_data_loss!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -47,7 +48,8 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # it until the plans using it are garbage: at the default page size (64 MiB here) a
         # long-lived session (the sessionizer, the test suite) retained ~64 MiB per broadcast
         # join (~340 MiB of heap kept per small backfill in the test session; BENCHMARKS.md).
-        # A page is one long[] on the heap, and G1 keeps any object of at least half a region
+        # A page is one long[] on the heap, and G1 (CLICKSTREAM_DRIVER_GC=g1, and every driver
+        # before session 39) keeps any object of at least half a region
         # (regions are 1-4 MiB here) "humongous", in whole regions of its own: 4 MiB pages
         # took 6-8 MiB each, and validating a year of pageviews (10.5M rows) ran out of an
         # 8 GiB heap. Pages just under 512 KiB are never humongous.
@@ -94,26 +96,47 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
     :func:`build_spark`, or ``spark-submit --conf`` (``orchestration.spark_job``).
 
     A ``long_running`` driver (the continuous sessionizer) takes its whole heap when it starts
-    (``-Xms`` equal to ``CLICKSTREAM_DRIVER_MEMORY``, pages touched up front): otherwise G1
-    grows the committed heap toward its cap over the first minutes and keeps it, so the
+    (``-Xms`` equal to ``CLICKSTREAM_DRIVER_MEMORY``, pages touched up front): otherwise the
+    collector grows the committed heap toward its cap over the first minutes and keeps it, so the
     process slowly claims memory other jobs on the machine counted on, and its RSS mixes heap
     sizing with real growth. Fixed, the memory a service needs is known at start, and RSS
     growth is growth outside the heap. Batch jobs keep a heap that grows only when needed.
     Every driver maps the environment's class archive when there is one
-    (:mod:`clickstream.jvm_class_archive`).
+    (:mod:`clickstream.jvm_class_archive`), and runs ``CLICKSTREAM_DRIVER_GC``'s collector
+    unless the environment's JVM options choose one (:func:`collector_options`).
     """
     # Quoted: Spark splits extraJavaOptions at spaces, and paths may hold some.
     java_options = [f'"-Dderby.system.home={config.home}"',
-                    *jvm_class_archive.launch_options(config)]
+                    *jvm_class_archive.launch_options(config), *collector_options(config)]
     if long_running:
         java_options += [f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch"]
     return {"spark.driver.memory": config.driver_memory,
             "spark.driver.extraJavaOptions": " ".join(java_options)}
 
 
+COLLECTOR_FLAGS = {"parallel": "-XX:+UseParallelGC", "g1": "-XX:+UseG1GC"}
+# Variables whose JVM options every JVM started here reads (the java launcher, the JVM itself).
+JVM_OPTION_VARIABLES = ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS")
+_SELECTS_COLLECTOR = re.compile(r"-XX:\+Use\w+GC\b")
+
+
+def collector_options(config: Config) -> list[str]:
+    """The driver's garbage collector flag: none when a variable of
+    :data:`JVM_OPTION_VARIABLES` already selects a collector, which then wins (a JVM given
+    two refuses to start: "Multiple garbage collectors selected")."""
+    chosen_by = [name for name in JVM_OPTION_VARIABLES
+                 if _SELECTS_COLLECTOR.search(os.environ.get(name, ""))]
+    return [] if chosen_by else [COLLECTOR_FLAGS[config.driver_gc]]
+
+
 def driver_heap_mib(spark: SparkSession) -> int:
-    """The running driver JVM's maximum heap (its -Xmx), in MiB."""
-    return spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory() // 2**20
+    """The running driver JVM's maximum heap (its -Xmx), in MiB. Read as the JVM's
+    ``MaxHeapSize``: ``Runtime.maxMemory()`` leaves out a survivor space under the parallel
+    collector (3,641 MiB of a 4 GiB heap)."""
+    jvm = spark.sparkContext._jvm
+    diagnostics = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    return int(diagnostics.getVMOption("MaxHeapSize").getValue()) // 2**20
 
 
 def submitted_master() -> str | None:
