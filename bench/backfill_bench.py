@@ -571,7 +571,12 @@ def phase_baseline(state: dict[str, Any]) -> dict[str, Any]:
 
     from clickstream.io.delta_tables import open_tables
     from clickstream.jobs.backfill import merge_orders
-    from clickstream.jobs.batch_input import KEY, list_batch_files, read_batch, validate_batch
+    from clickstream.jobs.batch_input import (
+        list_batch_files,
+        read_batch,
+        valid_rows,
+        validate_batch,
+    )
     from clickstream.jobs.recompute import run_full_recompute
 
     config = _config(state, state["warehouse"])
@@ -588,8 +593,7 @@ def phase_baseline(state: dict[str, Any]) -> dict[str, Any]:
                            config.max_ts_ahead_ms).persist()
     rows_read = batch.count()
     bad = batch.where(F.col("error").isNotNull()).count()
-    valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY["orders"]]).drop(
-        "error").persist()
+    valid = valid_rows(batch, "orders").persist()
     valid.count()
     validated = time.monotonic()
     merged = merge_orders(tables, valid, CLIENT, run_id)

@@ -114,6 +114,11 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
             "spark.driver.extraJavaOptions": " ".join(java_options)}
 
 
+# Up to this many keys, a job sends them to every task (~70 bytes a key in memory) rather
+# than shuffling the rows they select to meet them. At the cap, broadcast and shuffle took
+# about as long (6.0 / 6.1 s for 2.6M rows; the heap in use +0.3 GiB, BENCHMARKS.md session 17).
+BROADCAST_KEYS_MAX = 2_000_000
+
 COLLECTOR_FLAGS = {"parallel": "-XX:+UseParallelGC", "g1": "-XX:+UseG1GC"}
 # Variables whose JVM options every JVM started here reads (the java launcher, the JVM itself).
 JVM_OPTION_VARIABLES = ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS")

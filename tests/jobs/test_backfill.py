@@ -20,6 +20,7 @@ from clickstream.errors import BatchRefusedError
 from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs import batch_input
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
@@ -283,7 +284,14 @@ def test_an_order_one_gap_after_a_window_stays_with_the_session_starting_there(
     assert_tables_equal_from_scratch(stream_config, spark)
 
 
-def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: SparkSession) -> None:
+@pytest.mark.parametrize("broadcast_max", [batch_input.BROADCAST_KEYS_MAX, 0],
+                         ids=["repeated keys broadcast", "batch sorted by key"])
+def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: SparkSession,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               broadcast_max: int) -> None:
+    """Every reason; the copies of a repeated id meet through a broadcast of the repeated
+    ids, or, above the cap, by sorting the whole batch by id (B3): the same verdicts."""
+    monkeypatch.setattr(batch_input, "BROADCAST_KEYS_MAX", broadcast_max)
     rows = [
         {**order_row("good", "u", 1)},
         {**order_row("neg", "u", 2, amount="-3.00")},

@@ -27,6 +27,7 @@ from clickstream.jobs.batch_input import (
     BatchKind,
     list_batch_files,
     read_batch,
+    valid_rows,
     validate_batch,
 )
 from clickstream.jobs.corrections import (
@@ -267,7 +268,7 @@ def run_backfill(
     batch, gate = gate_historical_batch(batch, raw.schema, kind=kind, key=KEY[kind],
                                         client_id=client_id, config=config, run_id=run_id)
     summary.quarantined = quarantine_or_refuse(tables, batch, gate, run_id, progress)
-    valid = batch.where(F.col("error").isNull()).dropDuplicates([KEY[kind]]).drop("error")
+    valid = valid_rows(batch, kind)
     valid = valid.persist()  # batch-sized: see merge_pageviews
     valid_count = valid.count()
     step("validate", started)

@@ -55,6 +55,7 @@ from clickstream.jobs.batch_input import (
     BatchKind,
     list_batch_files,
     read_batch,
+    valid_rows,
     validate_batch,
 )
 from clickstream.jobs.corrections import (
@@ -179,8 +180,7 @@ class _Batch:
         return result
 
     def valid(self) -> DataFrame:
-        return self.rows.where(F.col("error").isNull()).dropDuplicates([KEY[self.kind]]
-                                                                       ).drop("error")
+        return valid_rows(self.rows, self.kind)
 
     def bad(self) -> DataFrame:
         return self.rows.where(F.col("error").isNotNull())

@@ -126,7 +126,7 @@ from clickstream.sessions.batch_adapter import (
     reattribute_frames,
     sessionize_frames,
 )
-from clickstream.spark_session import keep, release
+from clickstream.spark_session import BROADCAST_KEYS_MAX, keep, release
 from clickstream.tables import (
     ATTRIBUTIONS,
     BACKFILL_QUEUED_BY,
@@ -859,10 +859,6 @@ def mark_published(run: Run, changes: DataFrame) -> None:
 
 
 APPLY_ATTEMPTS = 5
-# Up to this many changed keys, apply sends them to every task (~70 bytes a key in memory)
-# instead of shuffling the affected partitions' rows to meet them: a year of orders changes
-# ~0.5M sessions of 2.57M, and the shuffle took about a quarter of apply.
-BROADCAST_KEYS_MAX = 2_000_000
 
 
 def _touched_dates(mine: DataFrame, entity: str, date_column: str) -> tuple[list[date], int]:
@@ -887,6 +883,8 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
     if not dates:
         return
     keys = mine.select(F.col("key").alias(spec.key[0]))
+    # A year of orders changes ~0.5M sessions of 2.57M: shuffling the affected partitions'
+    # rows to meet the keys took about a quarter of apply.
     if planned <= BROADCAST_KEYS_MAX:
         keys = F.broadcast(keys)
     fresh = mine.where(F.col("new_value").isNotNull()).select(
