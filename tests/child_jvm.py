@@ -34,11 +34,10 @@ print("collectors:", ",".join(sorted(bean.getName() for bean in beans)))
 """
 
 
-def submit_driver(tmp_path: Path, config: Config, *conf: str,
-                  env: dict[str, str] | None = None) -> tuple[str, list[str]]:
+def submit_driver(tmp_path: Path, config: Config, *conf: str) -> tuple[str, list[str]]:
     """spark-submit a small job with the driver options the product passes for ``config``
-    (and ``conf``, more ``key=value`` settings; ``env``, more variables); (its output, the
-    JVM's class-load log lines)."""
+    (and ``conf``, more ``key=value`` settings); (its output, the JVM's class-load log
+    lines)."""
     script = tmp_path / "job.py"
     script.write_text(DRIVER_JOB)
     log = tmp_path / "classes.log"
@@ -49,7 +48,7 @@ def submit_driver(tmp_path: Path, config: Config, *conf: str,
          *(arg for setting in conf for arg in ("--conf", setting)), str(script)],
         env={**os.environ, "CLICKSTREAM_HOME": str(config.home),
              "CLICKSTREAM_WAREHOUSE": str(config.warehouse),
-             "PYSPARK_PYTHON": sys.executable, **(env or {})},
+             "PYSPARK_PYTHON": sys.executable},
         capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished.stdout + finished.stderr, log.read_text().splitlines()
