@@ -142,9 +142,9 @@ class Config:
     # "off": they load every class from the jars.
     jvm_class_archive: JvmClassArchiveMode = "auto"
     # The driver JVM's garbage collector. "parallel": the most work per CPU-second, and every
-    # job here is bound by its two cores (5-7% faster than G1: BENCHMARKS.md, session 39);
-    # its pauses (tens of ms at these heaps) are far below a micro-batch. "g1": the JVM's own
-    # default, shorter pauses at a cost in throughput.
+    # job here is bound by its two cores (5-7% faster than G1, and no longer latency at
+    # 20,000 events/s: BENCHMARKS.md, session 39). "g1": the JVM's own default, shorter
+    # pauses at a cost in throughput.
     driver_gc: DriverGcKind = "parallel"
 
     def __post_init__(self) -> None:
