@@ -129,9 +129,9 @@ def collector_options(config: Config) -> list[str]:
     """The driver's garbage collector flag: none when a variable of
     :data:`JVM_OPTION_VARIABLES` already selects a collector, which then wins (a JVM given
     two refuses to start: "Multiple garbage collectors selected")."""
-    chosen_by = [name for name in JVM_OPTION_VARIABLES
-                 if _SELECTS_COLLECTOR.search(os.environ.get(name, ""))]
-    return [] if chosen_by else [COLLECTOR_FLAGS[config.driver_gc]]
+    if any(_SELECTS_COLLECTOR.search(os.environ.get(name, "")) for name in JVM_OPTION_VARIABLES):
+        return []
+    return [COLLECTOR_FLAGS[config.driver_gc]]
 
 
 def driver_heap_mib(spark: SparkSession) -> int:
