@@ -10,7 +10,9 @@ from decimal import Decimal
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from clickstream.io.kafka_changelog import spark_row_value
+from clickstream.io.kafka_changelog import publish_pairs, spark_row_value
+from clickstream.io.kafka_clients import read_offset_ranges
+from clickstream.quality.checks import topic_ends
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
 from tests.reference import reference_changelog_value
 
@@ -50,3 +52,27 @@ def test_an_unattributed_order_keeps_its_null_session(spark: SparkSession) -> No
     parsed = json.loads(spark_value(spark, ATTRIBUTIONS, UNATTRIBUTED))
     assert parsed == reference_changelog_value(UNATTRIBUTED)
     assert "session_id" in parsed and parsed["session_id"] is None
+
+
+def test_published_pairs_reach_the_topic_in_the_frames_order(
+        spark: SparkSession, spark_conf, kafka_config, make_topic) -> None:
+    """Several Arrow batches per partition, an empty partition, tombstones and non-ASCII text:
+    a one-partition topic holds the records exactly as ``collect`` returns the frame."""
+    spark_conf("spark.sql.execution.arrow.maxRecordsPerBatch", "700")
+    rows = [(f"k{i:05d}", None if i % 97 == 0 else f'{{"n":{i},"u":"/é/{i % 13}"}}')
+            for i in range(5_000)]
+    schema = "key string, value string"
+    empty = spark.createDataFrame(spark.sparkContext.parallelize([], 2), schema)
+    frame = empty.unionByName(spark.createDataFrame(rows, schema).repartition(3, "key"))
+    expected = [tuple(r) for r in frame.collect()]
+    assert frame.rdd.getNumPartitions() == 5
+    topic = make_topic(partitions=1)
+
+    assert publish_pairs(kafka_config, topic, frame) == len(rows)
+
+    end = topic_ends(kafka_config, [topic])[topic][0]
+    read = [(m.key().decode(), None if m.value() is None else m.value().decode())
+            for batch in read_offset_ranges(kafka_config, topic, {0: (0, end)})
+            for m in batch]
+    assert read == expected
+    assert expected != sorted(expected)  # the frame's order, not the keys' order, is checked

@@ -358,10 +358,10 @@ def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retr
                                                       pv_row("b", "u", 40, client="c1")],
                                  "parquet"))
     stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
-    send = recompute.produce_records
+    send = recompute.publish_pairs
 
-    def tombstones_then_the_stream_commits(config, topic, records):
-        sent = send(config, topic, records)
+    def tombstones_then_the_stream_commits(config, topic, pairs):
+        sent = send(config, topic, pairs)
         if topic == stream_config.sessions_topic:  # the stream closes another user's session
             row = {"session_id": "s-other", "client_id": "c1", "user_id": "x",
                    "session_start": START, "session_end": START, "pageview_count": 1,
@@ -373,7 +373,7 @@ def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retr
                 partition_by=SESSIONS.partition_by, metadata={"run_id": "t", "cause": "t"})
         return sent
 
-    monkeypatch.setattr(recompute, "produce_records", tombstones_then_the_stream_commits)
+    monkeypatch.setattr(recompute, "publish_pairs", tombstones_then_the_stream_commits)
     with pytest.raises(ClickstreamError, match="table 'sessions' changed while it ran"):
         run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
     table = {r["session_id"]: r["revision"] for r in table_rows(stream_config, spark, "sessions")
@@ -577,13 +577,13 @@ def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
     then marked its own plan published (which hid the killed one for good): the retracted
     session stayed in the table with a tombstone on the topic."""
     u_merged_by_the_stream(stream_config, spark)
-    send = recompute.produce_records
+    send = recompute.publish_pairs
 
-    def killed_after_the_tombstones(config, topic, records):
-        sent = send(config, topic, records)
+    def killed_after_the_tombstones(config, topic, pairs):
+        sent = send(config, topic, pairs)
         raise Killed(f"after {sent} tombstones, before the rewrite")
 
-    monkeypatch.setattr(recompute, "produce_records", killed_after_the_tombstones)
+    monkeypatch.setattr(recompute, "publish_pairs", killed_after_the_tombstones)
     with pytest.raises(Killed):
         run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
     monkeypatch.undo()
@@ -653,15 +653,15 @@ def test_a_full_recompute_killed_after_an_attribution_tombstone_is_finished_by_t
                      path=write_rows(stream_config, name,
                                      [order_row("o1", user, minutes, client="c1")], "parquet"))
     assert [r["user_id"] for r in table_rows(stream_config, spark, "attributions")] == ["w"]
-    send = recompute.produce_records
+    send = recompute.publish_pairs
 
-    def killed_after_the_attribution_tombstones(config, topic, records):
-        sent = send(config, topic, records)
+    def killed_after_the_attribution_tombstones(config, topic, pairs):
+        sent = send(config, topic, pairs)
         if topic == stream_config.attributions_topic:
             raise Killed(f"after {sent} attribution tombstones, before the rewrite")
         return sent
 
-    monkeypatch.setattr(recompute, "produce_records", killed_after_the_attribution_tombstones)
+    monkeypatch.setattr(recompute, "publish_pairs", killed_after_the_attribution_tombstones)
     with pytest.raises(Killed):
         run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
     monkeypatch.undo()

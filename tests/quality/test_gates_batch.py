@@ -19,7 +19,7 @@ from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import encode_json, read_compacted
+from clickstream.io.kafka_clients import encode_json, produce_records, read_compacted
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute
@@ -187,25 +187,25 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
 def publishing_without_tombstones(stream_config: Config, spark: SparkSession,
                                   monkeypatch: pytest.MonkeyPatch) -> tuple[str, Callable]:
     """u's two sessions stored, and a publishing bug that drops tombstones; returns the batch
-    that merges the two sessions (one retraction) and the real producer, to restore."""
+    that merges the two sessions (one retraction) and the real publisher, to restore."""
     run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                  progress=lambda _: None,
                  path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
                                  "parquet"))
-    real_produce = corrections.produce_records
+    real_publish = corrections.publish_pairs
 
-    def without_tombstones(config, topic, records):
-        return real_produce(config, topic, ((k, v) for k, v in records if v is not None))
+    def without_tombstones(config, topic, pairs):
+        return real_publish(config, topic, pairs.where(F.col(pairs.columns[1]).isNotNull()))
 
-    monkeypatch.setattr(corrections, "produce_records", without_tombstones)
-    return write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet"), real_produce
+    monkeypatch.setattr(corrections, "publish_pairs", without_tombstones)
+    return write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet"), real_publish
 
 
 def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     quiet = {"progress": lambda _: None, "spark": spark}
-    merge, real_produce = publishing_without_tombstones(stream_config, spark, monkeypatch)
+    merge, real_publish = publishing_without_tombstones(stream_config, spark, monkeypatch)
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
             r"expectations failed: quality gate publish: retractions_without_tombstone = 1, "
@@ -215,7 +215,7 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     assert json.loads(retraction["raw"])["change"] == "retracted"
     assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2  # stale view
 
-    monkeypatch.setattr(corrections, "produce_records", real_produce)
+    monkeypatch.setattr(corrections, "publish_pairs", real_publish)
     run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     topic = read_compacted(stream_config, stream_config.sessions_topic)
@@ -230,13 +230,13 @@ def test_a_full_recompute_does_not_supersede_a_plan_whose_publish_failed(
     plan applied but failing its publish gate is rerun: superseded, its tombstone was lost,
     as the rewrite finds nothing left to retract."""
     quiet = {"progress": lambda _: None, "spark": spark}
-    merge, real_produce = publishing_without_tombstones(stream_config, spark, monkeypatch)
+    merge, real_publish = publishing_without_tombstones(stream_config, spark, monkeypatch)
     with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
         run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
         run_full_recompute(stream_config, client_id="client-00", **quiet)
 
-    monkeypatch.setattr(corrections, "produce_records", real_produce)
+    monkeypatch.setattr(corrections, "publish_pairs", real_publish)
     run_full_recompute(stream_config, client_id="client-00", **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     topic = read_compacted(stream_config, stream_config.sessions_topic)
@@ -254,15 +254,15 @@ def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
     run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
                  path=write_rows(stream_config, "p1", [pv_row("a", "u", 0)], "parquet"))
     ((key, first),) = read_compacted(stream_config, stream_config.sessions_topic).items()
-    real_produce = corrections.produce_records
+    real_publish = corrections.publish_pairs
 
-    def then_an_older_revision(config, topic, records):
-        sent = real_produce(config, topic, records)
+    def then_an_older_revision(config, topic, pairs):
+        sent = real_publish(config, topic, pairs)
         if topic == config.sessions_topic:
-            real_produce(config, topic, [(key, encode_json(first))])
+            produce_records(config, topic, [(key, encode_json(first))])
         return sent
 
-    monkeypatch.setattr(corrections, "produce_records", then_an_older_revision)
+    monkeypatch.setattr(corrections, "publish_pairs", then_an_older_revision)
     merge = write_rows(stream_config, "p2", [pv_row("b", "u", 10)], "parquet")
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
@@ -270,7 +270,7 @@ def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
         run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     assert read_compacted(stream_config, stream_config.sessions_topic)[key]["revision"] == 1
 
-    monkeypatch.setattr(corrections, "produce_records", real_produce)
+    monkeypatch.setattr(corrections, "publish_pairs", real_publish)
     run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     assert read_compacted(stream_config, stream_config.sessions_topic)[key]["revision"] == (

@@ -8,8 +8,9 @@ so a batch replayed after a crash may simply publish again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
+import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, StructType
@@ -39,19 +40,49 @@ def spark_row_value(columns: Mapping[str, Column], schema: StructType) -> Column
          else columns[f.name]).alias(f.name) for f in schema.fields]), SPARK_JSON_OPTIONS)
 
 
+_CHUNK_SCHEMA = "chunk binary"
+
+
+def _arrow_chunks(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """On an executor: each Arrow batch of (key, value) as one Arrow IPC stream in one row."""
+    for batch in batches:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        yield pa.RecordBatch.from_pydict({"chunk": [sink.getvalue().to_pybytes()]})
+
+
+def local_pairs(pairs: DataFrame) -> Iterator[tuple[str | None, str | None]]:
+    """The rows of a two-column ``(key, value)`` frame on the driver, a partition at a time.
+
+    Each partition travels as Arrow batches, and the next partition is computed while this
+    one is sent. ``toLocalIterator`` would unpickle one ``Row`` per record and compute the
+    partitions one after the other: ~10 µs a record against ~3.5 (session 40).
+    """
+    packed = pairs.mapInArrow(_arrow_chunks, _CHUNK_SCHEMA)
+    for row in packed.toLocalIterator(prefetchPartitions=True):
+        batch = pa.ipc.open_stream(row.chunk).read_all()
+        yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
+
+
+def publish_pairs(config: Config, topic: str, pairs: DataFrame) -> int:
+    """Publish a frame of ``(key, value)`` string columns as it is (a null value is a
+    tombstone), in the frame's order within each partition; returns how many records."""
+    return produce_records(config, topic, local_pairs(pairs))
+
+
 def publish_rows(config: Config, topic: str, rows: DataFrame, spec: TableSpec) -> int:
     """Publish rows shaped like ``spec``'s table, keyed by its key; returns how many.
 
-    The value is made in Spark and only ``(key, value)`` strings travel to the driver, a
-    partition at a time: a Python ``Row`` per record with its timestamps and decimals cost
-    ~3x more (40 µs a session).
+    The value is made in Spark and only ``(key, value)`` strings travel to the driver: a
+    Python ``Row`` per record with its timestamps and decimals cost ~3x more (40 µs a
+    session).
     """
     (key,) = spec.key
-    records = rows.select(
+    return publish_pairs(config, topic, rows.select(
         F.col(key).alias("key"),
         spark_row_value({name: F.col(name) for name in spec.schema.fieldNames()}, spec.schema)
-        .alias("value"))
-    return produce_records(config, topic, ((r.key, r.value) for r in records.toLocalIterator()))
+        .alias("value")))
 
 
 def publish_sessions(config: Config, rows: DataFrame) -> int:

@@ -110,8 +110,7 @@ from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables
-from clickstream.io.kafka_changelog import spark_row_value
-from clickstream.io.kafka_clients import produce_records
+from clickstream.io.kafka_changelog import publish_pairs, spark_row_value
 from clickstream.locks import exclusive
 from clickstream.quality.correction_report import (
     CorrectionFigures,
@@ -932,9 +931,8 @@ def publish_changes(run: Run, changes: DataFrame) -> int:
     sent = 0
     for entity, topic in (("session", run.config.sessions_topic),
                           ("attribution", run.config.attributions_topic)):
-        rows = changes.where(F.col("entity") == entity).select("key", "new_value")
-        sent += produce_records(run.config, topic, (
-            (r.key, r.new_value) for r in rows.toLocalIterator()))
+        sent += publish_pairs(run.config, topic, changes.where(F.col("entity") == entity)
+                              .select("key", "new_value"))
     gate_publish(run, changes, since)
     return sent
 

@@ -70,8 +70,7 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.io.delta_tables import DeltaTables, open_tables
-from clickstream.io.kafka_changelog import publish_rows
-from clickstream.io.kafka_clients import produce_records
+from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
     BUCKETS,
     CorrectionSummary,
@@ -385,7 +384,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
                                                  rewrite.fresh, rewrite.retracted)
         (key,) = spec.key
         # Sent before the replace: a rerun would no longer find these rows to retract.
-        produce_records(config, topic, ((r.key, None) for r in retracted.toLocalIterator()))
+        publish_pairs(config, topic, retracted.select("key", F.lit(None).cast("string")))
         version = (tables.app_version(spec.name, f"full-recompute-{client_id}") or 0) + 1
         try:
             tables.replace_partitions(
