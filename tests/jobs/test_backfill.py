@@ -261,6 +261,31 @@ def test_orders_moved_by_a_later_batch_are_held_once_where_they_now_are(
     assert_tables_equal_from_scratch(stream_config, spark)
 
 
+def test_orders_find_sessions_begun_days_before_them_and_leave_those_they_moved_from(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(C12) An orders-only run passes on only the sessions an order may belong to, and those
+    holding orders. o1 belongs to u's session of the day before (within one gap of its end,
+    after midnight), o2 to v's session begun two days before (a pageview every 20 minutes);
+    w's o3 moves to a day w has no session on, and w's session gives it back."""
+    day = 24 * 60
+
+    def backfill(kind: str, name: str, rows: list[dict]) -> None:
+        run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, name, rows, "parquet"))
+
+    backfill("pageviews", "p", [pv_row("a", "u", -20), pv_row("b", "u", -5), pv_row("c", "w", 0),
+                                *(pv_row(f"v{i}", "v", -2 * day + 20 * i)
+                                  for i in range(2 * day // 20 + 1))])
+    backfill("orders", "o1", [order_row("o1", "u", 20), order_row("o2", "v", 7 - day),
+                              order_row("o3", "w", 1)])
+    backfill("orders", "o2", [order_row("o3", "w", day)])
+    sessions = {r["user_id"]: r["order_count"] for r in table_rows(stream_config, spark,
+                                                                   "sessions")}
+    assert sessions == {"u": 1, "v": 1, "w": 0}
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
 @pytest.mark.parametrize("late", ["orders", "pageviews"])
 def test_an_order_one_gap_after_a_window_stays_with_the_session_starting_there(
     stream_config: Config, spark: SparkSession, late: str

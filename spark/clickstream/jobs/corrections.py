@@ -91,6 +91,12 @@ Known edge cases, cited inline as (C1)..(C11):
       twice. Every plan now grows its scope to where the orders queued for its users are
       attributed (``with_queued_orders_places``, through those places' users too), so the
       first run to plan the new place moves the order, as C7 does.
+  C12. An orders-only recompute passes the Python worker only the stored sessions an order
+      of the windows could belong to, and those holding orders: a session holds an order with
+      ``start <= ts < end + gap``, so the order's day is one of the days from the session's
+      start to its end plus a gap (``_may_hold_orders``). That is a pruning, not the rule:
+      which of them an order belongs to is still decided by ``semantics``. The others have
+      no order before or after, so their totals cannot change.
 """
 
 from __future__ import annotations
@@ -390,6 +396,10 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
 
     Both come from one pass of the Python worker, kept (each would otherwise run it again)."""
     if orders_only:
+        order_days = keep(_order_days(orders))
+        # Kept: the Python worker's pass and _reattributed's join would each filter the
+        # client's sessions again.
+        old_sessions = keep(_may_hold_orders(old_sessions, order_days, run.gap_ms))  # (C12)
         emitted = reattribute_frames(old_sessions, orders, run.gap_ms, BUCKETS)  # (C2)
     else:
         pageviews = windows.rows_of(run, PAGEVIEWS, "event_date", "ts", 1)  # up to hi
@@ -397,14 +407,38 @@ def recompute(run: Run, windows: Windows, old_sessions: DataFrame, orders: DataF
     emitted = keep(emitted)
     attributions = _attribution_rows(emitted)
     if orders_only:
-        return _reattributed(_session_rows(emitted), old_sessions, attributions, emitted)
+        return _reattributed(_session_rows(emitted), old_sessions, attributions,
+                             (emitted, order_days, old_sessions))
     sessions = _session_rows(emitted)
     return Recomputed(sessions, old_sessions, sessions, attributions, retract=True,
                       held=(emitted,))
 
 
+def _order_days(orders: DataFrame) -> DataFrame:
+    """Per user, the days (UTC, as ``session_date``) on which ``orders`` hold an order."""
+    return orders.groupBy(*USER_KEY).agg(F.collect_set(F.to_date("ts")).alias("order_days"))
+
+
+def _may_hold_orders(sessions: DataFrame, order_days: DataFrame, gap_ms: int) -> DataFrame:
+    """The sessions an order on ``order_days`` may belong to, and those holding orders (C12).
+
+    A year of orders reaches every day of most users, yet only the sessions of the days
+    they ordered on can hold them: a fifth of a client's sessions in the benchmark, and the
+    Python worker's pass and the joins after it shrink with them. The days per user are
+    sent to every task, as apply's keys are, up to ``BROADCAST_KEYS_MAX`` (user, day) pairs:
+    the sessions are then filtered where they are, without a shuffle."""
+    pairs = order_days.select(F.sum(F.size("order_days"))).first()[0] or 0
+    days = F.broadcast(order_days) if pairs <= BROADCAST_KEYS_MAX else order_days
+    first = F.to_date("session_start")
+    last = F.to_date(F.timestamp_millis(_ms("session_end") + gap_ms))
+    reached = F.when(first == last, F.array_contains("order_days", first)).otherwise(
+        F.arrays_overlap(F.sequence(first, last), "order_days"))  # most sessions: one day
+    return sessions.join(days, USER_KEY, "left").where(
+        (F.col("order_count") > 0) | reached).drop("order_days")
+
+
 def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: DataFrame,
-                  emitted: DataFrame) -> Recomputed:
+                  held: tuple[DataFrame, ...]) -> Recomputed:
     """Orders only: the sessions whose totals changed are diffed, the rest keep their stored
     rows (C2).
 
@@ -435,7 +469,7 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
     return Recomputed(
         sessions=joined.select(*(v for c, v in now.items() if not c.endswith("_url"))),
         before=changed_rows.select(*stored), after=changed_rows.select(*now.values()),
-        attributions=attributions, retract=False, held=(joined, emitted))
+        attributions=attributions, retract=False, held=(joined, *held))
 
 
 def _differs(columns: tuple[str, ...]) -> Column:
