@@ -31,6 +31,7 @@ Known edge cases, cited inline as (S1)..(S4):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import json
 from collections.abc import Callable, Mapping
@@ -162,10 +163,16 @@ class _Batch:
         self.config, self.kind, self.client_id = config, kind, client_id
         self.spark = spark or build_spark(config, "clickstream-backfill")
         self.tables: DeltaTables = open_tables(config, self.spark)
-        raw = read_batch(self.spark, self.files, kind)
-        self.raw_schema = raw.schema
-        # Batch-sized: persisted, not kept (``backfill``, the comment above merge_pageviews).
-        self.rows = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
+        self._raw = read_batch(self.spark, self.files, kind)
+        self.raw_schema = self._raw.schema
+
+    @functools.cached_property
+    def rows(self) -> DataFrame:
+        """Every row of the batch, validated; read on first use (validating runs a job, and a
+        step that resumes its plan reads no row). Batch-sized: persisted, not kept
+        (``backfill``, the comment above merge_pageviews)."""
+        return validate_batch(self._raw, self.kind, self.client_id,
+                              self.config.max_ts_ahead_ms).persist()
 
     def gate(self) -> GateResult | None:
         """The ``historical_batch`` quality gate (as ``run_backfill`` runs it): marks the rows
@@ -190,7 +197,7 @@ class _Batch:
                    f"backfill-{self.run_id}", f"backfill {self.run_id}", progress)
 
     def close(self) -> None:
-        release(self.rows)
+        release(self.__dict__.get("rows"))  # None when no row was read
 
 
 def _would_merge(batch: _Batch, valid: DataFrame) -> int:
