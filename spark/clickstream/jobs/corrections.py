@@ -423,8 +423,8 @@ def _may_hold_orders(sessions: DataFrame, order_days: DataFrame, gap_ms: int) ->
     """The sessions an order on ``order_days`` may belong to, and those holding orders (C12).
 
     A year of orders reaches every day of most users, yet only the sessions of the days
-    they ordered on can hold them: a fifth of a client's sessions in the benchmark, and the
-    Python worker's pass and the joins after it shrink with them. The days per user are
+    they ordered on can hold them: a third of a client's sessions in the benchmark, and the
+    Python worker's pass and the join after it shrink with them. The days per user are
     sent to every task, as apply's keys are, up to ``BROADCAST_KEYS_MAX`` (user, day) pairs:
     the sessions are then filtered where they are, without a shuffle."""
     pairs = order_days.select(F.sum(F.size("order_days"))).first()[0] or 0
