@@ -11,6 +11,7 @@ from typing import ParamSpec, TypeVar
 
 from py4j.java_gateway import JavaObject
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 from clickstream import jvm_class_archive
 from clickstream.config import ENV_NAMES, Config
@@ -118,6 +119,13 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
 # than shuffling the rows they select to meet them. At the cap, broadcast and shuffle took
 # about as long (6.0 / 6.1 s for 2.6M rows; the heap in use +0.3 GiB, BENCHMARKS.md session 17).
 BROADCAST_KEYS_MAX = 2_000_000
+
+
+def broadcast_up_to_cap(keys: DataFrame, how_many: int) -> DataFrame:
+    """``keys`` hinted to be sent to every task when they are at most
+    :data:`BROADCAST_KEYS_MAX` rows, else as they are (the join then shuffles to meet them).
+    ``how_many`` is counted by the caller, who usually has it from a job it runs anyway."""
+    return F.broadcast(keys) if how_many <= BROADCAST_KEYS_MAX else keys
 
 COLLECTOR_FLAGS = {"parallel": "-XX:+UseParallelGC", "g1": "-XX:+UseG1GC"}
 # Variables whose JVM options every JVM started here reads (the java launcher, the JVM itself).

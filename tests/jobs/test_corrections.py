@@ -9,6 +9,7 @@ from decimal import Decimal
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
+from clickstream import spark_session
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
 from clickstream.jobs import corrections
@@ -165,15 +166,17 @@ def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(
     assert (session["order_count"], session["revenue"]) == (2, Decimal("12.5000"))
 
 
-@pytest.mark.parametrize("broadcast_max", [corrections.BROADCAST_KEYS_MAX, 0],
+@pytest.mark.parametrize("broadcast_max", [spark_session.BROADCAST_KEYS_MAX, 0],
                          ids=["keys broadcast", "keys shuffled"])
 def test_apply_rewrites_only_the_changed_keys_whether_broadcast_or_shuffled(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
     spark_conf: Callable[[str, str], None], broadcast_max: int
 ) -> None:
     """Apply replaces the changed sessions of the affected days and keeps the others, with
-    the changed keys sent to every task (the usual case) or shuffled (above the cap)."""
-    monkeypatch.setattr(corrections, "BROADCAST_KEYS_MAX", broadcast_max)
+    the changed keys sent to every task (the usual case) or shuffled (above the cap). The
+    orders' days that pick the sessions an order may belong to (C12) take the same path:
+    the order is attributed either way."""
+    monkeypatch.setattr(spark_session, "BROADCAST_KEYS_MAX", broadcast_max)
     # Test tables are small enough for Spark to broadcast them unasked.
     spark_conf("spark.sql.autoBroadcastJoinThreshold", "-1")
     sessions = _three_backfills_of_two_users(stream_config, spark)

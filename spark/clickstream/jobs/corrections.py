@@ -131,7 +131,7 @@ from clickstream.sessions.batch_adapter import (
     reattribute_frames,
     sessionize_frames,
 )
-from clickstream.spark_session import BROADCAST_KEYS_MAX, keep, release
+from clickstream.spark_session import broadcast_up_to_cap, keep, release
 from clickstream.tables import (
     ATTRIBUTIONS,
     BACKFILL_QUEUED_BY,
@@ -425,10 +425,10 @@ def _may_hold_orders(sessions: DataFrame, order_days: DataFrame, gap_ms: int) ->
     A year of orders reaches every day of most users, yet only the sessions of the days
     they ordered on can hold them: a third of a client's sessions in the benchmark, and the
     Python worker's pass and the join after it shrink with them. The days per user are
-    sent to every task, as apply's keys are, up to ``BROADCAST_KEYS_MAX`` (user, day) pairs:
+    sent to every task, as apply's keys are, up to the broadcast cap of (user, day) pairs:
     the sessions are then filtered where they are, without a shuffle."""
     pairs = order_days.select(F.sum(F.size("order_days"))).first()[0] or 0
-    days = F.broadcast(order_days) if pairs <= BROADCAST_KEYS_MAX else order_days
+    days = broadcast_up_to_cap(order_days, pairs)
     first = F.to_date("session_start")
     last = F.to_date(F.timestamp_millis(_ms("session_end") + gap_ms))
     reached = F.when(first == last, F.array_contains("order_days", first)).otherwise(
@@ -915,11 +915,9 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
     dates, planned = _touched_dates(mine, entity, date_column)
     if not dates:
         return
-    keys = mine.select(F.col("key").alias(spec.key[0]))
     # A year of orders changes ~0.5M sessions of 2.57M: shuffling the affected partitions'
     # rows to meet the keys took about a quarter of apply.
-    if planned <= BROADCAST_KEYS_MAX:
-        keys = F.broadcast(keys)
+    keys = broadcast_up_to_cap(mine.select(F.col("key").alias(spec.key[0])), planned)
     fresh = mine.where(F.col("new_value").isNotNull()).select(
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
     for attempt in range(1, APPLY_ATTEMPTS + 1):
