@@ -39,6 +39,7 @@ from clickstream.io.kafka_clients import (
     BULK_LINGER_MS,
     LIBRDKAFKA_LOG,
     PACED_LINGER_MS,
+    TIMED_OUT_REPORT_GRACE_S,
     RepeatedLogFilter,
     check_no_data_loss,
     consumer_config,
@@ -400,6 +401,18 @@ def test_unreachable_broker_gives_clear_errors(config: Config, caplog: pytest.Lo
         flush_or_raise(producer, 10)
     assert "1 of 1 records were not acknowledged" in str(failed.value)
     assert unreachable.kafka_bootstrap_servers in str(failed.value)
+
+
+def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: Config) -> None:
+    """When ``produce_records`` gives up, every record has failed, none is still queued: a
+    producer still retrying could deliver it after a rerun's newer revision of its key."""
+    unreachable = _closed_port_config(config)
+    started = time.monotonic()
+    with pytest.raises(DeliveryError) as failed:
+        produce_records(unreachable, "sessions", [("s1", "{}"), ("s2", None)],
+                        flush_timeout_s=1)
+    assert "(2 failed, 0 still queued" in str(failed.value), failed.value
+    assert time.monotonic() - started < 1 + TIMED_OUT_REPORT_GRACE_S + 3
 
 
 def test_repeated_librdkafka_messages_are_counted_not_printed() -> None:

@@ -150,6 +150,9 @@ PACED_LINGER_MS = 50
 # publish) against 0.7 s (1.5 s) with 100 ms (bench/publish_readback_bench.py, BENCHMARKS.md
 # session 31). It costs no latency: the final flush sends what is lingering at once.
 BULK_LINGER_MS = 100
+# librdkafka looks for timed-out records about once a second: the flush waits this much past
+# the records' own delivery timeout for their reports.
+TIMED_OUT_REPORT_GRACE_S = 5.0
 # Offsets live with the outputs (Delta), so nothing is auto-committed. A small session timeout
 # because classic groups wait session.timeout.ms on every rejoin (6 s is the brokers' minimum).
 CONSUMER_DEFAULTS: Mapping[str, Any] = {
@@ -397,9 +400,14 @@ def produce_records(config: Config, topic: str,
         How many records were sent.
 
     Raises:
-        DeliveryError: Some records were not acknowledged (see :func:`flush_or_raise`).
+        DeliveryError: Some records were not acknowledged (see :func:`flush_or_raise`). By
+            then the producer has given up on every record (none is still queued or retried).
     """
-    producer = make_producer(config, **send_linger(config, paced=bool(rate_per_second)))
+    # Each record's delivery timeout is the flush's budget, so when the flush gives up,
+    # librdkafka has given up on every record too: none can reach the topic later, behind the
+    # newer revisions a rerun sends. Its default (300 s) outlived the flush (60 s).
+    producer = make_producer(config, **send_linger(config, paced=bool(rate_per_second)),
+                             **{"message.timeout.ms": round(flush_timeout_s * 1000)})
     started = time.monotonic()
     sent = 0
     with gc_paused():
@@ -414,7 +422,7 @@ def produce_records(config: Config, topic: str,
             sent += 1
             if sent % 1000 == 0:
                 producer.poll(0)
-    flush_or_raise(producer, flush_timeout_s)
+    flush_or_raise(producer, flush_timeout_s + TIMED_OUT_REPORT_GRACE_S)
     return sent
 
 
