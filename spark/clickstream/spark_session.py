@@ -127,6 +127,7 @@ def broadcast_up_to_cap(keys: DataFrame, how_many: int) -> DataFrame:
     ``how_many`` is counted by the caller, who usually has it from a job it runs anyway."""
     return F.broadcast(keys) if how_many <= BROADCAST_KEYS_MAX else keys
 
+
 COLLECTOR_FLAGS = {"parallel": "-XX:+UseParallelGC", "g1": "-XX:+UseG1GC"}
 # Variables whose JVM options every JVM started here reads (the java launcher, the JVM itself).
 JVM_OPTION_VARIABLES = ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS")

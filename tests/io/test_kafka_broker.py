@@ -413,6 +413,16 @@ def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: C
                         flush_timeout_s=1)
     assert "(2 failed, 0 still queued" in str(failed.value), failed.value
     assert time.monotonic() - started < 1 + TIMED_OUT_REPORT_GRACE_S + 3
+    # A delivery timeout the user sets wins over the send's default budget (60 s here).
+    patient = unreachable.replace(kafka_options={"delivery.timeout.ms": "1500"})
+    started = time.monotonic()
+    with pytest.raises(DeliveryError, match="1 failed, 0 still queued"):
+        produce_records(patient, "sessions", [("s1", "{}")])
+    assert time.monotonic() - started < 1.5 + TIMED_OUT_REPORT_GRACE_S + 3
+    for bad in ("0", "soon"):
+        with pytest.raises(ConfigError, match=f"delivery.timeout.ms='{bad}' must be a positive"):
+            produce_records(unreachable.replace(kafka_options={
+                "delivery.timeout.ms": bad}), "sessions", [("s1", "{}")])
 
 
 def test_repeated_librdkafka_messages_are_counted_not_printed() -> None:

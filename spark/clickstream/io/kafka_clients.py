@@ -378,6 +378,27 @@ def send_linger(config: Config, *, paced: bool) -> KafkaConfig:
     return {"linger.ms": PACED_LINGER_MS if paced else BULK_LINGER_MS}
 
 
+def send_budget_s(config: Config, default_s: float) -> float:
+    """How long a send waits for its records to be acknowledged: the delivery timeout
+    ``kafka_options`` sets (``message.timeout.ms`` or its alias ``delivery.timeout.ms``; the
+    user's choice wins, as for the linger), else ``default_s``.
+
+    Raises:
+        ConfigError: the option is not a positive number of milliseconds (librdkafka's 0,
+            no timeout, would leave a failed send's records pending for good).
+    """
+    for name in ("message.timeout.ms", "delivery.timeout.ms"):
+        if name in config.kafka_options:
+            value = str(config.kafka_options[name]).strip()
+            if not value.isdigit() or int(value) == 0:
+                raise ConfigError(
+                    f"{ENV_NAMES['kafka_options']}: {name}={value!r} must be a positive number "
+                    "of milliseconds (how long a send waits for Kafka to acknowledge its "
+                    f"records); leave it out for the default, {default_s:g} s")
+            return int(value) / 1000
+    return default_s
+
+
 def produce_records(config: Config, topic: str,
                     records: Iterable[tuple[str | bytes | None, str | bytes | None]], *,
                     rate_per_second: float | None = None, flush_timeout_s: float = 60.0) -> int:
@@ -394,7 +415,8 @@ def produce_records(config: Config, topic: str,
         rate_per_second: Pace sending to about this many records per second (batching for up
             to :data:`PACED_LINGER_MS`); None = as fast as possible (batching for up to
             :data:`BULK_LINGER_MS`, see :func:`send_linger`).
-        flush_timeout_s: How long the final flush may take.
+        flush_timeout_s: How long the records may take to be acknowledged, unless
+            ``kafka_options`` sets a delivery timeout (:func:`send_budget_s`).
 
     Returns:
         How many records were sent.
@@ -406,8 +428,9 @@ def produce_records(config: Config, topic: str,
     # Each record's delivery timeout is the flush's budget, so when the flush gives up,
     # librdkafka has given up on every record too: none can reach the topic later, behind the
     # newer revisions a rerun sends. Its default (300 s) outlived the flush (60 s).
+    budget_s = send_budget_s(config, flush_timeout_s)
     producer = make_producer(config, **send_linger(config, paced=bool(rate_per_second)),
-                             **{"message.timeout.ms": round(flush_timeout_s * 1000)})
+                             **{"message.timeout.ms": round(budget_s * 1000)})
     started = time.monotonic()
     sent = 0
     with gc_paused():
@@ -422,7 +445,7 @@ def produce_records(config: Config, topic: str,
             sent += 1
             if sent % 1000 == 0:
                 producer.poll(0)
-    flush_or_raise(producer, flush_timeout_s + TIMED_OUT_REPORT_GRACE_S)
+    flush_or_raise(producer, budget_s + TIMED_OUT_REPORT_GRACE_S)
     return sent
 
 
