@@ -87,11 +87,13 @@ def _stored(tables: DeltaTables, spec, client_id: str, dates: list) -> DataFrame
                                                     "event_date": dates})
 
 
-# Batch-sized frames (the batch's rows, its valid rows, the rows merged, the client's orders)
-# are persisted, not kept with ``spark_session.keep``: Spark caches a persisted frame as
-# compressed columns, a kept one as rows. For a year of pageviews (10.5M rows), checking the
-# batch took 202 s with them kept against 170 s persisted. Smaller frames (the scope, the
-# moved orders, the corrections' steps) are kept (BENCHMARKS.md, session 35).
+# Batch-sized frames (the batch's rows, the rows merged, the client's orders) are persisted,
+# not kept with ``spark_session.keep``: Spark caches a persisted frame as compressed columns,
+# a kept one as rows. For a year of pageviews (10.5M rows), checking the batch took 202 s
+# with them kept against 170 s persisted. Smaller frames (the scope, the moved orders, the
+# corrections' steps) are kept (BENCHMARKS.md, session 35). The valid rows are a filter of
+# the persisted batch and are not persisted again: for a year of pageviews that second copy
+# took 35-40 s to build and saved the merge ~8 s (BENCHMARKS.md, session 41).
 
 
 def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: str,
@@ -268,8 +270,7 @@ def run_backfill(
     batch, gate = gate_historical_batch(batch, raw.schema, kind=kind, key=KEY[kind],
                                         client_id=client_id, config=config, run_id=run_id)
     summary.quarantined = quarantine_or_refuse(tables, batch, gate, run_id, progress)
-    valid = valid_rows(batch, kind)
-    valid = valid.persist()  # batch-sized: see merge_pageviews
+    valid = valid_rows(batch, kind)  # a filter of the persisted batch: see merge_pageviews
     valid_count = valid.count()
     step("validate", started)
 
@@ -288,7 +289,7 @@ def run_backfill(
                                   defer=scope.defer)
     step("recompute and publish", started)
     scope.release()
-    release(validated, valid)
+    release(validated)
     if valid_count == 0:
         progress("  the batch has no valid rows")
     return summary

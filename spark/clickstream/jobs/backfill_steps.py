@@ -187,6 +187,8 @@ class _Batch:
         return result
 
     def valid(self) -> DataFrame:
+        """The rows a merge takes: a filter of the persisted ``rows``, not persisted again
+        (``backfill``, the comment above merge_pageviews)."""
         return valid_rows(self.rows, self.kind)
 
     def bad(self) -> DataFrame:
@@ -246,7 +248,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
         rows_read = batch.rows.count()
         reasons = batch.bad().groupBy("error").count().orderBy(F.desc("count"), "error")
         first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
-        valid = batch.valid().persist()
+        valid = batch.valid()
         valid_rows = valid.count()
         batch_scope = BatchScope(batch.tables, valid, kind, client_id, batch.run_id)
         scope = batch_scope.read()
@@ -266,7 +268,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
             users_affected=scope.count(), stored_sessions_in_reach=in_reach,
             quality_gate=verdict)
         batch_scope.release()
-        release(valid, scope)
+        release(scope)
         progress(check.describe())
         return check
     finally:
@@ -291,9 +293,8 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         rows_read = batch.rows.count()
         # The same rows and transactions as run_backfill (S2).
         quarantined = quarantine_or_refuse(tables, batch.rows, gate, run_id, progress)
-        valid = batch.valid().persist()
-        merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id, progress)
-        release(valid)
+        merged = merge_valid_rows(tables, config, batch.valid(), kind, client_id, run_id,
+                                  progress)
         result = MergeResult(run_id, rows_read, merged, rows_read - quarantined - merged,
                              quarantined)
         progress(result.describe())
@@ -336,14 +337,12 @@ def _plan_batch(batch: _Batch, run: Run, summary: CorrectionSummary, timer: Time
                 ) -> DataFrame | None:
     """Plan the batch's corrections; called only when ``resume()`` found no plan of the run
     (``BatchScope``)."""
-    valid = batch.valid().persist()
-    scope = BatchScope(batch.tables, valid, batch.kind, batch.client_id, batch.run_id)
+    scope = BatchScope(batch.tables, batch.valid(), batch.kind, batch.client_id, batch.run_id)
     try:
         return plan_scope(run, scope.read, batch.kind == "orders", summary, timer,
                           stream_watermark_ms(batch.config), scope.defer)
     finally:
         scope.release()
-        release(valid)
 
 
 @releases_cache
