@@ -54,6 +54,19 @@ NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
 dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""
 
+
+def one_error_for(failures: list[BaseException], message: str) -> ClickstreamError:
+    """One error standing for several independent failures (each table's, each client's).
+
+    A retry of the whole step redoes them all, so the error is retryable unless a retry can
+    fix none of them: then it takes the first failure's type, and the step fails at once
+    (``EXIT_NOT_RETRYABLE``, Airflow without retries) instead of failing alike each time.
+    """
+    if failures and all(isinstance(f, NOT_RETRYABLE) for f in failures):
+        return type(failures[0])(message)
+    return ClickstreamError(message)
+
+
 EXIT_NOT_RETRYABLE = 3
 """The exit status of a command that failed with one of :data:`NOT_RETRYABLE`; any other
 failure exits 1. spark-submit passes the status on, so a Spark task can tell the two apart."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import uuid
@@ -347,6 +348,36 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
     assert summary.quarantined == 8 and summary.rows_merged == 2
+
+
+def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """Spark's JSON reader takes a line's first value and ignores the rest: two orders
+    joined on one line (files concatenated without a final newline) stored the first and
+    lost the second with no trace, and ``[]`` gave no row (B10). A line that is not UTF-8 is
+    kept as its bytes, as the stream keeps such a value. Blank lines are no rows."""
+    def line(order_id: str) -> str:
+        return json.dumps({**order_row(order_id, "u", 1), "ts": START.isoformat()})
+
+    bad = {line("j1") + line("j2"): "line is not one JSON object",
+           "[]": "line is not one JSON object", "5": "line is not one JSON object",
+           '{"order_id": "cut", "client_id": "client-00"': "line is not valid JSON"}
+    folder = stream_config.landing / "lines"
+    folder.mkdir(parents=True)
+    latin1 = line("cafe").replace('"cafe"', '"caf\xe9"').encode("latin-1")  # was replaced
+    bad["base64:" + base64.b64encode(latin1).decode()] = "line is not UTF-8 text, as the "\
+        "contract's JSON must be"
+    (folder / "orders.jsonl").write_bytes(b"\n".join(
+        [line("good").encode(), *(raw.encode() for raw in list(bad)[:-1]), latin1, b"  ",
+         line("end").encode()]))
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path="lines")
+    assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
+        "end", "good"]
+    reasons = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
+    assert {raw: reason.split(":")[0] for raw, reason in reasons.items()} == bad
+    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (7, 5, 2)
 
 
 def test_a_pageview_whose_url_is_too_long_is_quarantined_and_the_rest_published(

@@ -15,7 +15,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, QualityGateFailedError
+from clickstream.errors import NOT_RETRYABLE, ClickstreamError, QualityGateFailedError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_changelog import publish_sessions
 from clickstream.io.kafka_clients import read_compacted
@@ -118,6 +118,42 @@ def test_rows_the_stream_queues_while_a_recompute_runs_stay_queued(
     run_recompute(stream_config, spark=spark, progress=quiet)
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c1", "u2")}
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_client_the_stream_keeps_queuing_into_does_not_stop_the_other_clients(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R10) The stream commits into c1's queued day during every removal attempt: c1 fails
+    with its rows queued, c2 is still folded in, and the next run finishes c1. The removal's
+    failure used to leave the run at c1, so c2 waited with it, run after run."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("q1", "c2", "v1", 0)])
+    engine = type(open_tables(stream_config, spark))
+    read = engine.read
+    interfering = count(1)
+
+    def read_then_the_stream_queues(self, name, *args, **kwargs):
+        rows = read(self, name, *args, **kwargs)
+        wanted = kwargs.get("partition_filter") or {}
+        if name == RECOMPUTE_QUEUE.name and wanted.get("client_id") == "c1" and (
+                "event_date" in wanted):  # dequeue's read of c1's days
+            queued_by_the_stream(stream_config, spark, [(f"x{next(interfering)}", "c1", "u3", 1)])
+        return rows
+
+    monkeypatch.setattr(engine, "read", read_then_the_stream_queues)
+    monkeypatch.setattr(recompute, "QUEUE_RETRY_WAIT_S", 0)
+    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: ") as failed:
+        run_recompute(stream_config, spark=spark, progress=quiet)
+    assert not isinstance(failed.value, NOT_RETRYABLE)  # the next run may well get through
+    assert next(interfering) == recompute.QUEUE_ATTEMPTS + 1
+    assert {(r["client_id"], r["record_id"]) for r in table_rows(
+        stream_config, spark, "recompute_queue")} == {("c1", "p1")} | {
+            ("c1", f"x{n}") for n in range(1, recompute.QUEUE_ATTEMPTS + 1)}
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c2", "v1")}
+
+    monkeypatch.setattr(engine, "read", read)
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c2", "v1")}
     assert_topic_equals_table(stream_config, spark)
 
 

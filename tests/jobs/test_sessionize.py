@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -416,6 +417,35 @@ def test_an_amount_too_large_to_keep_exactly_is_quarantined_and_the_stream_goes_
     assert quarantined["raw"] == too_large[1]
     assert quarantined["reason"].startswith(
         "amount '1000000000000000.00' is too large: at most 12 digits before the decimal point")
+
+
+def test_records_that_are_not_utf8_are_quarantined_with_their_bytes_and_the_stream_goes_on(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """The contract's values are UTF-8 JSON. Spark's cast of bytes to text does not check
+    them: a Latin-1 url was stored as a valid pageview with its byte replaced (the record
+    altered, not quarantined), and invalid bytes in a quarantined value or in the reason
+    quoting a key failed the write's statistics at every replay, stopping the stream."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    latin1 = pageview("a", start, "latin")[1].replace('"url": "/"', '"url": "/caf\xe9"').encode(
+        "latin-1")
+    not_text = b"\xff\xfe{"
+    bad_key = pageview("b", start, "bad-key")[1].encode()
+    producer = make_producer(stream_config)
+    for key, value in [(b"client-00/a", latin1), (b"client-00/a", not_text),
+                       (b"client-00/\xff", bad_key),
+                       tuple(part.encode() for part in pageview("c", start, "p1"))]:
+        producer.produce(stream_config.events_topic, key=key, value=value)
+    flush_or_raise(producer, 30)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["p1"]
+    quarantined = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
+    assert len(quarantined) == 3
+    for value in (latin1, not_text):
+        raw = "base64:" + base64.b64encode(value).decode()
+        assert quarantined.pop(raw).startswith("value is not UTF-8 text")
+    assert quarantined == {bad_key.decode(): quarantined[bad_key.decode()]}
+    assert quarantined[bad_key.decode()].startswith("key is not UTF-8 text")
 
 
 def with_url(record: tuple[str, str], url: str) -> tuple[str, str]:

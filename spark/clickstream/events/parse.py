@@ -21,6 +21,9 @@ PARSED_COLUMNS = (
 )
 
 
+NOT_UTF8_PREFIX = "base64:"  # a quarantined value that is not UTF-8 is kept as its bytes
+
+
 # Every field is read as text in one pass; a JSON number, boolean, object or array comes out
 # as its JSON text. (``try_variant_get`` per field cost ~3x more: Spark builds a Cast and
 # reads the SQL conf per row and field; ``try_parse_json`` stays as the validity check, since
@@ -54,6 +57,18 @@ def _one_json_value(text: Column) -> Column:
         return F.json_array_length(F.concat(F.lit("["), text, F.lit(close)))
 
     return F.coalesce((wrapped("]") == 1) & (wrapped(",0]") == 2), F.lit(False))
+
+
+def _starts_an_object(text: Column) -> Column:
+    # JSON's whitespace (space, tab, CR, LF) may precede the object: ``ltrim`` removed spaces
+    # only, and a valid object after a newline was quarantined.
+    return text.rlike(r"^[ \t\r\n]*\{")
+
+
+def is_one_json_object(text: Column) -> Column:
+    """True when valid JSON ``text`` is one object, JSON's whitespace around it allowed
+    (never null); a JSON Lines batch's lines are judged as the stream's values are."""
+    return _one_json_value(text) & F.coalesce(_starts_an_object(text), F.lit(False))
 
 
 def ts_from_text(text: Column) -> Column:
@@ -154,6 +169,26 @@ def currency_error(text: Column) -> Column:
     )
 
 
+def bytes_unless_utf8(text: Column) -> Column:
+    """``NOT_UTF8_PREFIX`` and the bytes of ``text`` in base64 when they are not UTF-8, else
+    null (a Kafka value, a line of a JSON Lines batch).
+
+    Spark's text of bytes keeps them as they are, and such a text cannot be kept: its invalid
+    bytes failed the write of its quarantine row (Arrow's statistics decode it) at every
+    replay, stopping the stream, and ``from_json`` replaced them, so a Latin-1 url was stored
+    altered as a valid pageview. The quarantine row keeps the exact bytes instead, to replay
+    them once re-encoded.
+    """
+    unchunked = F.regexp_replace(F.base64(text.cast("binary")), r"[\r\n]", "")  # MIME's lines
+    return F.when(~F.is_valid_utf8(text), F.concat(F.lit(NOT_UTF8_PREFIX), unchunked))
+
+
+def not_utf8_reason(what: str) -> str:
+    """The reason of a record whose ``what`` :func:`bytes_unless_utf8` kept as bytes."""
+    return (f"{what} is not UTF-8 text, as the contract's JSON must be: raw holds its bytes in "
+            f"base64 after '{NOT_UTF8_PREFIX}'; re-encode it as UTF-8 and send it again")
+
+
 def lost_offsets_error(records: DataFrame) -> Column:
     """Reason of a marker the Kafka source put in place of records the broker dropped before
     they were read (``CLICKSTREAM_FAIL_ON_DATA_LOSS=false``; io.kafka_source K1, K2), or null.
@@ -184,20 +219,22 @@ def lost_offsets_error(records: DataFrame) -> Column:
 def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFrame:
     """Turn Kafka-layout rows (key, value, topic, partition, offset, timestamp, ...) into parsed
     events; ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``."""
-    raw = F.col("value").cast("string")
+    text = F.col("value").cast("string")  # Spark's cast keeps the bytes as they are
     key = F.col("key").cast("string")
     source = F.format_string("kafka:%s/%d/%d", "topic", "partition", "offset")
     base = records.select(
-        raw.alias("raw"),
+        text.alias("raw"),
+        bytes_unless_utf8(text).alias("_raw_bytes"),
         key.alias("_key"),
         source.alias("source"),
         F.col("timestamp").alias("_received"),
-        F.try_parse_json(raw).alias("v"),
-        F.from_json(raw, _FIELDS_AS_TEXT).alias("_fields"),
+        F.try_parse_json(text).alias("v"),
+        F.from_json(text, _FIELDS_AS_TEXT).alias("_fields"),
         lost_offsets_error(records).alias("_lost"),
     )
     v = F.col("v")
-    events = base.select("raw", "_key", "source", "_received", v, "_fields.*", "_lost")
+    events = base.select(F.coalesce("_raw_bytes", "raw").alias("raw"), "_raw_bytes", "_key",
+                         "source", "_received", v, "_fields.*", "_lost")
     events = events.withColumn("ts_value", ts_from_text(F.col("ts"))).withColumnRenamed(
         "ts", "ts_text"
     )
@@ -211,16 +248,17 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
     is_pageview = F.col("event_type") == contract.PAGEVIEW
     error = F.coalesce(
         F.col("_lost"),
+        F.when(F.col("_raw_bytes").isNotNull(), F.lit(not_utf8_reason("value"))),
         F.when(_blank(F.col("raw")), F.lit("value is empty")),
         F.when(v.isNull(), F.lit("value is not valid JSON")),
         F.when(~_one_json_value(F.col("raw")),
                F.lit("value is not valid JSON: text follows its first value")),
-        # JSON's whitespace (space, tab, CR, LF) may precede the object: ``ltrim`` removed
-        # spaces only, and a valid object after a newline was quarantined.
-        F.when(~F.col("raw").rlike(r"^[ \t\r\n]*\{"), F.lit("value is not a JSON object")),
+        F.when(~_starts_an_object(F.col("raw")), F.lit("value is not a JSON object")),
         missing,
         ts_error(F.col("ts_text"), F.col("ts_value")),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), F.col("_received"), max_ts_ahead_ms),
+        F.when(~F.is_valid_utf8("_key"), F.lit(
+            "key is not UTF-8 text: a key is '<client_id>/<user_id>' in UTF-8")),
         F.when(
             F.col("_key").isNotNull()
             & (F.col("_key") != F.concat_ws("/", "client_id", "user_id")),

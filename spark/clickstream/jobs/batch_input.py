@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B9):
+Known edge cases, cited inline as (B1)..(B10):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -33,6 +33,13 @@ Known edge cases, cited inline as (B1)..(B9):
       value, written plainly without trailing zeros: Spark's text of it carries the column's
       scale (``12.500000``) or an exponent (``1.23456785E7``), and such valid amounts were
       quarantined as having more than 4 decimals. A value with more still is.
+  B10. A JSON Lines batch is read line by line (``_json_lines``): Spark's JSON reader takes
+      the first value of a line and ignores the rest, so two records on one line (files
+      joined without a final newline: ``{...}{...}``) stored the first and lost the second
+      unseen, and a line holding ``[]`` gave no row at all. Such a line, or one that is not
+      JSON, is quarantined as it is, and one that is not UTF-8 as its bytes, as the stream
+      keeps such a value (``parse.bytes_unless_utf8``); blank lines are no records, as for
+      Spark's reader.
 """
 
 from __future__ import annotations
@@ -61,7 +68,10 @@ from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.events.parse import (
     amount_error,
+    bytes_unless_utf8,
     currency_error,
+    is_one_json_object,
+    not_utf8_reason,
     ts_ahead_error,
     ts_error,
     ts_from_text,
@@ -80,6 +90,9 @@ REQUIRED = {
 KEY = {"orders": "order_id", "pageviews": "event_id"}
 GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax (B5)
 MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a CSV batch (B6)
+ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps it (B6, B10)
+ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
+READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR)
 
 
 @dataclass(frozen=True)
@@ -189,6 +202,21 @@ def csv_header(batch: BatchFiles) -> list[str]:
 def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
     """Raw rows of the batch with their file of origin; refuses missing columns and files
     Spark cannot read."""
+    frame = _json_lines(spark, batch) if batch.file_format == "json" else _read(spark, batch)
+    found = [c for c in frame.columns if c not in (*READER_COLUMNS, "_metadata")]
+    missing = [c for c in REQUIRED[kind] if c not in found]
+    if missing:
+        raise BatchRefusedError(
+            f"batch {batch.root} lacks required {kind} columns: {', '.join(missing)} (found: "
+            f"{', '.join(found) or 'none'}); required: {', '.join(REQUIRED[kind])}")
+    return frame.withColumn("_file", F.input_file_name()).withColumn(
+        "_file_modified", F.col("_metadata.file_modification_time")  # (B8)
+    ).drop("_metadata")  # a column of ``_json_lines``' rows, else Spark's hidden one: kept
+
+
+def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
+          ) -> DataFrame:
+    """The batch through Spark's reader of its format (or ``file_format``)."""
     reader = spark.read
     if batch.file_format == "csv":  # (B6) one header, every field as text, bad rows marked
         header = csv_header(batch)
@@ -197,19 +225,38 @@ def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataF
             + [StructField(MALFORMED_CSV_ROW, StringType())])).options(
             header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW)
     try:
-        frame = reader.format(batch.file_format).load([str(p) for p in batch.files])
+        frame = reader.format(file_format or batch.file_format).load(
+            [str(p) for p in batch.files])
     except PySparkException as error:
         raise BatchRefusedError(
             f"batch {batch.root} could not be read as {batch.file_format}: "
             f"{str(error).strip().splitlines()[0]}") from error
-    found = [c for c in frame.columns if c != MALFORMED_CSV_ROW]
-    missing = [c for c in REQUIRED[kind] if c not in found]
-    if missing:
-        raise BatchRefusedError(
-            f"batch {batch.root} lacks required {kind} columns: {', '.join(missing)} (found: "
-            f"{', '.join(found) or 'none'}); required: {', '.join(REQUIRED[kind])}")
-    return frame.withColumn("_file", F.input_file_name()).withColumn(
-        "_file_modified", F.col("_metadata.file_modification_time"))  # (B8)
+    if MALFORMED_CSV_ROW in frame.columns:  # (B6) the line as it was is the raw record
+        malformed = F.col(MALFORMED_CSV_ROW)
+        frame = frame.withColumn(ROW_TEXT, malformed).withColumn(ROW_ERROR, F.when(
+            malformed.isNotNull(),
+            F.lit("malformed CSV row: its number of fields differs from the header's")))
+    return frame
+
+
+def _json_lines(spark: SparkSession, batch: BatchFiles) -> DataFrame:
+    """Each non-blank line of a JSON Lines batch as a row of the columns Spark infers from the
+    batch, with the line itself and, when it is not one JSON object, why (B10)."""
+    fields = StructType([f for f in _read(spark, batch).schema
+                         if f.name != "_corrupt_record"])  # Spark's reader: the inference
+    lines = _read(spark, batch, "text").where(F.trim("value") != "")
+    line, as_bytes = F.col("value"), bytes_unless_utf8(F.col("value"))
+    error = F.coalesce(
+        F.when(as_bytes.isNotNull(), F.lit(not_utf8_reason("line"))),
+        F.when(F.try_parse_json(line).isNull(), F.lit("line is not valid JSON")),
+        F.when(~is_one_json_object(line), F.lit(
+            "line is not one JSON object: JSON Lines holds one record per line (two records "
+            "joined on one line, or an array, are quarantined as they are); split the line "
+            "and load it again")))
+    return lines.select(F.from_json(line, fields).alias("_record"),
+                        F.coalesce(as_bytes, line).alias(ROW_TEXT),
+                        error.alias(ROW_ERROR), "_metadata").select(
+        "_record.*", ROW_TEXT, ROW_ERROR, "_metadata")
 
 
 def _text(frame: DataFrame, name: str) -> Column:
@@ -250,20 +297,19 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     columns = {name: _text(frame, name) for name in REQUIRED[kind] if name != "ts"}
     if kind == "orders":
         columns["amount"] = _amount_text(frame)  # (B9)
-    fields = [c for c in frame.columns if c not in ("_file", "_file_modified", MALFORMED_CSV_ROW)]
+    fields = [c for c in frame.columns if c not in READER_COLUMNS]
     raw = F.to_json(F.struct(*[F.col(c) for c in fields]))
-    malformed = F.lit(None).cast(StringType())
-    if MALFORMED_CSV_ROW in frame.columns:  # (B6) the line as it was is the raw record
-        malformed = F.col(MALFORMED_CSV_ROW)
-        raw = F.coalesce(malformed, raw)
+    unreadable = F.lit(None).cast(StringType())
+    if ROW_TEXT in frame.columns:  # (B6, B10) the record as its file holds it
+        raw = F.coalesce(F.col(ROW_TEXT), raw)
+        unreadable = F.col(ROW_ERROR)
     typed = frame.select(
         raw.alias("raw"), F.col("_file").alias("source"),
         *(c.alias(n) for n, c in columns.items()),
-        ts.alias("ts"), ts_text.alias("ts_text"), malformed.alias("malformed"),
+        ts.alias("ts"), ts_text.alias("ts_text"), unreadable.alias("unreadable"),
         F.col("_file_modified").alias("file_modified"))
     blank = {n: F.col(n).isNull() | (F.trim(F.col(n)) == "") for n in columns}
-    checks = [F.when(F.col("malformed").isNotNull(), F.lit(
-        "malformed CSV row: its number of fields differs from the header's"))]
+    checks = [F.col("unreadable")]
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(ts_error(F.col("ts_text"), F.col("ts")))
     checks.append(ts_ahead_error(  # (B8)
@@ -280,7 +326,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     typed = typed.withColumn("error", F.coalesce(*checks))
     if kind == "orders":
         typed = typed.withColumn("amount", F.col("amount").try_cast(AMOUNT_TYPE))
-    return _with_copies(frame, typed.drop("ts_text", "malformed", "file_modified"), key)
+    return _with_copies(frame, typed.drop("ts_text", "unreadable", "file_modified"), key)
 
 
 def _with_copies(frame: DataFrame, typed: DataFrame, key: str) -> DataFrame:

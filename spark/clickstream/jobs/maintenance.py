@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, ConfigError
+from clickstream.errors import ConfigError, one_error_for
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.tables import ALL_TABLES
 
@@ -55,7 +55,8 @@ def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
 
     Raises:
         ClickstreamError: ``work`` failed on one or more tables (each named with its reason;
-            the first failure is chained); every other table was done all the same.
+            the first failure is chained); every other table was done all the same. Of a
+            non-retryable type when every failure is (``errors.one_error_for``).
     """
     done: dict[str, _T] = {}
     failed: dict[str, Exception] = {}
@@ -67,7 +68,8 @@ def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
             progress(f"{step} {name}: failed: {type(exc).__name__}: {exc}")
     if failed:
         reasons = "; ".join(f"{name} ({type(exc).__name__}: {exc})" for name, exc in failed.items())
-        raise ClickstreamError(
+        raise one_error_for(
+            list(failed.values()),
             f"{step} failed on {len(failed)} of {len(done) + len(failed)} tables: {reasons}; "
             f"done: {', '.join(done) or 'none'}. Data is unchanged and {step} is idempotent: "
             "run it again, as is after a conflict with a concurrent commit, else once the "

@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R9):
+Known edge cases, cited inline as (R1)..(R10):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       removing the folded-in rows rewrites those days from the queue as it is at that moment,
       and again if the stream commits into them before the rewrite does.
@@ -55,10 +55,18 @@ Known edge cases, cited inline as (R1)..(R9):
       its order: an order moved (C7) from that user to one the rewrite recomputes is the
       rewrite's (an update, in the plan). Kept by user alone, the old row stayed beside the
       rewritten one: the order held twice, once on the topic. (The other way round is R8.)
+  R10. A client whose queue rows could not be removed (the stream kept committing into the
+      same days through every attempt, R1) fails like a client whose correction failed:
+      its corrections are applied and published, its rows stay queued, and the next run
+      plans them again and changes nothing. The removal used to fail outside the per-client
+      handling, so the clients after it in the run were not folded in at all, run after run
+      while that client's late traffic lasted. Attempts wait a growing, jittered while
+      between them, so they do not fall into the stream's commits in step.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +76,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
+from clickstream.errors import (
+    ClickstreamError,
+    CommitConflictError,
+    PlanNotAppliedError,
+    one_error_for,
+)
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
@@ -152,20 +165,21 @@ def run_recompute(
                  + ("; an interrupted plan to finish first" if client in unfinished else ""))
         run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
                   f"recompute queue version {queue_version}", progress)
-        try:
+        left = None
+        try:  # one client's trouble does not stop the others (R10)
             result, left = _correct(run, partial(landing_scope, mine), watermark)
-        except ClickstreamError as error:  # one client's trouble does not stop the others
+            summary.corrections[client] = result
+            folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
+                                                            "left_anti")
+            dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
+        except ClickstreamError as error:
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
-            mine.unpersist()
-            continue
-        summary.corrections[client] = result
-        folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
-                                                        "left_anti")
-        dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
-        release(mine, left)
+        finally:
+            release(mine, left)
     if failed:
-        raise ClickstreamError(
+        raise one_error_for(
+            list(failed.values()),
             f"recompute failed for {len(failed)} of {len(clients)} clients, whose rows stay "
             f"queued ({'; '.join(f'{c}: {e}' for c, e in failed.items())}); the others were "
             "folded in")
@@ -201,6 +215,7 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
 
 
 QUEUE_ATTEMPTS = 5
+QUEUE_RETRY_WAIT_S = 0.5  # times the attempt, jittered (R10)
 
 
 def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int,
@@ -235,6 +250,7 @@ def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: 
                     raise
                 progress(f"recompute {client}: the stream queued more rows meanwhile "
                          f"(attempt {attempt}); removing the folded-in ones again")
+                time.sleep(QUEUE_RETRY_WAIT_S * attempt * random.uniform(0.5, 1.5))  # (R10)
     finally:
         folded_in.unpersist()
 
