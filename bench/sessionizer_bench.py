@@ -238,7 +238,9 @@ def jvm_heap_mib(pid: int | None) -> dict[str, float] | None:
     try:
         out = subprocess.run(["jstat", "-gc", str(pid)], capture_output=True, text=True,
                              timeout=20).stdout.split("\n")
-        names, values = out[0].split(), [float(v) for v in out[1].split()]
+        # "-" where the collector has no such count (the parallel one's concurrent GCs)
+        names = out[0].split()
+        values = [0.0 if v == "-" else float(v) for v in out[1].split()]
     except Exception:
         return None
     row = dict(zip(names, values, strict=False))
