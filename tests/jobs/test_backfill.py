@@ -380,6 +380,28 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
     assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (7, 5, 2)
 
 
+def test_a_parquet_string_that_is_not_utf8_is_quarantined_and_the_rest_merged(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(B11) Parquet keeps a string's bytes as written: a Latin-1 url failed the whole
+    backfill in the write (UnicodeDecodeError), at every rerun."""
+    latin1 = b"/caf\xe9"
+    offsets = pa.array([0, len(latin1)], pa.int32()).buffers()[1]
+    url = pa.Array.from_buffers(pa.string(), 1, [None, offsets, pa.py_buffer(latin1)])
+    rows = [{**pv_row("latin", "u", 0), "ts": START}, {**pv_row("fine", "u", 5), "ts": START}]
+    table = pa.Table.from_pylist(rows)
+    table = table.set_column(table.schema.get_field_index("url"), "url", pa.chunked_array(
+        [pa.concat_arrays([url, pa.array(["/fine"])])]))
+    write_table(table, stream_config.landing / "p", "parquet")  # type: ignore[arg-type]
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                           path="p")
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["fine"]
+    (quarantined,) = table_rows(stream_config, spark, "quarantine")
+    assert quarantined["reason"].startswith("url is not UTF-8 text")
+    assert json.loads(quarantined["raw"])["url"] == "/caf\ufffd"
+    assert (summary.quarantined, summary.rows_merged) == (1, 1)
+
+
 def test_a_pageview_whose_url_is_too_long_is_quarantined_and_the_rest_published(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B10):
+Known edge cases, cited inline as (B1)..(B11):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -40,6 +40,11 @@ Known edge cases, cited inline as (B1)..(B10):
       JSON, is quarantined as it is, and one that is not UTF-8 as its bytes, as the stream
       keeps such a value (``parse.bytes_unless_utf8``); blank lines are no records, as for
       Spark's reader.
+  B11. A text column's bytes that are not UTF-8 (Parquet keeps a string's bytes as the
+      writer gave them) are the row's reason, and its columns carry them replaced by U+FFFD:
+      as they were, the write of the row (Arrow's statistics decode them) failed the whole
+      backfill with a ``UnicodeDecodeError``, at every rerun. Spark's CSV reader already
+      replaced them (README, known limits); a JSON Lines line is judged whole (B10).
 """
 
 from __future__ import annotations
@@ -297,6 +302,12 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     columns = {name: _text(frame, name) for name in REQUIRED[kind] if name != "ts"}
     if kind == "orders":
         columns["amount"] = _amount_text(frame)  # (B9)
+    strings = [n for n in REQUIRED[kind] if isinstance(frame.schema[n].dataType, StringType)]
+    not_utf8 = F.coalesce(*(F.when(~F.is_valid_utf8(n), F.lit(n)) for n in strings),
+                          F.lit(None).cast(StringType()))  # (B11)
+    columns = {n: F.make_valid_utf8(c) if n in strings else c for n, c in columns.items()}
+    if "ts" in strings:
+        ts_text = F.make_valid_utf8(ts_text)
     fields = [c for c in frame.columns if c not in READER_COLUMNS]
     raw = F.to_json(F.struct(*[F.col(c) for c in fields]))
     unreadable = F.lit(None).cast(StringType())
@@ -307,9 +318,11 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         raw.alias("raw"), F.col("_file").alias("source"),
         *(c.alias(n) for n, c in columns.items()),
         ts.alias("ts"), ts_text.alias("ts_text"), unreadable.alias("unreadable"),
-        F.col("_file_modified").alias("file_modified"))
+        not_utf8.alias("not_utf8"), F.col("_file_modified").alias("file_modified"))
     blank = {n: F.col(n).isNull() | (F.trim(F.col(n)) == "") for n in columns}
-    checks = [F.col("unreadable")]
+    checks = [F.col("unreadable"), F.when(F.col("not_utf8").isNotNull(), F.format_string(
+        "%s is not UTF-8 text: raw shows its invalid bytes as U+FFFD (the file keeps them); "
+        "re-encode the batch as UTF-8 and load it again", F.col("not_utf8")))]  # (B11)
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(ts_error(F.col("ts_text"), F.col("ts")))
     checks.append(ts_ahead_error(  # (B8)
@@ -326,7 +339,8 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     typed = typed.withColumn("error", F.coalesce(*checks))
     if kind == "orders":
         typed = typed.withColumn("amount", F.col("amount").try_cast(AMOUNT_TYPE))
-    return _with_copies(frame, typed.drop("ts_text", "unreadable", "file_modified"), key)
+    return _with_copies(frame, typed.drop("ts_text", "unreadable", "not_utf8", "file_modified"),
+                        key)
 
 
 def _with_copies(frame: DataFrame, typed: DataFrame, key: str) -> DataFrame:
