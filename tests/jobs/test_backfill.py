@@ -356,9 +356,12 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
     """Spark's JSON reader takes a line's first value and ignores the rest: two orders
     joined on one line (files concatenated without a final newline) stored the first and
     lost the second with no trace, and ``[]`` gave no row (B10). A line that is not UTF-8 is
-    kept as its bytes, as the stream keeps such a value. Blank lines are no rows."""
-    def line(order_id: str) -> str:
-        return json.dumps({**order_row(order_id, "u", 1), "ts": START.isoformat()})
+    kept as its bytes, as the stream keeps such a value. Read line by line, the batch still
+    loads what Spark's reader loaded: blank lines (tabs too) are no rows, a byte-order mark
+    where files were joined is not part of a line, and an amount written as a number in a
+    column of texts keeps its digits (``from_json`` wrote 12345678.5 as 1.23456785E7)."""
+    def line(order_id: str, **fields: object) -> str:
+        return json.dumps({**order_row(order_id, "u", 1), "ts": START.isoformat(), **fields})
 
     bad = {line("j1") + line("j2"): "line is not one JSON object",
            "[]": "line is not one JSON object", "5": "line is not one JSON object",
@@ -370,14 +373,16 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
         "contract's JSON must be"
     (folder / "orders.jsonl").write_bytes(b"\n".join(
         [line("good").encode(), *(raw.encode() for raw in list(bad)[:-1]), latin1, b"  ",
-         line("end").encode()]))
+         b"\t", "\ufeff".encode() + line("bom").encode(),
+         line("number", amount=12345678.5).encode(), line("end").encode()]))
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                            path="lines")
-    assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
-        "end", "good"]
+    stored = {r["order_id"]: r["amount"] for r in table_rows(stream_config, spark, "orders")}
+    assert stored == {"good": Decimal("10.00"), "bom": Decimal("10.00"),
+                      "number": Decimal("12345678.5"), "end": Decimal("10.00")}
     reasons = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
     assert {raw: reason.split(":")[0] for raw, reason in reasons.items()} == bad
-    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (7, 5, 2)
+    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (9, 5, 4)
 
 
 def test_a_parquet_string_that_is_not_utf8_is_quarantined_and_the_rest_merged(

@@ -37,14 +37,16 @@ Known edge cases, cited inline as (B1)..(B11):
       the first value of a line and ignores the rest, so two records on one line (files
       joined without a final newline: ``{...}{...}``) stored the first and lost the second
       unseen, and a line holding ``[]`` gave no row at all. Such a line, or one that is not
-      JSON, is quarantined as it is, and one that is not UTF-8 as its bytes, as the stream
-      keeps such a value (``parse.bytes_unless_utf8``); blank lines are no records, as for
-      Spark's reader.
+      strict JSON (Spark's reader took single quotes and ``NaN``, and split a line holding
+      an array of records into rows), is quarantined as it is, and one that is not UTF-8 as
+      its bytes, as the stream keeps such a value (``parse.bytes_unless_utf8``). Blank lines
+      are no records, and a byte-order mark is not part of a line, as for Spark's reader.
   B11. A text column's bytes that are not UTF-8 (Parquet keeps a string's bytes as the
-      writer gave them) are the row's reason, and its columns carry them replaced by U+FFFD:
-      as they were, the write of the row (Arrow's statistics decode them) failed the whole
-      backfill with a ``UnicodeDecodeError``, at every rerun. Spark's CSV reader already
-      replaced them (README, known limits); a JSON Lines line is judged whole (B10).
+      writer gave them, and reads a byte array without the UTF-8 mark as bytes) are the
+      row's reason, and its columns carry them replaced by U+FFFD: as they were, the write
+      of the row (Arrow's statistics decode them) failed the whole backfill with a
+      ``UnicodeDecodeError``, at every rerun. Spark's CSV reader already replaced them
+      (README, known limits); a JSON Lines line is judged whole (B10).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
+    BinaryType,
     DateType,
     DecimalType,
     FractionalType,
@@ -249,19 +252,27 @@ def _json_lines(spark: SparkSession, batch: BatchFiles) -> DataFrame:
     batch, with the line itself and, when it is not one JSON object, why (B10)."""
     fields = StructType([f for f in _read(spark, batch).schema
                          if f.name != "_corrupt_record"])  # Spark's reader: the inference
-    lines = _read(spark, batch, "text").where(F.trim("value") != "")
-    line, as_bytes = F.col("value"), bytes_unless_utf8(F.col("value"))
+    text = F.col("value")
+    lines = _read(spark, batch, "text").where(~text.rlike(r"^[ \t\r\n]*$"))
+    line = F.regexp_replace(text, "^\ufeff", "")  # a file's byte-order mark, files joined
+    as_bytes = bytes_unless_utf8(text)
     error = F.coalesce(
         F.when(as_bytes.isNotNull(), F.lit(not_utf8_reason("line"))),
-        F.when(F.try_parse_json(line).isNull(), F.lit("line is not valid JSON")),
+        F.when(F.col("_value").isNull(), F.lit("line is not valid JSON")),
         F.when(~is_one_json_object(line), F.lit(
             "line is not one JSON object: JSON Lines holds one record per line (two records "
             "joined on one line, or an array, are quarantined as they are); split the line "
             "and load it again")))
-    return lines.select(F.from_json(line, fields).alias("_record"),
-                        F.coalesce(as_bytes, line).alias(ROW_TEXT),
-                        error.alias(ROW_ERROR), "_metadata").select(
-        "_record.*", ROW_TEXT, ROW_ERROR, "_metadata")
+    parsed = lines.select(F.from_json(line, fields).alias("_record"),
+                          F.try_parse_json(line).alias("_value"), text, "_metadata")
+    # A text field's number is read from the parsed value: ``from_json`` writes it back
+    # through a double (12345678.5 as 1.23456785E7) where Spark's reader kept its text (B10).
+    required = {name for names in REQUIRED.values() for name in names}
+    return parsed.select(
+        *(F.try_variant_get("_value", f"$.{f.name}", "string").alias(f.name)
+          if f.name in required and isinstance(f.dataType, StringType)
+          else F.col("_record")[f.name].alias(f.name) for f in fields),
+        F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
 
 
 def _text(frame: DataFrame, name: str) -> Column:
@@ -302,7 +313,8 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     columns = {name: _text(frame, name) for name in REQUIRED[kind] if name != "ts"}
     if kind == "orders":
         columns["amount"] = _amount_text(frame)  # (B9)
-    strings = [n for n in REQUIRED[kind] if isinstance(frame.schema[n].dataType, StringType)]
+    strings = [n for n in REQUIRED[kind]
+               if isinstance(frame.schema[n].dataType, (StringType, BinaryType))]
     not_utf8 = F.coalesce(*(F.when(~F.is_valid_utf8(n), F.lit(n)) for n in strings),
                           F.lit(None).cast(StringType()))  # (B11)
     columns = {n: F.make_valid_utf8(c) if n in strings else c for n, c in columns.items()}
