@@ -315,7 +315,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         columns["amount"] = _amount_text(frame)  # (B9)
     strings = [n for n in REQUIRED[kind]
                if isinstance(frame.schema[n].dataType, (StringType, BinaryType))]
-    not_utf8 = F.coalesce(*(F.when(~F.is_valid_utf8(n), F.lit(n)) for n in strings),
+    not_utf8 = F.coalesce(*(F.when(~F.is_valid_utf8(_text(frame, n)), F.lit(n)) for n in strings),
                           F.lit(None).cast(StringType()))  # (B11)
     columns = {n: F.make_valid_utf8(c) if n in strings else c for n, c in columns.items()}
     if "ts" in strings:
