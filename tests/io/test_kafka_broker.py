@@ -325,6 +325,20 @@ def test_read_compacted_keeps_last_value_per_key_without_tombstones(
     assert len(expected) == 40
 
 
+def test_read_compacted_stops_at_once_with_the_cause_of_a_permanent_fetch_error(
+    config: Config
+) -> None:
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:  # own: the errors answer any client
+        own_config = config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        producer = make_producer(own_config)
+        producer.produce("t", key=b"k", value=b'{"v": 1}')
+        flush_or_raise(producer, 30)
+        own.fail_fetches(29, 1)  # TOPIC_AUTHORIZATION_FAILED, for the next Fetch only
+        with pytest.raises(ClickstreamError, match=r"topic t partition 0 at offset 0 .*"
+                           r"Topic authorization failed"):
+            read_compacted(own_config, "t", timeout_s=60)
+        assert read_compacted(own_config, "t") == {"k": {"v": 1}}  # the errors were the cause
+
 def test_check_no_data_loss_messages() -> None:
     check_no_data_loss("events", 3, 150, 150)
     check_no_data_loss("events", 3, 200, 150, 200)

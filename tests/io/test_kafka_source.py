@@ -16,7 +16,7 @@ from pyspark.sql.datasource import CaseInsensitiveDict
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from clickstream.config import Config
-from clickstream.errors import BrokerUnavailableError, DataLossError
+from clickstream.errors import BrokerUnavailableError, ClickstreamError, DataLossError
 from clickstream.events.contract import LOST_OFFSETS_HEADER
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import (
@@ -216,6 +216,34 @@ def test_ranges_of_many_partitions_are_read_with_one_consumer_exactly(
     with pytest.raises(DataLossError, match=r"records 1\.\.2 were dropped"):
         list(read_offset_ranges(kafka_config, topic, ranges))
 
+
+REQUEST_TIMED_OUT, TOPIC_AUTHORIZATION_FAILED = 7, 29  # Kafka protocol error codes
+
+
+def test_fetch_errors_the_client_gets_past_are_waited_out_and_permanent_ones_stop_the_read(
+    config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An own broker: the errors answer whichever client fetches next.
+    with EmbeddedBroker(port=0, topics={"t": 2}) as own:
+        own_config = config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        produce(own_config, "t", 40)
+        ranges = {p: (0, high) for p, (_low, high) in topic_watermarks(own_config, "t").items()}
+        every_offset = [(p, o) for p, (start, end) in sorted(ranges.items())
+                        for o in range(start, end)]
+
+        own.fail_fetches(REQUEST_TIMED_OUT, 4)
+        with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+            read = sorted((m.partition(), m.offset())
+                          for batch in read_offset_ranges(own_config, "t", ranges) for m in batch)
+        assert read == every_offset
+        assert "Request timed out; librdkafka retries it" in caplog.text
+
+        own.fail_fetches(TOPIC_AUTHORIZATION_FAILED, 4)
+        started = time.monotonic()
+        with pytest.raises(ClickstreamError, match=r"reading topic t partition \d at offset 0 "
+                           r"from .*Topic authorization failed \(TOPIC_AUTHORIZATION_FAILED\)"):
+            list(read_offset_ranges(own_config, "t", ranges, idle_timeout_s=60))
+        assert time.monotonic() - started < 30  # at once, not after the idle time limit
 
 def _offsets(messages: list[Message]) -> list[tuple[int, bytes | None, list | None]]:
     return [(m.offset(), m.value(), m.headers()) for m in messages]

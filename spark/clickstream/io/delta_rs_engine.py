@@ -99,7 +99,6 @@ import functools
 import json
 import logging
 import os
-import random
 import re
 import time
 import uuid
@@ -132,6 +131,7 @@ from clickstream.io.delta_tables import (
     partition_string,
 )
 from clickstream.locks import exclusive
+from clickstream.retry import wait_before_retry
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -820,8 +820,7 @@ class DeltaRsTables(DeltaTables):
                     "checkpoint, edge case 17): the table's history then shows it"
                 ) from exc
             if number < self._max_attempts:
-                delay = min(5.0, self._backoff * 2 ** (number - 1))
-                time.sleep(delay * random.uniform(0.5, 1.0))
+                wait_before_retry(number, self._backoff)
         raise CommitConflictError(
             f"{operation} on table {name!r} still conflicted after {self._max_attempts} commit "
             f"attempts; nothing was committed (first cause: {first}). Retrying the step is safe: "

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +40,7 @@ from clickstream.io.delta_tables import (
     filter_to_sql,
     quote_ident,
 )
+from clickstream.retry import wait_before_retry
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -403,8 +402,7 @@ class DeltaSparkTables(DeltaTables):
             except self._conflicts as exc:
                 first = first or exc
             if number < self._max_attempts:
-                delay = min(5.0, self._backoff * 2 ** (number - 1))
-                time.sleep(delay * random.uniform(0.5, 1.0))
+                wait_before_retry(number, self._backoff)
         raise CommitConflictError(
             f"{operation} on table {name!r} still conflicted after {self._max_attempts} attempts; "
             f"nothing was committed (first cause: {first}). Retrying the step is safe: it "

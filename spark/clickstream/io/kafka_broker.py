@@ -83,7 +83,7 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Literal
 
@@ -99,6 +99,7 @@ DEFAULT_TOPICS: Mapping[str, int] = {"events": 16, "sessions": 16, "attributions
 
 _RD_KAFKA_PRODUCER = 0
 _RESP_ERR_TOPIC_ALREADY_EXISTS = 36
+_API_KEY_FETCH = 1  # the Kafka protocol's request type number of Fetch
 _BUFFER_LIMIT = 1 << 20  # bytes buffered per direction before reading from that side pauses
 _RECV_SIZE = 1 << 18
 
@@ -142,6 +143,8 @@ def _librdkafka() -> ctypes.CDLL:
             "rd_kafka_mock_broker_set_host_port": ([vp, i32, cp, ctypes.c_int], None),
             "rd_kafka_mock_partition_delete_records": ([vp, cp, i32, i64], ctypes.c_int),
             "rd_kafka_mock_group_initial_rebalance_delay_ms": ([vp, i32], None),
+            "rd_kafka_mock_push_request_errors_array": (
+                [vp, ctypes.c_int16, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)], None),
             "rd_kafka_err2str": ([ctypes.c_int], cp),
         }
         for name, (argtypes, restype) in signatures.items():
@@ -192,6 +195,11 @@ class _MockCluster:
     def delete_records(self, topic: str, partition: int, before_offset: int) -> int:
         return int(self._lib.rd_kafka_mock_partition_delete_records(
             self._mcluster, topic.encode(), partition, before_offset))
+
+    def fail_requests(self, api_key: int, codes: Sequence[int]) -> None:
+        errors = (ctypes.c_int * len(codes))(*codes)
+        self._lib.rd_kafka_mock_push_request_errors_array(self._mcluster, api_key, len(codes),
+                                                         errors)
 
     def error_text(self, code: int) -> str:
         return _err2str(self._lib, code)
@@ -554,6 +562,13 @@ class EmbeddedBroker:
         if code:
             raise BrokerError(f"delete_records {topic} [{partition}] before {before_offset}: "
                               f"{mock.error_text(code)}")
+
+    def fail_fetches(self, error_code: int, count: int) -> None:
+        """Answer the next ``count`` Fetch requests with ``error_code`` (a Kafka protocol error
+        code), as a real broker's failures would (to test how readers take them)."""
+        if count < 1:
+            raise BrokerError(f"fail_fetches needs a count of at least 1, got {count}")
+        self._running()[0].fail_requests(_API_KEY_FETCH, [error_code] * count)
 
     def _running(self) -> tuple[_MockCluster, _Forwarder]:
         mock, forwarder = self._mock, self._forwarder

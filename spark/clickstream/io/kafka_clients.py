@@ -56,6 +56,7 @@ from clickstream.errors import (
     DeliveryError,
 )
 from clickstream.events.contract import LOST_OFFSETS_HEADER
+from clickstream.retry import wait_before_retry
 
 KafkaConfig = dict[str, Any]
 ClientT = TypeVar("ClientT")
@@ -506,7 +507,7 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
             cause = exc.args[0] if exc.args else None
             last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
         if attempt < attempts:
-            time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+            wait_before_retry(attempt, 0.5, jitter=False)
     if unknown_topic:
         raise ClickstreamError(
             f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
@@ -617,6 +618,67 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
         )
 
 
+# Fetch errors librdkafka does not get past by itself: the read stops at once with the cause.
+_PERMANENT_READ_ERRORS = frozenset({
+    KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.SASL_AUTHENTICATION_FAILED,
+    KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+})
+
+
+class ReadErrors:
+    """What a reader does with an error ``consume()`` hands it, other than the end of a
+    partition and a fetch below the log start (each reader's own business).
+
+    librdkafka reports fetch errors it goes on from, a broker's request timeout among them, as
+    error messages, and marks none of them retriable: a fetch timeout of a real broker used to
+    fail the sessionizer's micro-batch. Such errors are logged, once per partition and code,
+    and the read goes on; the reader's own time limit bounds the wait and names the last one.
+    A truncated log (an unclean leader election, KIP-320), an authorization or authentication
+    error, an unknown topic or partition and a fatal error stop the read with the cause.
+    """
+
+    def __init__(self, config: Config, topic: str) -> None:
+        self._config = config
+        self._topic = topic
+        self._logged: set[tuple[int | None, int]] = set()
+        self.last: str | None = None
+
+    def handle(self, error: KafkaError, partition: int | None, offset: int | None) -> None:
+        """Raise for an error that ends the read; note and log any other.
+
+        Raises:
+            DataLossError: The broker truncated the log under the reader.
+            ClickstreamError: A permanent or fatal error.
+        """
+        where = (f"topic {self._topic} partition {partition}" if partition is not None
+                 and partition >= 0 else f"topic {self._topic}")
+        at = f" at offset {offset}" if offset is not None and offset >= 0 else ""
+        if error.code() == KafkaError._LOG_TRUNCATION:
+            raise DataLossError(
+                f"{where}: the broker truncated its log under the reader{at} (an unclean "
+                f"leader election: records after that point were replaced or lost); "
+                f"{_OTHER_LOG_ADVICE}"
+            )
+        if error.fatal() or error.code() in _PERMANENT_READ_ERRORS:
+            raise ClickstreamError(
+                f"reading {where}{at} from {self._config.kafka_bootstrap_servers} failed: "
+                f"{error.str()} ({error.name()}); fix the cause (the topic, or the client's "
+                f"credentials and ACLs in {ENV_NAMES['kafka_options']}), then rerun: the read "
+                "starts again from the same offsets"
+            )
+        self.last = f"{where}{at}: {error.str()}"
+        if (partition, error.code()) not in self._logged:
+            self._logged.add((partition, error.code()))
+            log.warning("reading %s%s: %s; librdkafka retries it (shown once per partition "
+                        "and error)", where, at, error.str())
+
+    def since(self) -> str:
+        """`` (last error: ...)`` for a time-limit message, or nothing."""
+        return f" (last error: {self.last})" if self.last else ""
+
+
 def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_watermark: int,
                        high_watermark: int | None = None, *, fail_on_data_loss: bool = True
                        ) -> None:
@@ -689,6 +751,7 @@ def read_compacted(config: Config, topic: str, *,
         "auto.offset.reset": "error",  # a fetch below the log start must fail, not skip
         "enable.partition.eof": True,
     })
+    errors = ReadErrors(config, topic)
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in ends])
         deadline = time.monotonic() + timeout_s
@@ -697,8 +760,8 @@ def read_compacted(config: Config, topic: str, *,
                 missing = ", ".join(f"{p}" for p in sorted(ends))
                 raise BrokerUnavailableError(
                     f"reading topic {topic!r} from {config.kafka_bootstrap_servers} did not "
-                    f"reach the high watermarks of partitions {missing} within {timeout_s:g} s; "
-                    "check that the broker is up, then rerun"
+                    f"reach the high watermarks of partitions {missing} within {timeout_s:g} s"
+                    f"{errors.since()}; check that the broker is up, then rerun"
                 )
             for msg in consumer.consume(num_messages=10_000, timeout=0.5):
                 partition, offset, err = msg.partition(), msg.offset(), msg.error()
@@ -715,10 +778,7 @@ def read_compacted(config: Config, topic: str, *,
                         check_no_data_loss(topic, partition, 0, low, high)
                         raise DataLossError(f"topic {topic} partition {partition}: {err.str()}; "
                                             f"{_LOSS_ADVICE}")
-                    if err.fatal():  # others (disconnects...) are retried by librdkafka
-                        raise BrokerUnavailableError(
-                            f"reading topic {topic!r} from {config.kafka_bootstrap_servers} "
-                            f"failed: {err.str()}; rerun once the broker is healthy")
+                    errors.handle(err, partition, offset)
                     continue
                 if end is None or offset >= end:
                     continue  # written after the snapshot started, or partition already done
@@ -820,6 +880,7 @@ def read_offset_ranges(
                            fail_on_data_loss=fail_on_data_loss)  # raises, or:
         return lost_offsets_marker(topic, partition, expected[partition], lost_until - 1)
 
+    errors = ReadErrors(config, topic)
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
         idle = 0.0
@@ -832,7 +893,7 @@ def read_offset_ranges(
                     waiting = ", ".join(f"{p} at {e}" for p, e in sorted(expected.items())[:5])
                     raise BrokerUnavailableError(
                         f"no records from topic {topic} (partitions {waiting}) for "
-                        f"{idle_timeout_s:g} s; is Kafka reachable at "
+                        f"{idle_timeout_s:g} s{errors.since()}; is Kafka reachable at "
                         f"{config.kafka_bootstrap_servers}? Rerunning retries the same offsets"
                     )
                 continue
@@ -867,7 +928,8 @@ def read_offset_ranges(
                                 consumer.incremental_assign([TopicPartition(topic, partition,
                                                                             low)])
                             continue
-                    raise KafkaException(error)
+                    errors.handle(error, partition, message.offset())
+                    continue
                 if partition not in expected:
                     continue
                 offset = message.offset()

@@ -66,7 +66,6 @@ Known edge cases, cited inline as (R1)..(R10):
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,6 +106,7 @@ from clickstream.jobs.corrections import (
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
+from clickstream.retry import wait_before_retry
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
@@ -215,7 +215,7 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
 
 
 QUEUE_ATTEMPTS = 5
-QUEUE_RETRY_WAIT_S = 0.5  # times the attempt, jittered (R10)
+QUEUE_RETRY_WAIT_S = 0.5  # the first wait, doubling, jittered (R10)
 
 
 def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int,
@@ -250,7 +250,7 @@ def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: 
                     raise
                 progress(f"recompute {client}: the stream queued more rows meanwhile "
                          f"(attempt {attempt}); removing the folded-in ones again")
-                time.sleep(QUEUE_RETRY_WAIT_S * attempt * random.uniform(0.5, 1.5))  # (R10)
+                wait_before_retry(attempt, QUEUE_RETRY_WAIT_S)  # (R10)
     finally:
         folded_in.unpersist()
 
