@@ -28,6 +28,7 @@ from clickstream.io.delta_rs_engine import DeltaRsTables, _ActiveFile, _removes
 from clickstream.io.delta_spark_engine import delta_jars_loadable
 from clickstream.io.delta_tables import (
     AppendResult,
+    DeleteResult,
     DeltaTables,
     UpsertResult,
     check_partition_predicate,
@@ -649,6 +650,60 @@ def test_upsert_whose_keys_keep_arriving_gives_up_and_commits_nothing(config, sp
     assert arrivals == [1, 2, 1, 2]
     assert tables.app_version("orders", "backfill") is None
     assert [r.order_id for r in tables.read("orders").collect()] == ["o1"] * 4
+
+def test_delete_rows_removes_its_keys_rewriting_only_the_files_that_hold_them(tables, spark):
+    for version, rows in enumerate([[("o1", "c1", D1, "1"), ("o2", "c1", D1, "2")],
+                                    [("o3", "c1", D1, "3")], [("o4", "c1", D2, "4")],
+                                    [("o9", "c2", D1, "9")]], start=1):
+        tables.append_once("orders", orders(spark, *rows), app_id="stream", version=version,
+                           partition_by=PARTS, metadata=META)
+    before = files_of(tables, "orders", "c1")
+    other_client = files_of(tables, "orders", "c2")
+
+    gone = orders(spark, ("o2", "c1", D1, "0"), ("o9", "c1", D1, "0")).select(
+        "client_id", "order_id")  # o9 is c2's, so no stored row has this key
+    result = tables.delete_rows("orders", gone, keys=["client_id", "order_id"],
+                                partition_filter={"client_id": "c1", "event_date": [D1]},
+                                app_id="dequeue", version=1, metadata=META)
+
+    assert result == DeleteResult(deleted=1)
+    assert ids(tables.read("orders")) == ["o1", "o3", "o4", "o9"]
+    after = files_of(tables, "orders", "c1")
+    assert len(before - after) == 1  # the file of o1 and o2 alone, rewritten with o1
+    assert files_of(tables, "orders", "c2") == other_client
+    version = tables.version("orders")
+    replay = tables.delete_rows("orders", gone, keys=["client_id", "order_id"],
+                                partition_filter={"client_id": "c1", "event_date": [D1]},
+                                app_id="dequeue", version=1, metadata=META)
+    assert replay == DeleteResult(0, committed=False)
+    assert tables.version("orders") == version
+
+
+def test_delete_rows_commits_beside_appends_into_its_partition_and_keeps_them(config, spark,
+                                                                               caplog):
+    """The recompute's removal of queued rows beside the stream queuing more of the same day:
+    a replace of the day was refused by such an append and had to read it again."""
+    other = open_tables(config, spark)
+
+    def stream_appends(table: str, attempt: int) -> None:
+        if attempt == 1:  # between the removal's read and its first commit
+            other.append_once(table, orders(spark, ("live", "c1", D1, "5")), app_id="stream",
+                              version=2, partition_by=PARTS, metadata=META)
+
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01, before_commit=stream_appends)
+    other.append_once("orders", orders(spark, ("o1", "c1", D1, "1"), ("o2", "c1", D1, "2")),
+                      app_id="stream", version=1, partition_by=PARTS, metadata=META)
+
+    with caplog.at_level(logging.INFO, logger="clickstream.io.delta_rs_engine"):
+        result = tables.delete_rows(
+            "orders", orders(spark, ("o1", "c1", D1, "1")).select("client_id", "order_id"),
+            keys=["client_id", "order_id"], partition_filter={"client_id": "c1"},
+            app_id="dequeue", version=1, metadata=META)
+
+    assert result == DeleteResult(deleted=1)
+    assert any("commit attempt 1 conflicted" in m for m in caplog.messages)
+    assert not any("changed under it" in m for m in caplog.messages)  # not read again
+    assert ids(other.read("orders")) == ["live", "o2"]
 
 def test_upsert_rewrites_files_written_before_a_column_was_added(tables, spark):
     tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1"), ("o2", "c1", D1, "2")),

@@ -121,36 +121,42 @@ def test_rows_the_stream_queues_while_a_recompute_runs_stay_queued(
     assert_topic_equals_table(stream_config, spark)
 
 
-def test_a_client_the_stream_keeps_queuing_into_does_not_stop_the_other_clients(
+def test_a_client_whose_queue_rows_cannot_be_removed_does_not_stop_the_other_clients(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
-    """(R10) The stream commits into c1's queued day during every removal attempt: c1 fails
-    with its rows queued, c2 is still folded in, and the next run finishes c1. The removal's
-    failure used to leave the run at c1, so c2 waited with it, run after run."""
+    """(R10) c1's folded-in record is queued again before every commit attempt of its removal
+    (a file holding one of its rows is added each time): c1 fails with its rows queued, c2 is
+    still folded in, and the next run finishes c1. The removal's failure used to leave the run
+    at c1, so c2 waited with it, run after run."""
     late(stream_config, spark, [("p1", "c1", "u1", 0), ("q1", "c2", "v1", 0)])
     engine = type(open_tables(stream_config, spark))
-    read = engine.read
-    interfering = count(1)
+    delete_rows = engine.delete_rows
+    requeued = count(1)
 
-    def read_then_the_stream_queues(self, name, *args, **kwargs):
-        rows = read(self, name, *args, **kwargs)
-        wanted = kwargs.get("partition_filter") or {}
-        if name == RECOMPUTE_QUEUE.name and wanted.get("client_id") == "c1" and (
-                "event_date" in wanted):  # dequeue's read of c1's days
-            queued_by_the_stream(stream_config, spark, [(f"x{next(interfering)}", "c1", "u3", 1)])
-        return rows
+    def p1_queued_again(table: str, attempt: int) -> None:
+        next(requeued)
+        queued_by_the_stream(stream_config, spark, [("p1", "c1", "u1", 0)])
 
-    monkeypatch.setattr(engine, "read", read_then_the_stream_queues)
-    monkeypatch.setattr(recompute, "QUEUE_RETRY_WAIT_S", 0)
-    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: ") as failed:
+    def delete_rows_while_p1_is_queued_again(self, name, df, **kwargs):
+        if kwargs["partition_filter"]["client_id"] != "c1":
+            return delete_rows(self, name, df, **kwargs)
+        seam = self._before_commit, self._backoff
+        self._before_commit, self._backoff = p1_queued_again, 0.0
+        try:
+            return delete_rows(self, name, df, **kwargs)
+        finally:
+            self._before_commit, self._backoff = seam
+
+    monkeypatch.setattr(engine, "delete_rows", delete_rows_while_p1_is_queued_again)
+    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: "
+                       r"delete_rows on table 'recompute_queue'") as failed:
         run_recompute(stream_config, spark=spark, progress=quiet)
     assert not isinstance(failed.value, NOT_RETRYABLE)  # the next run may well get through
-    assert next(interfering) == recompute.QUEUE_ATTEMPTS + 1
-    assert {(r["client_id"], r["record_id"]) for r in table_rows(
-        stream_config, spark, "recompute_queue")} == {("c1", "p1")} | {
-            ("c1", f"x{n}") for n in range(1, recompute.QUEUE_ATTEMPTS + 1)}
+    queued = [(r["client_id"], r["record_id"]) for r in table_rows(
+        stream_config, spark, "recompute_queue")]
+    assert queued == [("c1", "p1")] * next(requeued)  # the first and every copy queued since
     assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c2", "v1")}
 
-    monkeypatch.setattr(engine, "read", read)
+    monkeypatch.setattr(engine, "delete_rows", delete_rows)
     run_recompute(stream_config, spark=spark, progress=quiet)
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c2", "v1")}

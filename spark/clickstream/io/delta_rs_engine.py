@@ -120,6 +120,7 @@ from deltalake.transaction import AddAction, RemoveAction
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
     AppendResult,
+    DeleteResult,
     DeltaTables,
     PartitionFilter,
     PartitionValue,
@@ -299,18 +300,51 @@ class DeltaRsTables(DeltaTables):
         Here the rows are read and written once; a commit attempt only checks what other
         writers committed since (edge case 14).
         """
-        properties = _commit_properties(metadata, app_id, version, "upsert")
+        table = self._ensure_table(name, df.schema, partition_by, metadata)
+        return self._rewrite_by_keys(name, table, df, keys, partition_filter, app_id, version,
+                                     metadata, insert=True)
+
+    def delete_rows(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        keys: Sequence[str],
+        partition_filter: PartitionFilter,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> DeleteResult:
+        """See :meth:`DeltaTables.delete_rows`: the upsert's copy-on-write by file (edge case
+        14) without the source's rows, so the stream's appends meanwhile do not conflict."""
+        table = self._require(name)
+        outcome = self._rewrite_by_keys(name, table, df.select(*keys), keys, partition_filter,
+                                        app_id, version, metadata, insert=False)
+        return DeleteResult(outcome.updated, outcome.committed)
+
+    def _rewrite_by_keys(
+        self, name: str, table: DeltaTable, df: DataFrame, keys: Sequence[str],
+        partition_filter: PartitionFilter | None, app_id: str, version: int,
+        metadata: Mapping[str, Any], *, insert: bool,
+    ) -> UpsertResult:
+        """Upsert (``insert``) or delete the keys of ``df``; for a delete, ``updated`` counts
+        the rows removed."""
+        operation = "upsert" if insert else "delete_rows"
+        properties = _commit_properties(metadata, app_id, version, operation)
         if not keys or set(keys) - set(df.columns):
             raise ConfigError(
-                f"upsert into {name!r}: keys {list(keys)} must be non-empty columns of the "
+                f"{operation} on {name!r}: keys {list(keys)} must be non-empty columns of the "
                 f"DataFrame; its columns are {', '.join(df.columns)}"
             )
-        table = self._ensure_table(name, df.schema, partition_by, metadata)
         if _done(table, app_id, version):
             return UpsertResult(0, 0, committed=False)
-        df = _conform(df, table, name)
-        source = _cast_to_table(df.toArrow(), table)
-        _check_keys(source, list(keys), name)
+        source = df.toArrow()
+        if insert:
+            df = _conform(df, table, name)
+            source = _cast_to_table(df.toArrow(), table)
+        else:
+            source = _cast_to_columns(source, table, name)
+        _check_keys(source, list(keys), name, operation)
         scope = partition_filter
         if scope is None:  # restrict by the key columns that are partition columns
             key_parts = [k for k in keys if k in _partition_columns(table)]
@@ -321,23 +355,23 @@ class DeltaRsTables(DeltaTables):
             _check_filter_columns(scope, _partition_columns(table), name)
         _check_partition_keys(source, [k for k in keys if k in _partition_columns(table)], name)
         if source.num_rows == 0:  # edge case 10: record the step all the same
-            return self._record_step(name, properties, app_id, version)
+            return self._record_step(name, operation, properties, app_id, version)
         source_keys = source.select(list(keys))
         first: _ReadChanged | None = None
         for number in range(1, self._max_attempts + 1):
             try:
-                outcome = self._upsert_once(name, source, source_keys, scope, properties,
-                                            app_id, version)
+                outcome = self._upsert_once(name, source if insert else None, source_keys,
+                                            scope, properties, app_id, version)
             except _ReadChanged as exc:
                 first = first or exc
-                log.info("upsert on %s: read %d of %d changed under it: %s", name, number,
-                         self._max_attempts, exc)
+                log.info("%s on %s: read %d of %d changed under it: %s", operation, name,
+                         number, self._max_attempts, exc)
                 continue
             if isinstance(outcome, UpsertResult):
                 return outcome
             return UpsertResult(0, 0, committed=False)  # edge case 2: a racing replay won
         raise CommitConflictError(
-            f"upsert on table {name!r}: concurrent commits changed the rows it rewrites on "
+            f"{operation} on table {name!r}: concurrent commits changed the rows it rewrites on "
             f"each of {self._max_attempts} reads; nothing was committed (first: {first}). "
             "Retrying the step is safe: it commits at most once per (app_id, version)."
         )
@@ -345,14 +379,15 @@ class DeltaRsTables(DeltaTables):
     def _upsert_once(
         self,
         name: str,
-        source: pa.Table,
+        source: pa.Table | None,
         source_keys: pa.Table,
         scope: PartitionFilter | None,
         properties: CommitProperties,
         app_id: str,
         version: int,
     ) -> object:
-        """One read-write-commit pass of :meth:`upsert` (edge case 14).
+        """One read-write-commit pass of :meth:`upsert` (edge case 14); without a ``source``,
+        of :meth:`delete_rows`.
 
         Raises:
             _ReadChanged: another writer removed a file this pass rewrites, or added rows with
@@ -367,14 +402,17 @@ class DeltaRsTables(DeltaTables):
         # One join over all files, not one per file: each join hashes the whole batch's keys.
         matched = self._keys_in_files(name, read, seen, source_keys)
         holders = [seen[i] for i in sorted(set(matched.column(_FILE).to_pylist()))]
-        updated = matched.select(keys).group_by(keys).aggregate([]).num_rows
-        kept = self._read_files(name, read, holders, None).join(
-            source_keys, keys, join_type="left anti")
-        files = self._write_arrow(
-            name, pa.concat_tables([source, _cast_to_table(kept, read)]), read)
+        kept = _cast_to_table(self._read_files(name, read, holders, None).join(
+            source_keys, keys, join_type="left anti"), read)
+        if source is None:  # a delete: every stored row of its keys goes
+            result = UpsertResult(0, matched.num_rows)
+        else:
+            updated = matched.select(keys).group_by(keys).aggregate([]).num_rows
+            result = UpsertResult(source.num_rows - updated, updated)
+            kept = pa.concat_tables([source, kept])
+        files = self._write_arrow(name, kept, read) if kept.num_rows else []
         rewritten = {f.log_path for f in holders}
         checked = {f.log_path for f in seen}
-        result = UpsertResult(source.num_rows - updated, updated)
 
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
@@ -400,7 +438,8 @@ class DeltaRsTables(DeltaTables):
             )
             return result
 
-        return self._commit_files(name, "upsert", files, attempt, since=read.version(),
+        operation = "upsert" if source is not None else "delete_rows"
+        return self._commit_files(name, operation, files, attempt, since=read.version(),
                                   landed=result)
 
     def _keys_in_files(
@@ -432,8 +471,8 @@ class DeltaRsTables(DeltaTables):
         return pa.concat_tables(read) if read else target.append(
             pa.field(_FILE, pa.int32())).empty_table()
 
-    def _record_step(self, name: str, properties: CommitProperties, app_id: str,
-                     version: int) -> UpsertResult:
+    def _record_step(self, name: str, operation: str, properties: CommitProperties,
+                     app_id: str, version: int) -> UpsertResult:
         """A commit with no files, so a replay of the step is skipped (edge case 10)."""
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
@@ -444,7 +483,7 @@ class DeltaRsTables(DeltaTables):
             )
             return UpsertResult(0, 0)
 
-        outcome = self._commit_loop(name, "upsert", attempt)
+        outcome = self._commit_loop(name, operation, attempt)
         return outcome if isinstance(outcome, UpsertResult) else UpsertResult(0, 0, False)
 
     def replace_partitions(
@@ -1313,12 +1352,24 @@ def _cast_to_table(source: pa.Table, table: DeltaTable) -> pa.Table:
     return source.select(target.names).cast(nullable)
 
 
-def _check_keys(source: pa.Table, keys: list[str], name: str) -> None:
+def _cast_to_columns(source: pa.Table, table: DeltaTable, name: str) -> pa.Table:
+    """``source``'s columns (a subset of the table's) as the table types them."""
+    target = pa.schema(table.schema().to_arrow())
+    unknown = [c for c in source.column_names if c not in target.names]
+    if unknown:
+        raise ConfigError(f"{name!r} has no columns {unknown}; its columns are "
+                          f"{', '.join(target.names)}")
+    return source.cast(pa.schema([target.field(c).with_nullable(True)
+                                  for c in source.column_names]))
+
+
+def _check_keys(source: pa.Table, keys: list[str], name: str, operation: str = "upsert"
+                ) -> None:
     for key in keys:
         nulls = source.column(key).null_count
         if nulls:
             raise ClickstreamError(
-                f"upsert into {name!r}: {nulls} row(s) have a null key {key!r}; nothing was "
+                f"{operation} on {name!r}: {nulls} row(s) have a null key {key!r}; nothing was "
                 "written. Quarantine or fix them first."
             )
     if source.num_rows:
@@ -1327,7 +1378,7 @@ def _check_keys(source: pa.Table, keys: list[str], name: str) -> None:
         if dupes.num_rows:
             first = {k: dupes.column(k)[0].as_py() for k in keys}
             raise ClickstreamError(
-                f"upsert into {name!r}: {dupes.num_rows} key(s) occur more than once in the "
+                f"{operation} on {name!r}: {dupes.num_rows} key(s) occur more than once in the "
                 f"batch, first {first}; nothing was written. Deduplicate the batch first."
             )
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
     AppendResult,
+    DeleteResult,
     DeltaTables,
     PartitionFilter,
     ReplacePredicate,
@@ -263,6 +264,48 @@ class DeltaSparkTables(DeltaTables):
             )
 
         return self._retry(name, "upsert", merge)
+
+    def delete_rows(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        keys: Sequence[str],
+        partition_filter: PartitionFilter,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> DeleteResult:
+        """See :meth:`DeltaTables.delete_rows`: a MERGE that deletes matches. Under Delta's
+        default WriteSerializable isolation, blind appends meanwhile do not conflict with it."""
+        from pyspark.sql import functions as F
+
+        if _done(self.app_version(name, app_id), version):
+            return DeleteResult(0, committed=False)
+        if not self.exists(name):
+            raise ClickstreamError(f"table {name!r} does not exist at {self.table_path(name)}")
+        on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
+        on += f" AND ({filter_to_sql(partition_filter, self._table_types(name), alias='t')})"
+        user_metadata = _user_metadata(metadata, app_id, version)
+
+        def merge() -> DeleteResult:
+            with _DML_LOCK:  # edge case 1
+                self._spark.conf.set(_TXN_APP, app_id)
+                self._spark.conf.set(_TXN_VERSION, str(version))
+                self._spark.conf.set(_USER_METADATA, user_metadata)
+                try:
+                    metrics = (
+                        self._delta(name).alias("t").merge(df.select(*keys).alias("s"),
+                                                           F.expr(on))
+                        .whenMatchedDelete().execute().collect()
+                    )
+                finally:
+                    for conf in (_TXN_APP, _TXN_VERSION, _USER_METADATA):
+                        self._spark.conf.unset(conf)
+            row = metrics[0].asDict() if metrics else {}
+            return DeleteResult(int(row.get("num_deleted_rows", 0)))
+
+        return self._retry(name, "delete_rows", merge)
 
     def replace_partitions(
         self,

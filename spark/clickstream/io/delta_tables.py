@@ -82,6 +82,19 @@ class UpsertResult:
     committed: bool = True
 
 
+@dataclass(frozen=True)
+class DeleteResult:
+    """Outcome of :meth:`DeltaTables.delete_rows`.
+
+    Attributes:
+        deleted: stored rows removed.
+        committed: False when the (app_id, version) step was already committed.
+    """
+
+    deleted: int
+    committed: bool = True
+
+
 class DeltaTables(ABC):
     """Delta tables under one warehouse, read and written through one engine.
 
@@ -181,6 +194,41 @@ class DeltaTables(ABC):
         Raises:
             CommitConflictError: concurrent commits kept conflicting after every retry.
             ClickstreamError: duplicate or null keys in ``df``, or a schema mismatch.
+        """
+
+    @abstractmethod
+    def delete_rows(
+        self,
+        name: str,
+        df: DataFrame,
+        *,
+        keys: Sequence[str],
+        partition_filter: PartitionFilter,
+        app_id: str,
+        version: int,
+        metadata: Mapping[str, Any],
+    ) -> DeleteResult:
+        """Remove every stored row whose ``keys`` equal one of ``df``'s rows.
+
+        Delivery guarantee: exactly once per ``(app_id, version)``. Unlike
+        :meth:`replace_partitions`, other writers' appends into the same partitions meanwhile
+        (the stream's) neither conflict nor are removed: only files holding one of the keys
+        are rewritten. On the delta-rs engine a commit meanwhile that removed such a file, or
+        added one of the keys, makes it read again.
+
+        Args:
+            name: table name under the warehouse (it must exist).
+            df: the keys to remove (other columns are ignored), at most one row per key and
+                no null keys; collected to the driver like :meth:`upsert`'s source.
+            keys: the columns that identify a row; all of the table's to remove exact rows.
+            partition_filter: the partitions that may hold the keys; only their files are read.
+            app_id: stable id of the writer.
+            version: step number.
+            metadata: commit metadata (``run_id``, ``cause``).
+
+        Raises:
+            CommitConflictError: concurrent commits kept conflicting after every retry.
+            ClickstreamError: the table is missing, or duplicate or null keys in ``df``.
         """
 
     @abstractmethod

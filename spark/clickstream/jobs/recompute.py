@@ -13,8 +13,10 @@ holds by then.
 
 Known edge cases, cited inline as (R1)..(R10):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
-      removing the folded-in rows rewrites those days from the queue as it is at that moment,
-      and again if the stream commits into them before the rewrite does.
+      the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
+      only the files that hold them, so the stream's appends stay and do not conflict. It used
+      to rewrite whole days from the queue as it was at that moment, and had to do it again
+      whenever the stream committed into them first (R10).
   R2. ``--full`` leaves to the stream every user with a stored pageview or order later than
       ``watermark - gap`` (the rule targeted corrections defer by, ``corrections`` C4), read
       from the whole history it reads anyway: an order no session covers yet is in the
@@ -55,13 +57,12 @@ Known edge cases, cited inline as (R1)..(R10):
       its order: an order moved (C7) from that user to one the rewrite recomputes is the
       rewrite's (an update, in the plan). Kept by user alone, the old row stayed beside the
       rewritten one: the order held twice, once on the topic. (The other way round is R8.)
-  R10. A client whose queue rows could not be removed (the stream kept committing into the
-      same days through every attempt, R1) fails like a client whose correction failed:
+  R10. A client whose queue rows could not be removed (commits kept rewriting the files that
+      hold them through every attempt, R1) fails like a client whose correction failed:
       its corrections are applied and published, its rows stay queued, and the next run
       plans them again and changes nothing. The removal used to fail outside the per-client
       handling, so the clients after it in the run were not folded in at all, run after run
-      while that client's late traffic lasted. Attempts wait a growing, jittered while
-      between them, so they do not fall into the stream's commits in step.
+      while that client's late traffic lasted.
 """
 
 from __future__ import annotations
@@ -106,7 +107,6 @@ from clickstream.jobs.corrections import (
 )
 from clickstream.jobs.sessionize import stream_watermark_ms
 from clickstream.quality.gates import warm_up
-from clickstream.retry import wait_before_retry
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
@@ -171,7 +171,7 @@ def run_recompute(
             summary.corrections[client] = result
             folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
                                                             "left_anti")
-            dequeue(tables, run, folded_in, queue_version, progress)  # (R1)
+            dequeue(tables, run, folded_in, queue_version)  # (R1)
         except ClickstreamError as error:
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
@@ -214,43 +214,23 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
     return result, (left[0] if left else None)
 
 
-QUEUE_ATTEMPTS = 5
-QUEUE_RETRY_WAIT_S = 0.5  # the first wait, doubling, jittered (R10)
+def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int) -> None:
+    """Remove exactly the rows the run folded in from the queue (R1).
 
-
-def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int,
-            progress: Callable[[str], None]) -> None:
-    """Remove exactly the rows the run folded in from the queue.
-
-    The stream may queue more rows of the same days while the run works: the range is
-    rewritten from the queue as it is now, minus those rows, and rewritten again if the stream
-    committed into it meanwhile (R1), so nothing queued after the run read is lost.
+    The stream may queue more rows of the same days while the run works: only the files that
+    hold folded-in rows are rewritten, so its appends meanwhile neither conflict with the
+    removal nor are removed by it.
     """
-    folded_in = folded_in.persist()
-    dates = sorted({r.event_date for r in folded_in.select("event_date").distinct().collect()})
-    client = run.client_id
+    folded_in = folded_in.distinct().persist()
     try:
-        for attempt in range(1, QUEUE_ATTEMPTS + 1):
-            if not dates:
-                return
-            version = tables.version(RECOMPUTE_QUEUE.name)
-            now = tables.read(RECOMPUTE_QUEUE.name, version=version, partition_filter={
-                "client_id": client, "event_date": dates})
-            keep = now.join(folded_in, list(RECOMPUTE_QUEUE.schema.fieldNames()), "left_anti")
-            try:
-                tables.replace_partitions(
-                    RECOMPUTE_QUEUE.name, keep,
-                    predicate={"client_id": client, "event_date": dates},
-                    partition_by=RECOMPUTE_QUEUE.partition_by,
-                    app_id=f"recompute-queue-{client}", version=queue_version,
-                    read_version=version, metadata={"run_id": run.run_id, "cause": run.cause})
-                return
-            except CommitConflictError:
-                if attempt == QUEUE_ATTEMPTS:
-                    raise
-                progress(f"recompute {client}: the stream queued more rows meanwhile "
-                         f"(attempt {attempt}); removing the folded-in ones again")
-                wait_before_retry(attempt, QUEUE_RETRY_WAIT_S)  # (R10)
+        dates = sorted({r.event_date for r in folded_in.select("event_date").distinct().collect()})
+        if not dates:
+            return
+        tables.delete_rows(
+            RECOMPUTE_QUEUE.name, folded_in, keys=RECOMPUTE_QUEUE.schema.fieldNames(),
+            partition_filter={"client_id": run.client_id, "event_date": dates},
+            app_id=f"recompute-queue-{run.client_id}", version=queue_version,
+            metadata={"run_id": run.run_id, "cause": run.cause})
     finally:
         folded_in.unpersist()
 
