@@ -7,6 +7,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
+from clickstream.events.contract import CLIENT_ID_PATTERN
 from clickstream.orchestration import spark_job, table_asset, task_errors
 
 DOC = """
@@ -83,8 +84,10 @@ def step(name: str, *, dry_run: str = "false") -> list[str]:
     default_args=RETRY,
     params={
         "client": Param(
-            "", type="string", minLength=1, title="Client",
-            description="The client the batch belongs to, e.g. client-00."),
+            "", type="string", minLength=1, pattern=rf"^{CLIENT_ID_PATTERN}$(?!\n)",
+            title="Client",
+            description="The client the batch belongs to, e.g. client-00 (no spaces around "
+                        "it: rows are matched to it exactly)."),
         "kind": Param(
             "orders", type="string", enum=["orders", "pageviews"], title="Kind",
             values_display={"orders": "orders (order_id, client_id, user_id, ts, amount, "

@@ -20,7 +20,10 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
 * **Schedule `@continuous`, one active run:** the run lasts as long as the job; when it ends
   (failure after its retries, or a stop), Airflow starts the next run at once. A failure a
   retry cannot fix (a bad setting; records the broker dropped before they were read, see
-  `CLICKSTREAM_FAIL_ON_DATA_LOSS`) fails the task at once, without retries.
+  `CLICKSTREAM_FAIL_ON_DATA_LOSS`) fails the task at once, without retries. After
+  **3 failed runs in a row Airflow pauses the DAG** (`max_consecutive_failed_dag_runs`), so such
+  a failure is not restarted forever, a new driver every few seconds: fix the cause, then
+  unpause it.
 * **Restarts resume:** source offsets and session state live in the Spark checkpoint under
   `$CLICKSTREAM_HOME/checkpoints/sessionize`, and every Delta write is idempotent per
   micro-batch, so a retry after any failure, kill or restart continues where the last committed
@@ -30,9 +33,11 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
   (`AIRFLOW_CONN_SPARK_DEFAULT=spark://local%5B%2A%5D`, set by `scripts/airflow.sh`), the
   Spark master in the cluster profile (docker-compose). The driver's memory is
   `CLICKSTREAM_DRIVER_MEMORY` of the worker's environment, taken whole at start (`-Xms`), and
-  passed to spark-submit when the task runs. The driver runs in its own process,
-  so stopping the task (mark failed/success, or a DAG pause followed by a kill) sends SIGTERM
-  and the job stops cleanly at a micro-batch boundary.
+  passed to spark-submit when the task runs. Stopping the task (mark failed/success) ends
+  the spark-submit process like a crash: Airflow's SparkSubmitOperator kills it. Nothing is
+  lost or doubled: the next run replays the micro-batch in flight from the checkpoint. (A
+  SIGTERM to `clickstream sessionize` itself, outside Airflow, stops it at a micro-batch
+  boundary.)
 * Param `until_caught_up` (off by default): process what is available now, commit, and end
   the run — for demos and tests; the next continuous run streams again.
 """
@@ -42,6 +47,7 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
     dag_id="sessionizer",
     schedule="@continuous",
     max_active_runs=1,
+    max_consecutive_failed_dag_runs=3,  # a failure retries cannot fix is not looped on
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     doc_md=DOC,

@@ -47,8 +47,10 @@ well) then fails the run, so a failed step is never hidden behind a green run.
     default_args={"retries": 2, "retry_delay": timedelta(minutes=5)},
     params={
         "retention_hours": Param(
-            168, type="integer", minimum=168, title="Vacuum retention (hours)",
-            description="Files unreferenced for longer than this are deleted; at least 168."),
+            # maintenance.MIN/MAX_VACUUM_RETENTION_HOURS, not imported: parsing stays light
+            168, type="integer", minimum=168, maximum=87_600, title="Vacuum retention (hours)",
+            description="Files unreferenced for longer than this are deleted; from 168 (a "
+                        "week) to 87600 (ten years)."),
     },
 )
 def table_maintenance():

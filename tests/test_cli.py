@@ -67,7 +67,7 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
 def test_trigger_interval_reads_bare_numbers_as_seconds_and_echoes_what_was_typed() -> None:
     assert Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "5"}).trigger_interval_seconds == 5
     assert Config.from_env({}, trigger_interval_seconds="2m").trigger_interval_seconds == 120
-    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_TRIGGER_INTERVAL='0' must be greater"):
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_TRIGGER_INTERVAL='0' must be at least"):
         Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "0"})
     with pytest.raises(ConfigError, match=r"'soon' is not a duration; use seconds \(10\)"):
         Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "soon"})
@@ -184,3 +184,71 @@ def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(
         "clickstream generate: error: --start and --minutes reach 2099-01-01T01:00:00+00:00, "
         "more than 10 minutes ahead of now: the sessionizer would quarantine those events as "
         "stamped by a wrong clock (CLICKSTREAM_MAX_TS_AHEAD); choose an earlier --start"]
+
+
+def test_settings_that_would_mean_something_else_are_refused_naming_where_they_came_from(
+) -> None:
+    with pytest.raises(ConfigError, match=r"^--warehouse is empty; give a value or leave it out"):
+        Config.from_env({}, warehouse="")  # "$UNSET_VARIABLE": not the current folder
+    with pytest.raises(ConfigError, match=r"^--session-gap='0.0001ms' must be at least 1ms"):
+        Config.from_env({}, session_gap_minutes="0.0001ms")  # 0 ms: every pageview alone
+    with pytest.raises(ConfigError, match=r"spark master 'local\[0\]'"):
+        Config.from_env({"CLICKSTREAM_SPARK_MASTER": "local[0]"})  # Spark: "0 threads"
+    # A value that may have come from the variable or the flag names both.
+    with pytest.raises(ConfigError, match=r"^'bogus' \(CLICKSTREAM_QUALITY_GATES or "
+                                          r"--quality-gates\) is not accepted; use one of: "):
+        Config.from_env({}, quality_gates="bogus")
+    with pytest.raises(ConfigError, match=r"^0 \(CLICKSTREAM_MAX_EVENTS_PER_TRIGGER or "
+                                          r"--max-events-per-trigger\) must be at least 1$"):
+        Config.from_env({"CLICKSTREAM_MAX_EVENTS_PER_TRIGGER": "0"})
+
+
+@pytest.mark.parametrize(("argv", "complaint"), [
+    (["generate", "events", "--minutes", "-5"], "argument --minutes: '-5' must be greater than 0"),
+    (["generate", "events", "--minutes", "nan"], "argument --minutes: 'nan' must be greater"),
+    (["generate", "events", "--duplicate-fraction", "2"],
+     "argument --duplicate-fraction: '2' must be at least 0 and at most 1"),
+    (["generate", "events", "--seed", "-1"], "argument --seed: '-1' must be at least 0"),
+    (["generate", "history", "--client", "c1", "--users", "0"],
+     "argument --users: '0' must be at least 1"),
+    (["generate", "history", "--client", " c1"], "argument --client: ' c1' is not a client id"),
+    (["recompute", "--client="], "argument --client: '' is not a client id"),
+    (["backfill", "--kind", "orders", "--client", "c1 ", "--path", "b"],
+     "argument --client: 'c1 ' is not a client id"),
+    (["inspect", "--sample", "-1"], "argument --sample: '-1' must be at least 0"),
+])
+def test_flag_values_that_mean_nothing_are_refused_before_anything_runs(
+        argv: list[str], complaint: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_a_dry_run_of_a_step_that_writes_is_refused(tmp_path, capsys) -> None:
+    """The DAG skips the writing steps in a dry run; on the command line, --dry-run true on
+    one of them used to write all the same."""
+    code = main(["backfill-step", "merge", "--kind", "orders", "--client", "c1", "--path", "b",
+                 "--dry-run", "true", "--warehouse", str(tmp_path / "warehouse"),
+                 "--home", str(tmp_path / "home"), "--landing", str(tmp_path)])
+    assert code == EXIT_NOT_RETRYABLE
+    assert capsys.readouterr().err.strip() == (
+        "clickstream backfill-step: error: --dry-run true applies to the steps check and "
+        "report only, which write nothing; step merge writes the tables (a dry run of the DAG "
+        "skips it)")
+    assert not (tmp_path / "warehouse").exists()
+
+
+@pytest.mark.parametrize(("argv", "complaint"), [
+    (["--out", "h[9]"], "has one of * ? [ \\ ] { }, which backfill refuses"),
+    (["--out", "h1/pageviews"], "is or lies inside a batch folder"),
+    (["--start", "2099-01-01T00:00Z"], "--start and --days reach 2099-01-02T00:00:00+00:00, more "
+     "than 10 minutes ahead of now: a backfill would quarantine those rows"),
+])
+def test_generate_history_refuses_a_batch_backfill_would_refuse(
+        argv: list[str], complaint: str, tmp_path, capsys) -> None:
+    code = main(["generate", "history", "--client", "c1", "--days", "1", "--users", "2",
+                 "--landing", str(tmp_path), *argv])
+    assert code == EXIT_NOT_RETRYABLE
+    assert complaint in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.parquet"))

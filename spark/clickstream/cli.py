@@ -8,31 +8,25 @@ retry would fail the same way (a refused batch, a bad setting, a failed quality 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from clickstream.config import ENV_NAMES, Config, cli_flag
+from clickstream.config import ENV_NAMES, FLAG_HELP, Config, cli_flag
 from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE, ClickstreamError, ConfigError
+from clickstream.events.contract import CLIENT_ID_PATTERN
 
 Handler = Callable[[argparse.Namespace, Config], int]
+DRY_RUN_STEPS = ("check", "report")  # the backfill steps that write nothing
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configuration (flags override environment variables)")
-    for name, help_text in (
-        ("warehouse", "root folder of the Delta tables"),
-        ("home", "checkpoints, reports and local state"),
-        ("landing", "folder historical batches are read from"),
-        ("kafka_bootstrap_servers", "Kafka to use (embedded broker: 127.0.0.1:9092)"),
-        ("session_gap_minutes", "session gap (30, 45s, 1h)"),
-        ("watermark_delay_minutes", "how late an event may be and still join the stream"),
-        ("max_ts_ahead_minutes", "how far an event's ts may be ahead of its arrival at Kafka"),
-        ("spark_master", "Spark master URL"),
-        ("quality_gates", "data-quality gates: enforce (default) or off"),
-    ):
+    for name, help_text in FLAG_HELP.items():
         group.add_argument(cli_flag(name), dest=name, default=None,
                            help=f"{help_text} [env {ENV_NAMES[name]}]")
 
@@ -68,6 +62,10 @@ def _cmd_backfill_step(args: argparse.Namespace, config: Config) -> int:
 
     from clickstream.jobs.backfill_steps import locate_batch, run_step
 
+    if args.dry_run and args.step not in DRY_RUN_STEPS:
+        raise ConfigError(f"--dry-run true applies to the steps {' and '.join(DRY_RUN_STEPS)} "
+                          f"only, which write nothing; step {args.step} writes the tables "
+                          "(a dry run of the DAG skips it)")
     run_id = args.run_id or locate_batch(config, kind=args.kind, client_id=args.client,
                                          path=args.path)["run_id"]
     result = run_step(config, args.step, kind=args.kind, client_id=args.client,
@@ -102,18 +100,22 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
     delivery = Delivery(late_fraction=args.late_fraction,
                         duplicate_fraction=args.duplicate_fraction,
                         bad_fraction=args.bad_fraction)
+    _span_end(scale.start, timedelta(minutes=scale.minutes), "--minutes")
     records = live_records(scale, delivery, args.seed)
     if args.out:
         import json
 
         path = Path(args.out)
+        if path.is_dir():
+            raise ConfigError(f"--out {args.out!r} is a folder; name the JSON Lines file to write")
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as handle:
             for key, value in records:
                 handle.write(json.dumps({"key": key, "value": value}) + "\n")
         print(f"wrote {len(records)} records to {path}")
         return 0
-    _check_not_ahead_of_now(scale.start + timedelta(minutes=scale.minutes), config)
+    _check_not_ahead_of_now(scale.start, timedelta(minutes=scale.minutes), config,
+                            "the sessionizer would quarantine those events")
     from clickstream.io.kafka_clients import produce_records
 
     sent = produce_records(config, config.events_topic, records, rate_per_second=args.rate)
@@ -122,21 +124,34 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _check_not_ahead_of_now(latest: datetime, config: Config) -> None:
-    """Events produced now are received now: stamped further ahead, the sessionizer would
-    quarantine them (CLICKSTREAM_MAX_TS_AHEAD), so refuse before producing any."""
+def _span_end(start: datetime, length: timedelta, span: str) -> datetime:
+    try:
+        return start + length
+    except OverflowError:
+        raise ConfigError(f"--start and {span} reach beyond the year 9999; choose an earlier "
+                          "--start") from None
+
+
+def _check_not_ahead_of_now(start: datetime, length: timedelta, config: Config,
+                            consequence: str, span: str = "--minutes") -> None:
+    """Events produced now are received now, and a batch written now is judged against its
+    files' time: stamped further ahead, the sessionizer or the backfill would quarantine them
+    (CLICKSTREAM_MAX_TS_AHEAD), so refuse before writing any."""
     allowed = datetime.now(UTC) + timedelta(minutes=config.max_ts_ahead_minutes)
+    latest = _span_end(start, length, span)
     if latest > allowed:
         raise ConfigError(
-            f"--start and --minutes reach {latest.isoformat()}, more than "
-            f"{config.max_ts_ahead_minutes:g} minutes ahead of now: the sessionizer would "
-            f"quarantine those events as stamped by a wrong clock "
-            f"({ENV_NAMES['max_ts_ahead_minutes']}); choose an earlier --start")
+            f"--start and {span} reach {latest.isoformat()}, more than "
+            f"{config.max_ts_ahead_minutes:g} minutes ahead of now: {consequence} as "
+            f"stamped by a wrong clock ({ENV_NAMES['max_ts_ahead_minutes']}); choose an "
+            "earlier --start")
 
 
 def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Scale, history_folder, simulate, write_table
 
+    _check_not_ahead_of_now(args.start, timedelta(days=args.days), config,
+                            "a backfill would quarantine those rows", span="--days")
     target = history_folder(config, args.out, args.overwrite)
     scale = Scale(users_per_client=args.users, minutes=args.days * 24 * 60, start=args.start,
                   sessions_per_user_per_day=args.sessions_per_user_per_day,
@@ -167,6 +182,38 @@ def _iso_datetime(text: str) -> datetime:
     if value.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r} has no time zone; add Z or +hh:mm")
     return value
+
+
+def _number(kind: Callable[[str], float], low: float, high: float | None = None,
+            low_included: bool = True) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` number from ``low`` (up to ``high``)."""
+    bounds = (f"{'at least' if low_included else 'greater than'} {low:g}"
+              + (f" and at most {high:g}" if high is not None else ""))
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (value >= low if low_included else value > low)
+                and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bounds}")
+        return value
+
+    return parse
+
+
+_COUNT = _number(int, 1)
+_SEED = _number(int, 0)
+_FRACTION = _number(float, 0, 1)
+_SPAN = _number(float, 0, 1e7, low_included=False)  # 1e7: within what dates can hold
+
+
+def _client_id(text: str) -> str:
+    if not re.fullmatch(CLIENT_ID_PATTERN, text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a client id: it is empty or has spaces around it")
+    return text
 
 
 def _port(text: str) -> int:
@@ -201,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "order exactly once, and emit sessions as they close to the sessions table and topic.")
     sessionize.add_argument("--until-caught-up", action="store_true",
                             help="process everything available now, commit, and stop")
-    sessionize.add_argument("--max-events-per-trigger", type=int, default=None,
+    sessionize.add_argument("--max-events-per-trigger", type=_COUNT, default=None,
                             help="rate limit per micro-batch")
     sessionize.add_argument(
         cli_flag("fail_on_data_loss"), dest="fail_on_data_loss", default=None,
@@ -217,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         "it into pageviews/orders exactly once, recompute the affected sessions and "
         "attributions, record corrections, and republish them to Kafka.")
     backfill.add_argument("--kind", required=True, choices=("orders", "pageviews"))
-    backfill.add_argument("--client", required=True, help="the client the batch belongs to")
+    backfill.add_argument("--client", required=True, type=_client_id,
+                          help="the client the batch belongs to")
     backfill.add_argument("--path", required=True,
                           help="file or folder (Parquet, CSV, JSON Lines) relative to the "
                           "landing folder, or absolute inside it")
@@ -232,13 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("step", choices=("check", "merge", "recompute", "check-applied",
                                        "publish", "report"))
     step.add_argument("--kind", required=True, choices=("orders", "pageviews"))
-    step.add_argument("--client", required=True, help="the client the batch belongs to")
+    step.add_argument("--client", required=True, type=_client_id,
+                      help="the client the batch belongs to")
     step.add_argument("--path", required=True, help="as for `clickstream backfill`")
     step.add_argument("--run-id", default=None,
                       help="the run id the batch was located as; the step refuses files that "
                       "changed since (default: the batch as it is now)")
     step.add_argument("--dry-run", type=_true_or_false, default=False, metavar="true|false",
-                      help="check: also run the historical_batch gate; report: a dry run's")
+                      help="check: also run the historical_batch gate; report: a dry run's "
+                      "(other steps refuse it: they write)")
     _add_config_flags(step)
     step.set_defaults(handler=_cmd_backfill_step)
 
@@ -247,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Recompute the sessions affected by queued late events, record the "
         "corrections, republish them, and clear the processed queue rows. Safe while the "
         "sessionizer runs: sessions it still holds open stay queued.")
-    recompute.add_argument("--client", default=None, help="only this client (default: all)")
+    recompute.add_argument("--client", default=None, type=_client_id,
+                           help="only this client (default: all)")
     recompute.add_argument("--full", action="store_true",
                            help="delete-and-rewrite all sessions of --client from all its data "
                            "(slow; a repair tool and the benchmark baseline)")
@@ -259,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print every table's version and row count (read through the Delta log) "
         "and, with --topic, a topic's compacted view (last value per key).")
     inspect.add_argument("--topic", action="append", help="also read this topic (repeatable)")
-    inspect.add_argument("--sample", type=int, default=0, help="print this many rows of each")
+    inspect.add_argument("--sample", type=_SEED, default=0,
+                         help="print this many rows of each")
     _add_config_flags(inspect)
     inspect.set_defaults(handler=_cmd_inspect)
 
@@ -269,16 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
         "events", help="live events to Kafka (or a JSON Lines file)",
         description="Live events with out-of-order delivery, late events, duplicates and bad "
         "records; produced to the events topic, or written to --out.")
-    events.add_argument("--seed", type=int, default=7)
-    events.add_argument("--clients", type=int, default=3)
-    events.add_argument("--users", type=int, default=50, help="users per client")
-    events.add_argument("--minutes", type=float, default=24 * 60, help="event-time span")
+    events.add_argument("--seed", type=_SEED, default=7)
+    events.add_argument("--clients", type=_COUNT, default=3)
+    events.add_argument("--users", type=_COUNT, default=50, help="users per client")
+    events.add_argument("--minutes", type=_SPAN, default=24 * 60, help="event-time span")
     events.add_argument("--start", type=_iso_datetime,
                         default=_iso_datetime("2026-11-01T00:00:00+00:00"))
-    events.add_argument("--late-fraction", type=float, default=0.01)
-    events.add_argument("--duplicate-fraction", type=float, default=0.02)
-    events.add_argument("--bad-fraction", type=float, default=0.01)
-    events.add_argument("--rate", type=float, default=None, help="records per second to Kafka")
+    events.add_argument("--late-fraction", type=_FRACTION, default=0.01)
+    events.add_argument("--duplicate-fraction", type=_FRACTION, default=0.02)
+    events.add_argument("--bad-fraction", type=_FRACTION, default=0.01)
+    events.add_argument("--rate", type=_SPAN, default=None, help="records per second to Kafka")
     events.add_argument("--out", default=None, help="write JSON Lines here instead of Kafka")
     _add_config_flags(events)
     events.set_defaults(handler=_cmd_generate_events)
@@ -286,14 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     history = kinds.add_parser(
         "history", help="a historical batch (pageviews and orders) in the landing folder",
         description="Write DIR/pageviews and DIR/orders for one client under the landing folder.")
-    history.add_argument("--client", required=True)
-    history.add_argument("--days", type=float, default=365)
-    history.add_argument("--users", type=int, default=500)
-    history.add_argument("--sessions-per-user-per-day", type=float, default=1.0)
-    history.add_argument("--order-probability", type=float, default=0.08)
+    history.add_argument("--client", required=True, type=_client_id)
+    history.add_argument("--days", type=_SPAN, default=365)
+    history.add_argument("--users", type=_COUNT, default=500)
+    history.add_argument("--sessions-per-user-per-day", type=_SPAN, default=1.0)
+    history.add_argument("--order-probability", type=_FRACTION, default=0.08)
     history.add_argument("--start", type=_iso_datetime,
                          default=_iso_datetime("2025-11-01T00:00:00+00:00"))
-    history.add_argument("--seed", type=int, default=11)
+    history.add_argument("--seed", type=_SEED, default=11)
     history.add_argument("--format", choices=("parquet", "csv", "jsonl"), default="parquet")
     history.add_argument("--out", default="history", help="folder relative to the landing folder")
     history.add_argument("--overwrite", action="store_true",

@@ -51,12 +51,27 @@ ENV_NAMES: dict[str, str] = {
     "driver_gc": "CLICKSTREAM_DRIVER_GC",
 }
 
+# The settings every command also takes as a flag (cli.py adds them), with their help.
+FLAG_HELP: Mapping[str, str] = {
+    "warehouse": "root folder of the Delta tables",
+    "home": "checkpoints, reports and local state",
+    "landing": "folder historical batches are read from",
+    "kafka_bootstrap_servers": "Kafka to use (embedded broker: 127.0.0.1:9092)",
+    "session_gap_minutes": "session gap (30, 45s, 1h)",
+    "watermark_delay_minutes": "how late an event may be and still join the stream",
+    "max_ts_ahead_minutes": "how far an event's ts may be ahead of its arrival at Kafka",
+    "spark_master": "Spark master URL",
+    "quality_gates": "data-quality gates: enforce (default) or off",
+}
+# ... and those only `sessionize` takes.
+_FLAGGED = {*FLAG_HELP, "fail_on_data_loss", "max_events_per_trigger"}
+
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
 _MEMORY = re.compile(r"^[1-9]\d*[kmgt]$", re.IGNORECASE)
 _UNIT_MIB = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 # The master URLs Spark 4 accepts (Mesos was removed in 4.0); checked here because a bad one
 # makes the JVM exit with a stack trace before PySpark says anything useful.
-_MASTER = re.compile(r"^(local(\[(\d+|\*)(,\d+)?\])?|local-cluster\[\d+, *\d+, *\d+\]"
+_MASTER = re.compile(r"^(local(\[([1-9]\d*|\*)(,\d+)?\])?|local-cluster\[\d+, *\d+, *\d+\]"
                      r"|spark://\S+|yarn|k8s://\S+)$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_MINUTES = {"ms": 1 / 60_000, "s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0}
@@ -77,8 +92,8 @@ def parse_minutes(text: str, name: str, bare_unit: str = "m") -> float:
             "500ms, 45s, 30m, 2h"
         )
     minutes = float(match.group(1)) * _UNIT_MINUTES[match.group(2) or bare_unit]
-    if minutes <= 0:
-        raise ConfigError(f"{name}={text!r} must be greater than zero")
+    if round(minutes * 60_000) < 1:  # durations are kept in whole milliseconds
+        raise ConfigError(f"{name}={text!r} must be at least 1ms")
     return minutes
 
 
@@ -159,7 +174,7 @@ class Config:
         for name in ("shuffle_partitions", "max_events_per_trigger"):
             value = getattr(self, name)
             if value < 1:
-                raise ConfigError(f"{ENV_NAMES[name]} must be at least 1, got {value}")
+                raise ConfigError(f"{_setting_value(name, value)} must be at least 1")
         if not _MASTER.match(self.spark_master):
             raise ConfigError(f"spark master {self.spark_master!r} ({ENV_NAMES['spark_master']} "
                               f"or {cli_flag('spark_master')}) is not a Spark master URL; use "
@@ -225,6 +240,8 @@ class Config:
 def _convert(name: str, raw: object, source: str) -> object:
     if not isinstance(raw, str):
         return raw
+    if not raw.strip():  # an unset shell variable passed as a flag, not "the current folder"
+        raise ConfigError(f"{source} is empty; give a value or leave it out for the default")
     if name.endswith("_minutes"):
         return parse_minutes(raw, source)
     if name == "trigger_interval_seconds":
@@ -241,9 +258,17 @@ def _convert(name: str, raw: object, source: str) -> object:
     return raw
 
 
+def _setting_value(name: str, value: object) -> str:
+    """A setting's value as a message names it: with its variable, and with its flag where
+    commands take one (the value may have come from either)."""
+    if name in _FLAGGED:
+        return f"{value!r} ({ENV_NAMES[name]} or {cli_flag(name)})"
+    return f"{ENV_NAMES[name]}={value!r}"
+
+
 def _check_choice(name: str, value: str, kind: object) -> None:
     accepted = get_args(kind)
     if value not in accepted:
         raise ConfigError(
-            f"{ENV_NAMES[name]}={value!r} is not accepted; use one of: {', '.join(accepted)}"
+            f"{_setting_value(name, value)} is not accepted; use one of: {', '.join(accepted)}"
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from clickstream.jobs.maintenance import MAX_VACUUM_RETENTION_HOURS, MIN_VACUUM_RETENTION_HOURS
 from tests.dags.airflow_env import DAGS
 
 EXPECTED = {
@@ -94,8 +95,31 @@ def test_schedules(dagbag) -> None:
     assert dagbag.dags["late_batch_backfill"].schedule is None  # triggered from the form
     assert dagbag.dags["scheduled_recompute"].schedule == "30 2 * * *"
     assert dagbag.dags["table_maintenance"].schedule == "0 3 * * 0"
-    assert dagbag.dags["table_maintenance"].params["retention_hours"] >= 168
+    retention = dagbag.dags["table_maintenance"].params.get_param("retention_hours").schema
+    assert (retention["minimum"], retention["maximum"]) == (MIN_VACUUM_RETENTION_HOURS,
+                                                            MAX_VACUUM_RETENTION_HOURS)
+    # A failure retries cannot fix pauses the continuous DAG instead of restarting it forever.
+    assert sessionizer.max_consecutive_failed_dag_runs == 3
 
+
+@pytest.mark.parametrize(("dag_id", "value", "accepted"), [
+    ("late_batch_backfill", "client-00", True), ("late_batch_backfill", "a b", True),
+    ("late_batch_backfill", "", False), ("late_batch_backfill", " client-00", False),
+    ("late_batch_backfill", "client-00\n", False), ("scheduled_recompute", None, True),
+    ("scheduled_recompute", "", True), ("scheduled_recompute", "client-00", True),
+    ("scheduled_recompute", "client-00 ", False)])
+def test_the_client_param_refuses_what_matches_no_row(dagbag, dag_id: str, value: str | None,
+                                                      accepted: bool) -> None:
+    """Rows are matched to the client exactly: a space around it quarantined a whole batch
+    as another client's. The CLI refuses the same values (cli._client_id)."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    param = dagbag.dags[dag_id].params.get_param("client")
+    if accepted:
+        assert param.resolve(value) == value
+    else:
+        with pytest.raises(ParamValidationError):
+            param.resolve(value)
 
 SPARK_TASKS = {
     ("sessionizer", "sessionize"): "sessionize.py",

@@ -60,6 +60,8 @@ def test_vacuum_below_seven_days_is_refused(dagbag, env_config: Config) -> None:
 
     with pytest.raises(ConfigError, match="below the safe minimum of 168 h"):
         vacuum_tables(env_config, retention_hours=1)
+    with pytest.raises(ConfigError, match="above 87600 h"):  # delta-rs panicked on ~2.5e12 h
+        vacuum_tables(env_config, retention_hours=10**13)
     with pytest.raises(ParamValidationError):
         dagbag.dags["table_maintenance"].test(run_conf={"retention_hours": 24})
 

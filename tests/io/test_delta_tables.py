@@ -883,6 +883,12 @@ def test_delta_spark_engine_round_trip(config, spark):
                                      metadata=META)
     assert ids(tables.read("orders")) == ["o1", "o3"]
     assert tables.history("orders", limit=1)[0]["app_id"] == "r"
+    gone = orders(spark, ("o3", "c2", D1, "3")).select("client_id", "order_id")
+    for committed, deleted in ((True, 1), (False, 0)):  # then a replay of the step
+        assert tables.delete_rows("orders", gone, keys=["client_id", "order_id"],
+                                  partition_filter={"client_id": "c2"}, app_id="d", version=1,
+                                  metadata=META) == DeleteResult(deleted, committed)
+    assert ids(tables.read("orders")) == ["o1"]
 
 
 def test_partition_predicates_hold_any_client_id_as_one_value(spark: SparkSession):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from clickstream.errors import EXIT_NOT_RETRYABLE
 from clickstream.jobs.generate import Scale, simulate
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
@@ -52,7 +53,7 @@ def test_history_refuses_to_mix_a_second_run_into_the_first_runs_batch(tmp_path:
 
     again = subprocess.run([*run, "--format", "csv"], env=env, capture_output=True, text=True,
                            timeout=120)
-    assert again.returncode == 1
+    assert again.returncode == EXIT_NOT_RETRYABLE  # a setting: rerunning fails the same way
     assert "already holds a batch (pageviews, orders); pass --overwrite" in again.stderr
     assert sorted(p.name for p in (landing / "late" / "orders").iterdir()) == first
 
@@ -62,6 +63,6 @@ def test_history_refuses_to_mix_a_second_run_into_the_first_runs_batch(tmp_path:
 
     outside = subprocess.run([*run[:-1], "../elsewhere"], env=env, capture_output=True,
                              text=True, timeout=120)
-    assert outside.returncode == 1
+    assert outside.returncode == EXIT_NOT_RETRYABLE
     assert "must name a folder inside the landing folder" in outside.stderr
     assert not (tmp_path / "elsewhere").exists()

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from functools import partial
 
 import pytest
 from pyspark.sql import SparkSession
@@ -26,8 +27,9 @@ from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
 from clickstream.jobs import sessionize
+from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records
-from clickstream.jobs.recompute import run_recompute
+from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import build_stream, run_sessionizer
 from clickstream.sessions.batch_adapter import user_bucket
 from tests.reference import reference_sessions, valid_events
@@ -654,6 +656,14 @@ def test_a_restart_with_another_session_gap_is_refused(
     assert "`clickstream recompute --full --client C` for every client" in message
     assert versions == {name: open_tables(ten, spark).version(name) for name in versions}
     assert table_rows(ten, spark, "sessions") == []
+    # A batch correction with the other gap would split or merge the stream's sessions.
+    for correction in (partial(run_recompute, ten), partial(run_full_recompute, ten,
+                                                            client_id="client-00"),
+                       partial(run_backfill, ten, kind="pageviews", client_id="client-00",
+                               path="any")):
+        with pytest.raises(ConfigError, match=r"^the session gap is 10 minutes .* started with "
+                           r"30 minutes: sessions computed with another gap"):
+            correction(spark=spark)
 
     run_sessionizer(thirty, until_caught_up=True, spark=spark)
     assert [(r["user_id"], r["pageview_count"])

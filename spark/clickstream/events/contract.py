@@ -8,6 +8,10 @@ PAGEVIEW = "pageview"
 ORDER = "order"
 
 REQUIRED_EVENT_FIELDS = ("event_id", "client_id", "user_id", "event_type", "ts")
+# A client id as commands and the Airflow forms take it: rows are matched to it exactly, so a
+# space around it (or an empty one) would match no row. Unanchored, for JSON Schema too (whose
+# Python validator's ``$`` also matches before a final newline: anchor with ``$(?!\n)``).
+CLIENT_ID_PATTERN = r"\S(.*\S)?"
 ORDER_FIELDS = ("order_id", "amount", "currency")
 
 # Plausible event-time range: a fixed range (not "now"), so a replay judges a record the same way.

@@ -242,23 +242,10 @@ class DeltaSparkTables(DeltaTables):
             scope = {k: sorted({row[k] for row in distinct}) for k in parts}
         if scope:
             on += f" AND ({filter_to_sql(scope, _types(df.schema), alias='t')})"
-        user_metadata = _user_metadata(metadata, app_id, version)
 
         def merge() -> UpsertResult:
-            with _DML_LOCK:  # edge case 1
-                self._spark.conf.set(_TXN_APP, app_id)
-                self._spark.conf.set(_TXN_VERSION, str(version))
-                self._spark.conf.set(_USER_METADATA, user_metadata)
-                try:
-                    metrics = (
-                        self._delta(name).alias("t").merge(df.alias("s"), F.expr(on))
-                        .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
-                        .collect()
-                    )
-                finally:
-                    for conf in (_TXN_APP, _TXN_VERSION, _USER_METADATA):
-                        self._spark.conf.unset(conf)
-            row = metrics[0].asDict() if metrics else {}
+            row = self._merge(name, metadata, app_id, version, lambda table: table.merge(
+                df.alias("s"), F.expr(on)).whenMatchedUpdateAll().whenNotMatchedInsertAll())
             return UpsertResult(
                 int(row.get("num_inserted_rows", 0)), int(row.get("num_updated_rows", 0))
             )
@@ -286,23 +273,10 @@ class DeltaSparkTables(DeltaTables):
             raise ClickstreamError(f"table {name!r} does not exist at {self.table_path(name)}")
         on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
         on += f" AND ({filter_to_sql(partition_filter, self._table_types(name), alias='t')})"
-        user_metadata = _user_metadata(metadata, app_id, version)
 
         def merge() -> DeleteResult:
-            with _DML_LOCK:  # edge case 1
-                self._spark.conf.set(_TXN_APP, app_id)
-                self._spark.conf.set(_TXN_VERSION, str(version))
-                self._spark.conf.set(_USER_METADATA, user_metadata)
-                try:
-                    metrics = (
-                        self._delta(name).alias("t").merge(df.select(*keys).alias("s"),
-                                                           F.expr(on))
-                        .whenMatchedDelete().execute().collect()
-                    )
-                finally:
-                    for conf in (_TXN_APP, _TXN_VERSION, _USER_METADATA):
-                        self._spark.conf.unset(conf)
-            row = metrics[0].asDict() if metrics else {}
+            row = self._merge(name, metadata, app_id, version, lambda table: table.merge(
+                df.select(*keys).alias("s"), F.expr(on)).whenMatchedDelete())
             return DeleteResult(int(row.get("num_deleted_rows", 0)))
 
         return self._retry(name, "delete_rows", merge)
@@ -433,6 +407,21 @@ class DeltaSparkTables(DeltaTables):
 
     def _partition_columns(self, name: str) -> list[str]:
         return list(self._delta(name).detail().collect()[0]["partitionColumns"])
+
+    def _merge(self, name: str, metadata: Mapping[str, Any], app_id: str, version: int,
+               build: Callable[[Any], Any]) -> dict[str, Any]:
+        """Execute the MERGE ``build`` makes of the table (aliased ``t``) as step
+        ``(app_id, version)``; its metrics row."""
+        with _DML_LOCK:  # edge case 1
+            self._spark.conf.set(_TXN_APP, app_id)
+            self._spark.conf.set(_TXN_VERSION, str(version))
+            self._spark.conf.set(_USER_METADATA, _user_metadata(metadata, app_id, version))
+            try:
+                metrics = build(self._delta(name).alias("t")).execute().collect()
+            finally:
+                for conf in (_TXN_APP, _TXN_VERSION, _USER_METADATA):
+                    self._spark.conf.unset(conf)
+        return metrics[0].asDict() if metrics else {}
 
     def _table_types(self, name: str) -> dict[str, str]:
         return _types(self._spark.read.format("delta").load(self.table_path(name)).schema)

@@ -41,7 +41,7 @@ from clickstream.jobs.corrections import (
     stored_elsewhere,
     where_attributed,
 )
-from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
 from clickstream.quality.checks import run_commit_version
 from clickstream.quality.gates import (
     GateResult,
@@ -246,6 +246,7 @@ def run_backfill(
     spark: SparkSession | None = None, progress: Callable[[str], None] = print,
 ) -> BackfillSummary:
     """Merge the batch at ``path`` (inside the landing folder) and correct what it affects."""
+    check_session_gap(config)
     files = list_batch_files(config, path)
     run_id = f"{kind}-{client_id}-{files.fingerprint}"
     summary = BackfillSummary(run_id)

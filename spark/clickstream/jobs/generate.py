@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError
+from clickstream.errors import ConfigError
 
 URL_PATHS = ("/", "/search", "/products", "/products/{n}", "/cart", "/checkout", "/blog/{n}",
              "/account", "/help", "/pricing")
@@ -210,17 +210,30 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
     the folder's ``pageviews`` and ``orders`` first.
 
     Raises:
-        ClickstreamError: ``out`` leaves the landing folder, or already holds a batch.
+        ConfigError: ``out`` leaves the landing folder, lies inside another batch, has a
+            character backfill reads as a pattern, or already holds a batch.
     """
+    from clickstream.jobs.batch_input import GLOB_CHARACTERS
+
     target, inside = config.in_landing(out)
     if not inside or target == config.landing:
-        raise ClickstreamError(f"--out {out!r} must name a folder inside the landing folder "
-                               f"{config.landing} (CLICKSTREAM_LANDING); backfills read only "
-                               "from there")
+        raise ConfigError(f"--out {out!r} must name a folder inside the landing folder "
+                          f"{config.landing} (CLICKSTREAM_LANDING); backfills read only "
+                          "from there")
+    if GLOB_CHARACTERS & set(str(target)):
+        raise ConfigError(f"--out {out!r} has one of {' '.join(sorted(GLOB_CHARACTERS))}, "
+                          "which backfill refuses in a batch's path (Spark reads them as a "
+                          "pattern); choose another --out")
+    inside_batch = [p for p in (target, *target.parents) if p.name in ("pageviews", "orders")
+                    and config.landing in p.parents]
+    if inside_batch:
+        raise ConfigError(f"--out {out!r} is or lies inside a batch folder ({inside_batch[0]}), "
+                          "so a backfill of that batch would read both kinds written here; "
+                          "choose a folder outside it")
     held = [target / kind for kind in ("pageviews", "orders") if (target / kind).exists()]
     if held and not overwrite:
-        raise ClickstreamError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
-                               "); pass --overwrite to replace it or choose another --out")
+        raise ConfigError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
+                          "); pass --overwrite to replace it or choose another --out")
     for folder in held:
         shutil.rmtree(folder)
     return target

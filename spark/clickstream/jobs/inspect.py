@@ -13,7 +13,8 @@ from clickstream.tables import ALL_TABLES
 
 def describe_tables(config: Config, sample: int = 0) -> list[str]:
     """One line per table: version and row count; optionally the first ``sample`` rows."""
-    tables = open_tables(config)
+    # Reading needs no Spark on either engine: the delta-rs reader reads delta-spark's tables.
+    tables = open_tables(config.replace(delta_engine="deltalake"))
     lines = [f"warehouse {config.warehouse}"]
     for name in ALL_TABLES:
         if not tables.exists(name):

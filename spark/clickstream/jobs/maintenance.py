@@ -30,6 +30,7 @@ from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.tables import ALL_TABLES
 
 MIN_VACUUM_RETENTION_HOURS = 168
+MAX_VACUUM_RETENTION_HOURS = 87_600  # ten years; delta-rs panics on ~2.5e12 h
 Progress = Callable[[str], None]
 _T = TypeVar("_T")
 
@@ -101,7 +102,7 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
     """Delete files unreferenced for longer than ``retention_hours``; per table, how many.
 
     Raises:
-        ConfigError: ``retention_hours`` is below the safe minimum (M1).
+        ConfigError: ``retention_hours`` is below the safe minimum (M1) or above ten years.
         ClickstreamError: vacuum failed on some tables; the others were vacuumed (M2).
     """
     if retention_hours < MIN_VACUUM_RETENTION_HOURS:
@@ -110,6 +111,10 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
             f"{MIN_VACUUM_RETENTION_HOURS} h: writers place files before committing them and "
             "readers or time travel may still need removed files; use at least "
             f"{MIN_VACUUM_RETENTION_HOURS}")
+    if retention_hours > MAX_VACUUM_RETENTION_HOURS:
+        raise ConfigError(
+            f"vacuum retention {retention_hours} h is above {MAX_VACUUM_RETENTION_HOURS} h (ten "
+            "years); a longer one keeps every file anyway")
     tables = _open(config)
 
     def vacuum(name: str) -> int:

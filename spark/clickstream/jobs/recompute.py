@@ -105,7 +105,7 @@ from clickstream.jobs.corrections import (
     unfinished_plan,
     unfinished_plan_seq,
 )
-from clickstream.jobs.sessionize import stream_watermark_ms
+from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
 from clickstream.quality.gates import warm_up
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
@@ -141,6 +141,7 @@ def run_recompute(
 ) -> RecomputeSummary:
     """Fold queued late records into sessions for one client, or for every queued client;
     also finish an interrupted plan of a client with nothing queued (R4)."""
+    check_session_gap(config)
     spark = spark or build_spark(config, "clickstream-recompute")
     tables = open_tables(config, spark)
     summary = RecomputeSummary()
@@ -271,6 +272,7 @@ def run_full_recompute(
     Tombstones are sent before the rows they retract are replaced: a rerun after a crash
     finds those rows gone and could not tell them any more.
     """
+    check_session_gap(config)
     started = time.monotonic()
     spark = spark or build_spark(config, "clickstream-full-recompute")
     tables = open_tables(config, spark)

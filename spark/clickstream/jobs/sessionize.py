@@ -262,17 +262,9 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     current = _session_settings(config)
     if path.exists() and _planned_a_batch(checkpoint):
         recorded = json.loads(path.read_text())
-        old_gap, new_gap = recorded["session_gap_ms"], current["session_gap_ms"]
-        if old_gap != new_gap:
-            raise errors.ConfigError(
-                f"the session gap is {_minutes(new_gap)} ({ENV_NAMES['session_gap_minutes']} "
-                f"or --session-gap) but the sessionizer's checkpoint {checkpoint} was started "
-                f"with {_minutes(old_gap)}: its open sessions were merged with that gap, and "
-                "going on would mix both. Set the gap back to "
-                f"{_minutes(old_gap)}, or, to change it: stop the sessionizer, move the "
-                "checkpoint folder away (or use a new CLICKSTREAM_HOME), start the sessionizer "
-                "again and run `clickstream recompute --full --client C` for every client (a "
-                "new checkpoint reads the topic from its start: see README, Known limits)")
+        _refuse_another_gap(checkpoint, recorded["session_gap_ms"], config,
+                            "its open sessions were merged with that gap, and going on would "
+                            "mix both")
         if recorded["state_buckets"] != current["state_buckets"]:
             raise errors.ConfigError(
                 f"the sessionizer's checkpoint {checkpoint} holds its state in "
@@ -284,6 +276,35 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     partial_path = checkpoint / f".{SETTINGS_FILE}.tmp"
     partial_path.write_text(json.dumps(current))
     partial_path.replace(path)  # whole or not at all
+
+
+def check_session_gap(config: Config) -> None:
+    """Refuse a batch correction (backfill, recompute) whose session gap is not the one the
+    sessionizer's checkpoint was started with (Z10): the batch would store sessions the
+    stream's split or merge, each side retracting the other's.
+
+    Raises:
+        ConfigError: the gaps differ.
+    """
+    checkpoint = config.checkpoint_path(JOB)
+    path = checkpoint / SETTINGS_FILE
+    if path.exists() and _planned_a_batch(checkpoint):
+        _refuse_another_gap(checkpoint, json.loads(path.read_text())["session_gap_ms"], config,
+                            "sessions computed with another gap than the stream's would split "
+                            "or merge the stream's")
+
+
+def _refuse_another_gap(checkpoint: Path, recorded_ms: int, config: Config, why: str) -> None:
+    if recorded_ms == config.session_gap_ms:
+        return
+    raise errors.ConfigError(
+        f"the session gap is {_minutes(config.session_gap_ms)} "
+        f"({ENV_NAMES['session_gap_minutes']} or --session-gap) but the sessionizer's "
+        f"checkpoint {checkpoint} was started with {_minutes(recorded_ms)}: {why}. Set the gap "
+        f"back to {_minutes(recorded_ms)}, or, to change it: stop the sessionizer, move the "
+        "checkpoint folder away (or use a new CLICKSTREAM_HOME), start the sessionizer "
+        "again and run `clickstream recompute --full --client C` for every client (a "
+        "new checkpoint reads the topic from its start: see README, Known limits)")
 
 
 def _planned_a_batch(checkpoint: Path) -> bool:
