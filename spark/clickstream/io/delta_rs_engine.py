@@ -338,12 +338,10 @@ class DeltaRsTables(DeltaTables):
             )
         if _done(table, app_id, version):
             return UpsertResult(0, 0, committed=False)
-        source = df.toArrow()
         if insert:
-            df = _conform(df, table, name)
-            source = _cast_to_table(df.toArrow(), table)
+            source = _cast_to_table(_conform(df, table, name).toArrow(), table)
         else:
-            source = _cast_to_columns(source, table, name)
+            source = _cast_to_columns(df.toArrow(), table, name)
         _check_keys(source, list(keys), name, operation)
         scope = partition_filter
         if scope is None:  # restrict by the key columns that are partition columns
