@@ -194,7 +194,8 @@ def _number(kind: Callable[[str], float], low: float, high: float | None = None,
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
         if not (math.isfinite(value) and (value >= low if low_included else value > low)
                 and (high is None or value <= high)):
             raise argparse.ArgumentTypeError(f"{text!r} must be {bounds}")
