@@ -263,8 +263,9 @@ class DeltaSparkTables(DeltaTables):
         version: int,
         metadata: Mapping[str, Any],
     ) -> DeleteResult:
-        """See :meth:`DeltaTables.delete_rows`: a MERGE that deletes matches. Under Delta's
-        default WriteSerializable isolation, blind appends meanwhile do not conflict with it."""
+        """See :meth:`DeltaTables.delete_rows`: a MERGE that deletes matches. Where Delta's
+        conflict rules refuse it for other writers' appends meanwhile (as for :meth:`upsert`,
+        README, Known limits), it is retried like the upsert. Not run here (no jars)."""
         from pyspark.sql import functions as F
 
         if _done(self.app_version(name, app_id), version):
