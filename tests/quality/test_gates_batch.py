@@ -51,6 +51,8 @@ def unchanged(before: dict, after: dict, *names: str) -> None:
 
 @pytest.mark.parametrize(("case", "message"), [
     ("negative amounts", r"negative_amount_fraction = 0\.75, expected at most 0\.5"),
+    # (B12) each castable to a decimal, so only unparsable text used to count
+    ("amounts the contract does not read", r"bad_amount_fraction = 0\.75, expected at most 0\.5"),
     ("another client", r"main_client_id = client-01, expected one of \[client-00\]"),
     ("dates as ts", r"ts_column_type = date, expected one of \[string, timestamp, integer\]"),
 ])
@@ -62,6 +64,9 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     if case == "negative amounts":
         for row in rows[1:]:
             row["amount"] = "-3.00"
+    elif case == "amounts the contract does not read":
+        for row, amount in zip(rows[1:], ("1.23456", "12345678901234", "1e3"), strict=True):
+            row["amount"] = amount
     elif case == "another client":
         rows = [{**row, "client_id": "client-01"} for row in rows]
     else:
@@ -77,7 +82,7 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
     assert after["quarantine"] > before["quarantine"]
     bad = quarantined(stream_config, spark, "historical_batch")
-    expected = {"negative amounts": {"o2", "o3", "o4"}}.get(case, {"o1", "o2", "o3", "o4"})
+    expected = ({"o2", "o3", "o4"} if "amount" in case else {"o1", "o2", "o3", "o4"})
     assert {json.loads(r["raw"])["order_id"] for r in bad} == expected
     assert all(message.split(",")[0].replace("\\", "") in r["reason"] for r in bad)
 
@@ -156,10 +161,12 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_recompute = corrections.recompute
+    v_off_by = [1]
 
-    def wrong_revenue(*args, **kwargs):  # a semantics bug: revenue off by one
+    def wrong_revenue(*args, **kwargs):  # a semantics bug: revenue off by one (v: v_off_by)
         result = real_recompute(*args, **kwargs)
-        wrong = result.sessions.withColumn("revenue", (F.col("revenue") + 1).cast(
+        off = F.when(F.col("user_id") == "v", v_off_by[0]).otherwise(1)
+        wrong = result.sessions.withColumn("revenue", (F.col("revenue") + off).cast(
             SESSIONS.schema["revenue"].dataType))
         return dataclasses.replace(result, sessions=wrong, after=wrong)
 
@@ -176,6 +183,15 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
     unchanged(before, after, "sessions", "attributions", "corrections")
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
     assert len(quarantined(stream_config, spark, "recomputed_sessions")) == 2
+
+    v_off_by[0] = 2  # (Q2) a rerun failing on one row stored already and one new row
+    with pytest.raises(QualityGateFailedError, match=r"revenue_mismatch = 2, .*; 2 rows "):
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                     path=path, progress=lambda _: None)
+    rows = [json.loads(r["raw"]) for r in quarantined(stream_config, spark,
+                                                       "recomputed_sessions")]
+    assert sorted((r["user_id"], r["revenue"]) for r in rows) == [
+        ("u", 1), ("v", 1), ("v", 2)]  # u's row once; before, v's second was never stored
 
     monkeypatch.setattr(corrections, "recompute", real_recompute)
     summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,

@@ -3,6 +3,7 @@ every page resolves inside the folder."""
 
 from __future__ import annotations
 
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -130,3 +131,14 @@ def test_data_and_form_values_are_shown_as_text_in_data_docs(config: Config) -> 
     assert "&lt;script&gt;alert(&#x27;data&#x27;)&lt;/script&gt;" in text
     assert "orders-&lt;svg onload=alert(1)&gt;-1f2e" in text
     assert_every_link_resolves(reports_dir(config))
+
+
+def test_safe_names_keep_plain_run_ids_and_never_merge_two_others() -> None:
+    from clickstream.quality.reports import safe_name
+
+    assert safe_name("orders-client-00-3f2a.v1") == "orders-client-00-3f2a.v1"  # as it was
+    merged_before = ["recompute-acme eu-q17", "recompute-acme/eu-q17", "recompute-acme_eu-q17",
+                     "backfill-" + "c" * 120 + "-q17", "backfill-" + "c" * 120 + "-q18", "", ".."]
+    names = [safe_name(text) for text in merged_before]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]{1,120}", name) for name in names)

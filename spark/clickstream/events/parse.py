@@ -142,6 +142,14 @@ def amount_error(text: Column) -> Column:
     )
 
 
+def amount_value(text: Column) -> Column:
+    """The amount as a decimal if its text is one :func:`amount_error` reads (a negative one
+    too: its own rule judges it), else null. A plain cast rounded 1.23456 to 1.2346 and read
+    13-digit amounts and exponents, so a gate counting null amounts missed them."""
+    return F.when(text.rlike(contract.AMOUNT) & text.rlike(contract.AMOUNT_IN_RANGE),
+                  text.try_cast(AMOUNT_TYPE))
+
+
 def url_error(text: Column) -> Column:
     """Reason a pageview's url is unusable, or null: missing, or longer than
     ``contract.URL_MAX_BYTES`` (a session's Kafka value carries two urls and must fit one
@@ -283,7 +291,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         "url",
         "referrer",
         "order_id",
-        F.when(is_order, F.col("amount").try_cast(AMOUNT_TYPE)).alias("amount"),
+        F.when(is_order, amount_value(F.col("amount"))).alias("amount"),
         "currency",
         error.alias("error"),
     )

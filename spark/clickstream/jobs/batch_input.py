@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B11):
+Known edge cases, cited inline as (B1)..(B12):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -47,6 +47,10 @@ Known edge cases, cited inline as (B1)..(B11):
       of the row (Arrow's statistics decode them) failed the whole backfill with a
       ``UnicodeDecodeError``, at every rerun. Spark's CSV reader already replaced them
       (README, known limits); a JSON Lines line is judged whole (B10).
+  B12. A row's typed ``amount`` is null unless its text is one the contract reads
+      (``parse.amount_value``): the plain cast rounded 1.23456 to 1.2346 and read 13-digit
+      amounts, exponents and signs, so ``historical_batch``'s ``bad_amount_fraction`` counted
+      only unparsable text and let a batch of such amounts through (its rows quarantined).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.events.parse import (
     amount_error,
+    amount_value,
     bytes_unless_utf8,
     currency_error,
     is_one_json_object,
@@ -86,7 +91,6 @@ from clickstream.events.parse import (
     url_error,
 )
 from clickstream.spark_session import BROADCAST_KEYS_MAX
-from clickstream.tables import AMOUNT_TYPE
 
 BatchKind = Literal["orders", "pageviews"]
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".jsonl": "json", ".json": "json",
@@ -350,7 +354,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         checks.append(url_error(F.col("url")))
     typed = typed.withColumn("error", F.coalesce(*checks))
     if kind == "orders":
-        typed = typed.withColumn("amount", F.col("amount").try_cast(AMOUNT_TYPE))
+        typed = typed.withColumn("amount", amount_value(F.col("amount")))  # (B12)
     return _with_copies(frame, typed.drop("ts_text", "unreadable", "not_utf8", "file_modified"),
                         key)
 

@@ -29,8 +29,11 @@ Known edge cases, cited inline as (Q1)..(Q5):
       the offending rows, so the step's single, idempotent quarantine commit carries them
       and no row is quarantined twice.
   Q2. Gates that stop a step after its own writes quarantine the offending rows themselves
-      under the application transaction ``gate-<gate>-<run id>``: a rerun that fails the same
-      way quarantines nothing twice.
+      under the application transaction ``gate-<gate>-<run id>``, one version per failed
+      attempt, each storing only rows (by ``source``) the run's earlier attempts did not: a
+      rerun that fails the same way quarantines nothing twice, and one that fails on other
+      rows (the tables changed meanwhile) quarantines those. With one fixed version, the
+      second attempt's rows were skipped while its message said they were quarantined.
   Q3. A check without rows (a count that does not reconcile) quarantines one record: the
       check results themselves, so the quarantine table says why the step stopped.
   Q4. The stream writes a Data Docs page only for micro-batches with a failed expectation,
@@ -301,9 +304,17 @@ def quarantine(tables: DeltaTables, checks: C.Checks, result: GateResult,
     rows = rows.select("*", F.current_timestamp().alias("quarantined_at"),
                        F.current_date().alias("quarantine_date")).persist()
     try:
-        count = rows.count()
-        tables.append_once(QUARANTINE.name, rows, app_id=f"gate-{result.gate}-{result.run_id}",
-                           version=1, partition_by=QUARANTINE.partition_by,
+        count = rows.count()  # all of them are in quarantine once this returns
+        app_id = f"gate-{result.gate}-{result.run_id}"
+        attempts = tables.app_version(QUARANTINE.name, app_id)
+        if attempts is not None:  # (Q2) an earlier attempt of the run stored some already
+            stored = tables.read(QUARANTINE.name).where(
+                F.col("source").startswith(prefix)).select("source")
+            new = rows.join(stored, "source", "left_anti")
+        else:
+            new = rows
+        tables.append_once(QUARANTINE.name, new, app_id=app_id, version=(attempts or 0) + 1,
+                           partition_by=QUARANTINE.partition_by,
                            metadata={"run_id": result.run_id,
                                      "cause": f"quality gate {result.gate} failed"})
         return count

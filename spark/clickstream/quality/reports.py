@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import hashlib
 import html
 import json
 import os
@@ -104,8 +105,14 @@ class ReportEntry:
 
 
 def safe_name(text: str) -> str:
-    """A file or folder name made of ``[A-Za-z0-9._-]`` only."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")[:120] or "run"
+    """A file or folder name made of ``[A-Za-z0-9._-]`` only, one per ``text``: a name that
+    had to change (other characters, or over 120) ends with a digest of ``text``, since
+    ``a b``, ``a/b`` and ``a_b`` (or two long client ids alike in their first 120
+    characters) overwrote each other's reports and step results."""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")
+    if clean and clean == text and len(clean) <= 120:
+        return clean
+    return f"{clean[:100] or 'run'}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def now_utc() -> dt.datetime:
