@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R10):
+Known edge cases, cited inline as (R1)..(R11):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
@@ -63,6 +63,10 @@ Known edge cases, cited inline as (R1)..(R10):
       plans them again and changes nothing. The removal used to fail outside the per-client
       handling, so the clients after it in the run were not folded in at all, run after run
       while that client's late traffic lasted.
+  R11. ``--full`` passes the gates every correction passes: ``recomputed_sessions`` on all
+      it rewrites, before it records, rewrites or publishes anything, and ``publish`` on its
+      plan once published (failing, the plan stays unpublished for the next correction run
+      to finish, C6). It ran none: the largest rewrite the product makes went unchecked.
 """
 
 from __future__ import annotations
@@ -106,7 +110,12 @@ from clickstream.jobs.corrections import (
     unfinished_plan_seq,
 )
 from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
-from clickstream.quality.gates import warm_up
+from clickstream.quality.gates import (
+    gate_publish,
+    gate_recomputed_sessions,
+    publish_started,
+    warm_up,
+)
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
@@ -344,15 +353,18 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     active = (_users_the_stream_holds(pageviews, orders, watermark - config.session_gap_ms)
               if watermark is not None
               else spark.createDataFrame([], "client_id string, user_id string"))
+    rewritten_orders = orders.join(active, users, "left_anti")
     emitted = keep(sessionize_frames(pageviews.join(active, users, "left_anti"),
-                                     orders.join(active, users, "left_anti"),
-                                     config.session_gap_ms, BUCKETS))
+                                     rewritten_orders, config.session_gap_ms, BUCKETS))
+    session_rows, attribution_rows = _session_rows(emitted), _attribution_rows(emitted)
+    # Before anything is recorded, rewritten or published, as for every correction (R11).
+    gate_recomputed_sessions(run, session_rows, attribution_rows, rewritten_orders)
     run_seq = next_plan_seq(run)
     rewrites: list[_Rewrite] = []
     changes: list[DataFrame] = []
     for spec, rows, topic, date_column, entity in (
-            (SESSIONS, _session_rows(emitted), config.sessions_topic, "session_date", "session"),
-            (ATTRIBUTIONS, _attribution_rows(emitted), config.attributions_topic, "order_date",
+            (SESSIONS, session_rows, config.sessions_topic, "session_date", "session"),
+            (ATTRIBUTIONS, attribution_rows, config.attributions_topic, "order_date",
              "attribution")):
         (key,) = spec.key
         stored, read_version = stored_of[spec.name]
@@ -377,6 +389,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     planned = not plan.isEmpty()
     if planned:
         record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
+    since = publish_started(config)
     for rewrite in rewrites:
         spec, topic, stored, fresh, retracted = (rewrite.spec, rewrite.topic, rewrite.stored,
                                                  rewrite.fresh, rewrite.retracted)
@@ -405,6 +418,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
             ) from exc
         publish_rows(config, topic, fresh, spec)  # each table's view once it is committed
     if planned:
+        gate_publish(run, plan, since)  # (R11) failing, the plan stays to be finished (C6)
         mark_published(run, plan)
     counts = {r.spec.name: r.fresh.count() for r in rewrites}
     gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)

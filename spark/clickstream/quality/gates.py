@@ -331,7 +331,10 @@ def _fail(tables: DeltaTables, checks: C.Checks, result: GateResult, client_id: 
 
 
 def split_run_id(run_id: str) -> tuple[str, str]:
-    """``backfill-<id>`` / ``recompute-<id>`` (a corrections run id) -> (job, id)."""
+    """``backfill-<id>`` / ``recompute-<id>`` / ``full-recompute-<client>`` (a corrections
+    run id) -> (job, id)."""
+    if run_id.startswith(FULL_RECOMPUTE := "full-recompute-"):
+        return FULL_RECOMPUTE[:-1], run_id[len(FULL_RECOMPUTE):]
     job, _, rest = run_id.partition("-")
     return (job, rest) if rest else ("corrections", run_id)
 
