@@ -13,6 +13,7 @@ from itertools import count
 
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from clickstream.config import Config
 from clickstream.errors import NOT_RETRYABLE, ClickstreamError, QualityGateFailedError
@@ -23,6 +24,7 @@ from clickstream.jobs import backfill_steps, corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.quality.reports import read_entries, reports_dir
 from clickstream.sessions.semantics import session_id
 from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
 from tests.jobs.test_backfill import (
@@ -553,17 +555,32 @@ def test_a_full_recompute_after_the_streams_first_micro_batch_leaves_every_user_
 
 
 def test_a_full_recompute_records_its_changes_in_corrections(
-        stream_config: Config, spark: SparkSession) -> None:
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R3) The brief: ``corrections`` holds each run's created / updated / retracted rows
     with old and new revision and cause. The full recompute merged u's two sessions (one to
-    revision 2, one retracted with a tombstone) and recorded nothing."""
+    revision 2, one retracted with a tombstone) and recorded nothing. (R11) It passes the
+    gates every correction passes; it ran none, so a semantics bug reached every session."""
     run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
                  path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
                                                       pv_row("b", "u", 40, client="c1")],
                                  "parquet"))
     before = {r["run_seq"] for r in table_rows(stream_config, spark, "corrections")}
     stored_by_the_stream(stream_config, spark, [("between", "c1", "u", 20)])  # merges u's two
+    real_rows = recompute._session_rows
+    monkeypatch.setattr(recompute, "_session_rows", lambda emitted: real_rows(emitted).withColumn(
+        "revenue", (F.col("revenue") + 1).cast(SESSIONS.schema["revenue"].dataType)))
+    versions = {n: open_tables(stream_config, spark).version(n) for n in ("sessions",
+                                                                           "corrections")}
+    with pytest.raises(QualityGateFailedError, match=r"quality gate recomputed_sessions failed "
+                       r"for full-recompute c1: .*revenue_mismatch = 1, .*no correction was "
+                       r"recorded"):
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert versions == {n: open_tables(stream_config, spark).version(n) for n in versions}
+    monkeypatch.setattr(recompute, "_session_rows", real_rows)
     run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert {(e.title.split(" ")[0], e.status) for e in read_entries(reports_dir(stream_config))
+            if e.kind == "validation" and e.job == "full-recompute"} >= {
+        ("recomputed_sessions", "passed"), ("publish", "passed")}
 
     (session,) = table_rows(stream_config, spark, "sessions")
     assert (session["pageview_count"], session["revision"]) == (3, 2)
