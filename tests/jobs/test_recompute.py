@@ -141,16 +141,17 @@ def test_a_client_whose_queue_rows_cannot_be_removed_does_not_stop_the_other_cli
     def delete_rows_while_p1_is_queued_again(self, name, df, **kwargs):
         if kwargs["partition_filter"]["client_id"] != "c1":
             return delete_rows(self, name, df, **kwargs)
-        seam = self._before_commit, self._backoff
-        self._before_commit, self._backoff = p1_queued_again, 0.0
+        seam = self._before_commit, self._backoff, self._max_attempts
+        self._before_commit, self._backoff, self._max_attempts = p1_queued_again, 0.0, 2
         try:
             return delete_rows(self, name, df, **kwargs)
         finally:
-            self._before_commit, self._backoff = seam
+            self._before_commit, self._backoff, self._max_attempts = seam
 
     monkeypatch.setattr(engine, "delete_rows", delete_rows_while_p1_is_queued_again)
     with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: "
-                       r"delete_rows on table 'recompute_queue'") as failed:
+                       r"delete_rows on table 'recompute_queue': concurrent commits changed "
+                       r"the rows it rewrites on each of 2 reads") as failed:
         run_recompute(stream_config, spark=spark, progress=quiet)
     assert not isinstance(failed.value, NOT_RETRYABLE)  # the next run may well get through
     queued = [(r["client_id"], r["record_id"]) for r in table_rows(
