@@ -111,6 +111,7 @@ from clickstream.jobs.corrections import (
 )
 from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
 from clickstream.quality.gates import (
+    FULL_RECOMPUTE_JOB,
     gate_publish,
     gate_recomputed_sessions,
     publish_started,
@@ -286,7 +287,7 @@ def run_full_recompute(
     spark = spark or build_spark(config, "clickstream-full-recompute")
     tables = open_tables(config, spark)
     with one_run_at_a_time(config, client_id, progress):
-        run = Run(spark, config, tables, client_id, f"full-recompute-{client_id}",
+        run = Run(spark, config, tables, client_id, f"{FULL_RECOMPUTE_JOB}-{client_id}",
                   f"full recompute of {client_id}", progress)
         timer = Timer(CorrectionSummary(), progress)
         try:

@@ -330,11 +330,14 @@ def _fail(tables: DeltaTables, checks: C.Checks, result: GateResult, client_id: 
     result.raise_if_failed(consequence)
 
 
+FULL_RECOMPUTE_JOB = "full-recompute"  # its run ids: full-recompute-<client>
+
+
 def split_run_id(run_id: str) -> tuple[str, str]:
     """``backfill-<id>`` / ``recompute-<id>`` / ``full-recompute-<client>`` (a corrections
     run id) -> (job, id)."""
-    if run_id.startswith(FULL_RECOMPUTE := "full-recompute-"):
-        return FULL_RECOMPUTE[:-1], run_id[len(FULL_RECOMPUTE):]
+    if run_id.startswith(f"{FULL_RECOMPUTE_JOB}-"):
+        return FULL_RECOMPUTE_JOB, run_id.removeprefix(f"{FULL_RECOMPUTE_JOB}-")
     job, _, rest = run_id.partition("-")
     return (job, rest) if rest else ("corrections", run_id)
 
