@@ -21,9 +21,10 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
   (failure after its retries, or a stop), Airflow starts the next run at once. A failure a
   retry cannot fix (a bad setting; records the broker dropped before they were read, see
   `CLICKSTREAM_FAIL_ON_DATA_LOSS`) fails the task at once, without retries. After
-  **3 failed runs in a row Airflow pauses the DAG** (`max_consecutive_failed_dag_runs`), so such
+  **6 failed runs in a row Airflow pauses the DAG** (`max_consecutive_failed_dag_runs`), so such
   a failure is not restarted forever, a new driver every few seconds: fix the cause, then
-  unpause it.
+  unpause it. Kafka out of reach fails a run after its retries (~8-11 min), so an outage of
+  about an hour pauses it too: unpause it once Kafka is back.
 * **Restarts resume:** source offsets and session state live in the Spark checkpoint under
   `$CLICKSTREAM_HOME/checkpoints/sessionize`, and every Delta write is idempotent per
   micro-batch, so a retry after any failure, kill or restart continues where the last committed
@@ -47,7 +48,7 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
     dag_id="sessionizer",
     schedule="@continuous",
     max_active_runs=1,
-    max_consecutive_failed_dag_runs=3,  # a failure retries cannot fix is not looped on
+    max_consecutive_failed_dag_runs=6,  # a failure retries cannot fix is not looped on
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     doc_md=DOC,

@@ -99,7 +99,7 @@ def test_schedules(dagbag) -> None:
     assert (retention["minimum"], retention["maximum"]) == (MIN_VACUUM_RETENTION_HOURS,
                                                             MAX_VACUUM_RETENTION_HOURS)
     # A failure retries cannot fix pauses the continuous DAG instead of restarting it forever.
-    assert sessionizer.max_consecutive_failed_dag_runs == 3
+    assert sessionizer.max_consecutive_failed_dag_runs == 6
 
 
 @pytest.mark.parametrize(("dag_id", "value", "accepted"), [

@@ -300,6 +300,7 @@ class DeltaRsTables(DeltaTables):
         Here the rows are read and written once; a commit attempt only checks what other
         writers committed since (edge case 14).
         """
+        _check_key_columns(keys, df, name, "upsert")  # before a missing table is created
         table = self._ensure_table(name, df.schema, partition_by, metadata)
         return self._rewrite_by_keys(name, table, df, keys, partition_filter, app_id, version,
                                      metadata, insert=True)
@@ -317,6 +318,7 @@ class DeltaRsTables(DeltaTables):
     ) -> DeleteResult:
         """See :meth:`DeltaTables.delete_rows`: the upsert's copy-on-write by file (edge case
         14) without the source's rows, so the stream's appends meanwhile do not conflict."""
+        _check_key_columns(keys, df, name, "delete_rows")
         table = self._require(name)
         outcome = self._rewrite_by_keys(name, table, df.select(*keys), keys, partition_filter,
                                         app_id, version, metadata, insert=False)
@@ -331,11 +333,6 @@ class DeltaRsTables(DeltaTables):
         the rows removed."""
         operation = "upsert" if insert else "delete_rows"
         properties = _commit_properties(metadata, app_id, version, operation)
-        if not keys or set(keys) - set(df.columns):
-            raise ConfigError(
-                f"{operation} on {name!r}: keys {list(keys)} must be non-empty columns of the "
-                f"DataFrame; its columns are {', '.join(df.columns)}"
-            )
         if _done(table, app_id, version):
             return UpsertResult(0, 0, committed=False)
         if insert:
@@ -1348,6 +1345,14 @@ def _cast_to_table(source: pa.Table, table: DeltaTable) -> pa.Table:
     target = pa.schema(table.schema().to_arrow())
     nullable = pa.schema([f.with_nullable(True) for f in target])
     return source.select(target.names).cast(nullable)
+
+
+def _check_key_columns(keys: Sequence[str], df: DataFrame, name: str, operation: str) -> None:
+    if not keys or set(keys) - set(df.columns):
+        raise ConfigError(
+            f"{operation} on {name!r}: keys {list(keys)} must be non-empty columns of the "
+            f"DataFrame; its columns are {', '.join(df.columns)}"
+        )
 
 
 def _cast_to_columns(source: pa.Table, table: DeltaTable, name: str) -> pa.Table:

@@ -272,6 +272,16 @@ class DeltaSparkTables(DeltaTables):
             return DeleteResult(0, committed=False)
         if not self.exists(name):
             raise ClickstreamError(f"table {name!r} does not exist at {self.table_path(name)}")
+        keyed = df.select(*keys)
+        any_null = F.lit(False)
+        for key in keys:
+            any_null = any_null | F.col(key).isNull()
+        nulls = keyed.where(any_null).limit(1).count()
+        repeated = keyed.groupBy(*keys).count().where(F.col("count") > 1).limit(1).count()
+        if nulls or repeated:  # a null key matches no row: it would stay, silently
+            raise ClickstreamError(
+                f"delete_rows on {name!r}: the keys hold {'a null' if nulls else 'a repeated'} "
+                "key; nothing was deleted. Pass each key once and without nulls")
         on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
         on += f" AND ({filter_to_sql(partition_filter, self._table_types(name), alias='t')})"
 

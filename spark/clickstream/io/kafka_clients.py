@@ -618,12 +618,14 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
         )
 
 
+# Errors each reader handles itself: a partition's end, a fetch below the log start.
+_READER_OWN_ERRORS = frozenset({KafkaError._PARTITION_EOF, KafkaError._AUTO_OFFSET_RESET})
 # Fetch errors librdkafka does not get past by itself: the read stops at once with the cause.
 _PERMANENT_READ_ERRORS = frozenset({
     KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
     KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.SASL_AUTHENTICATION_FAILED,
     KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError._UNKNOWN_TOPIC,
-    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._UNKNOWN_PARTITION, KafkaError.MSG_SIZE_TOO_LARGE,
 })
 
 
@@ -632,11 +634,13 @@ class ReadErrors:
     partition and a fetch below the log start (each reader's own business).
 
     librdkafka reports fetch errors it goes on from, a broker's request timeout among them, as
-    error messages, and marks none of them retriable: a fetch timeout of a real broker used to
-    fail the sessionizer's micro-batch. Such errors are logged, once per partition and code,
-    and the read goes on; the reader's own time limit bounds the wait and names the last one.
-    A truncated log (an unclean leader election, KIP-320), an authorization or authentication
-    error, an unknown topic or partition and a fatal error stop the read with the cause.
+    error messages (again at every fetch while they last), and marks none of them retriable: a
+    fetch timeout of a real broker used to fail the sessionizer's micro-batch. Such errors are
+    logged, once per partition and code, and the read goes on; the reader's own time limit,
+    which they do not reset, bounds the wait and names the last one. A truncated log (an
+    unclean leader election, KIP-320), an authorization or authentication error, an unknown
+    topic or partition, an oversized record and a fatal error stop the read with the
+    cause.
     """
 
     def __init__(self, config: Config, topic: str) -> None:
@@ -883,21 +887,25 @@ def read_offset_ranges(
     errors = ReadErrors(config, topic)
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
-        idle = 0.0
+        # The last time a record, or a partition's end, arrived: an error librdkafka reports
+        # again at every fetch (a broker timing out each one) is no progress, so it cannot
+        # keep the read waiting past the time limit.
+        heard_at = time.monotonic()
         while expected:
+            if time.monotonic() - heard_at >= idle_timeout_s:
+                waiting = ", ".join(f"{p} at {e}" for p, e in sorted(expected.items())[:5])
+                raise BrokerUnavailableError(
+                    f"no records from topic {topic} (partitions {waiting}) for "
+                    f"{idle_timeout_s:g} s{errors.since()}; is Kafka reachable at "
+                    f"{config.kafka_bootstrap_servers}? Rerunning retries the same offsets"
+                )
             wanted = sum(ends[p] - e for p, e in expected.items())
             messages = consumer.consume(num_messages=min(batch_size, wanted), timeout=1.0)
+            if any(m.error() is None or m.error().code() in _READER_OWN_ERRORS
+                   for m in messages):
+                heard_at = time.monotonic()
             if not messages:
-                idle += 1.0
-                if idle >= idle_timeout_s:
-                    waiting = ", ".join(f"{p} at {e}" for p, e in sorted(expected.items())[:5])
-                    raise BrokerUnavailableError(
-                        f"no records from topic {topic} (partitions {waiting}) for "
-                        f"{idle_timeout_s:g} s{errors.since()}; is Kafka reachable at "
-                        f"{config.kafka_bootstrap_servers}? Rerunning retries the same offsets"
-                    )
                 continue
-            idle = 0.0
             batch: list[Message] = []
             for message in messages:
                 error = message.error()
