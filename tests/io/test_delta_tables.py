@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, Field, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError
+from deltalake.transaction import AddAction
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
@@ -677,6 +678,44 @@ def test_delete_rows_removes_its_keys_rewriting_only_the_files_that_hold_them(ta
                                 app_id="dequeue", version=1, metadata=META)
     assert replay == DeleteResult(0, committed=False)
     assert tables.version("orders") == version
+
+
+def test_row_count_and_head_follow_the_log_after_rewrites(tables, spark):
+    """inspect's count comes from the log's ``numRecords``: rows a delete rewrote away and
+    files the log removed are not counted, nor read for a sample."""
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1"), ("o2", "c1", D1, "2"),
+                                        ("o3", "c2", D2, "3")),
+                       app_id="stream", version=1, partition_by=PARTS, metadata=META)
+    tables.delete_rows("orders", orders(spark, ("o2", "c1", D1, "0")).select(
+        "client_id", "order_id"), keys=["client_id", "order_id"],
+        partition_filter={"client_id": "c1"}, app_id="dequeue", version=1, metadata=META)
+
+    assert len(parquet_on_disk(tables, "orders")) > len(DeltaTable(
+        tables.table_path("orders")).file_uris())  # the removed file is still on disk
+    assert tables.row_count("orders") == tables.read("orders").count() == 2
+    sample = tables.head_arrow("orders", 1)
+    assert sample.num_rows == 1 and sample.column("order_id")[0].as_py() in {"o1", "o3"}
+    assert set(sample.column_names) == set(ORDERS.schema.fieldNames())  # partitions too
+    assert sorted(tables.head_arrow("orders", 10).column("order_id").to_pylist()) == ["o1", "o3"]
+
+
+def test_row_count_of_files_without_statistics_reads_the_footers(tables):
+    """Another engine's table may leave ``numRecords`` out of an add action."""
+    path = tables.table_path("pageviews")
+    write_deltalake(path, pa.table({"client_id": ["c1"], "n": [1]}), partition_by=["client_id"])
+    table = DeltaTable(path)
+    extra = Path(path) / "client_id=c2" / "no-stats.parquet"
+    extra.parent.mkdir()
+    pq.write_table(pa.table({"n": [1, 2, 3]}), extra)
+    add = AddAction(path="client_id=c2/no-stats.parquet", size=extra.stat().st_size,
+                    partition_values={"client_id": "c2"},
+                    modification_time=int(time.time() * 1000), data_change=True, stats="")
+    table.create_write_transaction([add], mode="append", schema=table.schema(),
+                                   partition_by=["client_id"])
+
+    assert pa.table(DeltaTable(path).get_add_actions(flatten=True)).column(
+        "num_records").null_count == 1
+    assert tables.row_count("pageviews") == 4
 
 
 def test_delete_rows_commits_beside_appends_into_its_partition_and_keeps_them(config, spark,

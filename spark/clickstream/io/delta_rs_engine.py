@@ -617,6 +617,19 @@ class DeltaRsTables(DeltaTables):
             largest[key] = None if high is None or known is None else max(high, known)
         return largest
 
+    def row_count(self, name: str) -> int:
+        """From each file's ``numRecords`` in the log (7); a table written by another engine
+        without it is counted from the Parquet footers. No rows are read either way."""
+        table = self._require(name)
+        actions = pa.table(table.get_add_actions(flatten=True))
+        if "num_records" in actions.column_names and not actions.column("num_records").null_count:
+            return int(pc.sum(actions.column("num_records")).as_py() or 0)
+        return table.to_pyarrow_dataset().count_rows()
+
+    def head_arrow(self, name: str, rows: int) -> pa.Table:
+        """Reads only as many files as the rows need."""
+        return self._require(name).to_pyarrow_dataset().head(rows)
+
     def read_arrow(
         self,
         name: str,
