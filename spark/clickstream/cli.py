@@ -32,9 +32,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_broker(args: argparse.Namespace, config: Config) -> int:
-    from clickstream.io.kafka_broker import run_broker_forever
+    from clickstream.io.kafka_broker import TOPIC_PARTITIONS, run_broker_forever
 
-    run_broker_forever(port=args.port, host=args.host)
+    # The configured names: a renamed topic exists when the sessionizer first asks for it.
+    names = (config.events_topic, config.sessions_topic, config.attributions_topic)
+    run_broker_forever(port=args.port, host=args.host,
+                       topics=dict.fromkeys(names, TOPIC_PARTITIONS))
     return 0
 
 
@@ -237,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     broker = commands.add_parser(
         "broker", help="run the embedded Kafka-protocol broker in the foreground",
         description="Run the embedded Kafka-protocol broker (librdkafka's mock cluster) until "
-        "SIGTERM. Memory only: its data is gone when it stops.")
+        "SIGTERM, with the configured topics (CLICKSTREAM_EVENTS_TOPIC, "
+        "CLICKSTREAM_SESSIONS_TOPIC, CLICKSTREAM_ATTRIBUTIONS_TOPIC), 16 partitions each. "
+        "Memory only: its data is gone when it stops.")
     broker.add_argument("--port", type=_port, default=9092,
                         help="fixed port, 0 for any free one (default 9092)")
     broker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -95,7 +95,9 @@ _log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9092
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_TOPICS: Mapping[str, int] = {"events": 16, "sessions": 16, "attributions": 16}
+TOPIC_PARTITIONS = 16
+DEFAULT_TOPICS: Mapping[str, int] = dict.fromkeys(("events", "sessions", "attributions"),
+                                                TOPIC_PARTITIONS)
 
 _RD_KAFKA_PRODUCER = 0
 _RESP_ERR_TOPIC_ALREADY_EXISTS = 36
@@ -632,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             topics = {}
             for item in args.topic:
                 name, _, count = item.partition("=")
-                topics[name] = int(count or DEFAULT_TOPICS.get(name, 16))
+                topics[name] = int(count or DEFAULT_TOPICS.get(name, TOPIC_PARTITIONS))
         run_broker_forever(port=args.port, topics=topics, host=args.host)
     except BrokerError as exc:
         print(f"error: {exc}", file=sys.stderr)
