@@ -27,6 +27,10 @@ class DataLossError(ClickstreamError):
     """Raised when records the product has not consumed yet are gone from the broker."""
 
 
+class VersionVacuumedError(ClickstreamError):
+    """Raised when a time-travel read needs files a vacuum deleted: no retry brings them back."""
+
+
 class DeliveryError(ClickstreamError):
     """Raised when records could not be delivered to Kafka after retries."""
 
@@ -49,7 +53,7 @@ class PlanNotAppliedError(QualityGateFailedError):
 
 
 NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
-    BatchRefusedError, ConfigError, DataLossError, QualityGateFailedError)
+    BatchRefusedError, ConfigError, DataLossError, QualityGateFailedError, VersionVacuumedError)
 """Failures a retry cannot fix: the same input gives the same refusal (records the broker
 dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""

@@ -24,7 +24,13 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
+from clickstream.errors import (
+    NOT_RETRYABLE,
+    ClickstreamError,
+    CommitConflictError,
+    ConfigError,
+    VersionVacuumedError,
+)
 from clickstream.io.delta_rs_engine import DeltaRsTables, _ActiveFile, _removes
 from clickstream.io.delta_spark_engine import delta_jars_loadable
 from clickstream.io.delta_tables import (
@@ -716,6 +722,29 @@ def test_row_count_of_files_without_statistics_reads_the_footers(tables):
     assert pa.table(DeltaTable(path).get_add_actions(flatten=True)).column(
         "num_records").null_count == 1
     assert tables.row_count("pageviews") == 4
+
+
+def test_time_travel_to_a_version_a_vacuum_deleted_fails_naming_it(tables, spark):
+    """A backfill step resumed after table_maintenance vacuumed the files its old version
+    needs: one clear, not-retryable error instead of Spark's missing path."""
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1"), ("o2", "c1", D1, "2")),
+                       app_id="stream", version=1, partition_by=PARTS, metadata=META)
+    old = tables.version("orders")
+    tables.delete_rows("orders", orders(spark, ("o2", "c1", D1, "0")).select(
+        "client_id", "order_id"), keys=["client_id", "order_id"],
+        partition_filter={"client_id": "c1"}, app_id="dequeue", version=1, metadata=META)
+    assert ids(tables.read("orders", version=old)) == ["o1", "o2"]  # not vacuumed yet
+
+    DeltaTable(tables.table_path("orders")).vacuum(
+        retention_hours=0, enforce_retention_duration=False, dry_run=False, full=True)
+
+    with pytest.raises(VersionVacuumedError) as error:
+        tables.read("orders", ["order_id"], {"client_id": "c1"}, version=old)
+    assert isinstance(error.value, NOT_RETRYABLE)
+    message = str(error.value)
+    assert f"'orders' as of version {old}" in message and "needs 1 of its 1 files" in message
+    assert "recompute --full --client C" in message
+    assert ids(tables.read("orders")) == ["o1"]  # the current version is whole
 
 
 def test_delete_rows_commits_beside_appends_into_its_partition_and_keeps_them(config, spark,

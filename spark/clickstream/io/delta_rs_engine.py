@@ -117,7 +117,12 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from deltalake.schema import Schema as DeltaSchema
 from deltalake.transaction import AddAction, RemoveAction
 
-from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
+from clickstream.errors import (
+    ClickstreamError,
+    CommitConflictError,
+    ConfigError,
+    VersionVacuumedError,
+)
 from clickstream.io.delta_tables import (
     AppendResult,
     DeleteResult,
@@ -570,6 +575,8 @@ class DeltaRsTables(DeltaTables):
             files = [f for f in files if filter_matches(wanted, f.partition_values)]
         if not files:
             return _project(spark.createDataFrame([], full), columns, name)
+        if version is not None:
+            _check_not_vacuumed(path, files, name, version)
         fast: list[str] = []
         slow: dict[tuple, list[str]] = {}
         for f in files:
@@ -1287,6 +1294,22 @@ def _check_partition_types(schema: StructType, partition_by: Sequence[str], name
                 f"table {name!r}: partition column {column!r} has type {kind}; use one of: "
                 f"{', '.join(sorted(_PARTITION_TYPES))}"
             )
+
+
+def _check_not_vacuumed(path: str, files: Sequence[_ActiveFile], name: str, version: int
+                        ) -> None:
+    """An old version's log outlives its files: Spark would fail on the first missing path
+    with no word of why. The current version's files are not checked (a vacuum keeps them)."""
+    gone = [f.path for f in files if not os.path.exists(os.path.join(path, f.path))]
+    if gone:
+        raise VersionVacuumedError(
+            f"table {name!r} as of version {version} (read by time travel) needs {len(gone)} "
+            f"of its {len(files)} files that are gone from {path}, e.g. {gone[0]!r}: a vacuum "
+            "deleted them (table_maintenance deletes files removed longer ago than its "
+            "retention, 168 h by default). A backfill step that reads its tables as they were "
+            "before its own commits cannot go on; `clickstream recompute --full --client C` "
+            "brings that client's sessions and attributions up to date from the tables as they "
+            "are (a finished batch's rerun has nothing left to do)")
 
 
 def _check_filter_columns(

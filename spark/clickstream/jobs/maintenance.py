@@ -12,7 +12,11 @@ one table never overlap: the second waits for the first (``delta_rs_engine`` edg
 Known edge cases, cited inline as (M1)..(M2):
   M1. Vacuum retention below 168 hours is refused: writers put Parquet files in place before
       they commit them, and readers (and time travel) may still use files a newer version
-      removed; Delta's own default retention is 7 days for these reasons.
+      removed; Delta's own default retention is 7 days for these reasons. A backfill step
+      that reads its tables as they were before its own commits (the merge's gate, an orders
+      batch's old places, the report) therefore works within the retention of its merge;
+      resumed later, it fails at once with ``VersionVacuumedError`` (not retried), which
+      names the table, the version and ``recompute --full`` as the way forward.
   M2. One table's failure (a compaction conflicting with a backfill, an unreadable file) does
       not stop the others: every table is tried, each failure is reported as it happens, and
       the step then fails with one error naming every failed table and its reason. The first
