@@ -56,6 +56,24 @@ with socket.socket() as s:
 EOF
 }
 
+# A new embedded broker starts empty, with new topic ids: a sessionizer checkpoint from an earlier
+# broker names offsets of a log that is gone, and the sessionizer stops on it (DataLossError,
+# not retried; the DAG pauses after 6 failed runs). Said once, here, rather than found later.
+_warn_if_checkpoint_outlives_broker() {
+  local home="${CLICKSTREAM_HOME:-var/home}"
+  local checkpoint="$home/checkpoints/sessionize"
+  [ -d "$checkpoint" ] || return 0
+  cat >&2 <<EOF
+airflow: warning: the embedded broker starts empty (it keeps its data in memory only), but the
+  sessionizer's checkpoint $checkpoint holds offsets read from an earlier broker.
+  The sessionizer DAG will fail with DataLossError (not retried) and pause after 6 runs.
+  To start over: stop, then delete $home and ${CLICKSTREAM_WAREHOUSE:-var/warehouse} (or set
+  CLICKSTREAM_HOME and CLICKSTREAM_WAREHOUSE to new folders), and start again. To keep the
+  tables: delete only $checkpoint, then run
+  'clickstream recompute --full --client C' for each client whose sessions were open.
+EOF
+}
+
 _STARTED_PIDS=()
 
 _start() {  # _start NAME COMMAND... : in its own session, so stopping it stops its children
@@ -77,6 +95,7 @@ airflow_start() {
 
   if ! _port_open "$BROKER_PORT"; then
     echo "== embedded broker on 127.0.0.1:$BROKER_PORT (log: $AIRFLOW_LOGS/broker.log)"
+    _warn_if_checkpoint_outlives_broker
     _start broker clickstream broker --port "$BROKER_PORT"
     for _ in $(seq 1 100); do
       grep -q "ready" "$AIRFLOW_LOGS/broker.log" 2>/dev/null && break
