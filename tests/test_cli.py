@@ -237,6 +237,8 @@ def test_settings_that_would_mean_something_else_are_refused_naming_where_they_c
      "argument --users: '0' must be at least 1"),
     (["generate", "history", "--client", " c1"], "argument --client: ' c1' is not a client id"),
     (["recompute", "--client="], "argument --client: '' is not a client id"),
+    (["recompute", "--client", "a\x1fb"], "argument --client: 'a\\x1fb' is not a client id: "
+     "it is empty, has spaces around it or a control character"),
     (["backfill", "--kind", "orders", "--client", "c1 ", "--path", "b"],
      "argument --client: 'c1 ' is not a client id"),
     (["inspect", "--sample", "-1"], "argument --sample: '-1' must be at least 0"),

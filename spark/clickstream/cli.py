@@ -216,7 +216,8 @@ _SPAN = _number(float, 0, 1e7, low_included=False)  # 1e7: within what dates can
 def _client_id(text: str) -> str:
     if not re.fullmatch(CLIENT_ID_PATTERN, text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a client id: it is empty or has spaces around it")
+            f"{text!r} is not a client id: it is empty, has spaces around it or a control "
+            "character")
     return text
 
 

@@ -58,6 +58,14 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
      "missing field user_id"),
     (json.dumps({**PAGEVIEW, "client_id": " "}), "missing field client_id"),
     (json.dumps({k: v for k, v in PAGEVIEW.items() if k != "ts"}), "missing field ts"),
+    # Commands could not name such a client; U+001F would join two users into one session id.
+    *((json.dumps({**PAGEVIEW, "client_id": client}), f"client_id '{client}' has a control "
+       "character or spaces around it: commands take a client id as printable text without "
+       "spaces around it; send it that way")
+      for client in (" acme", "acme\t", "acme\u00a0", "a\u001fb", "a\u0000")),
+    *((json.dumps({**PAGEVIEW, "user_id": user}), "user_id has a control character "
+       "(U+0000-U+001F or U+007F): a session id joins the client and user ids with U+001F, so "
+       "two users could share one; send it as printable text") for user in ("u\u001f1", "\u007f")),
     (json.dumps({**PAGEVIEW, "ts": "yesterday"}),
      "ts 'yesterday' is neither ISO-8601 with a time zone nor epoch milliseconds"),
     (json.dumps({**PAGEVIEW, "ts": "2026-11-01T09:00:00"}),

@@ -328,6 +328,7 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
         {**order_row("dup", "u", 5, amount="2.00")},
         {**order_row("same", "u", 6)},
         {**order_row("same", "u", 6)},
+        {**order_row("ctl", "u\x1f", 6)},  # U+001F joins ids into session ids
     ]
     for row in rows:
         row["ts"] = row["ts"].isoformat()
@@ -337,7 +338,7 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
                            path=write_rows(stream_config, "o", rows, "jsonl"))
     reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
                for r in table_rows(stream_config, spark, "quarantine")}
-    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts", "future"}
+    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts", "future", "ctl"}
     assert "negative" in reasons["neg"]
     assert "too large: at most 12 digits before the decimal point" in reasons["big"]
     assert "is not the batch's client 'client-00'" in reasons["other"]
@@ -345,9 +346,10 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     assert "appears 2 times in the batch with different content" in reasons["dup"]
     assert "neither ISO-8601" in reasons["badts"]
     assert "ahead of the time its file was last modified" in reasons["future"]
+    assert reasons["ctl"].startswith("user_id has a control character")
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
-    assert summary.quarantined == 8 and summary.rows_merged == 2
+    assert summary.quarantined == 9 and summary.rows_merged == 2
 
 
 def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(

@@ -8,10 +8,14 @@ PAGEVIEW = "pageview"
 ORDER = "order"
 
 REQUIRED_EVENT_FIELDS = ("event_id", "client_id", "user_id", "event_type", "ts")
-# A client id as commands and the Airflow forms take it: rows are matched to it exactly, so a
-# space around it (or an empty one) would match no row. Unanchored, for JSON Schema too (whose
-# Python validator's ``$`` also matches before a final newline: anchor with ``$(?!\n)``).
-CLIENT_ID_PATTERN = r"\S(.*\S)?"
+# Session ids join a client's and a user's ids with U+001F (sessions.semantics), so a control
+# character in either could give two users' sessions one id: such ids are refused everywhere.
+CONTROL_CHARACTER = r"[\x00-\x1f\x7f]"
+# A client id as commands and the Airflow forms take it, and as the stream and batches accept
+# it: rows are matched to it exactly, so a space around it (or an empty one) would match no
+# row. Unanchored, for JSON Schema too (whose Python validator's ``$`` also matches before a
+# final newline: anchor with ``$(?!\n)``). Java reads ``\s`` as Python does with ``(?U)``.
+CLIENT_ID_PATTERN = r"[^\s\x00-\x1f\x7f]([^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?"
 ORDER_FIELDS = ("order_id", "amount", "currency")
 
 # Plausible event-time range: a fixed range (not "now"), so a replay judges a record the same way.

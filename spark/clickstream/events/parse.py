@@ -36,6 +36,22 @@ def _blank(column: Column) -> Column:
     return column.isNull() | (F.trim(column) == "")
 
 
+def client_id_error(client_id: Column) -> Column:
+    """The stream's client ids are the ones commands can name (``contract.CLIENT_ID_PATTERN``):
+    a client ``" acme"`` was stored and sessionized, but no backfill or ``recompute --client``
+    could take it."""
+    return F.when(~client_id.rlike(rf"(?U)^(?:{contract.CLIENT_ID_PATTERN})\z"), F.format_string(
+        "client_id '%s' has a control character or spaces around it: commands take a client "
+        "id as printable text without spaces around it; send it that way", client_id))
+
+
+def user_id_error(user_id: Column) -> Column:
+    return F.when(user_id.rlike(contract.CONTROL_CHARACTER), F.lit(
+        "user_id has a control character (U+0000-U+001F or U+007F): a session id joins the "
+        "client and user ids with U+001F, so two users could share one; send it as printable "
+        "text"))
+
+
 def _iso_as_spark_reads_it(text: Column) -> Column:
     """A ``contract.ISO_WITH_ZONE`` text with an upper-case ``Z`` and ``:00`` seconds added
     to ``hh:mm``: Spark's cast returns null for ``z`` and for times without seconds, which
@@ -263,6 +279,8 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
                F.lit("value is not valid JSON: text follows its first value")),
         F.when(~_starts_an_object(F.col("raw")), F.lit("value is not a JSON object")),
         missing,
+        client_id_error(F.col("client_id")),
+        user_id_error(F.col("user_id")),
         ts_error(F.col("ts_text"), F.col("ts_value")),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), F.col("_received"), max_ts_ahead_ms),
         F.when(~F.is_valid_utf8("_key"), F.lit(

@@ -89,6 +89,7 @@ from clickstream.events.parse import (
     ts_error,
     ts_from_text,
     url_error,
+    user_id_error,
 )
 from clickstream.spark_session import BROADCAST_KEYS_MAX
 
@@ -340,6 +341,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         "%s is not UTF-8 text: raw shows its invalid bytes as U+FFFD (the file keeps them); "
         "re-encode the batch as UTF-8 and load it again", F.col("not_utf8")))]  # (B11)
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
+    checks.append(user_id_error(F.col("user_id")))  # the client's is --client's (B4)
     checks.append(ts_error(F.col("ts_text"), F.col("ts")))
     checks.append(ts_ahead_error(  # (B8)
         F.col("ts_text"), F.col("ts"), F.col("file_modified"), max_ts_ahead_ms,
