@@ -147,6 +147,21 @@ def test_orders_of_other_users_are_not_attributed() -> None:
     assert result.attributions.session_id[0] is None
 
 
+def test_orders_find_their_session_when_users_times_span_more_than_64_bits() -> None:
+    """Users x time span beyond 2**63 (a recompute bucket of millions of users, or epoch
+    milliseconds far apart): one sortable number per (user, time) would wrap around."""
+    far = 4 * 10**18
+    views = pageviews(("a", -far, "u1"), ("b", far, "u2"), ("c", far + 5, "u3"))
+    bought = orders(("o1", far + 1, 1), ("o2", -far + 7, 1), ("o3", far + 6, 1))
+    bought["user_id"] = ["u2", "u1", "u3"]
+
+    result = sessionize(views, bought, GAP)
+
+    by_user = dict(zip(result.sessions.user_id, result.sessions.session_id, strict=True))
+    got = dict(zip(result.attributions.order_id, result.attributions.session_id, strict=True))
+    assert got == {"o1": by_user["u2"], "o2": by_user["u1"], "o3": by_user["u3"]}
+
+
 def test_session_closes_when_watermark_reaches_end_plus_gap() -> None:
     sessions = sessionize(pageviews(("a", 0)), NO_ORDERS, GAP).sessions
     assert not closed_sessions(sessions, GAP - 1, GAP)[0]

@@ -238,6 +238,20 @@ def _check_revenue_fits(owner_codes: np.ndarray, amounts: np.ndarray, uniques: n
             "them")
 
 
+def _times_below(starts: np.ndarray, times: np.ndarray, users: int
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Session starts and order times as offsets below a width, ``users * width`` inside 64
+    bits: offsets from the earliest, or, where users x span would wrap around (millions of
+    users over decades), their ranks among all these times (same order, at most one per
+    time)."""
+    base = int(min(starts.min(), times.min()))
+    width = int(max(starts.max(), times.max())) - base + 1
+    if users * width < 2**63:
+        return starts - base, times - base, width
+    distinct, ranks = np.unique(np.concatenate([starts, times]), return_inverse=True)
+    return ranks[: len(starts)], ranks[len(starts):], len(distinct)
+
+
 def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.DataFrame:
     """Session of each order: same user, ``start <= ts < end + gap`` (E5), else None."""
     result = orders[["client_id", "user_id", "order_id", "ts_ms"]].copy()
@@ -252,10 +266,11 @@ def attribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> pd.D
     by_start = sessions.iloc[order]
     code_s = code_s[order]
     # One sortable number per (user, time): the user's code above, the time below.
-    base = int(min(by_start["start_ms"].min(), result["ts_ms"].min()))
-    width = int(max(by_start["end_ms"].max(), result["ts_ms"].max())) - base + 1
-    s_pos = code_s * width + (by_start["start_ms"].to_numpy(dtype=np.int64) - base)
-    o_pos = code_o * width + (result["ts_ms"].to_numpy(dtype=np.int64) - base)
+    s_time, o_time, width = _times_below(by_start["start_ms"].to_numpy(dtype=np.int64),
+                                         result["ts_ms"].to_numpy(dtype=np.int64),
+                                         int(codes.max()) + 1)
+    s_pos = code_s * width + s_time
+    o_pos = code_o * width + o_time
     index = np.searchsorted(s_pos, o_pos, side="right") - 1
     valid = index >= 0
     candidate = np.where(valid, index, 0)
