@@ -1,8 +1,8 @@
-"""Exclusive locks between processes of one machine (``flock`` on a file under the home).
+"""Exclusive locks between processes of one machine (``flock`` on a file beside what it guards).
 
 They serialise work that must not interleave, e.g. two correction runs of one client. A lock
 is released when its holder exits, killed or not. ``flock`` does not reach across machines:
-on the cluster profile the home folder is one volume of one Docker host.
+on the cluster profile the warehouse is one volume of one Docker host.
 """
 
 from __future__ import annotations

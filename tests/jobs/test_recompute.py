@@ -489,11 +489,13 @@ def test_the_dag_steps_after_apply_wait_for_another_correction_run_of_the_client
         stream_config: Config, spark: SparkSession, step: Callable[..., object]) -> None:
     """(C6) The check read the plan, then the tables, without the client's lock: another run
     could publish the plan and apply a later one in between, and the check then failed on
-    that run's changes."""
+    that run's changes. The other run has another home (an operator's shell beside Airflow):
+    the lock is the warehouse's."""
     held, let_go = threading.Event(), threading.Event()
+    elsewhere = stream_config.replace(home=stream_config.home.parent / "another-home")
 
     def another_run() -> None:
-        with corrections.one_run_at_a_time(stream_config, "c1"):
+        with corrections.one_run_at_a_time(elsewhere, "c1"):
             held.set()
             let_go.wait(timeout=120)
 

@@ -1036,11 +1036,17 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
     return counts
 
 
+LOCKS_FOLDER = "_clickstream_locks"  # in the warehouse; no table is named with a leading "_"
+
+
 def one_run_at_a_time(config: Config, client_id: str,
                       progress: Callable[[str], None] = print) -> AbstractContextManager[None]:
-    """Held by every step that plans, applies or publishes corrections of the client (C6)."""
+    """Held by every step that plans, applies or publishes corrections of the client (C6).
+    Beside the tables it guards, not under the home: two processes with one warehouse and
+    different homes (an operator's shell beside Airflow) still exclude each other."""
     digest = hashlib.sha256(client_id.encode()).hexdigest()[:12]  # safe_name may merge ids
-    path = config.home / "locks" / f"corrections-{safe_name(client_id)[:60]}-{digest}.lock"
+    path = (config.warehouse / LOCKS_FOLDER
+            / f"corrections-{safe_name(client_id)[:60]}-{digest}.lock")
     return exclusive(path, on_wait=lambda: progress(
         f"  waiting for another correction run of client {client_id} to finish ({path}) ..."))
 
