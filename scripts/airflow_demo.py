@@ -68,8 +68,12 @@ def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int
     print(f"triggered {dag_id} run {run_id} with {json.dumps(conf)}", flush=True)
     deadline, state, seen = time.monotonic() + timeout_s, "queued", {}
     while time.monotonic() < deadline:
-        state = api.get(f"/dags/{dag_id}/dagRuns/{run_id}").json()["state"]
-        tasks = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()
+        # Reads get the same retries: a 500 is no run state, and the demo must not take it
+        # for a failed run and trigger the next one while this one runs.
+        state = with_retries(lambda: api.get(f"/dags/{dag_id}/dagRuns/{run_id}"),
+                             "read the run's state").json()["state"]
+        tasks = with_retries(lambda: api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances"),
+                             "read the run's tasks").json()
         for ti in tasks.get("task_instances", []):
             if ti["state"] and seen.get(ti["task_id"]) != ti["state"]:
                 seen[ti["task_id"]] = ti["state"]
