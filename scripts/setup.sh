@@ -16,6 +16,11 @@ if ! command -v java >/dev/null 2>&1; then
     echo "setup: Spark needs Java 17 on PATH; install openjdk-17-jre-headless" >&2; exit 1
   fi
 fi
+java_major=$(java -version 2>&1 | sed -nE '1s/.*version "([0-9]+).*/\1/p')
+if [ "${java_major:-0}" -lt 17 ] 2>/dev/null || [ -z "$java_major" ]; then
+  echo "setup: Spark 4 needs Java 17 or newer; 'java' on PATH is: $(java -version 2>&1 | head -1)" >&2
+  exit 1
+fi
 
 # The stamp is the lock plus how it was installed: a venv set up differently is synced again.
 stamp=.venv/.clickstream-lock
@@ -35,7 +40,9 @@ if [ ! -f "$stamp" ] || ! installed | cmp -s - "$stamp"; then
   .venv/bin/uv pip sync --quiet --compile-bytecode --python .venv/bin/python requirements.lock
   installed > "$stamp"
 fi
-.venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
+# Built with the locked setuptools in .venv, not one fetched for an isolated build: the same
+# build on every machine, and none needs the package index once the lock is installed.
+.venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation -e .
 # Every Spark job starts a JVM that loads ~12,000 classes from Spark's jars; an archive of them
 # (Java's class-data sharing), made once for this JVM and these jars, halves a short job's
 # start-up CPU (spark/clickstream/jvm_class_archive.py). Jobs run the same without it.
