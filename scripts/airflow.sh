@@ -77,9 +77,13 @@ EOF
 _STARTED_PIDS=()
 
 _start() {  # _start NAME COMMAND... : in its own session, so stopping it stops its children
-  local name=$1; shift
+  local name=$1 monitor=0; shift
+  # With job control on (sourced in an interactive shell) a background job leads its own
+  # process group, and setsid then forks: $! would not be the session airflow_stop stops.
+  case $- in *m*) monitor=1; set +m ;; esac
   setsid "$@" >"$AIRFLOW_LOGS/$name.log" 2>&1 < /dev/null &
   _STARTED_PIDS+=("$!")
+  if [ "$monitor" = 1 ]; then set -m; fi
 }
 
 airflow_start() {

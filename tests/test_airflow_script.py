@@ -27,3 +27,26 @@ def test_a_new_broker_beside_an_old_sessionizer_checkpoint_is_warned_about(tmp_p
     assert warning.startswith("airflow: warning: the embedded broker starts empty")
     assert f"{tmp_path}/checkpoints/sessionize" in warning and "DataLossError" in warning
     assert "clickstream recompute --full --client C" in warning
+
+
+def test_a_component_started_with_job_control_on_is_stopped_with_its_session(tmp_path):
+    """Sourced in an interactive shell (job control on), each component still gets a session
+    whose id airflow_stop knows: before, setsid forked and the stop stopped nothing."""
+    script = """
+        set -m
+        source scripts/airflow.sh
+        AIRFLOW_LOGS="$1"
+        _start sleeper sleep 60
+        pid=${_STARTED_PIDS[0]}
+        sleep 0.5
+        echo "session $(ps -o sid= -p "$pid" | tr -d ' ') of $pid"
+        airflow_stop
+        ps -o pid= -s "$pid" | wc -l
+    """
+    result = subprocess.run(["bash", "-c", script, "bash", str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    session_line, left = result.stdout.strip().splitlines()
+    _, sid, _, pid = session_line.split()
+    assert sid == pid  # the started pid leads the session airflow_stop stops
+    assert left.strip() == "0"
