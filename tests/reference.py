@@ -54,6 +54,10 @@ def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
             continue
         if any(not event.get(f) for f in ("event_id", "client_id", "user_id", "event_type")):
             continue
+        ids = str(event["client_id"]) + str(event["user_id"])
+        if (any(ord(c) < 32 or ord(c) == 127 for c in ids)
+                or str(event["client_id"]) != str(event["client_id"]).strip()):
+            continue  # a client no command could name, or ids a session id could not separate
         ms = ts_ms(event.get("ts"))
         if ms is None or not (946_684_800_000 <= ms < 4_102_444_800_000):
             continue

@@ -48,4 +48,4 @@ def test_a_killed_holder_releases_the_lock(tmp_path: Path) -> None:
     holder.wait(timeout=30)
     started = time.monotonic()
     with exclusive(path):
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 30  # the holder would have held it for 60 s

@@ -398,7 +398,7 @@ def test_unreachable_broker_gives_clear_errors(config: Config, caplog: pytest.Lo
     started = time.monotonic()
     with pytest.raises(BrokerUnavailableError) as caught:
         topic_watermarks(unreachable, "events", attempts=2, timeout_s=1)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # ~2-3 s; unbounded retries would never end
     message = str(caught.value)
     assert unreachable.kafka_bootstrap_servers in message and "2 attempts" in message
     assert "clickstream broker" in message
@@ -426,13 +426,14 @@ def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: C
         produce_records(unreachable, "sessions", [("s1", "{}"), ("s2", None)],
                         flush_timeout_s=1)
     assert "(2 failed, 0 still queued" in str(failed.value), failed.value
-    assert time.monotonic() - started < 1 + TIMED_OUT_REPORT_GRACE_S + 3
+    # Bounds with room for a busy machine, well below the 60 s default budget they rule out.
+    assert time.monotonic() - started < 1 + TIMED_OUT_REPORT_GRACE_S + 15
     # A delivery timeout the user sets wins over the send's default budget (60 s here).
     patient = unreachable.replace(kafka_options={"delivery.timeout.ms": "1500"})
     started = time.monotonic()
     with pytest.raises(DeliveryError, match="1 failed, 0 still queued"):
         produce_records(patient, "sessions", [("s1", "{}")])
-    assert time.monotonic() - started < 1.5 + TIMED_OUT_REPORT_GRACE_S + 3
+    assert time.monotonic() - started < 1.5 + TIMED_OUT_REPORT_GRACE_S + 15
     for bad in ("0", "soon"):
         with pytest.raises(ConfigError, match=f"delivery.timeout.ms='{bad}' must be a positive"):
             produce_records(unreachable.replace(kafka_options={

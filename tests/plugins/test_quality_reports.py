@@ -4,6 +4,7 @@ $CLICKSTREAM_HOME/reports to logged-in users only."""
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -99,8 +100,10 @@ def test_the_ui_session_cookie_is_a_login_too(client, token: str, reports: Path)
 
 def test_nothing_outside_the_reports_folder_is_served(client, token: str,
                                                       reports: Path) -> None:
-    # (HTTP clients normalise a literal "../" away before sending; encoded dots reach us.)
-    for path in ("%2e%2e/secret.txt", "backfills/%2e%2e/%2e%2e/secret.txt", "../secret.txt"):
+    # (HTTP clients normalise a literal "../" away before sending; encoded dots and an
+    # encoded absolute path reach the plugin.)
+    absolute = quote(str(reports.parent / "secret.txt"), safe="")
+    for path in ("%2e%2e/secret.txt", "backfills/%2e%2e/%2e%2e/secret.txt", absolute):
         response = client.get(f"{PREFIX}/{path}", headers=bearer(token))
         assert "not a report" not in response.text, path
     assert client.get(f"{PREFIX}/%2e%2e/secret.txt", headers=bearer(token)).status_code == 404
