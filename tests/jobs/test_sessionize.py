@@ -405,6 +405,39 @@ def order(user: str, at: datetime, order_id: str, amount: str = "10.00",
         "order_id": order_id, "amount": amount, "currency": "EUR"})
 
 
+def test_the_stream_splits_and_attributes_at_the_exact_boundaries(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """Through real Spark (the property test drives the processor alone): pageviews a gap
+    less 1 ms apart share a session, a gap apart do not; an order at end + gap less 1 ms is
+    the session's, one at end + gap is not; a user's event arriving after later ones, inside
+    the watermark delay, still joins its session."""
+    gap = timedelta(milliseconds=stream_config.session_gap_ms)
+    start = datetime(2026, 11, 1, 9, tzinfo=UTC)
+    first_end = start + gap - timedelta(milliseconds=1)
+    second = first_end + gap
+    almost, exactly = second + gap - timedelta(milliseconds=1), second + gap
+    # The watermark after the first micro-batch: p3's time less the delay.
+    watermark = second - timedelta(milliseconds=stream_config.watermark_delay_ms)
+    records = [pageview("u", start, "p1"), pageview("u", first_end, "p2"),
+               pageview("u", second, "p3"), pageview("w", watermark + timedelta(minutes=5), "w2"),
+               pageview("w", watermark + timedelta(minutes=2), "w1"),  # after w2, on time
+               order("u", almost, "o-in"), order("u", exactly, "o-out"),
+               pageview("flush", start + timedelta(days=1), "flush")]
+    for chunk in (records[:3], records[3:4], records[4:]):  # micro-batches in this order
+        produce(stream_config, chunk)
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+
+    rows = assert_sessions_match_reference(stream_config, spark, valid_events(records))
+    sessions = sorted((r["user_id"], r["pageview_count"], r["order_count"]) for r in rows)
+    assert sessions == [("u", 1, 1), ("u", 2, 0), ("w", 2, 0)]
+    attributions = {r["order_id"]: r["session_id"]
+                    for r in table_rows(stream_config, spark, "attributions")}
+    second_id = next(r["session_id"] for r in rows if r["session_start"] == second)
+    assert attributions == {"o-in": second_id, "o-out": None}
+    assert table_rows(stream_config, spark, "recompute_queue") == []  # nothing was late
+
+
 def test_an_amount_too_large_to_keep_exactly_is_quarantined_and_the_stream_goes_on(
     stream_config: Config, spark: SparkSession
 ) -> None:
