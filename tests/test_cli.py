@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -51,28 +49,6 @@ def test_broker_on_a_busy_port_fails_with_one_line() -> None:
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1
     assert f"127.0.0.1:{port}" in result.stderr and "already in use" in result.stderr
-
-
-def test_broker_creates_the_configured_topic_names_and_stops_on_sigterm() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "CLICKSTREAM_EVENTS_TOPIC": "clicks",
-           "CLICKSTREAM_ATTRIBUTIONS_TOPIC": "order-sessions"}
-    process = subprocess.Popen([*CLI, "broker", "--port", str(port)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        ready, _, _ = select.select([process.stdout], [], [], 30)
-        assert ready, "broker did not print its ready line within 30 s"
-        assert process.stdout.readline().strip() == (  # type: ignore[union-attr]
-            f"embedded broker ready on 127.0.0.1:{port} "
-            "(topics: clicks=16, sessions=16, order-sessions=16)")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_durations_accept_units_and_reject_nonsense() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -216,16 +217,39 @@ def test_forwarder_advertise_mode_relays_all_traffic(kafka_config: Config) -> No
         assert read_compacted(config, "t") == {f"k{k}": {"i": 490 + k} for k in range(10)}
 
 
+@contextlib.contextmanager
+def broker_process(command: list[str], env: dict[str, str]) -> Iterator[str]:
+    """A broker started as ``command``; yields its ready line, then it must stop on SIGTERM
+    with exit 0."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], 30)
+        assert ready, "broker did not print its ready line within 30 s"
+        yield process.stdout.readline().strip()  # type: ignore[union-attr]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_the_cli_broker_creates_the_configured_topic_names() -> None:
+    port = _free_port()
+    env = {**os.environ, "CLICKSTREAM_EVENTS_TOPIC": "clicks",
+           "CLICKSTREAM_ATTRIBUTIONS_TOPIC": "order-sessions"}
+    with broker_process([sys.executable, "-m", "clickstream.cli", "broker", "--port", str(port)],
+                        env) as line:
+        assert line == (f"embedded broker ready on 127.0.0.1:{port} "
+                        "(topics: clicks=16, sessions=16, order-sessions=16)")
+
+
 def test_module_runs_as_subprocess_and_exits_zero_on_sigterm(kafka_config: Config) -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "spark")}
     command = [sys.executable, "-m", "clickstream.io.kafka_broker", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
-    try:
-        ready, _, _ = select.select([process.stdout], [], [], 20)
-        assert ready, "broker did not print its ready line within 20 s"
-        line = process.stdout.readline().strip()  # type: ignore[union-attr]
+    with broker_process(command, env) as line:
         assert line == (f"embedded broker ready on 127.0.0.1:{port} "
                         "(topics: events=16, sessions=16, attributions=16)")
 
@@ -238,13 +262,6 @@ def test_module_runs_as_subprocess_and_exits_zero_on_sigterm(kafka_config: Confi
         second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=30)
         assert second.returncode == 1
         assert f"127.0.0.1:{port}" in second.stderr and "already in use" in second.stderr
-
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 # ------------------------------------------------------------------------------------------
