@@ -60,14 +60,16 @@ EOF
 # broker names offsets of a log that is gone, and the sessionizer stops on it (DataLossError,
 # not retried; the DAG pauses after 6 failed runs). Said once, here, rather than found later.
 _warn_if_checkpoint_outlives_broker() {
-  local home="${CLICKSTREAM_HOME:-var/home}"
+  local home="${CLICKSTREAM_HOME:-$REPO/var/home}"  # config.py's default: the repository's
   local checkpoint="$home/checkpoints/sessionize"
-  [ -d "$checkpoint" ] || return 0
+  # Only a checkpoint that read offsets, and only when the jobs use this broker.
+  compgen -G "$checkpoint/offsets/[0-9]*" >/dev/null || return 0
+  [ "${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:$BROKER_PORT}" = "127.0.0.1:$BROKER_PORT" ] || return 0
   cat >&2 <<EOF
 airflow: warning: the embedded broker starts empty (it keeps its data in memory only), but the
   sessionizer's checkpoint $checkpoint holds offsets read from an earlier broker.
   The sessionizer DAG will fail with DataLossError (not retried) and pause after 6 runs.
-  To start over: stop, then delete $home and ${CLICKSTREAM_WAREHOUSE:-var/warehouse} (or set
+  To start over: stop, then delete $home and ${CLICKSTREAM_WAREHOUSE:-$REPO/var/warehouse} (or set
   CLICKSTREAM_HOME and CLICKSTREAM_WAREHOUSE to new folders), and start again. To keep the
   tables: delete only $checkpoint, then run
   'clickstream recompute --full --client C' for each client whose sessions were open.

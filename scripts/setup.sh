@@ -16,9 +16,11 @@ if ! command -v java >/dev/null 2>&1; then
     echo "setup: Spark needs Java 17 on PATH; install openjdk-17-jre-headless" >&2; exit 1
   fi
 fi
-java_major=$(java -version 2>&1 | sed -nE '1s/.*version "([0-9]+).*/\1/p')
-if [ "${java_major:-0}" -lt 17 ] 2>/dev/null || [ -z "$java_major" ]; then
-  echo "setup: Spark 4 needs Java 17 or newer; 'java' on PATH is: $(java -version 2>&1 | head -1)" >&2
+# The version line, not the first: JAVA_TOOL_OPTIONS and the like print "Picked up ..." above it.
+java_version=$(java -version 2>&1 | grep -m1 ' version "' || true)
+java_major=$(printf '%s' "$java_version" | sed -nE 's/.* version "([0-9]+).*/\1/p')
+if [ -z "$java_major" ] || [ "$java_major" -lt 17 ]; then
+  echo "setup: Spark 4 needs Java 17 or newer; 'java' on PATH says: ${java_version:-$(java -version 2>&1 | tail -1)}" >&2
   exit 1
 fi
 

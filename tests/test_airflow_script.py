@@ -9,18 +9,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _warning(home: Path) -> str:
-    result = subprocess.run(
-        ["bash", "-c", "source scripts/airflow.sh && _warn_if_checkpoint_outlives_broker"],
-        cwd=REPO, capture_output=True, text=True, timeout=30,
-        env={**os.environ, "CLICKSTREAM_HOME": str(home)})
+def _warning(home: Path, **env: str) -> str:
+    script = "source scripts/airflow.sh && _airflow_env && _warn_if_checkpoint_outlives_broker"
+    environment = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=30, env={**environment, "CLICKSTREAM_HOME": str(home), **env})
     assert result.returncode == 0, result.stderr
     return result.stderr
 
 
 def test_a_new_broker_beside_an_old_sessionizer_checkpoint_is_warned_about(tmp_path):
     assert _warning(tmp_path) == ""  # a first start: nothing to warn about
-    (tmp_path / "checkpoints" / "sessionize").mkdir(parents=True)
+    offsets = tmp_path / "checkpoints" / "sessionize" / "offsets"
+    offsets.mkdir(parents=True)
+    assert _warning(tmp_path) == ""  # a checkpoint that never read an offset
+    (offsets / "0").write_text("v1")
+    assert _warning(tmp_path, KAFKA_BOOTSTRAP_SERVERS="kafka.example:9092") == ""  # real Kafka
 
     warning = _warning(tmp_path)
 

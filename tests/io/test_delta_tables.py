@@ -745,6 +745,14 @@ def test_time_travel_to_a_version_a_vacuum_deleted_fails_naming_it(tables, spark
     assert f"'orders' as of version {old}" in message and "needs 1 of its 1 files" in message
     assert "recompute --full --client C" in message
     assert ids(tables.read("orders")) == ["o1"]  # the current version is whole
+    # Its latest version pinned by its reader: a file missing there was not vacuumed.
+    latest = tables.version("orders")
+    (active,) = DeltaTable(tables.table_path("orders")).file_uris()
+    os.remove(active)
+    with pytest.raises(ClickstreamError, match=f"at version {latest}, its latest, names 1 "
+                       "files that are gone") as damaged:
+        tables.read("orders", version=latest)
+    assert not isinstance(damaged.value, VersionVacuumedError)
 
 
 def test_delete_rows_commits_beside_appends_into_its_partition_and_keeps_them(config, spark,

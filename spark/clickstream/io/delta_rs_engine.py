@@ -576,7 +576,7 @@ class DeltaRsTables(DeltaTables):
         if not files:
             return _project(spark.createDataFrame([], full), columns, name)
         if version is not None:
-            _check_not_vacuumed(path, files, name, version)
+            _check_not_vacuumed(path, files, name, version, self.version(name))
         fast: list[str] = []
         slow: dict[tuple, list[str]] = {}
         for f in files:
@@ -628,6 +628,7 @@ class DeltaRsTables(DeltaTables):
         """From each file's ``numRecords`` in the log (7); a table written by another engine
         without it is counted from the Parquet footers. No rows are read either way."""
         table = self._require(name)
+        _check_readable(table, name)  # deletion vectors would make numRecords too many
         actions = pa.table(table.get_add_actions(flatten=True))
         if "num_records" in actions.column_names and not actions.column("num_records").null_count:
             return int(pc.sum(actions.column("num_records")).as_py() or 0)
@@ -635,7 +636,9 @@ class DeltaRsTables(DeltaTables):
 
     def head_arrow(self, name: str, rows: int) -> pa.Table:
         """Reads only as many files as the rows need."""
-        return self._require(name).to_pyarrow_dataset().head(rows)
+        table = self._require(name)
+        _check_readable(table, name)
+        return table.to_pyarrow_dataset().head(rows)
 
     def read_arrow(
         self,
@@ -1296,20 +1299,28 @@ def _check_partition_types(schema: StructType, partition_by: Sequence[str], name
             )
 
 
-def _check_not_vacuumed(path: str, files: Sequence[_ActiveFile], name: str, version: int
-                        ) -> None:
+def _check_not_vacuumed(path: str, files: Sequence[_ActiveFile], name: str, version: int,
+                        latest: int) -> None:
     """An old version's log outlives its files: Spark would fail on the first missing path
-    with no word of why. The current version's files are not checked (a vacuum keeps them)."""
+    with no word of why. Reads of the current version are not checked (a vacuum keeps their
+    files): a version pinned by its reader that is still the latest is checked, but a file
+    missing there was not vacuumed."""
     gone = [f.path for f in files if not os.path.exists(os.path.join(path, f.path))]
+    if gone and version >= latest:
+        raise ClickstreamError(
+            f"table {name!r} at version {version}, its latest, names {len(gone)} files that "
+            f"are gone from {path}, e.g. {gone[0]!r}: deleted outside Delta (a vacuum keeps "
+            "the latest version's files); restore them from a backup of the table folder")
     if gone:
         raise VersionVacuumedError(
             f"table {name!r} as of version {version} (read by time travel) needs {len(gone)} "
             f"of its {len(files)} files that are gone from {path}, e.g. {gone[0]!r}: a vacuum "
             "deleted them (table_maintenance deletes files removed longer ago than its "
-            "retention, 168 h by default). A backfill step that reads its tables as they were "
-            "before its own commits cannot go on; `clickstream recompute --full --client C` "
-            "brings that client's sessions and attributions up to date from the tables as they "
-            "are (a finished batch's rerun has nothing left to do)")
+            "retention, 168 h by default). A job reading the table as it was then (a backfill "
+            "step reads its tables as they were before its own commits) cannot go on; "
+            "`clickstream recompute --full --client C` brings that client's sessions and "
+            "attributions up to date from the tables as they are (a finished batch's rerun has "
+            "nothing left to do)")
 
 
 def _check_filter_columns(

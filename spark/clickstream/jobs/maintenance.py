@@ -15,8 +15,9 @@ Known edge cases, cited inline as (M1)..(M2):
       removed; Delta's own default retention is 7 days for these reasons. A backfill step
       that reads its tables as they were before its own commits (the merge's gate, an orders
       batch's old places, the report) therefore works within the retention of its merge;
-      resumed later, it fails at once with ``VersionVacuumedError`` (not retried), which
-      names the table, the version and ``recompute --full`` as the way forward.
+      resumed later, it fails at once with ``VersionVacuumedError`` (not retried; the
+      deltalake engine's read, delta-spark's fails on the missing path), which names the
+      table, the version and ``recompute --full`` as the way forward.
   M2. One table's failure (a compaction conflicting with a backfill, an unreadable file) does
       not stop the others: every table is tried, each failure is reported as it happens, and
       the step then fails with one error naming every failed table and its reason. The first
