@@ -576,7 +576,7 @@ class DeltaRsTables(DeltaTables):
         if not files:
             return _project(spark.createDataFrame([], full), columns, name)
         if version is not None:
-            _check_not_vacuumed(path, files, name, version, self.version(name))
+            _check_not_vacuumed(path, files, name, version, lambda: self.version(name))
         fast: list[str] = []
         slow: dict[tuple, list[str]] = {}
         for f in files:
@@ -1300,13 +1300,14 @@ def _check_partition_types(schema: StructType, partition_by: Sequence[str], name
 
 
 def _check_not_vacuumed(path: str, files: Sequence[_ActiveFile], name: str, version: int,
-                        latest: int) -> None:
+                        latest: Callable[[], int]) -> None:
     """An old version's log outlives its files: Spark would fail on the first missing path
     with no word of why. Reads of the current version are not checked (a vacuum keeps their
     files): a version pinned by its reader that is still the latest is checked, but a file
-    missing there was not vacuumed."""
+    missing there was not vacuumed. ``latest`` loads the log again: only asked once a file is
+    missing."""
     gone = [f.path for f in files if not os.path.exists(os.path.join(path, f.path))]
-    if gone and version >= latest:
+    if gone and version >= latest():
         raise ClickstreamError(
             f"table {name!r} at version {version}, its latest, names {len(gone)} files that "
             f"are gone from {path}, e.g. {gone[0]!r}: deleted outside Delta (a vacuum keeps "

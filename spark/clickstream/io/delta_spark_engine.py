@@ -234,7 +234,7 @@ class DeltaSparkTables(DeltaTables):
                 DeltaTable.createIfNotExists(self._spark).location(self.table_path(name))
                 .addColumns(df.schema).partitionedBy(*partition_by).execute()
             )
-        on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
+        on = _keys_match(keys)
         parts = [k for k in keys if k in self._partition_columns(name)]
         scope = partition_filter
         if scope is None and parts:
@@ -282,12 +282,12 @@ class DeltaSparkTables(DeltaTables):
             raise ClickstreamError(
                 f"delete_rows on {name!r}: the keys hold {'a null' if nulls else 'a repeated'} "
                 "key; nothing was deleted. Pass each key once and without nulls")
-        on = " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
+        on = _keys_match(keys)
         on += f" AND ({filter_to_sql(partition_filter, self._table_types(name), alias='t')})"
 
         def merge() -> DeleteResult:
             row = self._merge(name, metadata, app_id, version, lambda table: table.merge(
-                df.select(*keys).alias("s"), F.expr(on)).whenMatchedDelete())
+                keyed.alias("s"), F.expr(on)).whenMatchedDelete())
             return DeleteResult(int(row.get("num_deleted_rows", 0)))
 
         return self._retry(name, "delete_rows", merge)
@@ -462,6 +462,11 @@ def _user_metadata(metadata: Mapping[str, Any], app_id: str, version: int) -> st
         return json.dumps({**metadata, "app_id": app_id, "app_version": version}, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"commit metadata must be JSON-serialisable: {exc}") from exc
+
+
+def _keys_match(keys: Sequence[str]) -> str:
+    """The MERGE condition of a target row ``t`` and a source row ``s`` with equal keys."""
+    return " AND ".join(f"t.{quote_ident(k)} = s.{quote_ident(k)}" for k in keys)
 
 
 def _types(schema: StructType) -> dict[str, str]:
