@@ -551,29 +551,51 @@ for i in range(600):
 """
 
 
-def test_upsert_commits_while_another_writer_keeps_appending(tables, spark, tmp_path):
+def test_upsert_commits_while_another_writer_keeps_appending(config, spark, tmp_path, caplog):
     """A stream committing live orders of the same client and day every tenth of a second
     (another process) does not stop a backfill's upsert: only a file it rewrites or one of
     its keys appearing would. delta-rs ``merge`` restarted on any commit: it failed here."""
-    tables.append_once("orders", order_rows(spark, range(0, 200_000, 2), "c1", "1"),
-                       app_id="seed", version=1, partition_by=PARTS, metadata=META)
     log_of_live = tmp_path / "live.txt"
     log_of_live.touch()
+    attempts: list[int] = []
+
+    def a_live_commit_lands_first(table: str, attempt: int) -> None:
+        # The race, forced: the upsert has read its snapshot; it commits only after the live
+        # writer committed on top of that snapshot (its log line follows its commit).
+        attempts.append(attempt)
+        if attempt > 1:
+            return
+        committed = len(log_of_live.read_text().split())
+        deadline = time.monotonic() + 60
+        while len(log_of_live.read_text().split()) == committed:
+            assert time.monotonic() < deadline, "the live-orders writer committed nothing"
+            time.sleep(0.02)
+
+    open_tables(config, spark).append_once(
+        "orders", order_rows(spark, range(0, 200_000, 2), "c1", "1"), app_id="seed", version=1,
+        partition_by=PARTS, metadata=META)
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01,
+                           before_commit=a_live_commit_lands_first)
     stream = subprocess.Popen([sys.executable, "-c", LIVE_ORDERS, tables.table_path("orders"),
                                str(log_of_live)])
     try:
         while len(log_of_live.read_text().split()) < 3:  # it commits before the upsert starts
             assert stream.poll() is None, "the live-orders writer stopped"
             time.sleep(0.05)
-        result = tables.upsert("orders", order_rows(spark, range(200_000), "c1", "2"),
-                               keys=["client_id", "order_id"], app_id="backfill", version=1,
-                               metadata=META)
+        with caplog.at_level(logging.INFO, logger="clickstream.io.delta_rs_engine"):
+            result = tables.upsert("orders", order_rows(spark, range(200_000), "c1", "2"),
+                                   keys=["client_id", "order_id"], app_id="backfill",
+                                   version=1, metadata=META)
         assert stream.poll() is None, "the live-orders writer stopped"
     finally:
         stream.terminate()
         stream.wait()
 
     appended = log_of_live.read_text().split()
+    # The live commit made the first attempt's commit conflict; the next committed over it
+    # without reading the rows again (only the files added since were checked for its keys).
+    assert attempts[:2] == [1, 2]
+    assert not any("changed under it" in m for m in caplog.messages)
     assert result == UpsertResult(inserted=100_000, updated=100_000)
     rows = tables.read("orders").groupBy("order_id").agg(
         F.count("*").alias("n"), F.max("amount").alias("amount")).collect()
@@ -903,9 +925,31 @@ def test_vacuum_deletes_files_a_crash_left_uncommitted_once_older_than_the_reten
     assert ids(tables.read("orders")) == ["o1", "o2"]
 
 
-def test_two_compactions_at_once_do_not_store_the_rows_twice(tables, spark):
+class CompactionsMeetFirst(DeltaRsTables):
+    """Each compaction, once past the table's lock, waits up to ``patience`` seconds for the
+    other to get there too: without the lock both read the same snapshot, so the race the
+    lock prevents happens on every run instead of by chance."""
+
+    def __init__(self, config: Config, spark: SparkSession, parties: int, patience: float):
+        super().__init__(config, spark, backoff_seconds=0.01)
+        self._arrivals = threading.Condition()
+        self._arrived, self._parties, self._patience = 0, parties, patience
+        self.waited_out = 0
+
+    def _optimize(self, name, partition_filter):
+        with self._arrivals:
+            self._arrived += 1
+            self._arrivals.notify_all()
+            if not self._arrivals.wait_for(lambda: self._arrived >= self._parties,
+                                           self._patience):
+                self.waited_out += 1
+        return super()._optimize(name, partition_filter)
+
+
+def test_two_compactions_at_once_do_not_store_the_rows_twice(config, spark):
     # delta-rs rebases a compaction over a concurrent one (its conflict check ignores removes
     # with dataChange=false): both commits landed and every row was stored twice (edge case 15).
+    tables = CompactionsMeetFirst(config, spark, parties=2, patience=2.0)
     rows = order_rows(spark, range(24_000), "c1", "1").toArrow()
     for start in range(0, rows.num_rows, 2_000):  # 12 small files of one client
         write_deltalake(tables.table_path("orders"), rows.slice(start, 2_000),
@@ -927,6 +971,7 @@ def test_two_compactions_at_once_do_not_store_the_rows_twice(tables, spark):
         worker.join()
 
     assert failures == []
+    assert tables.waited_out == 1  # the lock kept the second out while the first compacted
     stored = DeltaTable(tables.table_path("orders")).to_pyarrow_table(columns=["order_id"])
     assert stored.num_rows == 24_000
     assert len(files_of(tables, "orders", "c1")) == 3  # one per day
