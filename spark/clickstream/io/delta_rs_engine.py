@@ -624,19 +624,19 @@ class DeltaRsTables(DeltaTables):
             largest[key] = None if high is None or known is None else max(high, known)
         return largest
 
-    def row_count(self, name: str) -> int:
+    def row_count(self, name: str, *, version: int | None = None) -> int:
         """From each file's ``numRecords`` in the log (7); a table written by another engine
         without it is counted from the Parquet footers. No rows are read either way."""
-        table = self._require(name)
+        table = self._require(name, version)
         _check_readable(table, name)  # deletion vectors would make numRecords too many
         actions = pa.table(table.get_add_actions(flatten=True))
         if "num_records" in actions.column_names and not actions.column("num_records").null_count:
             return int(pc.sum(actions.column("num_records")).as_py() or 0)
         return table.to_pyarrow_dataset().count_rows()
 
-    def head_arrow(self, name: str, rows: int) -> pa.Table:
+    def head_arrow(self, name: str, rows: int, *, version: int | None = None) -> pa.Table:
         """Reads only as many files as the rows need."""
-        table = self._require(name)
+        table = self._require(name, version)
         _check_readable(table, name)
         return table.to_pyarrow_dataset().head(rows)
 
@@ -735,8 +735,8 @@ class DeltaRsTables(DeltaTables):
                 "(or the log of that version was cleaned up)"
             ) from exc
 
-    def _require(self, name: str) -> DeltaTable:
-        table = self._load(name)
+    def _require(self, name: str, version: int | None = None) -> DeltaTable:
+        table = self._load(name, version)
         if table is None:
             raise ClickstreamError(f"table {name!r} does not exist at {self.table_path(name)}")
         return table

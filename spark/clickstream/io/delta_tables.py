@@ -314,15 +314,16 @@ class DeltaTables(ABC):
             partition_column).agg(F.max(column).alias("largest")).collect()
         return {row[partition_column]: _aware(row["largest"]) for row in rows}
 
-    def row_count(self, name: str) -> int:
-        """The table's active rows. This default counts them with Spark; an engine whose log
-        holds ``numRecords`` for every file answers from the log without reading data."""
-        return self.read(name, []).count()
+    def row_count(self, name: str, *, version: int | None = None) -> int:
+        """The table's active rows (at ``version``, else the latest). This default counts
+        them with Spark; an engine whose log holds ``numRecords`` for every file answers from
+        the log without reading data."""
+        return self.read(name, [], version=version).count()
 
-    def head_arrow(self, name: str, rows: int) -> pa.Table:
-        """Up to ``rows`` of the table's active rows, in no particular order (a look at what
-        a table holds: ``clickstream inspect --sample``)."""
-        return self.read(name).limit(rows).toArrow()
+    def head_arrow(self, name: str, rows: int, *, version: int | None = None) -> pa.Table:
+        """Up to ``rows`` of the table's active rows (at ``version``, else the latest), in no
+        particular order (a look at what a table holds: ``clickstream inspect --sample``)."""
+        return self.read(name, version=version).limit(rows).toArrow()
 
     @abstractmethod
     def read_arrow(

@@ -12,17 +12,21 @@ from clickstream.tables import ALL_TABLES
 
 
 def describe_tables(config: Config, sample: int = 0) -> list[str]:
-    """One line per table: version and row count; optionally ``sample`` of its rows."""
+    """One line per table: version and row count; optionally ``sample`` of its rows. All three
+    are of one version, so a writer committing meanwhile cannot make them disagree."""
     # Reading needs no Spark on either engine: the delta-rs reader reads delta-spark's tables.
     tables = open_tables(config.replace(delta_engine="deltalake"))
     lines = [f"warehouse {config.warehouse}"]
     for name in ALL_TABLES:
-        if not tables.exists(name):
+        version = tables.version(name)
+        if version < 0:
             lines.append(f"  {name:<16} (not created yet)")
             continue
-        rows = tables.row_count(name)  # from the log: inspect stays quick on a large table
-        lines.append(f"  {name:<16} version {tables.version(name):>5}  rows {rows:>10}")
-        for row in (tables.head_arrow(name, sample).to_pylist() if sample else []):
+        # From the log: inspect stays quick on a large table.
+        rows = tables.row_count(name, version=version)
+        lines.append(f"  {name:<16} version {version:>5}  rows {rows:>10}")
+        for row in (tables.head_arrow(name, sample, version=version).to_pylist()
+                    if sample else []):
             lines.append("      " + json.dumps(row, default=str))
     return lines
 
