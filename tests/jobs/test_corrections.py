@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
@@ -179,8 +180,33 @@ def test_apply_rewrites_only_the_changed_keys_whether_broadcast_or_shuffled(
     monkeypatch.setattr(spark_session, "BROADCAST_KEYS_MAX", broadcast_max)
     # Test tables are small enough for Spark to broadcast them unasked.
     spark_conf("spark.sql.autoBroadcastJoinThreshold", "-1")
+    before = last_sql_execution(spark)
     sessions = _three_backfills_of_two_users(stream_config, spark)
     assert sessions == [("u", 5, 1, 2), ("v", 1, 0, 1)]
+    joins = joins_planned_since(spark, before)
+    assert ("BroadcastHashJoin" in joins) == (broadcast_max > 0)  # the path the cap chose
+    assert broadcast_max > 0 or "SortMergeJoin" in joins
+
+
+def _sql_executions(spark: SparkSession) -> list:
+    """Spark's own record of each SQL execution and its final plan (UI off or on)."""
+    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
+    store = spark._jsparkSession.sharedState().statusStore()
+    executions, iterator = [], store.executionsList().iterator()
+    while iterator.hasNext():
+        executions.append(iterator.next())
+    return executions
+
+
+def last_sql_execution(spark: SparkSession) -> int:
+    return max((int(e.executionId()) for e in _sql_executions(spark)), default=-1)
+
+
+def joins_planned_since(spark: SparkSession, after: int) -> set[str]:
+    """The join operators of the plans of the SQL executions after ``after``."""
+    return {join for e in _sql_executions(spark) if int(e.executionId()) > after
+            for join in re.findall(r"\b(BroadcastHashJoin|SortMergeJoin|ShuffledHashJoin)\b",
+                                   e.physicalPlanDescription())}
 
 
 def _three_backfills_of_two_users(config: Config, spark: SparkSession
