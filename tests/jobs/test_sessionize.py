@@ -551,6 +551,35 @@ def test_a_retried_pageview_does_not_drop_an_order_whose_order_id_equals_its_eve
     assert table_rows(stream_config, spark, "quarantine") == []
 
 
+def test_differing_copies_of_an_id_in_one_micro_batch_are_stored_as_the_sessions_count_them(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z12) A producer reusing ids: of two copies of a pageview (hours apart) and of an order
+    (two amounts) in one micro-batch, the table stores the copy the session state counts, the
+    earlier and then the smaller by semantics' rule, whichever arrives first."""
+    start = datetime(2026, 11, 1, 9, tzinfo=UTC)
+    later_copy = pageview("u", start + timedelta(hours=2), "p")
+    kept_copy = pageview("u", start, "p")
+    larger, smaller = (order("u", start + timedelta(minutes=1), "o", amount)
+                       for amount in ("9.00", "3.00"))
+    flush = pageview("flush", start + timedelta(days=1), "flush")
+    produce(stream_config, [later_copy, larger, kept_copy, smaller, flush])
+    summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+
+    assert summary.totals.records == 5  # the first micro-batch read them all
+    stored_pageviews = table_rows(stream_config, spark, "pageviews")
+    assert sorted((r["event_id"], r["ts"]) for r in stored_pageviews) == [
+        ("flush", start + timedelta(days=1)), ("p", start)]
+    assert [(r["order_id"], r["amount"]) for r in table_rows(stream_config, spark, "orders")] == [
+        ("o", Decimal("3.00"))]
+    # The sessions are those of the stored copies: one session of u at 09:00 holding the order.
+    rows = assert_sessions_match_reference(
+        stream_config, spark, valid_events([kept_copy, smaller, flush]))
+    assert [(r["session_start"], r["order_count"], r["revenue"]) for r in rows] == [
+        (start, 1, Decimal("3.00"))]
+    assert_topic_equals_table(stream_config, rows)
+
+
 def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
     stream_config: Config, spark: SparkSession
 ) -> None:

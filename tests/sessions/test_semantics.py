@@ -88,6 +88,30 @@ def test_duplicates_count_once() -> None:
     assert result.sessions.order_count[0] == 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(range(6)), st.permutations(range(3)))
+def test_differing_copies_of_an_id_keep_the_first_by_time_user_and_content(
+    pageview_order: list[int], order_order: list[int]
+) -> None:
+    """(E6) A producer reusing an id: whatever order the copies arrive in, the one first by
+    time, then user, then url (amount, currency) is kept; nulls first. The stream's sink keeps
+    the same copy, so its sessions are those of the stored rows."""
+    copies = pd.concat([
+        pageviews(("a", 9 * GAP)),  # a later time loses to any earlier one
+        pageviews(("a", 2 * GAP, "v")),
+        pageviews(("a", 2 * GAP, "u")).assign(url="/z"),
+        pageviews(("a", 2 * GAP, "u")).assign(url="/y"),  # the kept pageview
+        pageviews(("b", 0)),
+        pageviews(("b", 0)).assign(url=None),  # the kept copy of b: a null url first
+    ]).iloc[pageview_order]
+    order_copies = orders(("o", GAP // 2, 9), ("o", GAP // 2, 3), ("o", 5 * GAP, 1))
+    kept = sessionize(copies, order_copies.iloc[order_order], GAP)
+    sessions = kept.sessions[["user_id", "start_ms", "pageview_count", "landing_url",
+                              "order_count", "revenue_e4"]].to_numpy().tolist()
+    assert sorted(sessions, key=repr) == sorted(
+        [["u", 0, 1, None, 1, 3], ["u", 2 * GAP, 1, "/y", 0, 0]], key=repr)
+
+
 def test_two_clients_may_use_one_id() -> None:
     """(E6) Ids are a client's: the same event_id or order_id from another client is another
     event, counted in that client's session."""

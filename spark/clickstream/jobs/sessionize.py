@@ -72,6 +72,13 @@ Known edge cases, cited inline as (Z1)..(Z11):
       attribution of an order a backfill queued: the recompute that folds the queued row in
       attributes it. The backfill may have moved it to another user or time while the stream
       held it where it was (``corrections`` C10); appended there, the order was held twice.
+  Z12. Two copies of one id in a micro-batch that differ (a producer reusing an id, not a
+      retry): the sink stores the copy the session state counts, chosen by the same rule
+      (semantics E6: first by time, user, then url or amount and currency), not whichever
+      Spark's dedupe met first. Copies of different users in different state buckets are each
+      counted by their own bucket; the table keeps one, and a recompute of those users corrects
+      the sessions. A late copy that wins (its time is earlier) is stored and queued (Z8): the
+      recompute corrects the session that counted the on-time one.
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import read_kafka_stream
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
-from clickstream.sessions.semantics import AMOUNT_SCALE
+from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
 from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
 from clickstream.spark_session import build_spark, driver_heap_mib
 from clickstream.tables import (
@@ -165,6 +172,31 @@ def _ms_to_ts(column: str | Column) -> Column:
     return F.timestamp_millis(F.col(column) if isinstance(column, str) else column)
 
 
+def _amount_e4() -> Column:
+    """An order's amount as the session state takes it: in 1/10000. Fits: the contract keeps
+    amounts below 10**14 (events.parse.amount_error). Never null, so that pandas gets int64,
+    not float64 (batch_adapter.no_amount)."""
+    return F.coalesce((F.col("amount") * AMOUNT_SCALE).cast("long"), no_amount())
+
+
+def _copy_order(names: list[str]) -> list[Column]:
+    """semantics' copy order (E6) over the sink's columns (Z12)."""
+    derived = {"ts_ms": F.unix_millis("ts"), "amount_e4": _amount_e4()}
+    return [derived.get(name, F.col(name)) for name in names]
+
+
+def _first_copies(rows: DataFrame, key: str, order: list[str]) -> DataFrame:
+    """One row per (client, ``key``): the copy the session state keeps (Z12). The rest of the
+    columns break ties, so the table's choice does not depend on arrival either. One
+    aggregate, as Spark's own dedupe (both sort-aggregate these string columns)."""
+    ids = ["client_id", key]
+    rest = [c for c in rows.columns if c not in ids]
+    ranked = [c.alias(f"_copy_order_{i}") for i, c in enumerate(_copy_order(order))]
+    first = F.min(F.struct(*ranked, *rest)).alias("_first")
+    return rows.groupBy(*ids).agg(first).select(
+        *[F.col(c) if c in ids else F.col(f"_first.{c}").alias(c) for c in rows.columns])
+
+
 def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = True
                  ) -> DataFrame:
     """The unioned stream the sink consumes: ``branch`` = 'emitted' | 'record'.
@@ -189,10 +221,7 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
             user_bucket(STATE_BUCKETS).alias("bucket"),
             "client_id", "user_id", "event_type", "event_id", "ts",
             F.unix_millis("ts").alias("ts_ms"), "url", "order_id",
-            # Fits: the contract keeps amounts below 10**14 (events.parse.amount_error). Never
-            # null, so that pandas gets int64, not float64 (batch_adapter.no_amount).
-            F.coalesce((F.col("amount") * AMOUNT_SCALE).cast("long"), no_amount()).alias(
-                "amount_e4"), "currency",
+            _amount_e4().alias("amount_e4"), "currency",
         )
         .withWatermark("ts", f"{config.watermark_delay_ms} milliseconds")
     )
@@ -339,14 +368,15 @@ def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: 
 
 
 # The records the sink stores in a table of their own: (event type, key, table).
-RECORD_TABLES = ((contract.PAGEVIEW, "event_id", PAGEVIEWS), (contract.ORDER, "order_id", ORDERS))
+RECORD_TABLES = ((contract.PAGEVIEW, "event_id", PAGEVIEWS, PAGEVIEW_COPY_ORDER),
+                 (contract.ORDER, "order_id", ORDERS, ORDER_COPY_ORDER))
 
 
 def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
                                     kinds: set[str]) -> DataFrame:
     """Late records of ``kinds`` minus those a delivery outside ``late`` stored (Z8)."""
     kept = []
-    for kind, key, spec in RECORD_TABLES:
+    for kind, key, spec, _ in RECORD_TABLES:
         if kind not in kinds:
             continue
         rows = late.where(F.col("event_type") == kind)
@@ -449,8 +479,12 @@ class MicroBatchWriter:
         # dequeues in between.
         backfilled = _queued_by_backfills(self.tables)
 
+        # (Z12) The copy of each id the state counts: stored, and queued when late.
+        kept = {kind: _first_copies(valid.where(F.col("event_type") == kind), key, order)
+                for kind, key, _, order in RECORD_TABLES}
+
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
-            rows = valid.where(F.col("event_type") == kind).dropDuplicates(["client_id", key])
+            rows = kept[kind]
             parts = []
             if present.get(f"record:{kind}"):
                 on_time = rows.where(~is_late)
@@ -469,7 +503,7 @@ class MicroBatchWriter:
             both = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
             return self._append(spec, both, batch_id, app_id)
 
-        for kind, key, spec in RECORD_TABLES:
+        for kind, key, spec, _ in RECORD_TABLES:
             if present.get(f"record:{kind}") or present.get(f"record:{kind}:late"):
                 stored[spec.name] = partial(on_time_and_late, kind, key, spec)
 
@@ -483,9 +517,10 @@ class MicroBatchWriter:
 
         # A wave of its own after the records' (Z9): what it queues is already stored.
         queued: dict[str, Callable[[], int]] = {}
-        late_kinds = {kind for kind, _, _ in RECORD_TABLES if present.get(f"record:{kind}:late")}
+        late_kinds = {kind for kind, *_ in RECORD_TABLES if present.get(f"record:{kind}:late")}
         if late_kinds:
-            late = valid.where(is_late & F.col("event_type").isin(*sorted(late_kinds)))
+            late = reduce(DataFrame.unionByName,
+                          [kept[kind].where(is_late) for kind in sorted(late_kinds)])
 
             def queue_late() -> int:
                 queue = _not_stored_by_another_delivery(self.tables, late, late_kinds).select(

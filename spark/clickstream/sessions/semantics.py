@@ -20,8 +20,12 @@ Known edge cases, cited inline as (E1)..(E7):
   E4. A pageview between two sessions closer than ``gap_ms`` to both merges them into one.
   E5. The attribution windows ``[start, end + gap)`` of one user's sessions never overlap
       (consecutive sessions are >= gap apart), so an order has at most one session.
-  E6. Duplicates (same client and ``event_id`` / ``order_id``) count once; the first
-      occurrence wins. Ids are a client's, as in the tables: two clients may send one id.
+  E6. Duplicates (same client and ``event_id`` / ``order_id``) count once. Of copies that
+      differ, the first by ``PAGEVIEW_COPY_ORDER`` / ``ORDER_COPY_ORDER`` wins (nulls first;
+      equal copies in arrival order): a rule of the rows, not of their arrival, so the
+      stream's state and its sink, which stores one copy, keep the same one however a
+      micro-batch orders them. Ids are a client's, as in the tables: two clients may send one
+      id.
   E7. A session is final once the watermark reaches ``end + gap``, and an uncovered order once
       the watermark passes its ``ts``: no later on-time pageview (ts > watermark) can touch
       them. Later changes are the recompute's job. Passes, not reaches: ``ts_ms`` is truncated
@@ -53,6 +57,8 @@ SESSION_COLUMNS = [
 ]
 PAGEVIEW_KEY = ["client_id", "event_id"]  # (E6)
 ORDER_KEY = ["client_id", "order_id"]
+PAGEVIEW_COPY_ORDER = ["ts_ms", "user_id", "url"]  # (E6) what sessions take from a pageview
+ORDER_COPY_ORDER = ["ts_ms", "user_id", "amount_e4", "currency"]
 ATTRIBUTION_COLUMNS = ["client_id", "user_id", "order_id", "ts_ms", "session_id"]
 SPAN_COLUMNS = [
     "client_id", "user_id", "start_ms", "end_ms", "pageview_count",
@@ -84,9 +90,19 @@ class Sessionized:
     attributions: pd.DataFrame  # ATTRIBUTION_COLUMNS, session_id None when unattributed
 
 
-def dedupe(frame: pd.DataFrame, key: list[str]) -> pd.DataFrame:
-    """First occurrence of each key (PAGEVIEW_KEY, ORDER_KEY) wins (E6)."""
-    return frame[~frame.duplicated(subset=key, keep="first")]
+def dedupe(frame: pd.DataFrame, key: list[str], order: list[str]) -> pd.DataFrame:
+    """One row per ``key`` (PAGEVIEW_KEY, ORDER_KEY): of its copies, the first by ``order``
+    (PAGEVIEW_COPY_ORDER, ORDER_COPY_ORDER; E6). Rows keep their order; a frame without
+    copies is returned as it is, unsorted."""
+    repeated = frame.duplicated(subset=key, keep=False).to_numpy()
+    if not repeated.any():
+        return frame
+    positions = np.flatnonzero(repeated)
+    copies = frame.iloc[positions].reset_index(drop=True).sort_values(
+        order, kind="stable", na_position="first")
+    keep = ~repeated
+    keep[positions[copies.index[~copies.duplicated(subset=key).to_numpy()]]] = True
+    return frame[keep]
 
 
 def pageview_spans(pageviews: pd.DataFrame) -> dict[str, np.ndarray]:
@@ -177,7 +193,8 @@ def sessionize(pageviews: pd.DataFrame, orders: pd.DataFrame, gap_ms: int) -> Se
 
     ``pageviews`` has PAGEVIEW_COLUMNS, ``orders`` ORDER_COLUMNS; duplicates are dropped (E6).
     """
-    spans = merge_spans(pageview_spans(dedupe(pageviews, PAGEVIEW_KEY)), gap_ms)
+    spans = merge_spans(pageview_spans(dedupe(pageviews, PAGEVIEW_KEY, PAGEVIEW_COPY_ORDER)),
+                        gap_ms)
     return Sessionized(*reattribute(with_session_ids(spans), orders, gap_ms))
 
 
@@ -189,7 +206,7 @@ def reattribute(sessions: pd.DataFrame, orders: pd.DataFrame, gap_ms: int
     attribute over the sessions their spans made. ``sessions`` needs client_id, user_id,
     session_id, start_ms, end_ms; its other SESSION_COLUMNS are passed through (None where
     absent)."""
-    orders = dedupe(orders, ORDER_KEY)
+    orders = dedupe(orders, ORDER_KEY, ORDER_COPY_ORDER)
     attributions = attribute(sessions, orders, gap_ms)
     known = sessions.assign(**{c: None for c in SESSION_COLUMNS if c not in sessions})
     return with_order_totals(known, attributions, orders), attributions

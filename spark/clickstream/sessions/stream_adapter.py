@@ -20,7 +20,8 @@ Known edge cases, cited inline as (S1)..(S8):
       already closes is emitted right away instead of waiting for a timer.
   S2. A record whose id is already in the state (a retry of an on-time event) is reported as a
       ``duplicate`` row, so the sink does not store it twice; copies inside one batch are
-      collapsed here and de-duplicated by id in the sink as well. The row names the record's
+      collapsed here and in the sink by one rule (semantics E6), so the copy the sessions count
+      is the one the table stores. The row names the record's
       type (``record_type``) and client: a pageview's event_id may equal an order's order_id,
       and a retried pageview must not drop a new order with that id.
   S3. Rows at or before the previous batch's watermark never reach the processor (Spark drops
@@ -76,8 +77,10 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 from clickstream.sessions import tws_input
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
+    ORDER_COPY_ORDER,
     ORDER_KEY,
     PAGEVIEW_COLUMNS,
+    PAGEVIEW_COPY_ORDER,
     PAGEVIEW_KEY,
     SPAN_COLUMNS,
     closed_sessions,
@@ -244,8 +247,9 @@ class BucketState:
     def add(self, events: pd.DataFrame) -> pd.DataFrame:
         """Fold new events in; returns the ``duplicate`` rows of records already held (S2)."""
         is_order = (events["event_type"] == "order").to_numpy()
-        new_pv = dedupe(events.loc[~is_order, PAGEVIEW_COLUMNS], PAGEVIEW_KEY)
-        new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], ORDER_KEY)
+        new_pv = dedupe(events.loc[~is_order, PAGEVIEW_COLUMNS], PAGEVIEW_KEY,
+                        PAGEVIEW_COPY_ORDER)
+        new_orders = dedupe(events.loc[is_order, ORDER_COLUMNS], ORDER_KEY, ORDER_COPY_ORDER)
         # Probe the held ids with the batch's (hashing the few new ids, not every held one).
         new_ids = pa.array(new_pv["event_id"].to_numpy(), pa.string())
         known = pa.concat_tables([self.held_ids, self.new_ids])
