@@ -339,8 +339,11 @@ def test_accepting_data_loss_planning_goes_on_and_the_read_marks_the_lost_run(
     tasks = reader.partitions({"0": 1}, end)
     assert {p: r for task in tasks for p, r in task.ranges.items()} == {0: (1, 4), 1: (0, 4)}
     added = next(task for task in tasks if 1 in task.ranges)
-    reads = [pa.Table.from_batches(list(read_range(options, added, fail_on_data_loss=False)))
-             for _ in range(2)]  # the second takes the first's batches (K6)
+    # The second read takes the first's batches (K6): with no Kafka behind its address, it
+    # can succeed only from the kept read.
+    reads = [pa.Table.from_batches(list(read_range(o, added, fail_on_data_loss=False)))
+             for o in (options, unreachable(kafka_config, topic, "run-1",
+                                            failOnDataLoss="false"))]
     assert reads[1].equals(reads[0])
     rows = [r for r in reads[0].to_pylist() if r["partition"] == 1]
     assert [(r["offset"], r["value"], r["headers"]) for r in rows] == [
@@ -427,6 +430,13 @@ def _source_options(config: Config, topic: str, **more: str) -> CaseInsensitiveD
                                 "kafkaOptions": "{}", **more})
 
 
+def unreachable(config: Config, topic: str, run: str, **more: str) -> CaseInsensitiveDict:
+    """Source options with no Kafka behind the address: a read of run ``run`` can only
+    succeed from a kept read (K6)."""
+    return _source_options(config.replace(kafka_bootstrap_servers="127.0.0.1:9"), topic,
+                           shareReads=run, readTimeoutSeconds="2", **more)
+
+
 def test_a_second_read_of_the_same_ranges_takes_the_first_reads_records(
     kafka_config: Config, make_topic
 ) -> None:
@@ -438,17 +448,13 @@ def test_a_second_read_of_the_same_ranges_takes_the_first_reads_records(
     first = pa.Table.from_batches(list(read_range(shared, task)))
     assert first.num_rows == 12
 
-    def unreachable(run: str) -> CaseInsensitiveDict:
-        """No Kafka behind this address: a read can only succeed from a kept one."""
-        return _source_options(kafka_config.replace(kafka_bootstrap_servers="127.0.0.1:9"),
-                               topic, shareReads=run, readTimeoutSeconds="2")
-
     with pytest.raises(BrokerUnavailableError):  # another query run's read is not served
-        list(read_range(unreachable("run-2"), task))
-    second = pa.Table.from_batches(list(read_range(unreachable("run-1"), task)))
+        list(read_range(unreachable(kafka_config, topic, "run-2"), task))
+    second = pa.Table.from_batches(list(read_range(unreachable(kafka_config, topic, "run-1"),
+                                                   task)))
     assert second.equals(first)
     with pytest.raises(BrokerUnavailableError):  # taken once: a third read goes to Kafka
-        list(read_range(unreachable("run-1"), task))
+        list(read_range(unreachable(kafka_config, topic, "run-1"), task))
 
 
 def test_a_read_that_cannot_be_kept_still_reads_everything(
@@ -462,9 +468,12 @@ def test_a_read_that_cannot_be_kept_still_reads_everything(
     produce(kafka_config, topic, 8)
     ranges = {p: (0, high) for p, (_low, high) in topic_watermarks(kafka_config, topic).items()}
     options = _source_options(kafka_config, topic, shareReads="run-1")
-    reads = [pa.Table.from_batches(list(read_range(options, KafkaRange(topic, ranges))))
-             for _ in range(2)]
-    assert reads[0].num_rows == 8 and reads[1].equals(reads[0])
+    task = KafkaRange(topic, ranges)
+    first = pa.Table.from_batches(list(read_range(options, task)))
+    assert first.num_rows == 8
+    with pytest.raises(BrokerUnavailableError):  # nothing was kept: the second goes to Kafka
+        list(read_range(unreachable(kafka_config, topic, "run-1"), task))
+    assert pa.Table.from_batches(list(read_range(options, task))).equals(first)
     assert [p.name for p in tmp_path.iterdir()] == ["clickstream-kafka-reads"]
 
 
