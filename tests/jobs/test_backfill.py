@@ -430,6 +430,35 @@ def test_a_parquet_string_that_is_not_utf8_is_quarantined_and_the_rest_merged(
     assert (summary.quarantined, summary.rows_merged) == (1, 1)
 
 
+def test_a_csv_field_that_is_not_utf8_is_quarantined_and_utf8_text_stored_exactly(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(B13) Spark's CSV reader turned a Latin-1 url into U+FFFD and the row was stored so,
+    as valid. Now the row is quarantined, a UTF-8 url is stored as its text, and a malformed
+    line that is not UTF-8 is kept as its bytes."""
+    header = b"event_id,client_id,user_id,ts,url,referrer\n"
+    fine = "fine,client-00,u,2026-11-01T00:00:00Z,/caf\u00e9/\u65e5\u672c,\"a, \u00e9\"\n"
+    latin = b"latin,client-00,u,2026-11-01T00:01:00Z,/caf\xe9,\n"
+    malformed = b"short,client-00,u,/caf\xe9"
+    (stream_config.landing / "csv").mkdir(parents=True)
+    (stream_config.landing / "csv" / "a.csv").write_bytes(
+        header + fine.encode() + latin + malformed + b"\n")
+
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                           path="csv")
+
+    assert [(r["event_id"], r["url"], r["referrer"])
+            for r in table_rows(stream_config, spark, "pageviews")] == [
+        ("fine", "/caf\u00e9/\u65e5\u672c", "a, \u00e9")]
+    reasons = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
+    latin_raw = next(raw for raw in reasons if raw.startswith("{"))
+    assert json.loads(latin_raw)["url"] == "/caf\ufffd"
+    assert reasons[latin_raw].startswith("url is not UTF-8 text")
+    assert reasons["base64:" + base64.b64encode(malformed).decode()].startswith(
+        "malformed CSV row")
+    assert (summary.quarantined, summary.rows_merged) == (2, 1)
+
+
 def test_a_pageview_whose_url_is_too_long_is_quarantined_and_the_rest_published(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B12):
+Known edge cases, cited inline as (B1)..(B13):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -45,12 +45,18 @@ Known edge cases, cited inline as (B1)..(B12):
       writer gave them, and reads a byte array without the UTF-8 mark as bytes) are the
       row's reason, and its columns carry them replaced by U+FFFD: as they were, the write
       of the row (Arrow's statistics decode them) failed the whole backfill with a
-      ``UnicodeDecodeError``, at every rerun. Spark's CSV reader already replaced them
-      (README, known limits); a JSON Lines line is judged whole (B10).
+      ``UnicodeDecodeError``, at every rerun. A CSV file's too (B13); a JSON Lines line is
+      judged whole (B10).
   B12. A row's typed ``amount`` is null unless its text is one the contract reads
       (``parse.amount_value``): the plain cast rounded 1.23456 to 1.2346 and read 13-digit
       amounts, exponents and signs, so ``historical_batch``'s ``bad_amount_fraction`` counted
       only unparsable text and let a batch of such amounts through (its rows quarantined).
+  B13. Spark's CSV reader decodes a file as UTF-8 and turns bytes that are not into U+FFFD,
+      so a Latin-1 url was stored altered, as a valid row. A CSV batch is read as ISO-8859-1
+      (one character per byte; the delimiters, quotes and line ends are the same bytes in
+      both) and each field turned back into its bytes: UTF-8 fields are their text, and a
+      field that is not UTF-8 is its row's reason (B11); a malformed row's line is kept as its
+      bytes (``parse.bytes_unless_utf8``).
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax (B5)
 MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a CSV batch (B6)
 ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps it (B6, B10)
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
+CSV_READ_AS = "ISO-8859-1"  # one character per byte: a CSV file's bytes come through (B13)
 READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR)
 
 
@@ -236,7 +243,8 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
         reader = reader.schema(StructType(
             [StructField(name, StringType()) for name in header]
             + [StructField(MALFORMED_CSV_ROW, StringType())])).options(
-            header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW)
+            header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW,
+            encoding=CSV_READ_AS)  # (B13)
     try:
         frame = reader.format(file_format or batch.file_format).load(
             [str(p) for p in batch.files])
@@ -245,11 +253,19 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
             f"batch {batch.root} could not be read as {batch.file_format}: "
             f"{str(error).strip().splitlines()[0]}") from error
     if MALFORMED_CSV_ROW in frame.columns:  # (B6) the line as it was is the raw record
+        frame = frame.select(*(_file_bytes(c).alias(c) for c in frame.columns))  # (B13)
         malformed = F.col(MALFORMED_CSV_ROW)
-        frame = frame.withColumn(ROW_TEXT, malformed).withColumn(ROW_ERROR, F.when(
+        frame = frame.withColumn(ROW_TEXT, F.coalesce(bytes_unless_utf8(malformed), malformed)
+                                 ).withColumn(ROW_ERROR, F.when(
             malformed.isNotNull(),
             F.lit("malformed CSV row: its number of fields differs from the header's")))
     return frame
+
+
+def _file_bytes(column: str) -> Column:
+    """(B13) A CSV field read as ISO-8859-1, as its file's bytes again: a text Spark keeps
+    byte for byte, so UTF-8 is its text and anything else is seen (``is_valid_utf8``)."""
+    return F.encode(F.col(column), CSV_READ_AS).cast(StringType())
 
 
 def _json_lines(spark: SparkSession, batch: BatchFiles) -> DataFrame:
