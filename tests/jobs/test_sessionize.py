@@ -554,29 +554,40 @@ def test_a_retried_pageview_does_not_drop_an_order_whose_order_id_equals_its_eve
 def test_differing_copies_of_an_id_in_one_micro_batch_are_stored_as_the_sessions_count_them(
     stream_config: Config, spark: SparkSession
 ) -> None:
-    """(Z12) A producer reusing ids: of two copies of a pageview (hours apart) and of an order
-    (two amounts) in one micro-batch, the table stores the copy the session state counts, the
-    earlier and then the smaller by semantics' rule, whichever arrives first."""
+    """(Z12) A producer reusing ids: of the copies of an id in one micro-batch, the table
+    stores the one the session state counts, whichever arrives first: an on-time copy before a
+    late one (the state never sees late rows), then the earlier, then the smaller amount."""
     start = datetime(2026, 11, 1, 9, tzinfo=UTC)
-    later_copy = pageview("u", start + timedelta(hours=2), "p")
-    kept_copy = pageview("u", start, "p")
-    larger, smaller = (order("u", start + timedelta(minutes=1), "o", amount)
+
+    def at(hours: int) -> timedelta:  # after 09:00
+        return timedelta(hours=hours)
+
+    produce(stream_config, [pageview("w", start + at(3), "advance")])  # the watermark: ~12:00
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    on_time_p, late_p = pageview("u", start + at(5), "p"), pageview("u", start, "p")
+    later_q, earlier_q = pageview("u", start + at(6), "q"), pageview("u", start + at(4), "q")
+    earlier_r, later_r = pageview("u", start + at(7), "r"), pageview("u", start + at(8), "r")
+    larger, smaller = (order("u", start + at(4) + timedelta(minutes=1), "o", amount)
                        for amount in ("9.00", "3.00"))
     flush = pageview("flush", start + timedelta(days=1), "flush")
-    produce(stream_config, [later_copy, larger, kept_copy, smaller, flush])
-    summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [late_p, on_time_p, later_q, larger, earlier_q, smaller, earlier_r,
+                            later_r, flush])  # winners after losers, and before (r)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
 
-    assert summary.totals.records == 5  # the first micro-batch read them all
-    stored_pageviews = table_rows(stream_config, spark, "pageviews")
-    assert sorted((r["event_id"], r["ts"]) for r in stored_pageviews) == [
-        ("flush", start + timedelta(days=1)), ("p", start)]
+    stored = {r["event_id"]: r["ts"] for r in table_rows(stream_config, spark, "pageviews")}
+    assert stored == {"advance": start + at(3), "p": start + at(5), "q": start + at(4),
+                      "r": start + at(7), "flush": start + timedelta(days=1)}
     assert [(r["order_id"], r["amount"]) for r in table_rows(stream_config, spark, "orders")] == [
         ("o", Decimal("3.00"))]
-    # The sessions are those of the stored copies: one session of u at 09:00 holding the order.
-    rows = assert_sessions_match_reference(
-        stream_config, spark, valid_events([kept_copy, smaller, flush]))
-    assert [(r["session_start"], r["order_count"], r["revenue"]) for r in rows] == [
-        (start, 1, Decimal("3.00"))]
+    assert table_rows(stream_config, spark, "recompute_queue") == []  # the late copy lost
+    # The sessions are those of the stored copies: u at 13:00 holds the order.
+    rows = assert_sessions_match_reference(stream_config, spark, valid_events(
+        [pageview("w", start + at(3), "advance"), on_time_p, earlier_q, smaller, earlier_r,
+         flush]))
+    assert sorted((r["user_id"], r["session_start"], r["order_count"], r["revenue"])
+                  for r in rows) == [
+        ("u", start + at(4), 1, Decimal("3.00")), ("u", start + at(5), 0, Decimal("0.0000")),
+        ("u", start + at(7), 0, Decimal("0.0000")), ("w", start + at(3), 0, Decimal("0.0000"))]
     assert_topic_equals_table(stream_config, rows)
 
 

@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z11):
+Known edge cases, cited inline as (Z1)..(Z12):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -77,8 +77,9 @@ Known edge cases, cited inline as (Z1)..(Z11):
       (semantics E6: first by time, user, then url or amount and currency), not whichever
       Spark's dedupe met first. Copies of different users in different state buckets are each
       counted by their own bucket; the table keeps one, and a recompute of those users corrects
-      the sessions. A late copy that wins (its time is earlier) is stored and queued (Z8): the
-      recompute corrects the session that counted the on-time one.
+      the sessions. An on-time copy comes before a late one, whose time is always earlier: the
+      state counts only on-time rows (Z1), so a late copy is stored (and queued) only when no
+      on-time copy of its id is in the batch.
 """
 
 from __future__ import annotations
@@ -185,13 +186,15 @@ def _copy_order(names: list[str]) -> list[Column]:
     return [derived.get(name, F.col(name)) for name in names]
 
 
-def _first_copies(rows: DataFrame, key: str, order: list[str]) -> DataFrame:
-    """One row per (client, ``key``): the copy the session state keeps (Z12). The rest of the
-    columns break ties, so the table's choice does not depend on arrival either. One
-    aggregate, as Spark's own dedupe (both sort-aggregate these string columns)."""
+def _first_copies(rows: DataFrame, key: str, order: list[str], late: Column) -> DataFrame:
+    """One row per (client, ``key``): the copy the session state keeps (Z12), which sees only
+    the rows that are not ``late``. The rest of the columns break ties, so the table's choice
+    does not depend on arrival either. One aggregate, as Spark's own dedupe (both
+    sort-aggregate these string columns)."""
     ids = ["client_id", key]
     rest = [c for c in rows.columns if c not in ids]
-    ranked = [c.alias(f"_copy_order_{i}") for i, c in enumerate(_copy_order(order))]
+    ranked = [c.alias(f"_copy_order_{i}")
+              for i, c in enumerate([late, *_copy_order(order)])]  # on time first
     first = F.min(F.struct(*ranked, *rest)).alias("_first")
     return rows.groupBy(*ids).agg(first).select(
         *[F.col(c) if c in ids else F.col(f"_first.{c}").alias(c) for c in rows.columns])
@@ -367,14 +370,17 @@ def _late_anti_join(tables: DeltaTables, spec: TableSpec, late: DataFrame, key: 
     return late if stored is None else late.join(stored, on=["client_id", key], how="left_anti")
 
 
-# The records the sink stores in a table of their own: (event type, key, table).
+# The records the sink stores in a table of their own: (event type, key, table, the order
+# that picks one of an id's copies: semantics E6, Z12).
 RECORD_TABLES = ((contract.PAGEVIEW, "event_id", PAGEVIEWS, PAGEVIEW_COPY_ORDER),
                  (contract.ORDER, "order_id", ORDERS, ORDER_COPY_ORDER))
 
 
 def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
-                                    kinds: set[str]) -> DataFrame:
-    """Late records of ``kinds`` minus those a delivery outside ``late`` stored (Z8)."""
+                                    deliveries: DataFrame, kinds: set[str]) -> DataFrame:
+    """Late records of ``kinds`` minus those a delivery outside ``deliveries`` (every late
+    copy the micro-batch holds, ``late`` one of each id) stored (Z8). Any copy's: an earlier
+    attempt of the batch may have kept another copy of an id than this one (Z12)."""
     kept = []
     for kind, key, spec, _ in RECORD_TABLES:
         if kind not in kinds:
@@ -383,7 +389,8 @@ def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
         stored = _stored_where(tables, spec, rows, [key, "source"])
         if stored is not None:
             same = ["client_id", key]  # (Z3)
-            elsewhere = stored.join(rows.select(*same, "source"), [*same, "source"], "left_anti")
+            own = deliveries.where(F.col("event_type") == kind).select(*same, "source")
+            elsewhere = stored.join(own, [*same, "source"], "left_anti")
             rows = rows.join(elsewhere.select(*same), on=same, how="left_anti")
         kept.append(rows)
     return reduce(DataFrame.unionByName, kept)
@@ -480,7 +487,8 @@ class MicroBatchWriter:
         backfilled = _queued_by_backfills(self.tables)
 
         # (Z12) The copy of each id the state counts: stored, and queued when late.
-        kept = {kind: _first_copies(valid.where(F.col("event_type") == kind), key, order)
+        kept = {kind: _first_copies(valid.where(F.col("event_type") == kind), key, order,
+                                    is_late)
                 for kind, key, _, order in RECORD_TABLES}
 
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
@@ -523,7 +531,8 @@ class MicroBatchWriter:
                           [kept[kind].where(is_late) for kind in sorted(late_kinds)])
 
             def queue_late() -> int:
-                queue = _not_stored_by_another_delivery(self.tables, late, late_kinds).select(
+                queue = _not_stored_by_another_delivery(
+                    self.tables, late, valid.where(is_late), late_kinds).select(
                     "client_id", "user_id", F.col("event_type").alias("kind"),
                     F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
                     .otherwise(F.col("event_id")).alias("record_id"),
