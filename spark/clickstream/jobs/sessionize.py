@@ -376,16 +376,16 @@ RECORD_TABLES = ((contract.PAGEVIEW, "event_id", PAGEVIEWS, PAGEVIEW_COPY_ORDER)
                  (contract.ORDER, "order_id", ORDERS, ORDER_COPY_ORDER))
 
 
-def _not_stored_by_another_delivery(tables: DeltaTables, late: DataFrame,
-                                    deliveries: DataFrame, kinds: set[str]) -> DataFrame:
-    """Late records of ``kinds`` minus those a delivery outside ``deliveries`` (every late
-    copy the micro-batch holds, ``late`` one of each id) stored (Z8). Any copy's: an earlier
-    attempt of the batch may have kept another copy of an id than this one (Z12)."""
+def _not_stored_by_another_delivery(tables: DeltaTables, late: Mapping[str, DataFrame],
+                                    deliveries: DataFrame) -> DataFrame:
+    """The late records (``late``: one of each id, by event type) minus those a delivery
+    outside ``deliveries`` (every late copy the micro-batch holds) stored (Z8). Any copy's: an
+    earlier attempt of the batch may have kept another copy of an id than this one (Z12)."""
     kept = []
     for kind, key, spec, _ in RECORD_TABLES:
-        if kind not in kinds:
+        if kind not in late:
             continue
-        rows = late.where(F.col("event_type") == kind)
+        rows = late[kind]
         stored = _stored_where(tables, spec, rows, [key, "source"])
         if stored is not None:
             same = ["client_id", key]  # (Z3)
@@ -527,12 +527,11 @@ class MicroBatchWriter:
         queued: dict[str, Callable[[], int]] = {}
         late_kinds = {kind for kind, *_ in RECORD_TABLES if present.get(f"record:{kind}:late")}
         if late_kinds:
-            late = reduce(DataFrame.unionByName,
-                          [kept[kind].where(is_late) for kind in sorted(late_kinds)])
+            late = {kind: kept[kind].where(is_late) for kind in late_kinds}
 
             def queue_late() -> int:
                 queue = _not_stored_by_another_delivery(
-                    self.tables, late, valid.where(is_late), late_kinds).select(
+                    self.tables, late, valid.where(is_late)).select(
                     "client_id", "user_id", F.col("event_type").alias("kind"),
                     F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
                     .otherwise(F.col("event_id")).alias("record_id"),
