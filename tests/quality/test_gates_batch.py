@@ -175,7 +175,7 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
     before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate recomputed_sessions failed for backfill pageviews-client-00-\w+: 1 of"
-            r" 9 expectations failed: quality gate recomputed_sessions: revenue_mismatch = 2, "
+            r" 10 expectations failed: quality gate recomputed_sessions: revenue_mismatch = 2, "
             r"expected 0 .*; 2 rows quarantined .*no correction was recorded")):
         run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                      path=path, progress=lambda _: None)

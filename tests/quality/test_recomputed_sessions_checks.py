@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructField, StructType
 
 from clickstream.quality.checks import recomputed_sessions_checks
 from clickstream.tables import ATTRIBUTIONS, ORDERS, SESSIONS
@@ -39,8 +40,10 @@ def order(user: str, order_id: str, minutes: float, amount: str, sid: str | None
 def frames(spark: SparkSession, sessions: list[dict], orders: list[tuple]
            ) -> dict[str, DataFrame]:
     def frame(rows: list[dict], spec) -> DataFrame:
-        return spark.createDataFrame([tuple(r[f.name] for f in spec.schema.fields)
-                                      for r in rows], spec.schema).drop("revision")
+        # nullable, as a recomputed frame's columns are: the gate sees them before the write
+        schema = StructType([StructField(f.name, f.dataType) for f in spec.schema.fields])
+        return spark.createDataFrame([tuple(r[f.name] for f in schema.fields)
+                                      for r in rows], schema).drop("revision")
 
     return {"sessions": frame(sessions, SESSIONS),
             "orders": frame([o for o, _ in orders], ORDERS),
@@ -60,7 +63,8 @@ GOOD_ORDERS = [order("u1", "o1", 5, "10.00", "a"), order("u1", "o2", 39, "5.50",
 
 def test_well_formed_sessions_pass_every_check(spark: SparkSession) -> None:
     assert values(spark, GOOD_SESSIONS, GOOD_ORDERS) == {
-        "sessions": 3, "session_start_after_end": 0, "pageview_count_below_one": 0,
+        "sessions": 3, "sessions_without_id_or_bounds": 0, "session_start_after_end": 0,
+        "pageview_count_below_one": 0,
         "duplicate_session_ids": 0, "overlapping_sessions": 0, "sessions_within_gap": 0,
         "revenue_mismatch": 0, "order_count_mismatch": 0, "sessions_with_orders_outside": 0,
         "attributions_to_unknown_sessions": 0}
@@ -76,6 +80,11 @@ def test_each_defect_is_counted_by_its_check(spark: SparkSession) -> None:
         session("u6", "short-revenue", 0, 10, orders=1, revenue="9.00"),
         session("u7", "one-too-many", 0, 10, orders=2, revenue="3.00"),
         session("u8", "late-order", 0, 10, orders=1, revenue="1.00"),
+        # each of its fields missing, alone (no other check counts these: their comparisons
+        # with a null are null)
+        {**session("u10", "no-start", 0, 5), "session_start": None},
+        {**session("u11", "no-end", 0, 5), "session_end": None},
+        {**session("u12", "no-id", 0, 5), "session_id": None},
     ]
     orders = [
         order("u6", "o6", 1, "10.00", "short-revenue"),
@@ -86,7 +95,8 @@ def test_each_defect_is_counted_by_its_check(spark: SparkSession) -> None:
     ]
     got = values(spark, sessions, orders)
     assert got == {
-        "sessions": 11, "session_start_after_end": 1, "pageview_count_below_one": 1,
+        "sessions": 14, "sessions_without_id_or_bounds": 3, "session_start_after_end": 1,
+        "pageview_count_below_one": 1,
         "duplicate_session_ids": 1,
         # a duplicate overlaps its twin, and an overlap is closer than a gap too
         "overlapping_sessions": 2, "sessions_within_gap": 3,

@@ -357,6 +357,10 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
     is_session = F.col("_session").isNotNull()
     previous = F.col("_previous_end")
     checks = {
+        # The comparisons below are null, so not counted, for a session without these.
+        "sessions_without_id_or_bounds": is_session & (
+            F.col("session_id").isNull() | F.col("session_start").isNull()
+            | F.col("session_end").isNull()),
         "session_start_after_end": is_session & (F.col("session_start") > F.col("session_end")),
         "pageview_count_below_one": is_session & F.coalesce(F.col("pageview_count") < 1,
                                                             F.lit(True)),
