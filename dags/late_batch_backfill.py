@@ -47,7 +47,9 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
    otherwise nothing is published.
 7. `publish` — new revisions and tombstones to the `sessions` / `attributions` topics, then
    the `publish` gate reads them back.
-8. `report` — the run's summary in the log and as a page, and the correction report.
+8. `report` — the run's summary in the log and as a page, and the correction report. A step
+   that fails writes that page itself: the steps done, and its own reason (the run turns
+   red in **Quality reports**); the run's summary replaces it once the run ends well.
 
 Every task is idempotent (application transactions, stored plan), so retrying any of them,
 or rerunning the whole DAG, resumes instead of doubling. The same batch run through

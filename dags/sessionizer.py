@@ -35,10 +35,11 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
   Spark master in the cluster profile (docker-compose). The driver's memory is
   `CLICKSTREAM_DRIVER_MEMORY` of the worker's environment, taken whole at start (`-Xms`), and
   passed to spark-submit when the task runs. Stopping the task (mark failed/success) ends
-  the spark-submit process like a crash: Airflow's SparkSubmitOperator kills it. Nothing is
-  lost or doubled: the next run replays the micro-batch in flight from the checkpoint. (A
-  SIGTERM to `clickstream sessionize` itself, outside Airflow, stops it at a micro-batch
-  boundary.)
+  the spark-submit process like a crash: SparkSubmitOperator kills its JVM at once, and
+  Airflow sends the task's whole process group SIGTERM, then SIGKILL 5 s later, too soon for
+  a micro-batch to finish. Nothing is lost or doubled: the next run replays the micro-batch
+  in flight from the checkpoint. (A SIGTERM to `clickstream sessionize` itself, outside
+  Airflow, lets the planned micro-batches finish and commit, then stops.)
 * Param `until_caught_up` (off by default): process what is available now, commit, and end
   the run — for demos and tests; the next continuous run streams again.
 """

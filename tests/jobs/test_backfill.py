@@ -17,16 +17,17 @@ from hypothesis import strategies as st
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import BatchRefusedError
+from clickstream.errors import BatchRefusedError, ConfigError
 from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
-from clickstream.jobs import batch_input
+from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.quality import reports
 from tests.jobs.test_sessionize import pageview, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
@@ -500,6 +501,39 @@ def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSess
     with pytest.raises(BatchRefusedError, match="outside the landing folder"):
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="link")
     assert versions(stream_config, spark) == before
+
+
+def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replaces_it(
+        stream_config: Config, spark: SparkSession) -> None:
+    """Reviewers find every DAG run in the reports index, failed ones with the failed step's
+    reason; once the run ends well (a retry, a cleared task), its summary is the run's page."""
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0)], "parquet")
+    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
+                                         client_id="client-00", path=path)["run_id"]
+
+    def step(name: str) -> object:
+        return backfill_steps.run_step(stream_config, name, kind="pageviews",
+                                       client_id="client-00", path=path, run_id=run_id,
+                                       spark=spark, progress=lambda _: None)
+
+    def run_pages() -> list[reports.ReportEntry]:
+        return [e for e in reports.read_entries(reports.reports_dir(stream_config))
+                if e.run_id == run_id and e.title == "run summary"]
+
+    with pytest.raises(ConfigError, match="no result of step 'check'"):
+        step("report")  # out of order: nothing to summarise yet
+    (failed,) = run_pages()
+    assert failed.status == "failed"
+    page = (reports.reports_dir(stream_config) / failed.href).read_text()
+    assert "report: failed" in page and "ConfigError: backfill " in page
+    assert "no result of step &#x27;check&#x27;" in page
+
+    for name in backfill_steps.STEPS:
+        step(name)
+    (succeeded,) = run_pages()
+    assert (succeeded.href, succeeded.status) == (failed.href, "info")
+    page = (reports.reports_dir(stream_config) / succeeded.href).read_text()
+    assert ": failed" not in page and "sessions created 1" in page
 
 
 def test_names_spark_would_glob_and_linked_folders_are_refused(

@@ -1,8 +1,10 @@
-"""kill -9 the sessionizer (driver, JVM and workers) at random points, restart, and check that
-nothing was lost or doubled and that the sessions topic still equals the sessions table."""
+"""kill -9 the sessionizer (driver, JVM and workers) at random points, and SIGTERM it once,
+restart, and check that nothing was lost or doubled and that the sessions topic still equals
+the sessions table."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -64,6 +66,35 @@ def java_args(process_group: int) -> list[str]:
     raise AssertionError(f"no JVM in process group {process_group}")
 
 
+def logged(config: Config, log: str) -> list[int]:
+    """The batch ids in one of the sessionizer checkpoint's logs (offsets, commits)."""
+    folder = config.checkpoint_path("sessionize") / log
+    return sorted(int(p.name) for p in folder.glob("[0-9]*")) or [-1]
+
+
+def wait_for_a_batch_in_flight(config: Config, timeout_s: float = 120) -> int:
+    """The id of a micro-batch planned and not yet committed, once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        planned, committed = logged(config, "offsets")[-1], logged(config, "commits")[-1]
+        if planned > committed:
+            return planned
+        time.sleep(0.05)
+    raise AssertionError(f"no micro-batch was in flight within {timeout_s}s")
+
+
+def group_ends(process_group: int, timeout_s: float = 30) -> bool:
+    """Whether every process of the group has ended within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process_group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def wait_for_batches(log: Path, at_least: int, timeout_s: float = 480) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -102,8 +133,18 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(
                 assert {"-Xmx1g", "-Xms1g", "-XX:+AlwaysPreTouch"} <= set(
                     java_args(process.pid))
             time.sleep(rng.uniform(0.0, 3.0))  # a random point inside the next batches
+            if round_number == 2:  # the last round is stopped as the README says: SIGTERM
+                in_flight = wait_for_a_batch_in_flight(config)
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
+                text = log.read_text()
+                assert text.rstrip().splitlines()[-1].startswith("sessionize: "), text[-3000:]
+                assert "StackOverflowError" not in text and "Exception in thread" not in text
+                assert logged(config, "commits")[-1] >= in_flight  # finished, not cut off
+                assert group_ends(process.pid), "the sessionizer's JVM outlived it"
         finally:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # none left after a SIGTERM
+                os.killpg(process.pid, signal.SIGKILL)  # the driver's JVM too
             process.wait()
         batches_seen = log.read_text().count("sessionize batch ")
 

@@ -437,6 +437,59 @@ def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
         ``{"summary": one paragraph, "report": path of the run's page}``.
     """
     run_id = str(check["run_id"])
+    lines, summary_of_corrections = _summary_lines(
+        config, check=check, dry_run=dry_run, merged=merged, corrections=corrections,
+        applied=applied, published=published)
+    if summary_of_corrections is not None and published is not None:
+        spark = spark or build_spark(config, "clickstream-backfill")
+        run = Run(spark, config, open_tables(config, spark), str(check["client_id"]),
+                  f"backfill-{run_id}", f"backfill {run_id}", progress)
+        corrections_page = write_correction_report(run, summary_of_corrections)
+        if corrections_page is not None:
+            lines.append(("corrections", f"report {corrections_page}"))
+    summary, target = _write_summary_page(
+        config, run_id=run_id, client_id=str(check["client_id"]), kind=str(check["kind"]),
+        root=str(check["root"]), lines=lines, check=check, dry_run=dry_run, status="info")
+    progress(summary)
+    progress(f"report: {target}")
+    return {"summary": summary, "report": str(target)}
+
+
+def write_failure_report(config: Config, *, failed_step: str, error: BaseException,
+                         run_id: str, kind: BatchKind, client_id: str, path: str,
+                         dry_run: bool = False) -> Path:
+    """The run's summary page when one of its steps failed: what the steps before it did, and
+    the failed step's reason. A run that ends well later (a retry, a cleared task) writes its
+    summary to the same page, which replaces this one in the index.
+
+    Returns:
+        The page's path.
+    """
+    ran = STEPS[:STEPS.index(failed_step)]  # before it, so this attempt's (a dry run: check)
+    earlier = {name: load_step_result(config, run_id, name)
+               for name in ran if not dry_run or name == "check"}
+    check = earlier.get("check")
+    lines: list[tuple[str, str]] = []
+    if check is not None:
+        published = earlier.get("publish")
+        lines, _ = _summary_lines(
+            config, check=check, dry_run=dry_run, merged=earlier.get("merge"),
+            corrections=earlier.get("recompute"), applied=earlier.get("check-applied"),
+            published=None if published is None else published["published"])
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lines.append((f"{failed_step}: failed", f"{type(error).__name__}: {reason}"))
+    _, target = _write_summary_page(
+        config, run_id=run_id, client_id=client_id, kind=kind,
+        root=str(check["root"]) if check else path, lines=lines, check=check,
+        dry_run=dry_run, status="failed")
+    return target
+
+
+def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
+                   merged: Mapping[str, Any] | None, corrections: Mapping[str, Any] | None,
+                   applied: Mapping[str, int] | None, published: int | None
+                   ) -> tuple[list[tuple[str, str]], CorrectionSummary | None]:
+    """(step, what it did) per step that ran, and the recompute's summary if it ran."""
     lines = [("validate", BatchCheck(**{**check, "first_reasons": tuple(
         check.get("first_reasons", ()))}).describe())]
     if dry_run:
@@ -456,33 +509,32 @@ def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
     if published is not None:
         lines.append(("publish", f"{published} records to {config.sessions_topic} / "
                                  f"{config.attributions_topic}"))
-    if summary_of_corrections is not None and published is not None:
-        spark = spark or build_spark(config, "clickstream-backfill")
-        run = Run(spark, config, open_tables(config, spark), str(check["client_id"]),
-                  f"backfill-{run_id}", f"backfill {run_id}", progress)
-        corrections_page = write_correction_report(run, summary_of_corrections)
-        if corrections_page is not None:
-            lines.append(("corrections", f"report {corrections_page}"))
+    return lines, summary_of_corrections
 
+
+def _write_summary_page(config: Config, *, run_id: str, client_id: str, kind: str, root: str,
+                        lines: list[tuple[str, str]], check: Mapping[str, Any] | None,
+                        dry_run: bool, status: str) -> tuple[str, Path]:
+    """Write the run's page (one per run, whatever its outcome) and list it in the index;
+    returns (the summary in one paragraph, the page's path)."""
     title = f"Backfill {run_id}" + (" (dry run)" if dry_run else "")
     href = f"backfills/{reports.safe_name(run_id)}{'.dry-run' if dry_run else ''}.html"
     target = reports_folder(config) / href
     rows = "".join(f"<tr><th>{html.escape(step)}</th><td>{html.escape(text)}</td></tr>"
                    for step, text in lines)
+    details = "" if check is None else (
+        "<details><summary>validation details</summary><pre>"
+        f"{html.escape(json.dumps(dict(check), indent=1, default=str))}</pre></details>")
+    outcome = f"<p>{reports.status_badge(status)}</p>" if status == "failed" else ""
     reports.write_atomically(target, reports.page(title, (
-        f"<p>client <code>{html.escape(str(check['client_id']))}</code>, "
-        f"{html.escape(str(check['kind']))} from <code>{html.escape(str(check['root']))}"
-        f"</code></p><table>{rows}</table><details><summary>validation details</summary>"
-        f"<pre>{html.escape(json.dumps(dict(check), indent=1, default=str))}</pre></details>"),
-        depth=1))
+        f"{outcome}<p>client <code>{html.escape(client_id)}</code>, {html.escape(kind)} from "
+        f"<code>{html.escape(root)}</code></p><table>{rows}</table>{details}"), depth=1))
     summary = " | ".join(f"{step}: {text}" for step, text in lines)
     reports.record(config, reports.ReportEntry(
         time=reports.now_utc().isoformat(), job="backfill", run_id=run_id, kind="report",
-        title="dry run" if dry_run else "run summary", status="info", href=href,
-        summary=summary[:500], client_id=str(check["client_id"])))
-    progress(summary)
-    progress(f"report: {target}")
-    return {"summary": summary, "report": str(target)}
+        title="dry run" if dry_run else "run summary", status=status, href=href,
+        summary=summary[:500], client_id=client_id))
+    return summary, target
 
 
 # --- steps as separate processes (the DAG's spark-submit tasks) ------------------------------
@@ -536,6 +588,26 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
     check_session_gap(config)
     if step in GATED_STEPS or (step == "check" and dry_run):
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark's
+    try:
+        result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
+                           run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
+    except Exception as error:
+        try:
+            page = write_failure_report(config, failed_step=step, error=error, run_id=run_id,
+                                        kind=kind, client_id=client_id, path=path,
+                                        dry_run=dry_run)
+            progress(f"report: {page}")
+        except Exception as report_error:  # the step's own error is the one to raise
+            error.add_note(f"the run's failure report could not be written: {report_error}")
+        raise
+    target = step_result_path(config, run_id, step)
+    reports.write_atomically(target, json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path: str,
+              run_id: str, dry_run: bool, spark: SparkSession | None, progress: Progress
+              ) -> dict[str, Any]:
     batch = {"kind": kind, "client_id": client_id, "path": path, "spark": spark,
              "progress": progress}
     if step == "check":
@@ -570,6 +642,4 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
             corrections=earlier.get("recompute"), applied=earlier.get("check-applied"),
             published=None if published is None else published["published"], spark=spark,
             progress=progress)
-    target = step_result_path(config, run_id, step)
-    reports.write_atomically(target, json.dumps(result, indent=1, default=str))
     return result

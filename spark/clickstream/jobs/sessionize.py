@@ -80,6 +80,12 @@ Known edge cases, cited inline as (Z1)..(Z12):
       the sessions. An on-time copy comes before a late one, whose time is always earlier: the
       state counts only on-time rows (Z1), so a late copy is stored (and queued) only when no
       on-time copy of its id is in the batch.
+  Z13. A stop (SIGTERM, SIGINT) lets the micro-batches already planned (in the checkpoint's
+      offsets log) finish and commit, and starts no other: the writer refuses a later batch
+      before writing anything (``StopBeforeMicroBatch``; the next start replays it). Spark's
+      own ``stop()`` mid-batch cancels the batch's jobs under the writer, which here ended in
+      a ``StackOverflowError`` of the stream thread and a batch to redo. A second signal
+      stops at once (the batch in flight is replayed at the next start, nothing doubled).
 """
 
 from __future__ import annotations
@@ -101,6 +107,7 @@ from typing import TypeVar
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
 from pyspark.util import inheritable_thread_target
 
 from clickstream import errors
@@ -267,9 +274,15 @@ def stream_watermark_ms(config: Config) -> int | None:
     checkpoint = config.checkpoint_path(JOB)
     if not _planned_a_batch(checkpoint):
         return None
-    commits = checkpoint / "commits"
-    committed = sorted(int(p.name) for p in commits.glob("[0-9]*")) if commits.exists() else []
-    return checkpoint_watermark_ms(checkpoint, committed[-1] if committed else -1)
+    return checkpoint_watermark_ms(checkpoint, _last_logged_batch(checkpoint, "commits"))
+
+
+def _last_logged_batch(checkpoint: Path, log: str) -> int:
+    """The last batch id in one of the checkpoint's logs (``offsets``: planned, ``commits``:
+    committed); -1 if none."""
+    folder = checkpoint / log
+    ids = [int(p.name) for p in folder.glob("[0-9]*")] if folder.exists() else []
+    return max(ids, default=-1)
 
 
 SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
@@ -421,7 +434,14 @@ class MicroBatchWriter:
         self.run_id = uuid.uuid4().hex
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
 
+    last_batch: int | None = None
+    """Set by a stop: the last micro-batch this run may write (Z13)."""
+
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        if self.last_batch is not None and batch_id > self.last_batch:
+            raise StopBeforeMicroBatch(
+                f"the sessionizer is stopping: micro-batch {batch_id} was not started, nothing "
+                "of it was written; the next start processes it")
         started = time.monotonic()
         counts = self.write_micro_batch(batch, batch_id)
         self.summary.batches += 1
@@ -622,12 +642,24 @@ def _reraise_product_error(error: Exception) -> None:
     ) from error
 
 
+class StopBeforeMicroBatch(RuntimeError):
+    """Raised by the writer for a micro-batch planned after a stop was asked (Z13)."""
+
+
+@dataclass
+class _Stop:
+    asked: threading.Event = field(default_factory=threading.Event)
+    now: threading.Event = field(default_factory=threading.Event)
+
+
 @contextmanager
-def _stop_on_signal(stop: threading.Event) -> Iterator[None]:
+def _stop_on_signal(stop: _Stop) -> Iterator[None]:
+    """The first SIGTERM / SIGINT asks for a stop after the planned micro-batches, a second
+    one for a stop at once (Z13)."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: object) -> None:
-        stop.set()
+        (stop.now if stop.asked.is_set() else stop.asked).set()
 
     if threading.current_thread() is threading.main_thread():
         for sig in previous:
@@ -664,16 +696,32 @@ def run_sessionizer(
     else:
         stream = stream.trigger(processingTime=f"{config.trigger_interval_seconds} seconds")
     query = stream.start()
-    stop = threading.Event()
+    stop = _Stop()
     try:
         with _stop_on_signal(stop):
-            while query.isActive and not stop.is_set():
+            while query.isActive and not stop.asked.is_set():
                 query.awaitTermination(1.0)
-        if stop.is_set():
-            query.stop()
+            if stop.asked.is_set():
+                _stop_after_planned_micro_batches(query, writer, checkpoint, stop.now)
         query.awaitTermination()
     except StreamingQueryException as error:
-        _reraise_product_error(error)
+        if not (stop.asked.is_set() and StopBeforeMicroBatch.__name__ in str(error)):
+            _reraise_product_error(error)
     finally:
         summary.seconds = time.monotonic() - started
     return summary
+
+
+def _stop_after_planned_micro_batches(query: StreamingQuery, writer: MicroBatchWriter,
+                                      checkpoint: Path, now: threading.Event) -> None:
+    """Let the micro-batches planned so far commit, then stop the query (Z13)."""
+    writer.last_batch = _last_logged_batch(checkpoint, "offsets")
+    if writer.last_batch > _last_logged_batch(checkpoint, "commits"):
+        print(f"sessionize: stopping after micro-batch {writer.last_batch} (signal again to "
+              "stop at once)", flush=True)
+    while (query.isActive and not now.is_set()
+           and _last_logged_batch(checkpoint, "commits") < writer.last_batch):
+        now.wait(0.2)
+    query.stop()
+    print(f"sessionize: stopped; micro-batches up to {_last_logged_batch(checkpoint, 'commits')}"
+          " are committed", flush=True)
