@@ -180,10 +180,19 @@ def test_apply_rewrites_only_the_changed_keys_whether_broadcast_or_shuffled(
     monkeypatch.setattr(spark_session, "BROADCAST_KEYS_MAX", broadcast_max)
     # Test tables are small enough for Spark to broadcast them unasked.
     spark_conf("spark.sql.autoBroadcastJoinThreshold", "-1")
-    before = last_sql_execution(spark)
+    applied: list[tuple[int, int]] = []  # the SQL executions of each apply: its own joins
+    real_apply = corrections.apply
+
+    def apply_seen(run: Run, changes: DataFrame) -> None:
+        first = last_sql_execution(spark)
+        real_apply(run, changes)
+        applied.append((first, last_sql_execution(spark)))
+
+    monkeypatch.setattr(corrections, "apply", apply_seen)
     sessions = _three_backfills_of_two_users(stream_config, spark)
     assert sessions == [("u", 5, 1, 2), ("v", 1, 0, 1)]
-    joins = joins_planned_since(spark, before)
+    assert len(applied) == 3
+    joins = set().union(*(joins_planned(spark, after, through) for after, through in applied))
     assert ("BroadcastHashJoin" in joins) == (broadcast_max > 0)  # the path the cap chose
     assert broadcast_max > 0 or "SortMergeJoin" in joins
 
@@ -202,9 +211,10 @@ def last_sql_execution(spark: SparkSession) -> int:
     return max((int(e.executionId()) for e in _sql_executions(spark)), default=-1)
 
 
-def joins_planned_since(spark: SparkSession, after: int) -> set[str]:
-    """The join operators of the plans of the SQL executions after ``after``."""
-    return {join for e in _sql_executions(spark) if int(e.executionId()) > after
+def joins_planned(spark: SparkSession, after: int, through: int) -> set[str]:
+    """The join operators of the plans of the SQL executions after ``after`` up to
+    ``through``."""
+    return {join for e in _sql_executions(spark) if after < int(e.executionId()) <= through
             for join in re.findall(r"\b(BroadcastHashJoin|SortMergeJoin|ShuffledHashJoin)\b",
                                    e.physicalPlanDescription())}
 
