@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z12):
+Known edge cases, cited inline as (Z1)..(Z13):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -432,10 +432,8 @@ class MicroBatchWriter:
         self.checkpoint = checkpoint
         self.summary = summary
         self.run_id = uuid.uuid4().hex
+        self.last_batch: int | None = None  # set by a stop: the last batch it may write (Z13)
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
-
-    last_batch: int | None = None
-    """Set by a stop: the last micro-batch this run may write (Z13)."""
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         if self.last_batch is not None and batch_id > self.last_batch:
