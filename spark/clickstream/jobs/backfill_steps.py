@@ -585,9 +585,6 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
     """
     if step not in STEPS:
         raise ConfigError(f"unknown backfill step {step!r}; one of: {', '.join(STEPS)}")
-    check_session_gap(config)
-    if step in GATED_STEPS or (step == "check" and dry_run):
-        warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark's
     try:
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
                            run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
@@ -608,6 +605,9 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
 def _run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path: str,
               run_id: str, dry_run: bool, spark: SparkSession | None, progress: Progress
               ) -> dict[str, Any]:
+    check_session_gap(config)
+    if step in GATED_STEPS or (step == "check" and dry_run):
+        warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark's
     batch = {"kind": kind, "client_id": client_id, "path": path, "spark": spark,
              "progress": progress}
     if step == "check":

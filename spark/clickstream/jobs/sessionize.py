@@ -433,19 +433,30 @@ class MicroBatchWriter:
         self.summary = summary
         self.run_id = uuid.uuid4().hex
         self.last_batch: int | None = None  # set by a stop: the last batch it may write (Z13)
+        self._started = -1  # the last batch it began writing
+        self._bound = threading.Lock()  # between a batch's start and a stop's bound
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        if self.last_batch is not None and batch_id > self.last_batch:
-            raise StopBeforeMicroBatch(
-                f"the sessionizer is stopping: micro-batch {batch_id} was not started, nothing "
-                "of it was written; the next start processes it")
+        with self._bound:
+            if self.last_batch is not None and batch_id > self.last_batch:
+                raise StopBeforeMicroBatch(
+                    f"the sessionizer is stopping: micro-batch {batch_id} was not started, "
+                    "nothing of it was written; the next start processes it")
+            self._started = batch_id
         started = time.monotonic()
         counts = self.write_micro_batch(batch, batch_id)
         self.summary.batches += 1
         self.summary.totals.add(counts)
         print(f"sessionize batch {batch_id}: {counts.describe()} "
               f"({time.monotonic() - started:.1f}s)", flush=True)
+
+    def stop_after(self, planned: int) -> int:
+        """Refuse every micro-batch after ``planned`` (the offsets log's last) or after the
+        one it began writing, whichever is later; returns that last batch (Z13)."""
+        with self._bound:
+            self.last_batch = max(planned, self._started)
+            return self.last_batch
 
     def _append(self, spec: TableSpec, df: DataFrame, batch_id: int, app_id: str) -> int:
         """Rows committed (0 when a replayed batch had committed them already)."""
@@ -713,12 +724,12 @@ def run_sessionizer(
 def _stop_after_planned_micro_batches(query: StreamingQuery, writer: MicroBatchWriter,
                                       checkpoint: Path, now: threading.Event) -> None:
     """Let the micro-batches planned so far commit, then stop the query (Z13)."""
-    writer.last_batch = _last_logged_batch(checkpoint, "offsets")
-    if writer.last_batch > _last_logged_batch(checkpoint, "commits"):
-        print(f"sessionize: stopping after micro-batch {writer.last_batch} (signal again to "
-              "stop at once)", flush=True)
+    last = writer.stop_after(_last_logged_batch(checkpoint, "offsets"))
+    if last > _last_logged_batch(checkpoint, "commits"):
+        print(f"sessionize: stopping after micro-batch {last} (signal again to stop at once)",
+              flush=True)
     while (query.isActive and not now.is_set()
-           and _last_logged_batch(checkpoint, "commits") < writer.last_batch):
+           and _last_logged_batch(checkpoint, "commits") < last):
         now.wait(0.2)
     query.stop()
     print(f"sessionize: stopped; micro-batches up to {_last_logged_batch(checkpoint, 'commits')}"
