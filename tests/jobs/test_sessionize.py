@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from functools import partial
+from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
@@ -30,7 +31,13 @@ from clickstream.jobs import sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
-from clickstream.jobs.sessionize import build_stream, run_sessionizer
+from clickstream.jobs.sessionize import (
+    MicroBatchWriter,
+    SessionizeSummary,
+    StopBeforeMicroBatch,
+    build_stream,
+    run_sessionizer,
+)
 from clickstream.sessions.batch_adapter import user_bucket
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
@@ -743,3 +750,15 @@ def test_a_restart_with_another_session_gap_is_refused(
     run_sessionizer(thirty, until_caught_up=True, spark=spark)
     assert [(r["user_id"], r["pageview_count"])
             for r in table_rows(thirty, spark, "sessions")] == [("a", 2)]
+
+
+def test_a_stop_refuses_the_micro_batches_after_those_planned_before_reading_them(
+    stream_config: Config, spark: SparkSession, tmp_path: Path
+) -> None:
+    """(Z13) The writer refuses a batch after the stop's bound before it reads the batch (a
+    None here), so the batch commits nothing and the next start replays it."""
+    writer = MicroBatchWriter(stream_config, open_tables(stream_config, spark), tmp_path,
+                              SessionizeSummary())
+    assert writer.stop_after(2) == 2
+    with pytest.raises(StopBeforeMicroBatch, match="micro-batch 3 was not started"):
+        writer(None, 3)  # type: ignore[arg-type]
