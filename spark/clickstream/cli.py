@@ -168,9 +168,10 @@ def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
-    from clickstream.jobs.inspect import describe_tables, describe_topic
+    from clickstream.jobs.inspect import describe_sessionizer, describe_tables, describe_topic
 
     lines = describe_tables(config, args.sample)
+    lines += describe_sessionizer(config, lag=args.lag)
     for topic in args.topic or []:
         lines += describe_topic(config, topic, args.sample)
     print("\n".join(lines))
@@ -314,9 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser(
         "inspect", help="row counts of the Delta tables and the compacted view of topics",
-        description="Print every table's version and row count (read through the Delta log) "
-        "and, with --topic, a topic's compacted view (last value per key).")
+        description="Print every table's version and row count (read through the Delta log), "
+        "where the sessionizer's checkpoint stands (last committed micro-batch, event-time "
+        "watermark, offsets), and, with --topic, a topic's compacted view (last value per "
+        "key).")
     inspect.add_argument("--topic", action="append", help="also read this topic (repeatable)")
+    inspect.add_argument("--lag", action="store_true",
+                         help="also ask Kafka how far the events topic's end is past the "
+                         "sessionizer's committed offsets")
     inspect.add_argument("--sample", type=_SEED, default=0,
                          help="print this many rows of each")
     _add_config_flags(inspect)

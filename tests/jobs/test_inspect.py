@@ -7,8 +7,10 @@ import json
 from decimal import Decimal
 
 from clickstream.io.delta_tables import open_tables
-from clickstream.jobs.inspect import describe_tables
+from clickstream.jobs.inspect import describe_sessionizer, describe_tables
+from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.tables import ALL_TABLES, ORDERS
+from tests.jobs.test_sessionize import pageview, produce
 
 
 def test_describe_tables_counts_each_table_and_samples_its_rows(config, spark):
@@ -32,3 +34,27 @@ def test_describe_tables_counts_each_table_and_samples_its_rows(config, spark):
     assert all(row["client_id"] == "c1" and row["order_id"].startswith("o") for row in sampled)
     missing = [line.split()[0] for line in lines if line.endswith("(not created yet)")]
     assert sorted(missing) == sorted(set(ALL_TABLES) - {"orders"})
+
+
+def test_describe_sessionizer_shows_the_committed_micro_batch_its_watermark_and_the_lag(
+        stream_config, spark):
+    config = stream_config
+    assert describe_sessionizer(config, lag=True) == [
+        f"sessionizer checkpoint {config.checkpoint_path('sessionize')}: no micro-batch yet"]
+    start = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    produce(config, [pageview(f"u{i}", start + dt.timedelta(minutes=i)) for i in range(6)])
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+
+    lines = describe_sessionizer(config, lag=True)
+    commits = config.checkpoint_path("sessionize") / "commits"
+    last = max(int(p.name) for p in commits.glob("[0-9]*"))
+    assert lines[1].startswith(f"  last committed micro-batch {last}, triggered 20")
+    watermark = start + dt.timedelta(minutes=5 - config.watermark_delay_minutes)  # latest ts
+    assert lines[2].startswith(f"  event-time watermark {watermark:%Y-%m-%d %H:%M:%S} UTC: ")
+    offsets = lines[3].removeprefix(f"  {config.events_topic}: next offsets ").split(", ")
+    assert sum(int(o.split()[1]) for o in offsets) == 6  # all it read of a new topic
+    assert lines[4] == f"  lag: 0 records of {config.events_topic} not yet committed"
+
+    produce(config, [pageview("u9", start + dt.timedelta(hours=1))] * 3)
+    assert describe_sessionizer(config, lag=True)[4].startswith(
+        f"  lag: 3 records of {config.events_topic} not yet committed (p")

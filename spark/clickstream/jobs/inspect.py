@@ -1,13 +1,16 @@
-"""``clickstream inspect``: what the tables and topics hold, without starting Spark."""
+"""``clickstream inspect``: what the tables and topics hold, and where the sessionizer
+stands, without starting Spark."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import read_compacted
+from clickstream.io.kafka_clients import read_compacted, topic_watermarks
+from clickstream.jobs.sessionize import JOB, checkpoint_progress
 from clickstream.tables import ALL_TABLES
 
 
@@ -39,3 +42,50 @@ def describe_topic(config: Config, topic: str, sample: int = 0) -> list[str]:
     for key in sorted(view)[:sample]:
         lines.append(f"  {key}: {json.dumps(view[key])}")
     return lines
+
+
+def describe_sessionizer(config: Config, *, lag: bool = False) -> list[str]:
+    """The sessionizer's checkpoint: its last committed micro-batch, the event-time watermark
+    that makes records late, and the events topic's offsets it committed; with ``lag``, how
+    many records the topic holds past them (asking Kafka), and any the broker dropped before
+    they were read."""
+    checkpoint = config.checkpoint_path(JOB)
+    progress = checkpoint_progress(checkpoint, config.events_topic)
+    if progress is None:
+        return [f"sessionizer checkpoint {checkpoint}: no micro-batch yet"]
+    lines = [f"sessionizer checkpoint {checkpoint}"]
+    if progress.committed < 0:
+        lines.append("  no micro-batch committed yet")
+    else:
+        lines.append(f"  last committed micro-batch {progress.committed}, triggered "
+                     f"{_utc(progress.committed_at_ms)}")
+    if progress.planned > progress.committed:
+        lines.append(f"  micro-batch {progress.planned} planned, not committed: in flight, or "
+                     "replayed at the next start")
+    lines.append(f"  event-time watermark {_utc(progress.watermark_ms)}: a record with a ts at "
+                 "or before it is late (stored, and queued for `clickstream recompute`)")
+    if progress.offsets:
+        lines.append(f"  {config.events_topic}: next offsets " + ", ".join(
+            f"p{p} {o}" for p, o in sorted(progress.offsets.items())))
+    if lag:
+        lines += _lag(config, progress.offsets)
+    return lines
+
+
+def _lag(config: Config, offsets: dict[int, int]) -> list[str]:
+    ends = topic_watermarks(config, config.events_topic)
+    behind = {p: high - max(offsets.get(p, low), low) for p, (low, high) in ends.items()}
+    lines = [f"  lag: {sum(behind.values())} records of {config.events_topic} not yet "
+             "committed" + (" (" + ", ".join(f"p{p} {n}" for p, n in sorted(behind.items())
+                                             if n) + ")" if any(behind.values()) else "")]
+    for partition, (low, _high) in sorted(ends.items()):
+        if offsets.get(partition, low) < low:
+            lines.append(f"  partition {partition}: records {offsets[partition]}..{low - 1} "
+                         "were dropped by the broker before the sessionizer read them")
+    return lines
+
+
+def _utc(ms: int | None) -> str:
+    if ms is None:
+        return "(unknown)"
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

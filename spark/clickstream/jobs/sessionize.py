@@ -277,6 +277,42 @@ def stream_watermark_ms(config: Config) -> int | None:
     return checkpoint_watermark_ms(checkpoint, _last_logged_batch(checkpoint, "commits"))
 
 
+@dataclass(frozen=True)
+class CheckpointProgress:
+    """Where the sessionizer's checkpoint stands, from Spark's offsets and commits logs."""
+
+    committed: int  # the last committed micro-batch; -1 if none
+    planned: int  # the last planned one (above ``committed``: in flight, or replayed next)
+    committed_at_ms: int | None  # the committed micro-batch's trigger time
+    watermark_ms: int  # a later record whose ts is at or before it is late (Z1)
+    offsets: dict[int, int]  # per partition of the events topic, the next offset to read
+
+
+def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | None:
+    """The checkpoint's progress through ``topic``; None before its first micro-batch. Reads
+    both sources' offset layouts (this product's and Spark's native ``{topic: {p: o}}``) and
+    takes, per partition, the lower of the query's two scans of the topic."""
+    if not _planned_a_batch(checkpoint):
+        return None
+    committed = _last_logged_batch(checkpoint, "commits")
+    offsets: dict[int, int] = {}
+    committed_at = None
+    if committed >= 0:
+        lines = (checkpoint / "offsets" / str(committed)).read_text().splitlines()
+        committed_at = json.loads(lines[1]).get("batchTimestampMs")
+        for line in lines[2:]:
+            if line.strip() in ("", "-"):
+                continue
+            source = json.loads(line)
+            by_partition = source.get(topic, source)  # native: {topic: {partition: offset}}
+            for partition, offset in by_partition.items():
+                if partition.isdigit():
+                    offsets[int(partition)] = min(offset, offsets.get(int(partition), offset))
+    return CheckpointProgress(committed, _last_logged_batch(checkpoint, "offsets"),
+                              committed_at, checkpoint_watermark_ms(checkpoint, committed),
+                              offsets)
+
+
 def _last_logged_batch(checkpoint: Path, log: str) -> int:
     """The last batch id in one of the checkpoint's logs (``offsets``: planned, ``commits``:
     committed); -1 if none."""
