@@ -49,7 +49,8 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
    the `publish` gate reads them back.
 8. `report` — the run's summary in the log and as a page, and the correction report. A step
    that fails writes that page itself: the steps done, and its own reason (the run turns
-   red in **Quality reports**); the run's summary replaces that page once the run ends well.
+   red in **Quality reports**); the run's summary replaces that page once the run ends well
+   (here, or through `clickstream backfill`, which shares the run id).
 
 Every task is idempotent (application transactions, stored plan), so retrying any of them,
 or rerunning the whole DAG, resumes instead of doubling. The same batch run through

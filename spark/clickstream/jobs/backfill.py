@@ -12,6 +12,7 @@ Kafka corrections at least once, idempotent by key and revision.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.batch_input import (
     KEY,
+    BatchFiles,
     BatchKind,
     list_batch_files,
     read_batch,
@@ -50,6 +52,7 @@ from clickstream.quality.gates import (
     warm_up,
 )
 from clickstream.quality.gates import enabled as gates_enabled
+from clickstream.quality.run_summary import failure_line, write_failure_safely, write_run_summary
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
     BACKFILL_QUEUED_BY,
@@ -59,6 +62,9 @@ from clickstream.tables import (
     QUARANTINE,
     RECOMPUTE_QUEUE,
 )
+
+STEPS = ("validate", "merge", "recompute and publish")
+"""The steps of ``run_backfill``, in order (the DAG splits them finer: ``backfill_steps``)."""
 
 
 @dataclass
@@ -72,6 +78,15 @@ class BackfillSummary:
     quarantined: int = 0
     corrections: CorrectionSummary = field(default_factory=CorrectionSummary)
     seconds_by_step: dict[str, float] = field(default_factory=dict)
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(step, what it did) per step done, for the run's summary page."""
+        done = {
+            "validate": f"{self.rows_read} rows read, {self.quarantined} quarantined",
+            "merge": f"{self.rows_merged} merged, {self.duplicates_skipped} duplicates skipped",
+            "recompute and publish": self.corrections.describe()}
+        return [(step, f"{done[step]} ({self.seconds_by_step[step]:.1f}s)") for step in STEPS
+                if step in self.seconds_by_step]
 
     def describe(self) -> str:
         steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
@@ -245,11 +260,29 @@ def run_backfill(
     config: Config, *, kind: BatchKind, client_id: str, path: str,
     spark: SparkSession | None = None, progress: Callable[[str], None] = print,
 ) -> BackfillSummary:
-    """Merge the batch at ``path`` (inside the landing folder) and correct what it affects."""
+    """Merge the batch at ``path`` (inside the landing folder) and correct what it affects;
+    the run's summary page (``quality.run_summary``) says what it did, or why it failed."""
     check_session_gap(config)
     files = list_batch_files(config, path)
-    run_id = f"{kind}-{client_id}-{files.fingerprint}"
-    summary = BackfillSummary(run_id)
+    summary = BackfillSummary(f"{kind}-{client_id}-{files.fingerprint}")
+    page = functools.partial(write_run_summary, config, run_id=summary.run_id,
+                             client_id=client_id, kind=kind, root=str(files.root))
+    try:
+        _merge_and_correct(config, files, kind, client_id, summary, spark, progress)
+    except Exception as error:
+        failed = next((s for s in STEPS if s not in summary.seconds_by_step), STEPS[-1])
+        write_failure_safely(error, functools.partial(
+            page, lines=[*summary.lines(), failure_line(failed, error)], failed=True))
+        raise
+    _, target = page(lines=summary.lines())
+    progress(f"  run summary: {target}")
+    return summary
+
+
+def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, client_id: str,
+                       summary: BackfillSummary, spark: SparkSession | None,
+                       progress: Callable[[str], None]) -> None:
+    run_id = summary.run_id
     spark = spark or build_spark(config, "clickstream-backfill")
     tables = open_tables(config, spark)
     warm_up(config)  # Great Expectations takes seconds to import; overlap it with the reads
@@ -293,7 +326,6 @@ def run_backfill(
     release(validated)
     if valid_count == 0:
         progress("  the batch has no valid rows")
-    return summary
 
 
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import html
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -79,6 +78,11 @@ from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_historical_batch, warm_up
+from clickstream.quality.run_summary import (
+    failure_line,
+    write_failure_safely,
+    write_run_summary,
+)
 from clickstream.spark_session import build_spark, release, releases_cache
 from clickstream.tables import ORDERS, PAGEVIEWS, SESSIONS
 
@@ -91,11 +95,6 @@ Progress = Callable[[str], None]
 def backfill_run_id(kind: str, client_id: str, files: BatchFiles) -> str:
     """The run id ``run_backfill`` gives this batch (S2)."""
     return f"{kind}-{client_id}-{files.fingerprint}"
-
-
-def reports_folder(config: Config) -> Path:
-    """Where HTML reports live (``$CLICKSTREAM_HOME/reports``; the UI plugin serves it)."""
-    return config.home / "reports"
 
 
 @dataclass(frozen=True)
@@ -447,9 +446,9 @@ def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
         corrections_page = write_correction_report(run, summary_of_corrections)
         if corrections_page is not None:
             lines.append(("corrections", f"report {corrections_page}"))
-    summary, target = _write_summary_page(
+    summary, target = write_run_summary(
         config, run_id=run_id, client_id=str(check["client_id"]), kind=str(check["kind"]),
-        root=str(check["root"]), lines=lines, check=check, dry_run=dry_run, status="info")
+        root=str(check["root"]), lines=lines, details=check, dry_run=dry_run)
     progress(summary)
     progress(f"report: {target}")
     return {"summary": summary, "report": str(target)}
@@ -476,12 +475,11 @@ def write_failure_report(config: Config, *, failed_step: str, error: BaseExcepti
             config, check=check, dry_run=dry_run, merged=earlier.get("merge"),
             corrections=earlier.get("recompute"), applied=earlier.get("check-applied"),
             published=None if published is None else published["published"])
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    lines.append((f"{failed_step}: failed", f"{type(error).__name__}: {reason}"))
-    _, target = _write_summary_page(
+    lines.append(failure_line(failed_step, error))
+    _, target = write_run_summary(
         config, run_id=run_id, client_id=client_id, kind=kind,
-        root=str(check["root"]) if check else path, lines=lines, check=check,
-        dry_run=dry_run, status="failed")
+        root=str(check["root"]) if check else path, lines=lines, details=check,
+        dry_run=dry_run, failed=True)
     return target
 
 
@@ -510,31 +508,6 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
         lines.append(("publish", f"{published} records to {config.sessions_topic} / "
                                  f"{config.attributions_topic}"))
     return lines, summary_of_corrections
-
-
-def _write_summary_page(config: Config, *, run_id: str, client_id: str, kind: str, root: str,
-                        lines: list[tuple[str, str]], check: Mapping[str, Any] | None,
-                        dry_run: bool, status: str) -> tuple[str, Path]:
-    """Write the run's page (one per run, whatever its outcome) and list it in the index;
-    returns (the summary in one paragraph, the page's path)."""
-    title = f"Backfill {run_id}" + (" (dry run)" if dry_run else "")
-    href = f"backfills/{reports.safe_name(run_id)}{'.dry-run' if dry_run else ''}.html"
-    target = reports_folder(config) / href
-    rows = "".join(f"<tr><th>{html.escape(step)}</th><td>{html.escape(text)}</td></tr>"
-                   for step, text in lines)
-    details = "" if check is None else (
-        "<details><summary>validation details</summary><pre>"
-        f"{html.escape(json.dumps(dict(check), indent=1, default=str))}</pre></details>")
-    outcome = f"<p>{reports.status_badge(status)}</p>" if status == "failed" else ""
-    reports.write_atomically(target, reports.page(title, (
-        f"{outcome}<p>client <code>{html.escape(client_id)}</code>, {html.escape(kind)} from "
-        f"<code>{html.escape(root)}</code></p><table>{rows}</table>{details}"), depth=1))
-    summary = " | ".join(f"{step}: {text}" for step, text in lines)
-    reports.record(config, reports.ReportEntry(
-        time=reports.now_utc().isoformat(), job="backfill", run_id=run_id, kind="report",
-        title="dry run" if dry_run else "run summary", status=status, href=href,
-        summary=summary[:500], client_id=client_id))
-    return summary, target
 
 
 # --- steps as separate processes (the DAG's spark-submit tasks) ------------------------------
@@ -589,13 +562,11 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
                            run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
     except Exception as error:
-        try:
-            page = write_failure_report(config, failed_step=step, error=error, run_id=run_id,
-                                        kind=kind, client_id=client_id, path=path,
-                                        dry_run=dry_run)
+        page = write_failure_safely(error, functools.partial(
+            write_failure_report, config, failed_step=step, error=error, run_id=run_id,
+            kind=kind, client_id=client_id, path=path, dry_run=dry_run))
+        if page is not None:
             progress(f"report: {page}")
-        except Exception as report_error:  # the step's own error is the one to raise
-            error.add_note(f"the run's failure report could not be written: {report_error}")
         raise
     target = step_result_path(config, run_id, step)
     reports.write_atomically(target, json.dumps(result, indent=1, default=str))

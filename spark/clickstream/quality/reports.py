@@ -11,7 +11,7 @@ serve the folder as it is, and a browser can open ``index.html`` from disk)::
       validations/<gate>/<job>-<run>/<time>/result.html   GX Data Docs page of one validation
       validations/<gate>/<job>-<run>/<time>/result.json   the GX validation result
       corrections/<job>-<run>.html                 what a backfill / recompute changed
-      backfills/<run>.html                         a backfill DAG run's summary (or why it failed)
+      backfills/<run>.html                         a backfill run's summary (or why it failed)
       static/images/favicon.ico
 
 Known edge cases, cited inline as (R1)..(R4):
