@@ -63,8 +63,8 @@ from clickstream.tables import (
     RECOMPUTE_QUEUE,
 )
 
-STEPS = ("validate", "merge", "recompute and publish")
-"""The steps of ``run_backfill``, in order (the DAG splits them finer: ``backfill_steps``)."""
+RUN_STEPS = ("validate", "merge", "recompute and publish")
+"""The steps of ``run_backfill``, in order (the DAG's are finer: ``backfill_steps.STEPS``)."""
 
 
 @dataclass
@@ -85,7 +85,7 @@ class BackfillSummary:
             "validate": f"{self.rows_read} rows read, {self.quarantined} quarantined",
             "merge": f"{self.rows_merged} merged, {self.duplicates_skipped} duplicates skipped",
             "recompute and publish": self.corrections.describe()}
-        return [(step, f"{done[step]} ({self.seconds_by_step[step]:.1f}s)") for step in STEPS
+        return [(step, f"{done[step]} ({self.seconds_by_step[step]:.1f}s)") for step in RUN_STEPS
                 if step in self.seconds_by_step]
 
     def describe(self) -> str:
@@ -270,7 +270,8 @@ def run_backfill(
     try:
         _merge_and_correct(config, files, kind, client_id, summary, spark, progress)
     except Exception as error:
-        failed = next((s for s in STEPS if s not in summary.seconds_by_step), STEPS[-1])
+        failed = next((s for s in RUN_STEPS if s not in summary.seconds_by_step),
+                      RUN_STEPS[-1])
         write_failure_safely(error, functools.partial(
             page, lines=[*summary.lines(), failure_line(failed, error)], failed=True))
         raise
