@@ -67,6 +67,12 @@ RUN_STEPS = ("validate", "merge", "recompute and publish")
 """The steps of ``run_backfill``, in order (the DAG's are finer: ``backfill_steps.STEPS``)."""
 
 
+def backfill_run_id(kind: str, client_id: str, files: BatchFiles) -> str:
+    """A batch's run id, the same for ``run_backfill`` and the DAG's steps (``backfill_steps``
+    S2): rerunning the batch either way resumes or changes nothing."""
+    return f"{kind}-{client_id}-{files.fingerprint}"
+
+
 @dataclass
 class BackfillSummary:
     """The end-of-run report of one backfill."""
@@ -264,7 +270,7 @@ def run_backfill(
     the run's summary page (``quality.run_summary``) says what it did, or why it failed."""
     check_session_gap(config)
     files = list_batch_files(config, path)
-    summary = BackfillSummary(f"{kind}-{client_id}-{files.fingerprint}")
+    summary = BackfillSummary(backfill_run_id(kind, client_id, files))
     page = functools.partial(write_run_summary, config, run_id=summary.run_id,
                              client_id=client_id, kind=kind, root=str(files.root))
     try:

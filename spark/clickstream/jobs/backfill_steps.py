@@ -46,12 +46,12 @@ from clickstream.errors import BatchRefusedError, ConfigError
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.backfill import (
     BatchScope,
+    backfill_run_id,
     merge_valid_rows,
     quarantine_or_refuse,
 )
 from clickstream.jobs.batch_input import (
     KEY,
-    BatchFiles,
     BatchKind,
     list_batch_files,
     read_batch,
@@ -90,11 +90,6 @@ if TYPE_CHECKING:
     from clickstream.quality.gates import GateResult
 
 Progress = Callable[[str], None]
-
-
-def backfill_run_id(kind: str, client_id: str, files: BatchFiles) -> str:
-    """The run id ``run_backfill`` gives this batch (S2)."""
-    return f"{kind}-{client_id}-{files.fingerprint}"
 
 
 @dataclass(frozen=True)

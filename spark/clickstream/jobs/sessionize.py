@@ -389,8 +389,7 @@ def _refuse_another_gap(checkpoint: Path, recorded_ms: int, config: Config, why:
 
 
 def _planned_a_batch(checkpoint: Path) -> bool:
-    offsets = checkpoint / "offsets"
-    return offsets.exists() and any(offsets.glob("[0-9]*"))
+    return _last_logged_batch(checkpoint, "offsets") >= 0
 
 
 def checkpoint_query_id(checkpoint: Path) -> str:
