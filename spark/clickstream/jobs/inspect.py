@@ -8,8 +8,9 @@ import json
 from typing import Any
 
 from clickstream.config import Config
+from clickstream.errors import DataLossError
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import read_compacted, topic_watermarks
+from clickstream.io.kafka_clients import check_no_data_loss, read_compacted, topic_watermarks
 from clickstream.jobs.sessionize import JOB, checkpoint_progress
 from clickstream.tables import ALL_TABLES
 
@@ -73,16 +74,20 @@ def describe_sessionizer(config: Config, *, lag: bool = False) -> list[str]:
 
 
 def _lag(config: Config, offsets: dict[int, int]) -> list[str]:
-    ends = topic_watermarks(config, config.events_topic)
-    behind = {p: high - max(offsets.get(p, low), low) for p, (low, high) in ends.items()}
-    lines = [f"  lag: {sum(behind.values())} records of {config.events_topic} not yet "
-             "committed" + (" (" + ", ".join(f"p{p} {n}" for p, n in sorted(behind.items())
-                                             if n) + ")" if any(behind.values()) else "")]
-    for partition, (low, _high) in sorted(ends.items()):
-        if offsets.get(partition, low) < low:
-            lines.append(f"  partition {partition}: records {offsets[partition]}..{low - 1} "
-                         "were dropped by the broker before the sessionizer read them")
-    return lines
+    """Records of the events topic past the committed offsets, and the partitions whose
+    committed offset the topic no longer holds (``check_no_data_loss``, as the source does)."""
+    behind: dict[int, int] = {}
+    problems = []
+    for partition, (low, high) in sorted(topic_watermarks(config, config.events_topic).items()):
+        wanted = offsets.get(partition, low)
+        try:
+            check_no_data_loss(config.events_topic, partition, wanted, low, high)
+        except DataLossError as error:  # reported: inspect only shows where things stand
+            problems.append(f"  {error}")
+        behind[partition] = max(high - max(wanted, low), 0)
+    by_partition = ", ".join(f"p{p} {n}" for p, n in behind.items() if n)
+    return [f"  lag: {sum(behind.values())} records of {config.events_topic} not yet committed"
+            + (f" ({by_partition})" if by_partition else ""), *problems]
 
 
 def _utc(ms: int | None) -> str:
