@@ -14,7 +14,7 @@ from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Scale, simulate, write_table
-from clickstream.quality import reports
+from tests.jobs.test_backfill import run_summaries
 from tests.reference import reference_changelog_value
 
 TABLES = ("pageviews", "orders", "sessions", "attributions", "corrections", "quarantine")
@@ -167,10 +167,8 @@ def test_a_batch_the_gate_refuses_fails_the_spark_task_at_once_with_its_reason(
     assert "bad_currency_fraction = 1, expected at most 0.5" in output
     assert versions(config, spark)["orders"] == -1
     # The run's summary page says which step failed and why, after what validate found.
-    (summary,) = [e for e in reports.read_entries(reports.reports_dir(config))
-                  if e.title == "run summary" and e.run_id.startswith("orders-client-00-")]
+    ((summary, page),) = run_summaries(config, "orders-client-00-")
     assert summary.status == "failed"
-    page = (reports.reports_dir(config) / summary.href).read_text()
     assert "<th>validate</th>" in page and "3 rows, 0 valid" in page
     assert "merge: failed" in page and "QualityGateFailedError: quality gate " \
         "historical_batch failed" in page and "bad_currency_fraction = 1" in page

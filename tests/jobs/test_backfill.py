@@ -516,24 +516,27 @@ def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replac
                                        client_id="client-00", path=path, run_id=run_id,
                                        spark=spark, progress=lambda _: None)
 
-    def run_pages() -> list[reports.ReportEntry]:
-        return [e for e in reports.read_entries(reports.reports_dir(stream_config))
-                if e.run_id == run_id and e.title == "run summary"]
-
     with pytest.raises(ConfigError, match="no result of step 'check'"):
         step("report")  # out of order: nothing to summarise yet
-    (failed,) = run_pages()
+    ((failed, page),) = run_summaries(stream_config, run_id)
     assert failed.status == "failed"
-    page = (reports.reports_dir(stream_config) / failed.href).read_text()
     assert "report: failed" in page and "ConfigError: backfill " in page
     assert "no result of step &#x27;check&#x27;" in page
 
     for name in backfill_steps.STEPS:
         step(name)
-    (succeeded,) = run_pages()
+    ((succeeded, page),) = run_summaries(stream_config, run_id)
     assert (succeeded.href, succeeded.status) == (failed.href, "info")
-    page = (reports.reports_dir(stream_config) / succeeded.href).read_text()
     assert ": failed" not in page and "sessions created 1" in page
+
+
+def run_summaries(config: Config, run_id: str = ""
+                  ) -> list[tuple[reports.ReportEntry, str]]:
+    """The index entry and page of each backfill run summary whose run id starts with
+    ``run_id``."""
+    root = reports.reports_dir(config)
+    return [(e, (root / e.href).read_text()) for e in reports.read_entries(root)
+            if e.title == "run summary" and e.run_id.startswith(run_id)]
 
 
 def test_names_spark_would_glob_and_linked_folders_are_refused(

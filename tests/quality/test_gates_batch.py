@@ -23,7 +23,6 @@ from clickstream.io.kafka_clients import encode_json, produce_records, read_comp
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute
-from clickstream.quality import reports
 from clickstream.quality.checks import (
     RECENT_COMMITS,
     run_commit_version,
@@ -34,6 +33,7 @@ from tests.jobs.test_backfill import (
     START,
     order_row,
     pv_row,
+    run_summaries,
     versions,
     write_rows,
 )
@@ -158,13 +158,6 @@ def test_a_retried_merge_gate_finds_its_commit_behind_a_busy_stream(
         (0, 0, 3)  # not the table compared with itself
 
 
-def run_summary(config: Config) -> tuple[reports.ReportEntry, str]:
-    """The index entry and page of the only backfill run summary under the reports."""
-    root = reports.reports_dir(config)
-    (entry,) = [e for e in reports.read_entries(root) if e.title == "run summary"]
-    return entry, (root / entry.href).read_text()
-
-
 def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_succeeds(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,7 +184,7 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
     unchanged(before, after, "sessions", "attributions", "corrections")
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
     assert len(quarantined(stream_config, spark, "recomputed_sessions")) == 2
-    failed, page = run_summary(stream_config)  # what was done, and what failed
+    ((failed, page),) = run_summaries(stream_config)  # what was done, and what failed
     assert failed.status == "failed"
     assert "<th>merge</th><td>2 merged, 0 duplicates skipped" in page
     assert "<th>recompute and publish: failed</th><td>QualityGateFailedError: quality gate " \
@@ -211,7 +204,7 @@ def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_
                            path=path, progress=lambda _: None)
     assert summary.corrections.sessions_created == 2
     assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2
-    succeeded, page = run_summary(stream_config)  # the run's page, no longer red
+    ((succeeded, page),) = run_summaries(stream_config)  # the run's page, no longer red
     assert (succeeded.href, succeeded.status) == (failed.href, "info")
     assert "sessions created 2" in page and ": failed" not in page
 
