@@ -97,6 +97,28 @@ def test_validations_are_rendered_indexed_and_every_link_resolves(config: Config
     assert assert_every_link_resolves(root) >= 20
 
 
+def test_a_rerun_that_passes_the_failed_gate_turns_its_run_green(config: Config) -> None:
+    change, _ = BAD["publish"]
+    failed = run_gate("publish", {**GOOD["publish"], **change}, config=config,
+                      job="backfill", run_id="rerun", client_id="client-00")
+    other = run_gate("publish", {**GOOD["publish"], **change}, config=config,
+                     job="backfill", run_id="other", client_id="client-00")
+    passed = run_gate("publish", GOOD["publish"], config=config, job="backfill",
+                      run_id="rerun", client_id="client-00")
+    assert (failed.status, other.status, passed.status) == ("failed", "failed", "passed")
+    root = reports_dir(config)
+    index = (root / "index.html").read_text()
+    rows = {r[2]: r[4] for r in parse(root / "index.html").rows if len(r) == 6}
+    assert rows == {"rerun": "passed", "other": "failed"}
+    assert "2 runs: 1 failed, 0 with warnings, 1 passed" in index
+    # the earlier failure stays linked, marked superseded; the later attempt is not
+    assert failed.report is not None and passed.report is not None
+    for report, superseded in ((failed.report, True), (passed.report, False)):
+        href = report.relative_to(root).as_posix()
+        link = re.search(rf"<a class='([^']*)' href='{re.escape(href)}'", index)
+        assert link is not None and ("superseded" in link.group(1).split()) is superseded
+
+
 def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: Config) -> None:
     result = run_gate("tables_after_merge", GOOD["tables_after_merge"], config=config,
                       job="backfill", run_id="gone")

@@ -42,7 +42,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,7 +69,8 @@ font-variant-numeric:tabular-nums}code{background:#f3f3f3;padding:0 .2em}
 .info{background:#546e7a}a.gate{margin-right:.6em;white-space:nowrap}
 a.gate.failed,a.gate.warning,a.gate.passed,a.gate.info{background:none;font-weight:600}
 a.gate.failed{color:#c62828}a.gate.warning{color:#b26a00}a.gate.passed{color:#2e7d32}
-a.gate.info{color:#37474f}.muted{color:#666;font-size:.9em}
+a.gate.info{color:#37474f}a.gate.superseded{opacity:.55;text-decoration:line-through}
+.muted{color:#666;font-size:.9em}
 """
 
 
@@ -178,6 +179,28 @@ def status_badge(status: str) -> str:
     return f"<span class='status {html.escape(status)}'>{html.escape(status)}</span>"
 
 
+def _worst(statuses: Iterable[str]) -> str:
+    return max(statuses, key=lambda s: STATUS_ORDER.get(s, 0))
+
+
+def current_entries(items: Iterable[ReportEntry]) -> set[int]:
+    """The ids of a run's entries that stand: the latest of each title (a gate, a report).
+
+    A rerun of the same run id (a retry, a cleared task, the CLI finishing a DAG run) passes
+    the gate that failed before: the run's status is its latest attempt's, and the earlier
+    failure stays linked, marked superseded."""
+    latest: dict[str, ReportEntry] = {}
+    for entry in sorted(items, key=lambda e: e.time):
+        latest[entry.title] = entry
+    return {id(entry) for entry in latest.values()}
+
+
+def run_status(items: Sequence[ReportEntry]) -> str:
+    """A run's status in the index: the worst of its entries that stand."""
+    standing = current_entries(items)
+    return _worst(e.status for e in items if id(e) in standing)
+
+
 def _rebuild_index(root: Path) -> Path:
     entries = read_entries(root)
     runs: dict[tuple[str, str], list[ReportEntry]] = {}
@@ -187,11 +210,15 @@ def _rebuild_index(root: Path) -> Path:
     rows = []
     for (job, run_id), items in ordered:
         items.sort(key=lambda e: e.time)
-        status = max((e.status for e in items), key=lambda s: STATUS_ORDER.get(s, 0))
+        status = run_status(items)
+        standing = current_entries(items)
         clients = sorted({e.client_id for e in items if e.client_id})
         links = " ".join(
-            f"<a class='gate {html.escape(e.status)}' href='{html.escape(e.href)}' "
-            f"title='{html.escape(e.summary or e.status)}'>{html.escape(e.title)}</a>"
+            f"<a class='gate {html.escape(e.status)}"
+            f"{'' if id(e) in standing else ' superseded'}' href='{html.escape(e.href)}' "
+            f"title='{html.escape(e.summary or e.status)}"
+            f"{'' if id(e) in standing else ' (superseded by a later attempt)'}'>"
+            f"{html.escape(e.title)}</a>"
             for e in items)
         rows.append(
             f"<tr><td>{html.escape(max(e.time for e in items)[:19].replace('T', ' '))}</td>"
@@ -208,9 +235,7 @@ def _rebuild_index(root: Path) -> Path:
             f"<tr><td>{name}</td><td class='num'>{html.escape(str(meta.get('version', '?')))}"
             f"</td><td>{html.escape(str(meta.get('step', '')))}</td>"
             f"<td>{html.escape(str(meta.get('on_failure', '')))}</td></tr>")
-    counts = {s: sum(1 for items in runs.values()
-                     if max((e.status for e in items),
-                            key=lambda x: STATUS_ORDER.get(x, 0)) == s)
+    counts = {s: sum(1 for items in runs.values() if run_status(items) == s)
               for s in ("failed", "warning", "passed")}
     body = (
         f"<p>{len(runs)} runs: {counts['failed']} failed, {counts['warning']} with warnings, "
