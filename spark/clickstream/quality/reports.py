@@ -184,14 +184,15 @@ def _worst(statuses: Iterable[str]) -> str:
 
 
 def current_entries(items: Iterable[ReportEntry]) -> set[int]:
-    """The ids of a run's entries that stand: the latest of each title (a gate, a report).
+    """The ids of a run's entries that stand: the latest of each title (a gate, a report)
+    and client.
 
     A rerun of the same run id (a retry, a cleared task, the CLI finishing a DAG run) passes
     the gate that failed before: the run's status is its latest attempt's, and the earlier
     failure stays linked, marked superseded."""
-    latest: dict[str, ReportEntry] = {}
+    latest: dict[tuple[str, str | None], ReportEntry] = {}
     for entry in sorted(items, key=lambda e: e.time):
-        latest[entry.title] = entry
+        latest[entry.title, entry.client_id] = entry
     return {id(entry) for entry in latest.values()}
 
 
