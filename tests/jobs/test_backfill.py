@@ -460,6 +460,38 @@ def test_a_csv_field_that_is_not_utf8_is_quarantined_and_utf8_text_stored_exactl
     assert (summary.quarantined, summary.rows_merged) == (2, 1)
 
 
+def test_a_csv_batch_is_read_as_standard_csv(stream_config: Config, spark: SparkSession
+                                             ) -> None:
+    """(B14) Spark's CSV defaults take a backslash for an escape and a line for a record:
+    a doubled quote was stored doubled, a backslash removed, a quoted line break cut the
+    record in two (a field stored short, the rest a quarantine row: three rows read for
+    two). A file written by the standard CSV writer is stored field for field."""
+    import csv
+    import io
+
+    rows = [("quoted", "client-00", "u", "2026-11-01T00:00:00Z", 'http://a/?q="shoes"',
+             "line one\nline two"),
+            ("slashes", "client-00", "u", "2026-11-01T00:01:00Z", "http://a/b\\c,d\\",
+             "a, \"b\""),
+            ("plain", "client-00", "u", "2026-11-01T00:02:00Z", "/p", "")]
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\r\n")
+    writer.writerow(("event_id", "client_id", "user_id", "ts", "url", "referrer"))
+    writer.writerows(rows)
+    assert '""shoes""' in text.getvalue() and "line one\nline two" in text.getvalue()
+    (stream_config.landing / "std").mkdir(parents=True)
+    (stream_config.landing / "std" / "a.csv").write_text(text.getvalue(), newline="")
+
+    summary = run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                           path="std")
+
+    assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (3, 3, 0)
+    stored = {r["event_id"]: (r["url"], r["referrer"])
+              for r in table_rows(stream_config, spark, "pageviews")}
+    assert stored == {event_id: (url, referrer or None)
+                      for event_id, _, _, _, url, referrer in rows}
+
+
 def test_a_pageview_whose_url_is_too_long_is_quarantined_and_the_rest_published(
     stream_config: Config, spark: SparkSession
 ) -> None:
@@ -559,6 +591,84 @@ def test_names_spark_would_glob_and_linked_folders_are_refused(
     with pytest.raises(BatchRefusedError, match=r"holds a linked folder .*linked"):
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="w")
     assert versions(stream_config, spark) == before
+
+
+def validated(config: Config, spark: SparkSession, path: str, kind: str = "orders") -> dict:
+    """The rows of a batch as validation leaves them, by key."""
+    files = batch_input.list_batch_files(config, path)
+    rows = batch_input.validate_batch(batch_input.read_batch(spark, files, kind), kind,
+                                      "client-00", config.max_ts_ahead_ms).collect()
+    return {r[batch_input.KEY[kind]]: r for r in rows}
+
+
+def test_batches_spark_would_misread_are_refused_with_their_reason(
+    config: Config, spark: SparkSession
+) -> None:
+    """Each of these read no rows, failed later as an unexpected error (retried in vain), or
+    named the wrong cause; each is now refused before anything is read, saying why."""
+    header = "order_id,client_id,user_id,ts,amount,currency\n"
+    row = "o1,client-00,u,2026-11-01T00:00:00Z,1.00,EUR\n"
+    landing = config.landing
+    (landing / "b").mkdir(parents=True)
+    (landing / "b" / "_orders.csv").write_text(header + row)  # Spark skips it as hidden
+    (landing / "c").mkdir()
+    (landing / "c" / "2026-11-01T00:00.csv").write_text(header + row)
+    (landing / "m").mkdir()
+    (landing / "m" / "a.csv").write_text(header.replace("\n", ",_metadata\n") + row[:-1] + ",x\n")
+    pq_rows = [{**order_row("p1", "u", 1), "amount": "1.00"}]
+    write_rows(config, "t/a.parquet", pq_rows, "parquet")
+    write_rows(config, "t/b.parquet", [{**order_row("p2", "u", 2), "amount": 2.5}], "parquet")
+    ns = pa.table({**{k: [v] for k, v in pq_rows[0].items() if k != "ts"},
+                   "ts": pa.array([START], pa.timestamp("ns", tz="UTC"))})
+    (landing / "ns").mkdir()
+    import pyarrow.parquet as pq
+    pq.write_table(ns, landing / "ns" / "a.parquet")
+    (landing / "elsewhere.csv").write_text(header + row)
+    (landing / "l").mkdir()
+    (landing / "l" / "a.csv").symlink_to(landing / "elsewhere.csv")
+
+    refusals = {
+        "b/_orders.csv": "name starting with '.' or '_', which Spark skips as hidden",
+        "c": "has ':' in its path",
+        "m": "has a column named _metadata",
+        "t": r"column amount is string in a\.parquet/part-0+\.parquet and double in b\.parquet/",
+        "ns": "column ts holds timestamps in nanoseconds",
+        "l": r"links outside the batch folder \(to .*elsewhere\.csv\)",
+        "bad\x00name": "cannot name a file here",
+        "a" * 300: "cannot name a file here",
+    }
+    for path, reason in refusals.items():
+        with pytest.raises(BatchRefusedError, match=reason):
+            validated(config, spark, path)
+
+
+def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own(
+    config: Config, spark: SparkSession
+) -> None:
+    """(B15) One line's float made Spark infer the whole column a double: two numeric order
+    ids became one (1.23456789012345677E18, one dropped as the other's copy) and every
+    integer ts was quarantined. (B9) A 32-bit float amount was judged as the double it
+    widens to (19.99 as 19.989999771118164) and quarantined."""
+    line = {"client_id": "client-00", "user_id": "u", "amount": "1.00", "currency": "EUR"}
+    lines = [{**line, "order_id": 1234567890123456789, "ts": ms(START)},
+             {**line, "order_id": 1234567890123456788, "ts": ms(START) + 1},
+             {**line, "order_id": 1.5, "ts": float(ms(START))}]
+    (config.landing / "j").mkdir(parents=True)
+    (config.landing / "j" / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows = validated(config, spark, "j")
+    naive = START.replace(tzinfo=None)  # Spark's session time zone is UTC here
+    assert {key: (r["ts"], r["error"]) for key, r in rows.items()} == {
+        "1234567890123456789": (naive, None),
+        "1234567890123456788": (naive + timedelta(milliseconds=1), None),
+        "1.5": (naive, None)}
+    amounts = pa.table({"order_id": ["f1", "f2"], "client_id": ["client-00"] * 2,
+                        "user_id": ["u"] * 2, "ts": [START] * 2,
+                        "amount": pa.array([19.99, 0.1], pa.float32()),
+                        "currency": ["EUR"] * 2})
+    write_table(amounts, config.landing / "f", "parquet")
+    rows = validated(config, spark, "f")
+    assert {key: (r["amount"], r["error"]) for key, r in rows.items()} == {
+        "f1": (Decimal("19.99"), None), "f2": (Decimal("0.1"), None)}
 
 
 def test_files_under_hidden_folders_are_not_part_of_a_batch(

@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B13):
+Known edge cases, cited inline as (B1)..(B15):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -32,7 +32,9 @@ Known edge cases, cited inline as (B1)..(B13):
   B9. An ``amount`` column of numbers (Parquet decimals, floats; JSON numbers) is judged by its
       value, written plainly without trailing zeros: Spark's text of it carries the column's
       scale (``12.500000``) or an exponent (``1.23456785E7``), and such valid amounts were
-      quarantined as having more than 4 decimals. A value with more still is.
+      quarantined as having more than 4 decimals. A value with more still is. A 32-bit
+      float is judged by its own shortest text (19.99 stays 19.99, not the double it
+      widens to).
   B10. A JSON Lines batch is read line by line (``_json_lines``): Spark's JSON reader takes
       the first value of a line and ignores the rest, so two records on one line (files
       joined without a final newline: ``{...}{...}``) stored the first and lost the second
@@ -57,6 +59,16 @@ Known edge cases, cited inline as (B1)..(B13):
       both) and each field turned back into its bytes: UTF-8 fields are their text, and a
       field that is not UTF-8 is its row's reason (B11); a malformed row's line is kept as its
       bytes (``parse.bytes_unless_utf8``).
+  B14. A CSV batch is read as standard CSV (RFC 4180, what Python's and Arrow's writers
+      produce): a doubled quote inside a quoted field is one quote, a backslash is text, and
+      a quoted field may hold line breaks. Spark's defaults (a backslash escapes, a line is
+      a record) stored ``""shoes""`` doubled, dropped a backslash before a character, and
+      cut a record at a quoted line break: a field stored short and its rest a quarantine
+      row. Spark reads a file that may hold such records in one task, so a CSV batch
+      spreads over as many tasks as it has files.
+  B15. A JSON Lines batch's ids, ``client_id``, ``user_id``, ``ts``, ``url`` and ``referrer``
+      are each line's own JSON text, whatever type Spark infers for the column across the
+      batch (``_json_lines``).
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import pyarrow as pa
 from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -74,6 +87,7 @@ from pyspark.sql.types import (
     BinaryType,
     DateType,
     DecimalType,
+    FloatType,
     FractionalType,
     LongType,
     StringType,
@@ -113,6 +127,8 @@ ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
 CSV_READ_AS = "ISO-8859-1"  # one character per byte: a CSV file's bytes come through (B13)
 READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR)
+# Names a batch's own columns cannot have: the reader's, and Spark's file metadata column.
+RESERVED_COLUMNS = frozenset((*READER_COLUMNS, "_metadata"))
 
 
 @dataclass(frozen=True)
@@ -138,7 +154,13 @@ class BatchFiles:
 def resolve_in_landing(config: Config, path: str) -> Path:
     """The batch path, refused unless it is inside the landing folder (B1)."""
     landing = config.landing
-    resolved, inside = config.in_landing(path)
+    try:
+        resolved, inside = config.in_landing(path)
+        resolved.exists()
+    except (OSError, ValueError) as error:  # a NUL byte, a name too long for the system
+        raise BatchRefusedError(
+            f"batch path {path[:200]!r} cannot name a file here: {error}; pass the path of a "
+            f"file or folder under the landing folder {landing}") from error
     if not inside:
         raise BatchRefusedError(
             f"batch path {path!r} resolves to {resolved}, which is outside the landing folder "
@@ -172,12 +194,21 @@ def _files_under(root: Path) -> list[Path]:
 
 def list_batch_files(config: Config, path: str) -> BatchFiles:
     root = resolve_in_landing(config, path)
+    if root.is_file() and _hidden(root.name):
+        raise BatchRefusedError(
+            f"batch file {root} has a name starting with '.' or '_', which Spark skips as "
+            "hidden (it would read no rows); rename it")
     candidates = [root] if root.is_file() else _files_under(root)
     globbing = [str(p) for p in candidates if GLOB_CHARACTERS & set(str(p))]
     if globbing:
         raise BatchRefusedError(
             f"batch file {globbing[0]} has one of {' '.join(sorted(GLOB_CHARACTERS))} in its "
             "path, which Spark would read as a pattern matching other files; rename it")
+    colons = [str(p) for p in candidates if ":" in str(p)]
+    if colons:
+        raise BatchRefusedError(
+            f"batch file {colons[0]} has ':' in its path, which Spark's file system cannot "
+            "open (it reads the text before ':' as a URI scheme); rename it")
     unknown = [p.name for p in candidates if p.suffix.lower() not in FORMATS]
     if unknown:
         raise BatchRefusedError(
@@ -192,7 +223,10 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             "batch")
     for p in candidates:
         if p.resolve() != root and root not in p.resolve().parents:  # (B1) symlinked files
-            raise BatchRefusedError(f"batch file {p} links outside the landing folder")
+            where = ("the batch folder" if config.in_landing(p)[1] else "the landing folder")
+            raise BatchRefusedError(
+                f"batch file {p} links outside {where} (to {p.resolve()}); copy the file "
+                "into the batch folder")
     return BatchFiles(root, tuple(candidates), formats.pop())
 
 
@@ -238,13 +272,17 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
           ) -> DataFrame:
     """The batch through Spark's reader of its format (or ``file_format``)."""
     reader = spark.read
+    header: list[str] | None = None
+    if (file_format or batch.file_format) == "parquet":
+        _check_parquet_types(batch)
     if batch.file_format == "csv":  # (B6) one header, every field as text, bad rows marked
         header = csv_header(batch)
         reader = reader.schema(StructType(
             [StructField(name, StringType()) for name in header]
             + [StructField(MALFORMED_CSV_ROW, StringType())])).options(
             header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW,
-            encoding=CSV_READ_AS)  # (B13)
+            encoding=CSV_READ_AS,  # (B13)
+            escape='"', multiLine="true")  # (B14) RFC 4180: "" is a quote, fields span lines
     try:
         frame = reader.format(file_format or batch.file_format).load(
             [str(p) for p in batch.files])
@@ -252,6 +290,12 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
         raise BatchRefusedError(
             f"batch {batch.root} could not be read as {batch.file_format}: "
             f"{str(error).strip().splitlines()[0]}") from error
+    clashing = [c for c in (frame.columns if header is None else header)
+                if c in RESERVED_COLUMNS]
+    if clashing:
+        raise BatchRefusedError(
+            f"batch {batch.root} has a column named {clashing[0]}, a name the backfill's reader "
+            f"gives its own columns ({', '.join(sorted(RESERVED_COLUMNS))}); rename or drop it")
     if MALFORMED_CSV_ROW in frame.columns:  # (B6) the line as it was is the raw record
         frame = frame.select(*(_file_bytes(c).alias(c) for c in frame.columns))  # (B13)
         malformed = F.col(MALFORMED_CSV_ROW)
@@ -260,6 +304,46 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
             malformed.isNotNull(),
             F.lit("malformed CSV row: its number of fields differs from the header's")))
     return frame
+
+
+def _type_kind(kind: pa.DataType) -> str:
+    """A Parquet column's type as Spark reads it: text of any Arrow string type, and
+    timestamps of any unit, are one type to Spark's reader."""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return "string"
+    if pa.types.is_timestamp(kind):
+        return "timestamp" if kind.tz is not None else "timestamp without zone"
+    return str(kind)
+
+
+def _check_parquet_types(batch: BatchFiles) -> None:
+    """Refuses a Parquet batch whose files give one column different types: Spark takes
+    the types from one file and fails reading the others (``PARQUET_COLUMN_DATA_TYPE_
+    MISMATCH``) only once the batch is counted, as an unexpected error retried in vain."""
+    import pyarrow.parquet as pq
+
+    seen: dict[str, tuple[str, str]] = {}
+    for path in batch.files:
+        try:
+            schema = pq.read_schema(path)
+        except (OSError, pa.ArrowException) as error:
+            raise BatchRefusedError(
+                f"batch file {path} is not a readable Parquet file: {error}") from error
+        for field in schema:
+            if pa.types.is_timestamp(field.type) and field.type.unit == "ns":
+                raise BatchRefusedError(
+                    f"batch file {path}: column {field.name} holds timestamps in nanoseconds, "
+                    "which Spark cannot read; write them in microseconds (pandas: "
+                    "to_parquet(..., coerce_timestamps='us'); pyarrow: "
+                    "write_table(..., coerce_timestamps='us'))")
+            kind = _type_kind(field.type)
+            name = path.relative_to(batch.root).as_posix() if path != batch.root else path.name
+            first = seen.setdefault(field.name, (kind, name))
+            if first[0] != kind:
+                raise BatchRefusedError(
+                    f"batch {batch.root}: column {field.name} is {first[0]} in {first[1]} and "
+                    f"{kind} in {name}; write every file of a batch with the same column "
+                    "types")
 
 
 def _file_bytes(column: str) -> Column:
@@ -286,12 +370,15 @@ def _json_lines(spark: SparkSession, batch: BatchFiles) -> DataFrame:
             "and load it again")))
     parsed = lines.select(F.from_json(line, fields).alias("_record"),
                           F.try_parse_json(line).alias("_value"), text, "_metadata")
-    # A text field's number is read from the parsed value: ``from_json`` writes it back
-    # through a double (12345678.5 as 1.23456785E7) where Spark's reader kept its text (B10).
-    required = {name for names in REQUIRED.values() for name in names}
+    # A required field is read from the parsed value as its own JSON text (B15): ``from_json``
+    # writes a number in a text column back through a double (12345678.5 as 1.23456785E7),
+    # and one line's float made a column of ids or ``ts`` a double for every line (the ids
+    # 1234567890123456789 and ...788 both 1.23456789012345677E18, one dropped as the other's
+    # copy; every integer ``ts`` quarantined). ``amount`` is judged by its value (B9).
+    as_text = {name for names in REQUIRED.values() for name in names} - {"amount"}
     return parsed.select(
         *(F.try_variant_get("_value", f"$.{f.name}", "string").alias(f.name)
-          if f.name in required and isinstance(f.dataType, StringType)
+          if f.name in as_text or (f.name == "amount" and isinstance(f.dataType, StringType))
           else F.col("_record")[f.name].alias(f.name) for f in fields),
         F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
 
@@ -307,7 +394,10 @@ def _amount_text(frame: DataFrame) -> Column:
         return text
     # Floats become decimals by their shortest text (0.1 stays 0.1). Beyond 20 digits before
     # the point, or NaN and infinities, the cast fails and the column's own text is judged.
-    exact = F.col("amount").try_cast(DecimalType(38, 18)).cast(StringType())
+    number = F.col("amount")
+    if isinstance(frame.schema["amount"].dataType, FloatType):  # (B9) by its own shortest
+        number = text  # text: a cast widens it to a double first (19.99 -> 19.9899997711...)
+    exact = number.try_cast(DecimalType(38, 18)).cast(StringType())
     plain = F.regexp_replace(F.regexp_replace(exact, r"(\.\d*?)0+$", "$1"), r"\.$", "")
     return F.coalesce(plain, text)
 
