@@ -98,7 +98,8 @@ def _inside(root: Path, path: Path) -> Path | None:
     """``path`` resolved, or None when it leaves ``root`` or cannot name a file (Q2)."""
     try:
         resolved = path.resolve()
-    except (OSError, ValueError):  # a NUL byte, a symlink loop: no such report
+        resolved.exists()  # a name too long for the system raises here, not in resolve()
+    except (OSError, ValueError):  # a NUL byte, a symlink loop, a name too long: no report
         return None
     return resolved if resolved == root or root in resolved.parents else None
 

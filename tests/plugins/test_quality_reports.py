@@ -118,6 +118,9 @@ def test_a_linked_index_or_an_unnameable_path_is_not_served(client, token: str,
     assert response.status_code == 200  # the folder is listed instead, its link leads nowhere
     assert client.get(f"{PREFIX}/linked/index.html", headers=bearer(token)).status_code == 404
     assert client.get(f"{PREFIX}/run%00.html", headers=bearer(token)).status_code == 404
+    too_long = "a" * 300  # resolve() takes it; the file system refuses the name
+    for path in (too_long, f"linked/{too_long}", f"{too_long}/"):
+        assert client.get(f"{PREFIX}/{path}", headers=bearer(token)).status_code == 404
 
 
 def test_a_friendly_page_when_there_are_no_reports_yet(client, token: str) -> None:
