@@ -54,3 +54,28 @@ def test_a_component_started_with_job_control_on_is_stopped_with_its_session(tmp
     _, sid, _, pid = session_line.split()
     assert sid == pid  # the started pid leads the session airflow_stop stops
     assert left.strip() == "0"
+
+
+def test_a_broker_that_cannot_start_stops_the_start_with_its_reason(tmp_path):
+    """Before, airflow_start went on without a broker: the banner printed, and the sessionizer
+    DAG then failed run after run. Airflow itself is stubbed; the broker really starts."""
+    script = """
+        source scripts/airflow.sh
+        airflow() { echo "airflow $*"; }
+        curl() { return 0; }
+        setsid() {  # only the broker really starts, never an Airflow component
+            if [ "$1" = clickstream ]; then command setsid "$@"; else echo "setsid $*"; fi; }
+        airflow_start
+        echo "rc=$?"
+    """
+    environment = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env={
+                                **environment, "AIRFLOW_HOME": str(tmp_path / "airflow"),
+                                "CLICKSTREAM_HOME": str(tmp_path / "home"),
+                                "AIRFLOW_PORT": "18791", "CLICKSTREAM_BROKER_PORT": "19791",
+                                "CLICKSTREAM_SESSION_GAP": "thirty"})
+    assert result.stdout.strip().endswith("rc=1"), result.stdout + result.stderr
+    assert "the embedded broker did not start" in result.stderr
+    assert "CLICKSTREAM_SESSION_GAP='thirty' is not a duration" in result.stderr
+    assert "Airflow components" not in result.stdout
