@@ -5,7 +5,8 @@
 Logs in as "admin" with the password from SimpleAuthManager's passwords file (a JWT from
 POST /auth/token), waits until the DAG is parsed, unpauses it, triggers a run with the conf
 (the same values the UI's trigger form sends), polls until the run ends, then prints each
-task's state and the ``report`` task's summary. Exit status 0 only if the run succeeded.
+task's state and the backfill's run summary from the quality reports. Exit status 0 only if
+the run succeeded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import httpx
 
@@ -62,6 +64,7 @@ def wait_for_dag(api: httpx.Client, dag_id: str, timeout_s: float = 180) -> None
 
 def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int:
     wait_for_dag(api, dag_id)
+    since = datetime.now(UTC).isoformat()  # as the reports index stamps its entries
     response = with_retries(lambda: api.post(f"/dags/{dag_id}/dagRuns", json={
         "logical_date": None, "conf": conf}), f"trigger {dag_id}")
     run_id = response.json()["dag_run_id"]
@@ -82,13 +85,26 @@ def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int
             break
         time.sleep(3)
     print(f"run {run_id}: {state}")
-    report = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/report/xcomEntries/"
-                     "return_value")
-    if report.status_code == 200:
-        value = report.json()["value"]
-        value = json.loads(value) if isinstance(value, str) else value
-        print("  " + str(value.get("summary", value)).replace(" | ", "\n  "))
+    print_run_summary(conf.get("client"), since)
     return 0 if state == "success" else 1
+
+
+def print_run_summary(client_id: str | None, since: str) -> None:
+    """The backfill's run summary (its page in the quality reports, written by the DAG's
+    last step, or in red by the step that failed), read from the reports index."""
+    from clickstream.config import Config
+    from clickstream.quality import reports
+
+    root = reports.reports_dir(Config.from_env())
+    pages = [e for e in reports.read_entries(root)
+             if e.job == "backfill" and e.title == "run summary" and e.time >= since
+             and (client_id is None or e.client_id == client_id)]
+    if not pages:
+        print(f"  no run summary in {root} (the run stopped before a step could write one)")
+        return
+    page = max(pages, key=lambda e: e.time)
+    print(f"  summary ({root / page.href}):")
+    print("  " + page.summary.replace(" | ", "\n  "))
 
 
 def main(argv: list[str] | None = None) -> int:
