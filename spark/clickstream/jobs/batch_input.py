@@ -126,6 +126,7 @@ MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a C
 ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps it (B6, B10)
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
 CSV_READ_AS = "ISO-8859-1"  # one character per byte: a CSV file's bytes come through (B13)
+CSV_STANDARD = {"escape": '"', "multiLine": "true"}  # RFC 4180: "" is a quote (B14)
 READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR)
 # Names a batch's own columns cannot have: the reader's, and Spark's file metadata column.
 RESERVED_COLUMNS = frozenset((*READER_COLUMNS, "_metadata"))
@@ -281,8 +282,7 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
             [StructField(name, StringType()) for name in header]
             + [StructField(MALFORMED_CSV_ROW, StringType())])).options(
             header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW,
-            encoding=CSV_READ_AS,  # (B13)
-            escape='"', multiLine="true")  # (B14) RFC 4180: "" is a quote, fields span lines
+            encoding=CSV_READ_AS, **CSV_STANDARD)  # (B13, B14)
     try:
         frame = reader.format(file_format or batch.file_format).load(
             [str(p) for p in batch.files])
