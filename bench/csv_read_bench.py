@@ -18,12 +18,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
+from results_file import git_dirty, git_head, write_result
 
 from clickstream.config import Config
 from clickstream.jobs import batch_input
 from clickstream.jobs.generate import write_table
 from clickstream.spark_session import build_spark
-from results_file import git_dirty, git_head, write_result
 
 
 def main() -> None:
