@@ -661,6 +661,12 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
         "1234567890123456789": (naive, None),
         "1234567890123456788": (naive + timedelta(milliseconds=1), None),
         "1.5": (naive, None)}
+    pageview = {"event_id": "v1", "client_id": "client-00", "user_id": "u", "ts": ms(START),
+                "url": "/p"}  # (B16) no referrer key, as Spark's JSON writer leaves a null
+    (config.landing / "v").mkdir()
+    (config.landing / "v" / "a.jsonl").write_text(json.dumps(pageview) + "\n")
+    rows = validated(config, spark, "v", "pageviews")
+    assert (rows["v1"]["referrer"], rows["v1"]["error"]) == (None, None)
     amounts = pa.table({"order_id": ["f1", "f2"], "client_id": ["client-00"] * 2,
                         "user_id": ["u"] * 2, "ts": [START] * 2,
                         "amount": pa.array([19.99, 0.1], pa.float32()),

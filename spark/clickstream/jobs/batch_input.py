@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B15):
+Known edge cases, cited inline as (B1)..(B16):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -69,6 +69,9 @@ Known edge cases, cited inline as (B1)..(B15):
   B15. A JSON Lines batch's ids, ``client_id``, ``user_id``, ``ts``, ``url`` and ``referrer``
       are each line's own JSON text, whatever type Spark infers for the column across the
       batch (``_json_lines``).
+  B16. A JSON Lines batch may leave out a column whose every value is null (Spark's JSON
+      writer drops null fields: a batch of pageviews without a referrer has no ``referrer``
+      key), so such a nullable column (``NULLABLE``) is null, not missing.
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ REQUIRED = {
     "pageviews": ("event_id", "client_id", "user_id", "ts", "url", "referrer"),
 }
 KEY = {"orders": "order_id", "pageviews": "event_id"}
+NULLABLE = {"orders": (), "pageviews": ("referrer",)}  # required columns whose rows may be null
 GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax (B5)
 MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a CSV batch (B6)
 ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps it (B6, B10)
@@ -258,6 +262,9 @@ def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataF
     """Raw rows of the batch with their file of origin; refuses missing columns and files
     Spark cannot read."""
     frame = _json_lines(spark, batch) if batch.file_format == "json" else _read(spark, batch)
+    if batch.file_format == "json":  # (B16) a key left out is a null in JSON
+        frame = frame.withColumns({name: F.lit(None).cast(StringType())
+                                   for name in NULLABLE[kind] if name not in frame.columns})
     found = [c for c in frame.columns if c not in (*READER_COLUMNS, "_metadata")]
     missing = [c for c in REQUIRED[kind] if c not in found]
     if missing:
