@@ -7,7 +7,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
-from clickstream.events.contract import CLIENT_ID_PATTERN
+from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN
 from clickstream.orchestration import spark_job, table_asset, task_errors
 
 DOC = """
@@ -87,7 +87,8 @@ def step(name: str, *, dry_run: str = "false") -> list[str]:
     default_args=RETRY,
     params={
         "client": Param(
-            "", type="string", minLength=1, pattern=rf"^{CLIENT_ID_PATTERN}$(?!\n)",
+            "", type="string", minLength=1, maxLength=CLIENT_ID_MAX_BYTES,
+            pattern=rf"^{CLIENT_ID_PATTERN}$(?!\n)",
             title="Client",
             description="The client the batch belongs to, e.g. client-00 (no spaces around "
                         "it: rows are matched to it exactly)."),

@@ -217,6 +217,8 @@ def test_settings_that_would_mean_something_else_are_refused_naming_where_they_c
      "it is empty, has spaces around it or a control character"),
     (["backfill", "--kind", "orders", "--client", "c1 ", "--path", "b"],
      "argument --client: 'c1 ' is not a client id"),
+    (["recompute", "--client", "\u5546" * 22], "is not a client id: it is longer than 64 "
+     "bytes of UTF-8"),
     (["inspect", "--sample", "-1"], "argument --sample: '-1' must be at least 0"),
 ])
 def test_flag_values_that_mean_nothing_are_refused_before_anything_runs(

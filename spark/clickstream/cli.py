@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from clickstream.config import ENV_NAMES, FLAG_HELP, Config, cli_flag
 from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE, ClickstreamError, ConfigError
-from clickstream.events.contract import CLIENT_ID_PATTERN
+from clickstream.events.contract import client_id_problem
 
 Handler = Callable[[argparse.Namespace, Config], int]
 DRY_RUN_STEPS = ("check", "report")  # the backfill steps that write nothing
@@ -215,10 +214,9 @@ _SPAN = _number(float, 0, 1e7, low_included=False)  # 1e7: within what dates can
 
 
 def _client_id(text: str) -> str:
-    if not re.fullmatch(CLIENT_ID_PATTERN, text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a client id: it is empty, has spaces around it or a control "
-            "character")
+    problem = client_id_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a client id: {problem}")
     return text
 
 

@@ -63,6 +63,10 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
        "character or spaces around it: commands take a client id as printable text without "
        "spaces around it; send it that way")
       for client in (" acme", "acme\t", "acme\u00a0", "a\u001fb", "a\u0000")),
+    # A folder of every client-partitioned table: a longer name failed the micro-batch's writes
+    *((json.dumps({**PAGEVIEW, "client_id": client}), f"client_id '{client}' is longer than "
+       "64 bytes of UTF-8: it names a folder of every client-partitioned table, which the file "
+       "system limits; send a shorter id") for client in ("c" * 65, "\u5546" * 22, "/" * 65)),
     *((json.dumps({**PAGEVIEW, "user_id": user}), "user_id has a control character "
        "(U+0000-U+001F or U+007F): a session id joins the client and user ids with U+001F, so "
        "two users could share one; send it as printable text") for user in ("u\u001f1", "\u007f")),

@@ -31,6 +31,7 @@ from clickstream.errors import (
     ConfigError,
     VersionVacuumedError,
 )
+from clickstream.events.contract import CLIENT_ID_MAX_BYTES
 from clickstream.io.delta_rs_engine import DeltaRsTables, _ActiveFile, _removes
 from clickstream.io.delta_spark_engine import delta_jars_loadable
 from clickstream.io.delta_tables import (
@@ -884,6 +885,21 @@ def test_partition_values_with_special_characters_read_back_exactly(tables, spar
                     "o4": (odd, Decimal(4))}
     assert ids(tables.read("orders", partition_filter={"client_id": odd})) == ["o1", "o3", "o4"]
     assert tables.read_arrow("orders", {"client_id": odd}).num_rows == 3
+
+
+def test_the_longest_client_id_names_a_folder_in_either_engine(tables, spark):
+    """``contract.CLIENT_ID_MAX_BYTES``: every byte escaped (``/`` by the product's writer,
+    non-ASCII too by delta-rs'), the folder name still fits the file system's 255 bytes; a
+    longer id failed every write of its micro-batch (Errno 36)."""
+    longest = "/" * 32 + "\u00fc" * 16
+    assert len(longest.encode()) == CLIENT_ID_MAX_BYTES
+    tables.append_once("orders", orders(spark, ("o1", longest, D1, "1")), app_id="a",
+                       version=1, partition_by=PARTS, metadata=META)
+    write_deltalake(tables.table_path("orders"), orders(spark, ("o2", longest, D2, "2")).toArrow(),
+                    mode="append")
+    folders = {Path(f).parts[0] for f in parquet_on_disk(tables, "orders")}
+    assert max(len(folder.encode()) for folder in folders) > 200  # escaped, near the limit
+    assert ids(tables.read("orders", partition_filter={"client_id": longest})) == ["o1", "o2"]
 
 
 def test_maintenance_compacts_vacuums_and_checkpoints_without_changing_rows(tables, spark):

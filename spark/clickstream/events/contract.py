@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 
 PAGEVIEW = "pageview"
@@ -16,6 +17,23 @@ CONTROL_CHARACTER = r"[\x00-\x1f\x7f]"
 # row. Unanchored, for JSON Schema too (whose Python validator's ``$`` also matches before a
 # final newline: anchor with ``$(?!\n)``). Java reads ``\s`` as Python does with ``(?U)``.
 CLIENT_ID_PATTERN = r"[^\s\x00-\x1f\x7f]([^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?"
+# A client id names a folder of every client-partitioned table (``client_id=<escaped id>``),
+# and a folder name holds at most 255 bytes: a longer id failed every write of its micro-batch,
+# other clients' rows with it, at every restart. At most 64 bytes of UTF-8, which stays under
+# that limit even when every byte is escaped (3 bytes each).
+CLIENT_ID_MAX_BYTES = 64
+
+
+def client_id_problem(text: str) -> str | None:
+    """Why ``text`` is not a client id, or None: the one rule of commands, forms and jobs
+    (``events.parse.client_id_error`` is its Spark form for records)."""
+    if not re.fullmatch(CLIENT_ID_PATTERN, text):
+        return "it is empty, has spaces around it or a control character"
+    if len(text.encode()) > CLIENT_ID_MAX_BYTES:
+        return f"it is longer than {CLIENT_ID_MAX_BYTES} bytes of UTF-8"
+    return None
+
+
 ORDER_FIELDS = ("order_id", "amount", "currency")
 
 # Plausible event-time range: a fixed range (not "now"), so a replay judges a record the same way.

@@ -42,7 +42,11 @@ def client_id_error(client_id: Column) -> Column:
     could take it."""
     return F.when(~client_id.rlike(rf"(?U)^(?:{contract.CLIENT_ID_PATTERN})\z"), F.format_string(
         "client_id '%s' has a control character or spaces around it: commands take a client "
-        "id as printable text without spaces around it; send it that way", client_id))
+        "id as printable text without spaces around it; send it that way", client_id)).when(
+        F.octet_length(client_id) > contract.CLIENT_ID_MAX_BYTES, F.format_string(
+            "client_id '%s' is longer than %d bytes of UTF-8: it names a folder of every "
+            "client-partitioned table, which the file system limits; send a shorter id",
+            client_id, F.lit(contract.CLIENT_ID_MAX_BYTES)))
 
 
 def user_id_error(user_id: Column) -> Column:

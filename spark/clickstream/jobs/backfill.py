@@ -21,6 +21,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
+from clickstream.errors import BatchRefusedError
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.batch_input import (
@@ -65,6 +66,14 @@ from clickstream.tables import (
 
 RUN_STEPS = ("validate", "merge", "recompute and publish")
 """The steps of ``run_backfill``, in order (the DAG's are finer: ``backfill_steps.STEPS``)."""
+
+
+def check_client_id(client_id: str) -> None:
+    """Refuses a client id no table could hold (``contract.client_id_problem``): the CLI and
+    the DAG's form check it too, but a step may be called with any text."""
+    problem = contract.client_id_problem(client_id)
+    if problem is not None:
+        raise BatchRefusedError(f"client id {client_id[:80]!r} is refused: {problem}")
 
 
 def backfill_run_id(kind: str, client_id: str, files: BatchFiles) -> str:
@@ -269,6 +278,7 @@ def run_backfill(
     """Merge the batch at ``path`` (inside the landing folder) and correct what it affects;
     the run's summary page (``quality.run_summary``) says what it did, or why it failed."""
     check_session_gap(config)
+    check_client_id(client_id)
     files = list_batch_files(config, path)
     summary = BackfillSummary(backfill_run_id(kind, client_id, files))
     page = functools.partial(write_run_summary, config, run_id=summary.run_id,

@@ -47,6 +47,7 @@ from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.jobs.backfill import (
     BatchScope,
     backfill_run_id,
+    check_client_id,
     merge_valid_rows,
     quarantine_or_refuse,
 )
@@ -521,6 +522,7 @@ def locate_batch(config: Config, *, kind: BatchKind, client_id: str, path: str
         BatchRefusedError: the path leaves the landing folder, is missing or empty, or mixes
             formats.
     """
+    check_client_id(client_id)
     files = list_batch_files(config, path)
     return {"run_id": backfill_run_id(kind, client_id, files), "root": str(files.root),
             "file_count": len(files.files), "file_format": files.file_format}
