@@ -198,6 +198,19 @@ def test_reading_a_range_the_broker_dropped_raises_data_loss(
         list(read_offset_range(kafka_config, topic, 0, 2, 10))
 
 
+def test_a_range_past_the_logs_end_raises_data_loss_at_once(
+    kafka_config: Config, make_topic
+) -> None:
+    """A planned range beyond the log's end now (a log truncated under the same topic id):
+    the read waited for records no wait brings back, then blamed the broker's reachability."""
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 5)
+    with pytest.raises(DataLossError, match=r"offsets 5\.\.7 were to be read, but the log "
+                                            r"now ends at 5"):
+        # before: BrokerUnavailableError once the idle timeout ran out
+        list(read_offset_range(kafka_config, topic, 0, 2, 8, idle_timeout_s=30))
+
+
 def test_ranges_of_many_partitions_are_read_with_one_consumer_exactly(
     kafka_config: Config, make_topic, broker: EmbeddedBroker
 ) -> None:

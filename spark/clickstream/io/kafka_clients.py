@@ -884,6 +884,18 @@ def read_offset_ranges(
                            fail_on_data_loss=fail_on_data_loss)  # raises, or:
         return lost_offsets_marker(topic, partition, expected[partition], lost_until - 1)
 
+    def short_of_the_range(partition: int) -> None:
+        """The log ended before the range: waiting for records (a transaction still open,
+        a read behind the log's end) unless the log now ends below the range's end, which
+        no wait brings back (a log truncated, another log under the same name)."""
+        _low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                    timeout=10, cached=False)
+        if high < ends[partition]:
+            raise DataLossError(
+                f"topic {topic} partition {partition}: offsets {high}..{ends[partition] - 1} "
+                f"were to be read, but the log now ends at {high}, so records it held are gone; "
+                f"{_OTHER_LOG_ADVICE}")
+
     errors = ReadErrors(config, topic)
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
@@ -918,6 +930,8 @@ def read_offset_ranges(
                             if marker is not None:
                                 batch.append(marker)
                             done(partition)
+                        elif partition in expected:
+                            short_of_the_range(partition)
                         continue
                     if error.code() == KafkaError._AUTO_OFFSET_RESET:
                         low, high = consumer.get_watermark_offsets(
