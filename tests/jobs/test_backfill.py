@@ -635,11 +635,14 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
         "ns": "column ts holds timestamps in nanoseconds",
         "l": r"links outside the batch folder \(to .*elsewhere\.csv\)",
         "bad\x00name": "cannot name a file here",
+        ".": "is the landing folder itself",
         "a" * 300: "cannot name a file here",
     }
     for path, reason in refusals.items():
         with pytest.raises(BatchRefusedError, match=reason):
             validated(config, spark, path)
+    with pytest.raises(BatchRefusedError, match="longer than 64 bytes of UTF-8"):
+        backfill_steps.locate_batch(config, kind="orders", client_id="\u5546" * 22, path="t")
 
 
 def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own(

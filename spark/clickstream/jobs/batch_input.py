@@ -175,6 +175,10 @@ def resolve_in_landing(config: Config, path: str) -> Path:
     if not resolved.exists():
         raise BatchRefusedError(
             f"batch path {path!r} does not exist under the landing folder {landing}")
+    if resolved == landing.resolve():  # every client's batches, as one
+        raise BatchRefusedError(
+            f"batch path {path!r} is the landing folder itself, which holds every batch; pass "
+            "the path of one batch's file or folder inside it")
     return resolved
 
 
