@@ -17,7 +17,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_AIRFLOW=1
-[ "${1:-}" = "--no-airflow" ] && WITH_AIRFLOW=0
+case "${1:-}" in
+  "") ;;
+  --no-airflow) WITH_AIRFLOW=0 ;;
+  -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "demo.sh: unknown argument '$1'; use --no-airflow, or --help" >&2; exit 2 ;;
+esac
 bash scripts/setup.sh
 
 DEMO=var/demo
