@@ -93,7 +93,7 @@ def print_run_summary(client_id: str | None, since: str) -> None:
     """The backfill's run summary (its page in the quality reports, written by the DAG's
     last step, or in red by the step that failed), read from the reports index."""
     from clickstream.config import Config
-    from clickstream.quality import reports
+    from clickstream.quality import reports, run_summary
 
     root = reports.reports_dir(Config.from_env())
     pages = [e for e in reports.read_entries(root)
@@ -103,8 +103,9 @@ def print_run_summary(client_id: str | None, since: str) -> None:
         print(f"  no run summary in {root} (the run stopped before a step could write one)")
         return
     page = max(pages, key=lambda e: e.time)
-    print(f"  summary ({root / page.href}):")
-    print("  " + page.summary.replace(" | ", "\n  "))
+    cut = len(page.summary) >= run_summary.SUMMARY_MAX_CHARS  # the index keeps the start
+    print(f"  summary ({'its start; all of it on ' if cut else ''}{root / page.href}):")
+    print("  " + page.summary.replace(" | ", "\n  ") + (" ..." if cut else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

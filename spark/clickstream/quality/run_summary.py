@@ -18,6 +18,8 @@ from clickstream.config import Config
 from clickstream.quality import reports
 
 T = TypeVar("T")
+SUMMARY_MAX_CHARS = 500
+"""The index keeps this much of a run's summary (a link's tooltip); the page has it all."""
 Lines = Sequence[tuple[str, str]]
 """(step, what it did) per step, in order."""
 
@@ -53,7 +55,7 @@ def write_run_summary(config: Config, *, run_id: str, client_id: str, kind: str,
     reports.record(config, reports.ReportEntry(
         time=reports.now_utc().isoformat(), job="backfill", run_id=run_id, kind="report",
         title="dry run" if dry_run else "run summary", status=status, href=href,
-        summary=summary[:500], client_id=client_id))
+        summary=summary[:SUMMARY_MAX_CHARS], client_id=client_id))
     return summary, target
 
 
