@@ -161,7 +161,7 @@ def resolve_in_landing(config: Config, path: str) -> Path:
     landing = config.landing
     try:
         resolved, inside = config.in_landing(path)
-        resolved.exists()
+        exists = resolved.exists()
     except (OSError, ValueError) as error:  # a NUL byte, a name too long for the system
         raise BatchRefusedError(
             f"batch path {path[:200]!r} cannot name a file here: {error}; pass the path of a "
@@ -172,7 +172,7 @@ def resolve_in_landing(config: Config, path: str) -> Path:
             f"{landing}; copy the batch into the landing folder (CLICKSTREAM_LANDING) and pass "
             "a path relative to it"
         )
-    if not resolved.exists():
+    if not exists:
         raise BatchRefusedError(
             f"batch path {path!r} does not exist under the landing folder {landing}")
     if resolved == landing.resolve():  # every client's batches, as one
@@ -340,6 +340,7 @@ def _check_parquet_types(batch: BatchFiles) -> None:
         except (OSError, pa.ArrowException) as error:
             raise BatchRefusedError(
                 f"batch file {path} is not a readable Parquet file: {error}") from error
+        name = path.relative_to(batch.root).as_posix() if path != batch.root else path.name
         for field in schema:
             if pa.types.is_timestamp(field.type) and field.type.unit == "ns":
                 raise BatchRefusedError(
@@ -348,7 +349,6 @@ def _check_parquet_types(batch: BatchFiles) -> None:
                     "to_parquet(..., coerce_timestamps='us'); pyarrow: "
                     "write_table(..., coerce_timestamps='us'))")
             kind = _type_kind(field.type)
-            name = path.relative_to(batch.root).as_posix() if path != batch.root else path.name
             first = seen.setdefault(field.name, (kind, name))
             if first[0] != kind:
                 raise BatchRefusedError(

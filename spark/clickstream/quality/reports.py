@@ -196,9 +196,8 @@ def current_entries(items: Iterable[ReportEntry]) -> set[int]:
     return {id(entry) for entry in latest.values()}
 
 
-def run_status(items: Sequence[ReportEntry]) -> str:
+def run_status(items: Sequence[ReportEntry], standing: set[int]) -> str:
     """A run's status in the index: the worst of its entries that stand."""
-    standing = current_entries(items)
     return _worst(e.status for e in items if id(e) in standing)
 
 
@@ -209,10 +208,12 @@ def _rebuild_index(root: Path) -> Path:
         runs.setdefault((entry.job, entry.run_id), []).append(entry)
     ordered = sorted(runs.items(), key=lambda item: max(e.time for e in item[1]), reverse=True)
     rows = []
+    statuses = []
     for (job, run_id), items in ordered:
         items.sort(key=lambda e: e.time)
-        status = run_status(items)
         standing = current_entries(items)
+        status = run_status(items, standing)
+        statuses.append(status)
         clients = sorted({e.client_id for e in items if e.client_id})
         links = " ".join(
             f"<a class='gate {html.escape(e.status)}"
@@ -236,8 +237,7 @@ def _rebuild_index(root: Path) -> Path:
             f"<tr><td>{name}</td><td class='num'>{html.escape(str(meta.get('version', '?')))}"
             f"</td><td>{html.escape(str(meta.get('step', '')))}</td>"
             f"<td>{html.escape(str(meta.get('on_failure', '')))}</td></tr>")
-    counts = {s: sum(1 for items in runs.values() if run_status(items) == s)
-              for s in ("failed", "warning", "passed")}
+    counts = {s: statuses.count(s) for s in ("failed", "warning", "passed")}
     body = (
         f"<p>{len(runs)} runs: {counts['failed']} failed, {counts['warning']} with warnings, "
         f"{counts['passed']} passed. Newest first; updated "
