@@ -12,6 +12,8 @@ import fcntl
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+LOCKS_FOLDER = "_clickstream_locks"  # in the warehouse; no table is named with a leading "_"
+
 
 @contextlib.contextmanager
 def exclusive(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:

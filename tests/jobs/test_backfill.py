@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -26,8 +27,9 @@ from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
-from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.jobs.sessionize import records_lock, run_sessionizer
 from clickstream.quality import reports
+from clickstream.tables import PAGEVIEWS
 from tests.jobs.test_sessionize import pageview, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
@@ -874,38 +876,97 @@ def test_a_replanned_attempt_queues_the_users_the_stream_took_over_since(
     assert queued == [("u", "a"), ("v", "b")]
 
 
+def on_time_event(kind: str, record_id: str, minutes: float, user: str = "u"
+                  ) -> tuple[str, str]:
+    """A pageview or order of client-00 as the events topic carries it."""
+    fields = {"event_id": record_id, "event_type": kind, "url": f"/{record_id}"}
+    if kind == "order":
+        fields.update(event_id=f"e-{record_id}", order_id=record_id, amount="10.00",
+                      currency="EUR")
+    return f"client-00/{user}", json.dumps({
+        "client_id": "client-00", "user_id": user, "referrer": "",
+        "ts": (START + timedelta(minutes=minutes)).isoformat(), **fields})
+
+
+# Backfill rows of u after the watermark the stream reaches on STREAMED (50 minutes), and the
+# same records sent to the stream; FLUSH is far ahead and closes u's sessions.
+STREAMED = [on_time_event("pageview", f"v{m}", m) for m in range(0, 61, 10)]
+AHEAD_OF_THE_STREAM = (("pageviews", [pv_row("P1", "u", 100)]),
+                       ("orders", [order_row("O1", "u", 101)]))
+ON_TIME_COPIES = [on_time_event("pageview", "P1", 100), on_time_event("order", "O1", 101)]
+FLUSH = on_time_event("pageview", "flush", 24 * 60, user="w")
+
+
+def assert_stored_once_and_folded_in(config: Config, spark: SparkSession) -> None:
+    """u's backfilled records are stored once; once the stream let u go and a recompute
+    folded the queue in, the tables equal a recomputation from scratch."""
+    assert [r["event_id"] for r in table_rows(config, spark, "pageviews")].count("P1") == 1
+    assert [r["order_id"] for r in table_rows(config, spark, "orders")] == ["O1"]
+    produce(config, [FLUSH])
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    run_recompute(config, spark=spark)
+    assert_tables_equal_from_scratch(config, spark, closed_before_ms=ms(START) + 86400000)
+
+
 def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
     stream_config: Config, spark: SparkSession
 ) -> None:
     """The backfill stores u's pageview and order after the stream's watermark, leaving u to
     the stream (queued, C4); the same records then arrive on the topic, on time (Z11)."""
-
-    def event(kind: str, record_id: str, minutes: float) -> tuple[str, str]:
-        fields = {"event_id": record_id, "event_type": kind, "url": f"/{record_id}"}
-        if kind == "order":
-            fields.update(event_id=f"e-{record_id}", order_id=record_id, amount="10.00",
-                          currency="EUR")
-        return "client-00/u", json.dumps({
-            "client_id": "client-00", "user_id": "u", "referrer": "",
-            "ts": (START + timedelta(minutes=minutes)).isoformat(), **fields})
-
-    produce(stream_config, [event("pageview", f"v{m}", m) for m in range(0, 61, 10)])
+    produce(stream_config, STREAMED)
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    for kind, rows in (("pageviews", [pv_row("P1", "u", 100)]),
-                       ("orders", [order_row("O1", "u", 101)])):
+    for kind, rows in AHEAD_OF_THE_STREAM:
         summary = run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
                                path=write_rows(stream_config, kind, rows, "parquet"))
         assert summary.corrections.deferred_users == 1
-    produce(stream_config, [event("pageview", "P1", 100), event("order", "O1", 101),
-                            ("client-00/w", json.dumps({  # far ahead: closes u's sessions
-                                "event_id": "flush", "client_id": "client-00", "user_id": "w",
-                                "event_type": "pageview", "url": "/", "referrer": "",
-                                "ts": (START + timedelta(days=1)).isoformat()}))])
+    produce(stream_config, ON_TIME_COPIES)
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert_stored_once_and_folded_in(stream_config, spark)
+
+
+def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z14) A micro-batch that read the queue before the backfill queued its rows ahead of
+    the merge stores its on-time copy; the merge waits for it, finds it and skips it. Played
+    here by the test: it holds the records lock, as the micro-batch does, and stores P1 once
+    the backfill waits."""
+    produce(stream_config, STREAMED)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    path = write_rows(stream_config, "p", AHEAD_OF_THE_STREAM[0][1], "parquet")
+    tables = open_tables(stream_config, spark)
+    waiting = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def backfill() -> None:
+        try:
+            outcome["summary"] = run_backfill(
+                stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark,
+                progress=lambda line: waiting.set() if "waiting for the sessionizer" in line
+                else None)
+        except Exception as error:  # reported by the assertion below
+            outcome["error"] = error
+
+    with records_lock(stream_config):
+        worker = threading.Thread(target=backfill)
+        worker.start()
+        assert waiting.wait(300), outcome
+        assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
+                ] == ["P1"]
+        (stored,) = [r for r in table_rows(stream_config, spark, "pageviews")
+                     if r["event_id"] == "v0"]
+        copy = {**stored, "event_id": "P1", "url": "/P1", "ts": START + timedelta(minutes=100),
+                "source": "events/0/99"}
+        tables.append_once(
+            PAGEVIEWS.name, spark.createDataFrame(
+                [tuple(copy[name] for name in PAGEVIEWS.schema.fieldNames())], PAGEVIEWS.schema),
+            app_id="micro-batch-in-flight", version=0, partition_by=PAGEVIEWS.partition_by,
+            metadata={"run_id": "test", "cause": "a micro-batch in flight"})
+    worker.join(300)
+    assert "error" not in outcome, outcome
+    assert outcome["summary"].rows_merged == 0
+    assert outcome["summary"].duplicates_skipped == 1
     assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")].count("P1") == 1
-    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["O1"]
-    run_recompute(stream_config, spark=spark)
-    assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
 
 
 def test_a_row_stamped_after_its_file_was_written_is_quarantined_not_left_to_the_stream(

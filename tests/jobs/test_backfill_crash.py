@@ -19,7 +19,17 @@ from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.sessionize import run_sessionizer, stream_watermark_ms
-from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
+from tests.jobs.test_backfill import (
+    AHEAD_OF_THE_STREAM,
+    ON_TIME_COPIES,
+    START,
+    STREAMED,
+    assert_stored_once_and_folded_in,
+    ms,
+    order_row,
+    pv_row,
+    write_rows,
+)
 from tests.jobs.test_sessionize import pageview, produce, table_rows
 from tests.jobs.test_sessionize_crash import cli_env
 
@@ -130,3 +140,29 @@ def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
         "o-open"}
     assert {r["order_id"]: r["session_id"]
             for r in table_rows(stream_config, spark, "attributions")} == {"o-old": None}
+
+
+def test_a_backfill_killed_after_its_merge_stores_once_what_the_stream_then_receives(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z11, Z14) Each batch's first attempt is killed after its merge, before its plan queued
+    the rows of u, whom the stream holds; the stream then receives the same records on time.
+    They were stored twice (and the client's next backfill of that day failed its
+    tables_after_merge gate: duplicate keys)."""
+    produce(stream_config, STREAMED)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    paths = {kind: write_rows(stream_config, kind, rows, "parquet")
+             for kind, rows in AHEAD_OF_THE_STREAM}
+    for kind, path in paths.items():
+        child = subprocess.run(
+            [sys.executable, "-c", DRIVER, kind, "client-00", path, "merge:"],
+            env=cli_env(stream_config), capture_output=True, text=True, timeout=600,
+            start_new_session=True)
+        assert child.returncode == -9, child.stdout + child.stderr
+    produce(stream_config, ON_TIME_COPIES)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    for kind, path in paths.items():
+        rerun = run_backfill(stream_config, kind=kind, client_id="client-00", path=path,
+                             spark=spark, progress=lambda _: None)
+        assert (rerun.rows_merged, rerun.corrections.deferred_users) == (0, 1)
+    assert_stored_once_and_folded_in(stream_config, spark)

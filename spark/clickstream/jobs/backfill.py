@@ -44,7 +44,7 @@ from clickstream.jobs.corrections import (
     stored_elsewhere,
     where_attributed,
 )
-from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
+from clickstream.jobs.sessionize import check_session_gap, records_lock, stream_watermark_ms
 from clickstream.quality.checks import run_commit_version
 from clickstream.quality.gates import (
     GateResult,
@@ -245,6 +245,7 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     ``snapshots``: the correction run's, when it follows in this process. The gate of an
     orders batch reads all of the client's orders; they are then read once, at the merge
     commit, and kept there for the recompute's windows (which would read them again)."""
+    queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
@@ -345,6 +346,47 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
         progress("  the batch has no valid rows")
 
 
+def _queue_rows(rows: DataFrame, kind: BatchKind, queued_by: str) -> DataFrame:
+    """The batch's ``rows`` as ``recompute_queue`` rows."""
+    return rows.select("client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
+                       F.col(KEY[kind]).alias("record_id"), "ts",
+                       F.lit(queued_by).alias("queued_by"), F.to_date("ts").alias("event_date"))
+
+
+def _ahead_app_id(run_id: str) -> str:
+    return f"backfill-ahead-{run_id}"
+
+
+def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFrame,
+                             kind: BatchKind, run_id: str, progress: Callable[[str], None]
+                             ) -> None:
+    """Queue the batch's rows the stream could still receive on time, before they are merged
+    (``sessionize`` Z11, Z14): the stream stores no on-time copy of a record a backfill
+    queued, so none of them is stored twice. Only rows after the watermark of the stream's
+    last committed micro-batch: any other copy is late for the stream, which finds it stored.
+    They are queued as the rows of the users the plan leaves to the stream are (C4, whose
+    queue skips them); a row whose user the stream let go meanwhile is folded in by the next
+    recompute, which changes nothing. Killed before the merge, the run's rerun merges them;
+    until then a copy the stream received is in its sessions but not in ``pageviews`` /
+    ``orders`` (README, Known limits)."""
+    watermark = stream_watermark_ms(config)
+    if watermark is None:  # no stream has run: nothing is on time for it yet
+        return
+    ahead = valid.where(F.col("ts") > F.timestamp_millis(F.lit(watermark)))
+    queued = tables.append_once(
+        RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, f"{BACKFILL_QUEUED_BY}{run_id}"),
+        app_id=_ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
+        metadata={"run_id": run_id, "cause": f"{BACKFILL_QUEUED_BY}{run_id}"})
+    if queued.rows or not queued.committed:  # (Z14) a micro-batch that missed them stores first
+        with records_lock(config, on_wait=lambda: progress(
+                "  waiting for the sessionizer's micro-batch in flight to store its records "
+                "...")):
+            pass
+    if queued.rows:
+        progress(f"  {queued.rows} rows the stream could still receive on time queued ahead "
+                 "of the merge")
+
+
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
                          run_id: str, moved: DataFrame | None) -> Defer:
     """How the batch's rows of users the stream still owns go to the recompute queue (C4),
@@ -358,19 +400,16 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
     app_id = f"backfill-queue-{run_id}"
 
     def queue(users: DataFrame) -> None:
-        rows = valid.join(users, ["client_id", "user_id"], "left_semi").select(
-            "client_id", "user_id", F.lit(kind.rstrip("s")).alias("kind"),
-            F.col(KEY[kind]).alias("record_id"), "ts", F.lit(queued_by).alias("queued_by"),
-            F.to_date("ts").alias("event_date"))
+        rows = _queue_rows(valid.join(users, ["client_id", "user_id"], "left_semi"), kind,
+                           queued_by)
         if moved is not None:  # (C10)
-            rows = rows.unionByName(moved.join(users, ["client_id", "user_id"], "left_semi")
-                                    .select("client_id", "user_id",
-                                            F.lit(contract.ORDER).alias("kind"),
-                                            F.col("order_id").alias("record_id"), "ts",
-                                            F.lit(queued_by + MOVED_AWAY).alias("queued_by"),
-                                            F.to_date("ts").alias("event_date")))
+            rows = rows.unionByName(_queue_rows(
+                moved.join(users, ["client_id", "user_id"], "left_semi"), "orders",
+                queued_by + MOVED_AWAY))
         attempt = (tables.app_version(RECOMPUTE_QUEUE.name, app_id) or 0) + 1
-        if attempt > 1:  # a recompute may have folded some in since: queued again, harmless
+        if attempt > 1 or tables.app_version(RECOMPUTE_QUEUE.name, _ahead_app_id(run_id)):
+            # Not what an earlier attempt, or the queue ahead of the merge, queued. A
+            # recompute may have folded some in since: queued again, harmless.
             earlier = tables.read(RECOMPUTE_QUEUE.name, ["kind", "record_id", "queued_by"])
             rows = rows.join(earlier.where(F.col("queued_by").startswith(queued_by)).select(
                 "kind", "record_id", "queued_by"), ["kind", "record_id", "queued_by"],

@@ -36,7 +36,8 @@ Known edge cases, cited inline as (C1)..(C11):
       sessionizing the user's stored pageviews, read back as many days as the session
       reaches (``open_session_starts``). A backfill queues its rows of the deferred
       users (``defer``) before the plan is recorded: a resumed run reads the plan back
-      instead of planning, so queueing after it would be skipped for good.
+      instead of planning, so queueing after it would be skipped for good. Its rows the
+      stream could still receive on time were queued before its merge (``sessionize`` Z14).
   C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
       version, the client's days in reach), kept until apply rewrites those days from it: each
       affected partition is read once. The replace names the version it was computed from, so
@@ -117,7 +118,7 @@ from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotApp
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables
 from clickstream.io.kafka_changelog import publish_pairs, spark_row_value
-from clickstream.locks import exclusive
+from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.quality.correction_report import (
     CorrectionFigures,
     correction_figures,
@@ -1034,9 +1035,6 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
                 f"`clickstream recompute --client {run.client_id} --full` rewrites the client "
                 "from its pageviews and orders and supersedes it")
     return counts
-
-
-LOCKS_FOLDER = "_clickstream_locks"  # in the warehouse; no table is named with a leading "_"
 
 
 def one_run_at_a_time(config: Config, client_id: str,

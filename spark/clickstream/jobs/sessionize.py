@@ -72,6 +72,11 @@ Known edge cases, cited inline as (Z1)..(Z13):
       attribution of an order a backfill queued: the recompute that folds the queued row in
       attributes it. The backfill may have moved it to another user or time while the stream
       held it where it was (``corrections`` C10); appended there, the order was held twice.
+      The backfill queues its rows the stream could still receive on time (``ts`` after the
+      watermark of the stream's last committed micro-batch) before it merges them (Z14):
+      queued only after, a copy the stream received in between (tens of seconds, or until
+      the rerun of a backfill killed after its merge) was stored twice, and the client's next
+      backfill of that day failed its ``tables_after_merge`` gate (duplicate keys).
   Z12. Two copies of one id in a micro-batch that differ (a producer reusing an id, not a
       retry): the sink stores the copy the session state counts, chosen by the same rule
       (semantics E6: first by time, user, then url or amount and currency), not whichever
@@ -86,6 +91,12 @@ Known edge cases, cited inline as (Z1)..(Z13):
       own ``stop()`` mid-batch cancels the batch's jobs under the writer, which here ended in
       a ``StackOverflowError`` of the stream thread and a batch to redo. A second signal
       stops at once (the batch in flight is replayed at the next start, nothing doubled).
+  Z14. A micro-batch holds the warehouse's records lock (``records_lock``) from the moment it
+      reads which records backfills queued (Z11) until its records' wave committed. A backfill
+      that queued rows ahead of its merge takes the lock once before the merge reads what is
+      stored: a micro-batch that read the queue before those rows were committed has stored
+      its records by then (the merge finds them and skips them), and any later one sees the
+      rows and leaves them to the backfill. The lock is ``flock``: one machine (``locks``).
 """
 
 from __future__ import annotations
@@ -98,7 +109,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from functools import partial, reduce
 from pathlib import Path
@@ -118,6 +129,7 @@ from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import read_kafka_stream
+from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -453,6 +465,14 @@ def _queued_by_backfills(tables: DeltaTables) -> DataFrame | None:
         "queued_by")
 
 
+def records_lock(config: Config, on_wait: Callable[[], None] | None = None
+                 ) -> AbstractContextManager[None]:
+    """Held by a micro-batch from its snapshot of the backfills' queue rows until its records
+    are stored, and taken by a backfill between queueing rows ahead of its merge and the
+    merge (Z14). In the warehouse, as the correction runs' locks."""
+    return exclusive(config.warehouse / LOCKS_FOLDER / "stream-records.lock", on_wait)
+
+
 def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
     return df.select(*(F.col(f.name).cast(f.dataType).alias(f.name) for f in spec.schema.fields))
 
@@ -505,12 +525,14 @@ class MicroBatchWriter:
         late_before = checkpoint_watermark_ms(self.checkpoint, batch_id - 1)  # (Z1)
         batch = batch.persist()
         try:
-            return self._write(batch, batch_id, app_id, late_before)
+            with ExitStack() as records_stored:  # (Z14) released once the records' wave is
+                records_stored.enter_context(records_lock(self.config))
+                return self._write(batch, batch_id, app_id, late_before, records_stored.close)
         finally:
             batch.unpersist()
 
-    def _write(self, batch: DataFrame, batch_id: int, app_id: str,
-               late_before_ms: int) -> BatchCounts:
+    def _write(self, batch: DataFrame, batch_id: int, app_id: str, late_before_ms: int,
+               records_stored: Callable[[], None]) -> BatchCounts:
         counts = BatchCounts()
         records = batch.where(F.col("branch") == "record").select("record.*")
         emitted = batch.where(F.col("branch") == "emitted").select("emitted.*")
@@ -545,9 +567,9 @@ class MicroBatchWriter:
         valid = records.where(F.col("error").isNull()).withColumn(
             "event_date", F.to_date("ts"))
         duplicates = emitted.where(F.col("kind") == "duplicate")
-        # (Z11) One snapshot: the delta-rs engine's read lists the version's files now, so the
-        # records' wave and the attributions below see the same queue even if a recompute
-        # dequeues in between.
+        # (Z11) One snapshot, taken under the records lock (Z14): the delta-rs engine's read
+        # lists the version's files now, so the records' wave and the attributions below see
+        # the same queue even if a recompute dequeues in between.
         backfilled = _queued_by_backfills(self.tables)
 
         # (Z12) The copy of each id the state counts: stored, and queued when late.
@@ -644,6 +666,8 @@ class MicroBatchWriter:
         for wave in (stored, queued, derived):  # (Z6, Z9)
             for field_name, rows in _side_by_side(batch.sparkSession, wave).items():
                 setattr(counts, field_name, rows)
+            if wave is stored:
+                records_stored()  # (Z14)
         return counts
 
 
