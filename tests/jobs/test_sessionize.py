@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import time
 import uuid
@@ -36,6 +37,7 @@ from clickstream.jobs.sessionize import (
     SessionizeSummary,
     StopBeforeMicroBatch,
     build_stream,
+    records_lock_path,
     run_sessionizer,
 )
 from clickstream.sessions.batch_adapter import user_bucket
@@ -356,6 +358,34 @@ def test_a_batch_stores_its_pageviews_before_the_sessions_it_closes(
     both = sorted(set(pageviews) & set(sessions))
     assert both, "some micro-batch should store pageviews and close sessions"
     assert all(pageviews[batch] <= sessions[batch] for batch in both), (pageviews, sessions)
+
+
+def test_a_batch_holds_the_records_lock_until_its_records_are_stored(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Z14) A backfill that queued rows ahead of its merge takes the lock before the merge:
+    a micro-batch holds it from its read of the queue through its records' commits, and
+    lets it go before the sessions it derives (a backfill waits for one wave, not a batch)."""
+    held_at: dict[str, list[bool]] = {}
+
+    def lock_held(table: str, attempt: int) -> None:
+        path = records_lock_path(stream_config)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held_at.setdefault(table, []).append(True)
+                return
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            held_at.setdefault(table, []).append(False)
+
+    monkeypatch.setattr(sessionize, "open_tables", lambda config, spark: open_tables(
+        config, spark, before_commit=lock_held))
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("u", start), pageview("u", start + timedelta(hours=2))])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert held_at == {"pageviews": [True], "sessions": [False]}
 
 
 def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_late_pageview(

@@ -465,12 +465,17 @@ def _queued_by_backfills(tables: DeltaTables) -> DataFrame | None:
         "queued_by")
 
 
+def records_lock_path(config: Config) -> Path:
+    """In the warehouse, as the correction runs' locks."""
+    return config.warehouse / LOCKS_FOLDER / "stream-records.lock"
+
+
 def records_lock(config: Config, on_wait: Callable[[], None] | None = None
                  ) -> AbstractContextManager[None]:
     """Held by a micro-batch from its snapshot of the backfills' queue rows until its records
     are stored, and taken by a backfill between queueing rows ahead of its merge and the
-    merge (Z14). In the warehouse, as the correction runs' locks."""
-    return exclusive(config.warehouse / LOCKS_FOLDER / "stream-records.lock", on_wait)
+    merge (Z14)."""
+    return exclusive(records_lock_path(config), on_wait)
 
 
 def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
