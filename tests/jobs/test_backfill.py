@@ -23,6 +23,7 @@ from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
+from clickstream.jobs import backfill as backfill_module
 from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
@@ -30,7 +31,7 @@ from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import records_lock, run_sessionizer
 from clickstream.quality import reports
 from clickstream.tables import PAGEVIEWS
-from tests.jobs.test_sessionize import pageview, produce, table_rows
+from tests.jobs.test_sessionize import pageview, probe_records_lock, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
@@ -865,7 +866,7 @@ def test_a_replanned_attempt_queues_the_users_the_stream_took_over_since(
     tables = open_tables(stream_config, spark)
 
     def attempt(*users: str) -> None:
-        queue = queue_for_the_stream(tables, valid, "pageviews", "run-1", None)
+        queue = queue_for_the_stream(tables, valid, "pageviews", "client-00", "run-1", None)
         queue(spark.createDataFrame([("client-00", u) for u in users], "client_id string, "
                                     "user_id string"))
 
@@ -925,16 +926,19 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
 
 
 def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(
-    stream_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """(Z14) A micro-batch that read the queue before the backfill queued its rows ahead of
     the merge stores its on-time copy; the merge waits for it, finds it and skips it. Played
     here by the test: it holds the records lock, as the micro-batch does, and stores P1 once
-    the backfill waits."""
+    the backfill waits. The merge holds the lock through its commit, so a micro-batch's read
+    of what is stored (a late copy) comes before the merge's read or after its commit."""
     produce(stream_config, STREAMED)
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    path = write_rows(stream_config, "p", AHEAD_OF_THE_STREAM[0][1], "parquet")
+    rows = [*AHEAD_OF_THE_STREAM[0][1], pv_row("P2", "u", 102)]
+    path = write_rows(stream_config, "p", rows, "parquet")
     tables = open_tables(stream_config, spark)
+    held_at = probe_records_lock(monkeypatch, backfill_module)
     waiting = threading.Event()
     outcome: dict[str, object] = {}
 
@@ -951,8 +955,8 @@ def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(
         worker = threading.Thread(target=backfill)
         worker.start()
         assert waiting.wait(300), outcome
-        assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
-                ] == ["P1"]
+        assert sorted(r["record_id"] for r in table_rows(stream_config, spark,
+                                                         "recompute_queue")) == ["P1", "P2"]
         (stored,) = [r for r in table_rows(stream_config, spark, "pageviews")
                      if r["event_id"] == "v0"]
         copy = {**stored, "event_id": "P1", "url": "/P1", "ts": START + timedelta(minutes=100),
@@ -964,9 +968,9 @@ def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(
             metadata={"run_id": "test", "cause": "a micro-batch in flight"})
     worker.join(300)
     assert "error" not in outcome, outcome
-    assert outcome["summary"].rows_merged == 0
-    assert outcome["summary"].duplicates_skipped == 1
+    assert (outcome["summary"].rows_merged, outcome["summary"].duplicates_skipped) == (1, 1)
     assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")].count("P1") == 1
+    assert held_at["pageviews"] == [True]
 
 
 def test_a_row_stamped_after_its_file_was_written_is_quarantined_not_left_to_the_stream(

@@ -142,20 +142,23 @@ def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
             for r in table_rows(stream_config, spark, "attributions")} == {"o-old": None}
 
 
-def test_a_backfill_killed_after_its_merge_stores_once_what_the_stream_then_receives(
-    stream_config: Config, spark: SparkSession
+@pytest.mark.parametrize(("crash_after", "merged_by_the_rerun"), [
+    ("queued ahead of the merge", 1), ("merge:", 0)])
+def test_a_backfill_killed_before_it_planned_stores_once_what_the_stream_then_receives(
+    stream_config: Config, spark: SparkSession, crash_after: str, merged_by_the_rerun: int
 ) -> None:
-    """(Z11, Z14) Each batch's first attempt is killed after its merge, before its plan queued
-    the rows of u, whom the stream holds; the stream then receives the same records on time.
-    They were stored twice (and the client's next backfill of that day failed its
-    tables_after_merge gate: duplicate keys)."""
+    """(Z11, Z14) Each batch's first attempt is killed before its plan queued the rows of u,
+    whom the stream holds: after its merge, or before it, once its rows were queued ahead of
+    it. The stream then receives the same records on time. Killed after the merge, they were
+    stored twice (and the client's next backfill of that day failed its tables_after_merge
+    gate: duplicate keys); killed before, the rerun stores them."""
     produce(stream_config, STREAMED)
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     paths = {kind: write_rows(stream_config, kind, rows, "parquet")
              for kind, rows in AHEAD_OF_THE_STREAM}
     for kind, path in paths.items():
         child = subprocess.run(
-            [sys.executable, "-c", DRIVER, kind, "client-00", path, "merge:"],
+            [sys.executable, "-c", DRIVER, kind, "client-00", path, crash_after],
             env=cli_env(stream_config), capture_output=True, text=True, timeout=600,
             start_new_session=True)
         assert child.returncode == -9, child.stdout + child.stderr
@@ -164,5 +167,5 @@ def test_a_backfill_killed_after_its_merge_stores_once_what_the_stream_then_rece
     for kind, path in paths.items():
         rerun = run_backfill(stream_config, kind=kind, client_id="client-00", path=path,
                              spark=spark, progress=lambda _: None)
-        assert (rerun.rows_merged, rerun.corrections.deferred_users) == (0, 1)
+        assert (rerun.rows_merged, rerun.corrections.deferred_users) == (merged_by_the_rerun, 1)
     assert_stored_once_and_folded_in(stream_config, spark)

@@ -25,7 +25,7 @@ from clickstream.errors import (
     DataLossError,
 )
 from clickstream.events.contract import URL_MAX_BYTES
-from clickstream.io.delta_tables import open_tables
+from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
 from clickstream.jobs import sessionize
@@ -360,28 +360,38 @@ def test_a_batch_stores_its_pageviews_before_the_sessions_it_closes(
     assert all(pageviews[batch] <= sessions[batch] for batch in both), (pageviews, sessions)
 
 
+def probe_records_lock(monkeypatch: pytest.MonkeyPatch, module: object
+                       ) -> dict[str, list[bool]]:
+    """Per table, whether the records lock (Z14) was held at each of its commits by the tables
+    ``module`` opens: filled as they commit."""
+    held_at: dict[str, list[bool]] = {}
+
+    def opened(config: Config, spark: SparkSession) -> DeltaTables:
+        def lock_held(table: str, attempt: int) -> None:
+            path = records_lock_path(config)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    held_at.setdefault(table, []).append(True)
+                    return
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                held_at.setdefault(table, []).append(False)
+
+        return open_tables(config, spark, before_commit=lock_held)
+
+    monkeypatch.setattr(module, "open_tables", opened)
+    return held_at
+
+
 def test_a_batch_holds_the_records_lock_until_its_records_are_stored(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """(Z14) A backfill that queued rows ahead of its merge takes the lock before the merge:
     a micro-batch holds it from its read of the queue through its records' commits, and
     lets it go before the sessions it derives (a backfill waits for one wave, not a batch)."""
-    held_at: dict[str, list[bool]] = {}
-
-    def lock_held(table: str, attempt: int) -> None:
-        path = records_lock_path(stream_config)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held_at.setdefault(table, []).append(True)
-                return
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            held_at.setdefault(table, []).append(False)
-
-    monkeypatch.setattr(sessionize, "open_tables", lambda config, spark: open_tables(
-        config, spark, before_commit=lock_held))
+    held_at = probe_records_lock(monkeypatch, sessionize)
     start = datetime(2026, 11, 1, tzinfo=UTC)
     produce(stream_config, [pageview("u", start), pageview("u", start + timedelta(hours=2))])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)

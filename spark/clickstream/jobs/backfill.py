@@ -244,14 +244,21 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
 
     ``snapshots``: the correction run's, when it follows in this process. The gate of an
     orders batch reads all of the client's orders; they are then read once, at the merge
-    commit, and kept there for the recompute's windows (which would read them again)."""
+    commit, and kept there for the recompute's windows (which would read them again).
+
+    The merge holds the stream's records lock from its read of what is stored to its commit
+    (``sessionize`` Z14): a micro-batch stores its records before the merge reads them, or
+    reads them after it committed, so no record is stored by both."""
     queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
-        merged = merge_pageviews(tables, valid, client_id, run_id, dates)
-    else:
-        merged = merge_orders(tables, valid, client_id, run_id)
+    with records_lock(config, on_wait=lambda: progress(
+            "  waiting for the sessionizer's micro-batch in flight to store its records ...")):
+        if kind == "pageviews":
+            merged = merge_pageviews(tables, valid, client_id, run_id, dates)
+        else:
+            merged = merge_orders(tables, valid, client_id, run_id)
     stored = None
     if kind == "orders" and snapshots is not None and gates_enabled(config):
         version = run_commit_version(tables, ORDERS.name, run_id)
@@ -362,13 +369,14 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
                              ) -> None:
     """Queue the batch's rows the stream could still receive on time, before they are merged
     (``sessionize`` Z11, Z14): the stream stores no on-time copy of a record a backfill
-    queued, so none of them is stored twice. Only rows after the watermark of the stream's
-    last committed micro-batch: any other copy is late for the stream, which finds it stored.
-    They are queued as the rows of the users the plan leaves to the stream are (C4, whose
-    queue skips them); a row whose user the stream let go meanwhile is folded in by the next
-    recompute, which changes nothing. Killed before the merge, the run's rerun merges them;
-    until then a copy the stream received is in its sessions but not in ``pageviews`` /
-    ``orders`` (README, Known limits)."""
+    queued (an on-time row is not compared with what is stored), so the merge is the only
+    writer of these records from then on. Only rows after the watermark of the stream's last
+    committed micro-batch: any other copy is late for the stream, which compares it with
+    what is stored. They are queued as the rows of the users the plan leaves to the stream
+    are (C4, whose queue skips them); a row whose user the stream let go meanwhile is folded
+    in by the next recompute, which changes nothing once the merge stored it. Killed before
+    the merge, the run must be rerun: a copy the stream receives on time meanwhile is in its
+    sessions but not in ``pageviews`` / ``orders`` (README, Known limits)."""
     watermark = stream_watermark_ms(config)
     if watermark is None:  # no stream has run: nothing is on time for it yet
         return
@@ -377,18 +385,14 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
         RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, f"{BACKFILL_QUEUED_BY}{run_id}"),
         app_id=_ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
         metadata={"run_id": run_id, "cause": f"{BACKFILL_QUEUED_BY}{run_id}"})
-    if queued.rows or not queued.committed:  # (Z14) a micro-batch that missed them stores first
-        with records_lock(config, on_wait=lambda: progress(
-                "  waiting for the sessionizer's micro-batch in flight to store its records "
-                "...")):
-            pass
     if queued.rows:
-        progress(f"  {queued.rows} rows the stream could still receive on time queued ahead "
-                 "of the merge")
+        progress(f"  queued ahead of the merge: {queued.rows} rows the stream could still "
+                 "receive on time, whose copies it leaves to this run (if it stops before "
+                 "its merge, rerun it)")
 
 
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
-                         run_id: str, moved: DataFrame | None) -> Defer:
+                         client_id: str, run_id: str, moved: DataFrame | None) -> Defer:
     """How the batch's rows of users the stream still owns go to the recompute queue (C4),
     with the places the batch moved orders away from (``moved``, from
     ``moved_stored_orders``), where the stream may hold them in an open session (C10).
@@ -410,7 +414,8 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
         if attempt > 1 or tables.app_version(RECOMPUTE_QUEUE.name, _ahead_app_id(run_id)):
             # Not what an earlier attempt, or the queue ahead of the merge, queued. A
             # recompute may have folded some in since: queued again, harmless.
-            earlier = tables.read(RECOMPUTE_QUEUE.name, ["kind", "record_id", "queued_by"])
+            earlier = tables.read(RECOMPUTE_QUEUE.name, ["kind", "record_id", "queued_by"],
+                                  partition_filter={"client_id": client_id})
             rows = rows.join(earlier.where(F.col("queued_by").startswith(queued_by)).select(
                 "kind", "record_id", "queued_by"), ["kind", "record_id", "queued_by"],
                 "left_anti")
@@ -443,7 +448,8 @@ class BatchScope:
 
     def defer(self, users: DataFrame) -> None:
         """Queue the batch's rows of ``users``, whom the stream holds (``corrections.Defer``)."""
-        queue_for_the_stream(self.tables, self.valid, self.kind, self.run_id, self._moved)(users)
+        queue_for_the_stream(self.tables, self.valid, self.kind, self.client_id, self.run_id,
+                             self._moved)(users)
 
     def release(self) -> None:
         release(self._moved)

@@ -16,7 +16,7 @@ in the Spark checkpoint; every table write is ``append_once`` under (query id, b
 batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z13):
+Known edge cases, cited inline as (Z1)..(Z14):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -56,7 +56,8 @@ Known edge cases, cited inline as (Z1)..(Z13):
       nothing in and removed the row, and the replayed batch skipped its already committed
       queue write: the late record never reached a session. A crash after the records' wave
       replays the batch, which still queues them (Z8: the stored rows carry its own source).
-      The extra wave costs only micro-batches with late records.
+      The extra wave costs only micro-batches with late records. (Rows a backfill queues
+      ahead of its merge are the exception: Z11.)
   Z10. The checkpoint's state holds open sessions merged with the session gap of its first
       start: a later start with another CLICKSTREAM_SESSION_GAP would mix two gaps silently.
       The first start records the gap (and the state's bucket count) in the checkpoint folder
@@ -76,7 +77,10 @@ Known edge cases, cited inline as (Z1)..(Z13):
       watermark of the stream's last committed micro-batch) before it merges them (Z14):
       queued only after, a copy the stream received in between (tens of seconds, or until
       the rerun of a backfill killed after its merge) was stored twice, and the client's next
-      backfill of that day failed its ``tables_after_merge`` gate (duplicate keys).
+      backfill of that day failed its ``tables_after_merge`` gate (duplicate keys). Queued
+      ahead, a row's record is stored only once the merge commits: a recompute that folds
+      such a row in before (the stream let its user go meanwhile; it defers it until then)
+      recomputes the session without the record, and the backfill's plan puts it back.
   Z12. Two copies of one id in a micro-batch that differ (a producer reusing an id, not a
       retry): the sink stores the copy the session state counts, chosen by the same rule
       (semantics E6: first by time, user, then url or amount and currency), not whichever
@@ -92,11 +96,17 @@ Known edge cases, cited inline as (Z1)..(Z13):
       a ``StackOverflowError`` of the stream thread and a batch to redo. A second signal
       stops at once (the batch in flight is replayed at the next start, nothing doubled).
   Z14. A micro-batch holds the warehouse's records lock (``records_lock``) from the moment it
-      reads which records backfills queued (Z11) until its records' wave committed. A backfill
-      that queued rows ahead of its merge takes the lock once before the merge reads what is
-      stored: a micro-batch that read the queue before those rows were committed has stored
-      its records by then (the merge finds them and skips them), and any later one sees the
-      rows and leaves them to the backfill. The lock is ``flock``: one machine (``locks``).
+      reads which records backfills queued (Z11) until its records' wave committed, and a
+      backfill's merge holds it from its read of what is stored to its commit. So a
+      micro-batch stores its records before the merge reads (the merge finds them and skips
+      them), or reads the queue and the stored rows after the merge committed (it leaves the
+      rows queued ahead to the backfill, and finds a late copy stored): no record is stored by
+      both, on time or late. Without it, a micro-batch that read the queue just before the
+      rows were queued stored its on-time copy while the merge ran, and a copy that turned
+      late while the merge ran (the watermark passed it) was compared with the stored rows
+      before the merge committed. The stream waits for a merge (seconds; as long as the
+      backfill's ``merge:`` step), a merge for one micro-batch. The lock is ``flock``: one
+      machine (``locks``).
 """
 
 from __future__ import annotations
@@ -473,8 +483,8 @@ def records_lock_path(config: Config) -> Path:
 def records_lock(config: Config, on_wait: Callable[[], None] | None = None
                  ) -> AbstractContextManager[None]:
     """Held by a micro-batch from its snapshot of the backfills' queue rows until its records
-    are stored, and taken by a backfill between queueing rows ahead of its merge and the
-    merge (Z14)."""
+    are stored, and by a backfill's merge from its read of what is stored to its commit
+    (Z14)."""
     return exclusive(records_lock_path(config), on_wait)
 
 
@@ -530,8 +540,10 @@ class MicroBatchWriter:
         late_before = checkpoint_watermark_ms(self.checkpoint, batch_id - 1)  # (Z1)
         batch = batch.persist()
         try:
-            with ExitStack() as records_stored:  # (Z14) released once the records' wave is
-                records_stored.enter_context(records_lock(self.config))
+            with ExitStack() as records_stored:  # (Z14) released by _write after its records
+                records_stored.enter_context(records_lock(self.config, on_wait=lambda: print(
+                    f"  micro-batch {batch_id}: waiting for a backfill's merge to commit "
+                    f"({records_lock_path(self.config)}) ...", flush=True)))
                 return self._write(batch, batch_id, app_id, late_before, records_stored.close)
         finally:
             batch.unpersist()
