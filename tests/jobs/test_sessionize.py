@@ -388,9 +388,9 @@ def probe_records_lock(monkeypatch: pytest.MonkeyPatch, module: object
 def test_a_batch_holds_the_records_lock_until_its_records_are_stored(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """(Z14) A backfill that queued rows ahead of its merge takes the lock before the merge:
-    a micro-batch holds it from its read of the queue through its records' commits, and
-    lets it go before the sessions it derives (a backfill waits for one wave, not a batch)."""
+    """(Z14) A backfill's merge holds the records lock from its read to its commit: a
+    micro-batch holds it from its read of the queue through its records' commits, and lets
+    it go before the sessions it derives (a merge waits for one wave, not a batch)."""
     held_at = probe_records_lock(monkeypatch, sessionize)
     start = datetime(2026, 11, 1, tzinfo=UTC)
     produce(stream_config, [pageview("u", start), pageview("u", start + timedelta(hours=2))])

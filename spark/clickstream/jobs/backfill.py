@@ -7,7 +7,8 @@ the same batch after any crash resumes it, and rerunning it after success change
 
 Delivery guarantee: exactly once into the tables (pageviews insert-only by event_id, orders
 upserted by order_id only when changed, every write under the run's application transaction);
-Kafka corrections at least once, idempotent by key and revision.
+Kafka corrections at least once, idempotent by key and revision. A run stopped after
+queueing rows ahead of its merge must be rerun (``queue_ahead_of_the_merge``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ Known edge cases, cited inline as (C1)..(C12):
       reaches (``open_session_starts``). A backfill queues its rows of the deferred
       users (``defer``) before the plan is recorded: a resumed run reads the plan back
       instead of planning, so queueing after it would be skipped for good. Its rows the
-      stream could still receive on time were queued before its merge (``sessionize`` Z14).
+      stream could still receive on time were queued before its merge (``sessionize`` Z11).
   C5. The stored ``sessions`` and ``attributions`` a run plans from are a snapshot (one table
       version, the client's days in reach), kept until apply rewrites those days from it: each
       affected partition is read once. The replace names the version it was computed from, so

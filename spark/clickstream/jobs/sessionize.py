@@ -13,7 +13,8 @@ order exactly once, queues late ones for the recompute, and writes/publishes clo
 
 Delivery guarantee: exactly once into the Delta tables. Source offsets and session state live
 in the Spark checkpoint; every table write is ``append_once`` under (query id, batch id), so a
-batch replayed after a crash commits nothing twice. Kafka outputs are at least once with
+batch replayed after a crash commits nothing twice (a record a backfill queued ahead of its
+merge is that backfill's to store: Z11, Z14). Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
 Known edge cases, cited inline as (Z1)..(Z14):
@@ -96,8 +97,9 @@ Known edge cases, cited inline as (Z1)..(Z14):
       a ``StackOverflowError`` of the stream thread and a batch to redo. A second signal
       stops at once (the batch in flight is replayed at the next start, nothing doubled).
   Z14. A micro-batch holds the warehouse's records lock (``records_lock``) from the moment it
-      reads which records backfills queued (Z11) until its records' wave committed, and a
-      backfill's merge holds it from its read of what is stored to its commit. So a
+      reads which records backfills queued (Z11; after its gate's and counts' jobs, which
+      compute the micro-batch) until its records' wave committed, and a backfill's merge
+      holds it from its read of what is stored to its commit. So a
       micro-batch stores its records before the merge reads (the merge finds them and skips
       them), or reads the queue and the stored rows after the merge committed (it leaves the
       rows queued ahead to the backfill, and finds a late copy stored): no record is stored by
@@ -105,8 +107,9 @@ Known edge cases, cited inline as (Z1)..(Z14):
       rows were queued stored its on-time copy while the merge ran, and a copy that turned
       late while the merge ran (the watermark passed it) was compared with the stored rows
       before the merge committed. The stream waits for a merge (seconds; as long as the
-      backfill's ``merge:`` step), a merge for one micro-batch. The lock is ``flock``: one
-      machine (``locks``).
+      backfill's ``merge:`` step), a merge for a micro-batch's records' wave; merges of
+      several backfills (of any clients) take turns. ``flock`` does not queue waiters in
+      order, and reaches one machine (``locks``).
 """
 
 from __future__ import annotations
@@ -540,16 +543,13 @@ class MicroBatchWriter:
         late_before = checkpoint_watermark_ms(self.checkpoint, batch_id - 1)  # (Z1)
         batch = batch.persist()
         try:
-            with ExitStack() as records_stored:  # (Z14) released by _write after its records
-                records_stored.enter_context(records_lock(self.config, on_wait=lambda: print(
-                    f"  micro-batch {batch_id}: waiting for a backfill's merge to commit "
-                    f"({records_lock_path(self.config)}) ...", flush=True)))
-                return self._write(batch, batch_id, app_id, late_before, records_stored.close)
+            with ExitStack() as records_lock_held:  # (Z14) _write takes it, and lets it go
+                return self._write(batch, batch_id, app_id, late_before, records_lock_held)
         finally:
             batch.unpersist()
 
     def _write(self, batch: DataFrame, batch_id: int, app_id: str, late_before_ms: int,
-               records_stored: Callable[[], None]) -> BatchCounts:
+               records_lock_held: ExitStack) -> BatchCounts:
         counts = BatchCounts()
         records = batch.where(F.col("branch") == "record").select("record.*")
         emitted = batch.where(F.col("branch") == "emitted").select("emitted.*")
@@ -584,9 +584,17 @@ class MicroBatchWriter:
         valid = records.where(F.col("error").isNull()).withColumn(
             "event_date", F.to_date("ts"))
         duplicates = emitted.where(F.col("kind") == "duplicate")
-        # (Z11) One snapshot, taken under the records lock (Z14): the delta-rs engine's read
-        # lists the version's files now, so the records' wave and the attributions below see
-        # the same queue even if a recompute dequeues in between.
+        # (Z14) From the read of the backfills' queue rows until the records' wave committed,
+        # not before: the gate's and the counts' jobs above did the micro-batch's work (the
+        # source, the session state) without holding a backfill's merge back.
+        records_lock_held.enter_context(records_lock(self.config, on_wait=lambda: print(
+            f"  micro-batch {batch_id}: waiting for a backfill's merge to commit "
+            f"({records_lock_path(self.config)}) ...", flush=True)))
+        # (Z11) One snapshot: the delta-rs engine's read lists the version's files now, so the
+        # records' wave and the attributions below see the same queue even if a recompute
+        # dequeues in between. (delta-spark's unpinned read may take a later version at each
+        # job, unverified here: the attributions may then leave out orders queued since, which
+        # the recompute that folds those rows in attributes.)
         backfilled = _queued_by_backfills(self.tables)
 
         # (Z12) The copy of each id the state counts: stored, and queued when late.
@@ -684,7 +692,7 @@ class MicroBatchWriter:
             for field_name, rows in _side_by_side(batch.sparkSession, wave).items():
                 setattr(counts, field_name, rows)
             if wave is stored:
-                records_stored()  # (Z14)
+                records_lock_held.close()  # (Z14)
         return counts
 
 
