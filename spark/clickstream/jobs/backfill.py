@@ -361,6 +361,13 @@ def _queue_rows(rows: DataFrame, kind: BatchKind, queued_by: str) -> DataFrame:
                        F.lit(queued_by).alias("queued_by"), F.to_date("ts").alias("event_date"))
 
 
+def _queued_by(run_id: str) -> str:
+    """``queued_by`` of the run's rows, ahead of the merge or deferred (C4): one mark, so
+    that the C4 queueing recognises the rows queued ahead. The stream knows these rows are
+    the backfill's to store (``sessionize`` Z11)."""
+    return f"{BACKFILL_QUEUED_BY}{run_id}"
+
+
 def _ahead_app_id(run_id: str) -> str:
     return f"backfill-ahead-{run_id}"
 
@@ -383,9 +390,9 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
         return
     ahead = valid.where(F.col("ts") > F.timestamp_millis(F.lit(watermark)))
     queued = tables.append_once(
-        RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, f"{BACKFILL_QUEUED_BY}{run_id}"),
+        RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, _queued_by(run_id)),
         app_id=_ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
-        metadata={"run_id": run_id, "cause": f"{BACKFILL_QUEUED_BY}{run_id}"})
+        metadata={"run_id": run_id, "cause": _queued_by(run_id)})
     if queued.rows:
         progress(f"  queued ahead of the merge: {queued.rows} rows the stream could still "
                  "receive on time, whose copies it leaves to this run (if it stops before "
@@ -401,7 +408,7 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
     Each attempt that plans queues the rows no earlier attempt of the run queued: an attempt
     that died before recording its plan is planned again, and by then the stream may own
     more of the batch's users."""
-    queued_by = f"{BACKFILL_QUEUED_BY}{run_id}"  # the stream knows these rows are stored
+    queued_by = _queued_by(run_id)
     app_id = f"backfill-queue-{run_id}"
 
     def queue(users: DataFrame) -> None:
