@@ -74,3 +74,16 @@ def test_no_secret_has_a_default_and_nothing_listens_beyond_localhost(compose: d
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port}"
     assert ":-" not in text, "a ${VAR:-default} would give a secret a default"
+
+
+def test_the_never_ending_sessionizer_leaves_the_worker_cores_for_another_job(
+        compose: dict) -> None:
+    """A standalone master gives an application without ``spark.cores.max`` every free core;
+    the sessionizer would then hold them all, and a backfill would wait for as long as it runs.
+    """
+    master = compose["services"]["spark-master"]["environment"]
+    worker = compose["services"]["spark-worker"]["environment"]
+    default_cores = re.search(r"-Dspark\.deploy\.defaultCores=(\d+)\b",
+                              master.get("SPARK_MASTER_OPTS", ""))
+    assert default_cores, "the master sets no spark.deploy.defaultCores"
+    assert int(worker["SPARK_WORKER_CORES"]) >= 2 * int(default_cores.group(1))
