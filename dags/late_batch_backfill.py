@@ -7,8 +7,8 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
-from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN
-from clickstream.orchestration import spark_job, table_asset, task_errors
+from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN, CLIENT_ID_RULE
+from clickstream.orchestration import refuse_unknown_conf, spark_job, table_asset, task_errors
 
 DOC = """
 # Late batch backfill
@@ -32,7 +32,8 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
 
 1. `locate_batch` — the path must stay inside the landing folder; formats; the batch's
    fingerprint becomes the run id, and every later step refuses files that changed since.
-   A refused path fails the run at once with the reason (no retries).
+   A refused path fails the run at once with the reason (no retries), as does a conf key
+   this DAG has no parameter for (from the REST API: Airflow would ignore it).
 2. `validate_batch` — columns, types and values; counts bad rows (with reasons), rows that
    are new or changed, users and stored sessions in reach. In a dry run it also runs the
    `historical_batch` gate and reports its verdict. Writes nothing.
@@ -90,8 +91,8 @@ def step(name: str, *, dry_run: str = "false") -> list[str]:
             "", type="string", minLength=1, maxLength=CLIENT_ID_MAX_BYTES,
             pattern=rf"^{CLIENT_ID_PATTERN}$(?!\n)",
             title="Client",
-            description="The client the batch belongs to, e.g. client-00 (no spaces around "
-                        "it: rows are matched to it exactly)."),
+            description="The client the batch belongs to, e.g. client-00, matched to its "
+                        f"rows exactly: {CLIENT_ID_RULE}."),
         "kind": Param(
             "orders", type="string", enum=["orders", "pageviews"], title="Kind",
             values_display={"orders": "orders (order_id, client_id, user_id, ts, amount, "
@@ -110,11 +111,12 @@ def step(name: str, *, dry_run: str = "false") -> list[str]:
 )
 def late_batch_backfill():
     @task
-    def locate_batch(params=None) -> dict:
+    def locate_batch(params=None, dag_run=None, dag=None) -> dict:
         from clickstream.config import Config
         from clickstream.jobs.backfill_steps import locate_batch
 
         with task_errors():
+            refuse_unknown_conf(dag_run.conf, dag.params)
             return locate_batch(Config.from_env(), kind=params["kind"],
                                 client_id=params["client"], path=params["path"])
 
@@ -138,7 +140,7 @@ def late_batch_backfill():
 
     located = locate_batch()
     validate = spark_job("validate_batch", "backfill_step",
-                         step("check", dry_run="{{ params.dry_run | lower }}"), retries=0)
+                         step("check", dry_run="{{ params.dry_run | lower }}"))
     merge = spark_job("merge", "backfill_step", step("merge"))
     recompute = spark_job("recompute", "backfill_step", step("recompute"), outlets=RECOMPUTED)
     validate_corrections = spark_job("validate_corrections", "backfill_step",

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import Param, dag
 
-from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN
+from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN, CLIENT_ID_RULE
 from clickstream.orchestration import spark_job, table_asset
 
 DOC = """
@@ -50,7 +50,8 @@ CHANGED = [table_asset(name)
             None, type=["null", "string"], maxLength=CLIENT_ID_MAX_BYTES,
             pattern=rf"^({CLIENT_ID_PATTERN})?$(?!\n)",
             title="Client",
-            description="Only this client's queue; empty for every client with queued events."),
+            description="Only this client's queue; empty for every client with queued "
+                        f"events. A client id has {CLIENT_ID_RULE}."),
     },
 )
 def scheduled_recompute():

@@ -22,6 +22,18 @@ from datetime import UTC, datetime
 import httpx
 
 FINISHED = {"success", "failed"}
+BACKFILL_DAG = "late_batch_backfill"
+
+
+def refused(response: httpx.Response, what: str) -> SystemExit:
+    """The API's own reason for a 4xx (an invalid Param names the Param and the rule), which
+    ``raise_for_status`` would replace with the status line alone."""
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    return SystemExit(f"{what}: the API refused it ({response.status_code}): "
+                      f"{detail if isinstance(detail, str) else json.dumps(detail)}")
 
 
 def client(base_url: str, password_file: str) -> httpx.Client:
@@ -29,6 +41,8 @@ def client(base_url: str, password_file: str) -> httpx.Client:
         password = json.load(handle)["admin"]
     response = httpx.post(f"{base_url}/auth/token",
                           json={"username": "admin", "password": password}, timeout=30)
+    if 400 <= response.status_code < 500:
+        raise refused(response, f"log in to {base_url} as admin")
     response.raise_for_status()
     token = response.json()["access_token"]
     return httpx.Client(base_url=f"{base_url}/api/v2", timeout=30,
@@ -41,6 +55,8 @@ def with_retries(send: Callable[[], httpx.Response], what: str,
     5 s for the lock while tasks start, and the API answers 500 ("database is locked")."""
     for attempt in range(1, attempts + 1):
         response = send()
+        if 400 <= response.status_code < 500:
+            raise refused(response, what)
         if response.status_code < 500 or attempt == attempts:
             response.raise_for_status()
             return response
@@ -58,8 +74,10 @@ def wait_for_dag(api: httpx.Client, dag_id: str, timeout_s: float = 180) -> None
                          f"unpause {dag_id}")
             return
         time.sleep(2)
-    raise SystemExit(f"DAG {dag_id} was not parsed within {timeout_s:.0f} s; see the "
-                     "dag-processor log")
+    known = sorted(dag["dag_id"] for dag in api.get("/dags").json().get("dags", []))
+    raise SystemExit(f"no DAG {dag_id!r} after {timeout_s:.0f} s: Airflow knows "
+                     f"{', '.join(known) or 'no DAG yet'}. A misspelled id, or a DAG file that "
+                     "did not parse: see Browse -> DAG import errors, or the dag-processor log")
 
 
 def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int:
@@ -85,13 +103,15 @@ def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int
             break
         time.sleep(3)
     print(f"run {run_id}: {state}")
-    print_run_summary(conf.get("client"), since)
+    if dag_id == BACKFILL_DAG:
+        print_run_summary(conf.get("client"), since, state)
     return 0 if state == "success" else 1
 
 
-def print_run_summary(client_id: str | None, since: str) -> None:
+def print_run_summary(client_id: str | None, since: str, state: str) -> None:
     """The backfill's run summary (its page in the quality reports, written by the DAG's
-    last step, or in red by the step that failed), read from the reports index."""
+    last step, or in red by the step that failed), read from the reports index under this
+    machine's ``$CLICKSTREAM_HOME``, which is Airflow's only when Airflow runs here with it."""
     from clickstream.config import Config
     from clickstream.quality import reports, run_summary
 
@@ -100,7 +120,11 @@ def print_run_summary(client_id: str | None, since: str) -> None:
              if e.job == "backfill" and e.title == "run summary" and e.time >= since
              and (client_id is None or e.client_id == client_id)]
     if not pages:
-        print(f"  no run summary in {root} (the run stopped before a step could write one)")
+        why = ("the run may have stopped before a step could write one; " if state != "success"
+               else "")
+        print(f"  no run summary of this run in {root} ({why}summaries are read from this "
+              "machine's $CLICKSTREAM_HOME: for an Airflow elsewhere, see its Quality reports "
+              "page)")
         return
     page = max(pages, key=lambda e: e.time)
     cut = len(page.summary) >= run_summary.SUMMARY_MAX_CHARS  # the index keeps the start

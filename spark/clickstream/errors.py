@@ -74,3 +74,8 @@ def one_error_for(failures: list[BaseException], message: str) -> ClickstreamErr
 EXIT_NOT_RETRYABLE = 3
 """The exit status of a command that failed with one of :data:`NOT_RETRYABLE`; any other
 failure exits 1. spark-submit passes the status on, so a Spark task can tell the two apart."""
+
+EXIT_USAGE = 2
+"""argparse's exit status for arguments it refuses (a value a form let through, e.g. a client
+id of more than 64 bytes in fewer characters): like :data:`EXIT_NOT_RETRYABLE`, the same
+arguments are refused again on every retry."""

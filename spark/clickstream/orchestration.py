@@ -12,8 +12,10 @@ Known edge cases, cited inline as (O1)..(O3):
       transient failures (broker unavailable, commit conflicts, delivery) keep Airflow's
       retries, and every step is idempotent, so a retry resumes rather than doubles. A Python
       task sees the exception itself (``task_errors``); a Spark task sees only spark-submit's
-      exit status, which the entry point sets to ``errors.EXIT_NOT_RETRYABLE`` for these
-      (``spark_job``).
+      exit status, which the entry point sets to ``errors.EXIT_NOT_RETRYABLE`` for these, or
+      ``errors.EXIT_USAGE`` for arguments it refuses (``spark_job``). A run's conf with a key
+      the DAG has no Param for fails too (``refuse_unknown_conf``): Airflow ignores it, so a
+      misspelled ``dry_run`` would start a run that writes.
   O2. Asset URIs name a table, not a folder: the warehouse location is configuration and
       must not be read while the DAG file is parsed.
   O3. Configuration is read when a task runs, in the worker's environment, never while the
@@ -24,13 +26,13 @@ Known edge cases, cited inline as (O1)..(O3):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE
+from clickstream.errors import EXIT_NOT_RETRYABLE, EXIT_USAGE, NOT_RETRYABLE, ConfigError
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
@@ -40,8 +42,10 @@ if TYPE_CHECKING:
 ENTRYPOINTS = Path(__file__).resolve().parents[1] / "entrypoints"
 
 ASSET_URI_PREFIX = "clickstream://warehouse/"
-# The product's one-line reason in a job's output (``clickstream.cli.main``).
+# The product's one-line reason in a job's output (``clickstream.cli.main``, or argparse's).
 ERROR_LINE_MARKER = ": error: "
+# A job that exits with one of these failed as it would on every retry (O1).
+NOT_RETRYABLE_EXITS = (EXIT_NOT_RETRYABLE, EXIT_USAGE)
 
 
 def table_asset(table: str) -> Asset:
@@ -70,6 +74,22 @@ def task_errors() -> Iterator[None]:
         from airflow.sdk.exceptions import AirflowFailException
 
         raise AirflowFailException(f"{type(error).__name__}: {error}") from error
+
+
+def refuse_unknown_conf(conf: Mapping[str, Any] | None, params: Iterable[str]) -> None:
+    """Fail a run whose conf has keys the DAG has no Param for (O1): Airflow ignores them,
+    so ``{"dry-run": true}`` from the REST API would run with ``dry_run`` false, and write.
+
+    Raises:
+        ConfigError: naming the unknown keys and the DAG's Params.
+    """
+    known = set(params)
+    unknown = sorted(set(conf or {}) - known)
+    if unknown:
+        raise ConfigError(
+            f"the run's conf has {', '.join(map(repr, unknown))}, which this DAG has no "
+            f"parameter for (it has {', '.join(sorted(known))}): Airflow would ignore "
+            "it and use the default; trigger the run again with the parameter's own name")
 
 
 def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
@@ -123,7 +143,7 @@ def _spark_job_operator() -> type[SparkSubmitOperator]:
                 super().execute(context)
             except AirflowException as error:
                 process = getattr(self._hook, "_submit_sp", None)
-                if process is None or process.returncode != EXIT_NOT_RETRYABLE:
+                if process is None or process.returncode not in NOT_RETRYABLE_EXITS:
                     raise
                 lines = getattr(self._hook, "_last_submit_log_lines", ())
                 reasons = [line.strip() for line in lines if ERROR_LINE_MARKER in line
@@ -131,7 +151,7 @@ def _spark_job_operator() -> type[SparkSubmitOperator]:
                 raise AirflowFailException(
                     reasons[-1] if reasons else
                     f"{self.task_id} failed in a way a retry cannot fix (exit status "
-                    f"{EXIT_NOT_RETRYABLE}); its reason is in the log above") from error
+                    f"{process.returncode}); its reason is in the log above") from error
 
     ClickstreamSparkJob.__module__ = __name__
     return ClickstreamSparkJob

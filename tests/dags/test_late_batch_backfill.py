@@ -142,6 +142,26 @@ def test_a_path_outside_the_landing_folder_fails_the_run_with_a_clear_message(
     assert set(versions(config, spark).values()) == {-1}
 
 
+def test_a_conf_key_the_dag_has_no_param_for_fails_the_run_before_it_reads_anything(
+        backfill_dag, env_config: Config, spark, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture) -> None:
+    """Airflow ignores a conf key it has no Param for: a misspelled dry run would write."""
+    history(env_config, "late")
+
+    dagrun, states = run(backfill_dag, kind="orders", path="late/orders",
+                         **{"dry-run": True})
+
+    assert str(dagrun.state) == "failed"
+    assert states["locate_batch"] == "failed"
+    tries = {ti.task_id: ti.try_number for ti in dagrun.get_task_instances()}
+    assert tries["locate_batch"] == 1, "a conf a retry cannot fix was retried"
+    assert states["merge"] == "upstream_failed", states
+    output = capfd.readouterr().out + caplog.text
+    assert "the run's conf has 'dry-run', which this DAG has no parameter for (it has " \
+           "client, dry_run, kind, path)" in output
+    assert set(versions(env_config, spark).values()) == {-1}
+
+
 def test_a_batch_the_gate_refuses_fails_the_spark_task_at_once_with_its_reason(
         backfill_dag, env_config: Config, spark, caplog: pytest.LogCaptureFixture,
         capfd: pytest.CaptureFixture) -> None:

@@ -69,3 +69,21 @@ def test_vacuum_below_seven_days_is_refused(dagbag, env_config: Config) -> None:
 def test_scheduled_recompute_with_an_empty_queue_succeeds(dagbag, env_config: Config) -> None:
     dagrun = dagbag.dags["scheduled_recompute"].test()
     assert str(dagrun.state) == "success"
+
+
+def test_a_client_the_form_lets_through_and_the_job_refuses_fails_the_task_at_once(
+        dagbag, env_config: Config, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture) -> None:
+    """The form counts characters, the rule bytes: 40 two-byte characters pass the form, and
+    the job's argument parser refuses them, as it would on every retry (O1)."""
+    client = "\u00e9" * 40
+    assert dagbag.dags["scheduled_recompute"].params.get_param("client").resolve(client)
+
+    dagrun = dagbag.dags["scheduled_recompute"].test(run_conf={"client": client})
+
+    assert str(dagrun.state) == "failed"
+    (ti,) = dagrun.get_task_instances()
+    assert (str(ti.state), ti.try_number) == ("failed", 1), "a refused argument was retried"
+    output = capfd.readouterr().out + caplog.text
+    assert "AirflowFailException: clickstream recompute: error: argument --client: " in output
+    assert "longer than 64 bytes of UTF-8" in output

@@ -22,6 +22,10 @@ CLIENT_ID_PATTERN = r"[^\s\x00-\x1f\x7f]([^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?"
 # other clients' rows with it, at every restart. At most 64 bytes of UTF-8, which stays under
 # that limit even when every byte is escaped (3 bytes each).
 CLIENT_ID_MAX_BYTES = 64
+CLIENT_ID_RULE = (f"no spaces around it, no control characters, at most {CLIENT_ID_MAX_BYTES} "
+                  "bytes of UTF-8")
+"""The rule in words, where a form shows it beside its field (a form's error quotes the
+pattern)."""
 
 
 def client_id_problem(text: str) -> str | None:
