@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,6 +29,27 @@ def exclusive(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator
             if on_wait is not None:
                 on_wait()
             fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def exclusive_or_refuse(path: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` for as long as this process works, or raise
+    ``refuse(holder)`` at once when another process holds it (``holder``: its pid, which the
+    holder writes into the file). For a service of which one copy may run, not for a turn."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise refuse(handle.read().strip() or "unknown") from None
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
         try:
             yield
         finally:

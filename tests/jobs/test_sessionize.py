@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import fcntl
 import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from clickstream.jobs.sessionize import (
     build_stream,
     records_lock_path,
     run_sessionizer,
+    sessionizer_lock_path,
 )
 from clickstream.sessions.batch_adapter import user_bucket
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
@@ -750,6 +753,44 @@ def test_two_clients_of_one_state_bucket_may_send_the_same_ids(
                   for r in table_rows(stream_config, spark, "sessions")
                   if r["user_id"] != "b") == [("client-00", "a", 1, 1), ("client-01", other, 1, 1)]
     assert table_rows(stream_config, spark, "quarantine") == []
+
+
+HOLD_THE_SESSIONIZER_LOCK = """
+import sys, time
+from pathlib import Path
+from clickstream.locks import exclusive_or_refuse
+with exclusive_or_refuse(Path(sys.argv[1]), RuntimeError):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_sessionizer_on_the_checkpoint_is_refused_before_it_reads_it(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z15) Spark guards a checkpoint within one JVM only: a sessionizer in another process
+    (the DAG's, while one runs from the shell) holds it, and this one is refused at once."""
+    checkpoint = stream_config.checkpoint_path("sessionize")
+    produce(stream_config, [pageview("u", datetime(2026, 11, 1, tzinfo=UTC), "p1")])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_SESSIONIZER_LOCK,
+         str(sessionizer_lock_path(stream_config))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(ClickstreamError) as refused:
+            run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+        assert str(refused.value).startswith(
+            f"another sessionizer (pid {holder.pid}) is running on the checkpoint {checkpoint} "
+            f"(it holds {sessionizer_lock_path(stream_config)}): two would run the same "
+            "micro-batches at once. Stop that one first")
+        assert not checkpoint.exists()
+        assert open_tables(stream_config, spark).version("pageviews") == -1
+    finally:
+        holder.kill()  # SIGKILL: the lock goes with its holder
+        holder.wait(timeout=30)
+
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert [row["event_id"] for row in table_rows(stream_config, spark, "pageviews")] == ["p1"]
 
 
 def test_a_restart_with_another_session_gap_is_refused(

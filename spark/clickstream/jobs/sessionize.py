@@ -110,6 +110,12 @@ Known edge cases, cited inline as (Z1)..(Z14):
       backfill's ``merge:`` step), a merge for a micro-batch's records' wave; merges of
       several backfills (of any clients) take turns. ``flock`` does not queue waiters in
       order, and reaches one machine (``locks``).
+  Z15. One sessionizer per checkpoint: a run holds ``sessionizer_lock`` (a file beside the
+      checkpoint folder) from before it reads the checkpoint until it ends, and a second run
+      is refused at once, naming the holder's pid. Spark guards a checkpoint only within one
+      JVM: two processes (``clickstream sessionize`` while the ``sessionizer`` DAG streams)
+      would plan and run the same micro-batches and write the same state versions, and only
+      a clash on a log file stops one of them, whenever it happens.
 """
 
 from __future__ import annotations
@@ -142,7 +148,7 @@ from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import read_kafka_stream
-from clickstream.locks import LOCKS_FOLDER, exclusive
+from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -765,6 +771,25 @@ def _stop_on_signal(stop: _Stop) -> Iterator[None]:
                 signal.signal(sig, old)
 
 
+def sessionizer_lock_path(config: Config) -> Path:
+    """Beside the checkpoint folder (Z15): moving that folder away does not free it."""
+    checkpoint = config.checkpoint_path(JOB)
+    return checkpoint.with_name(f"{checkpoint.name}.lock")
+
+
+def sessionizer_lock(config: Config) -> AbstractContextManager[None]:
+    """Held for a whole run; a second run on the checkpoint is refused at once (Z15)."""
+    checkpoint = config.checkpoint_path(JOB)
+
+    def refuse(holder: str) -> errors.ClickstreamError:
+        return errors.ClickstreamError(
+            f"another sessionizer (pid {holder}) is running on the checkpoint {checkpoint} "
+            f"(it holds {sessionizer_lock_path(config)}): two would run the same micro-batches "
+            "at once. Stop that one first, or let it run: the `sessionizer` DAG starts one "
+            "whenever it is unpaused, and `--until-caught-up` ends once it caught up")
+    return exclusive_or_refuse(sessionizer_lock_path(config), refuse)
+
+
 def run_sessionizer(
     config: Config, *, until_caught_up: bool = False, spark: SparkSession | None = None
 ) -> SessionizeSummary:
@@ -772,6 +797,12 @@ def run_sessionizer(
     ``until_caught_up``, until everything available at start is processed and committed."""
     # Kafka missing fails here, in one line, before Spark starts and its read tasks retry.
     topic_watermarks(config, config.events_topic)
+    with sessionizer_lock(config):  # (Z15)
+        return _run_sessionizer(config, until_caught_up, spark)
+
+
+def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession | None
+                     ) -> SessionizeSummary:
     pin_session_settings(config.checkpoint_path(JOB), config)  # (Z10)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
