@@ -65,10 +65,9 @@ def test_backfill_steps_run_in_order_and_report_always_runs(dagbag) -> None:
     assert params.get_param("dry_run").schema["type"] == "boolean"
     assert params.get_param("client").schema["type"] == "string"
     assert "landing folder" in params.get_param("path").description
-    for task_id in ("merge", "recompute", "validate_corrections", "publish"):
+    # A refusal fails at once (exit 3, O1); a JVM that died is worth another try.
+    for task_id in ("validate_batch", "merge", "recompute", "validate_corrections", "publish"):
         assert dag.get_task(task_id).retries >= 1, f"{task_id} is idempotent: retry it"
-    # Reading and checking give the same answer on every try.
-    assert dag.get_task("validate_batch").retries == 0
     assert "announce_merge" in dag.get_task("merge").downstream_task_ids
 
 
