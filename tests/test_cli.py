@@ -124,19 +124,27 @@ def test_fail_on_data_loss_refuses_anything_else(capsys: pytest.CaptureFixture) 
         "false"]
 
 
-def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path) -> None:
+@pytest.mark.parametrize(("step", "run_id"), [
+    ("report", []), ("publish", ["--run-id", "orders-client-00-typo"]),
+    ("check-applied", ["--run-id", "orders-client-00-typo"])])
+def test_a_backfill_step_out_of_order_fails_with_one_line(tmp_path, step: str,
+                                                          run_id: list[str]) -> None:
+    """Before it writes anything, its failure page included: a mistyped run id published
+    nothing and said so with exit 0, and a report's failure page named a run that never was."""
     landing = tmp_path / "landing"
     (landing / "b").mkdir(parents=True)
     (landing / "b" / "orders.jsonl").write_text("{}\n")
-    env = {"CLICKSTREAM_HOME": str(tmp_path / "home"), "CLICKSTREAM_LANDING": str(landing),
+    home = tmp_path / "home"
+    env = {"CLICKSTREAM_HOME": str(home), "CLICKSTREAM_LANDING": str(landing),
            "CLICKSTREAM_WAREHOUSE": str(tmp_path / "warehouse"), "PATH": ""}
-    result = subprocess.run([*CLI, "backfill-step", "report", "--kind", "orders", "--client",
-                             "client-00", "--path", "b"], capture_output=True, text=True,
-                            env=env, timeout=60)
+    result = subprocess.run([*CLI, "backfill-step", step, "--kind", "orders", "--client",
+                             "client-00", "--path", "b", *run_id], capture_output=True,
+                            text=True, env=env, timeout=60)
     assert result.returncode == EXIT_NOT_RETRYABLE
     assert len(result.stderr.strip().splitlines()) == 1
     assert "no result of step 'check'" in result.stderr and "run the steps in order" in \
         result.stderr
+    assert not home.exists() or not any(path.is_file() for path in home.rglob("*"))
 
 
 def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept(tmp_path) -> None:

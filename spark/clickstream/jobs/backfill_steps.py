@@ -550,11 +550,18 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
     in a dry run.
 
     Raises:
-        ConfigError: an unknown step, or a step whose predecessor has not run.
+        ConfigError: an unknown step, or a step other than ``check`` of a run whose ``check``
+            has not run (a run id mistyped, or steps out of order): refused before it writes
+            anything, its failure page included.
         BatchRefusedError, QualityGateFailedError: as the step functions above.
     """
     if step not in STEPS:
         raise ConfigError(f"unknown backfill step {step!r}; one of: {', '.join(STEPS)}")
+    if step != "check" and load_step_result(config, run_id, "check") is None:
+        raise ConfigError(f"backfill {run_id}: no result of step 'check' under "
+                          f"{step_result_path(config, run_id, 'check').parent}; run the "
+                          "steps in order, under the run id `check` ran with (a mistyped run "
+                          "id is a run no step has seen)")
     try:
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
                            run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
@@ -597,10 +604,7 @@ def _run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, pat
                                                    spark=spark, progress=progress)}
     else:
         check = load_step_result(config, run_id, "check")
-        if check is None:
-            raise ConfigError(f"backfill {run_id}: no result of step 'check' under "
-                              f"{step_result_path(config, run_id, 'check').parent}; run the "
-                              "steps in order")
+        assert check is not None  # run_step refused the run otherwise
         earlier = {} if dry_run else {
             name: load_step_result(config, run_id, name)
             for name in ("merge", "recompute", "check-applied", "publish")}
