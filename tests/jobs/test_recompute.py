@@ -191,6 +191,28 @@ def test_a_recompute_killed_between_apply_and_publish_is_published_by_the_rerun(
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_plan_whose_topics_do_not_answer_is_not_applied_and_the_rerun_publishes_it(
+        stream_config: Config, spark: SparkSession) -> None:
+    """The tables change only once the topics that mirror them answer: applied first, a
+    plan left the tables ahead of the topics until someone reran it."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    missing = stream_config.replace(attributions_topic=f"{stream_config.attributions_topic}-x")
+    sessions_version = open_tables(stream_config, spark).version(SESSIONS.name)
+
+    with pytest.raises(ClickstreamError) as refused:
+        run_recompute(missing, spark=spark, progress=quiet)
+    assert f"topic '{missing.attributions_topic}' does not exist" in str(refused.value)
+    assert "fix CLICKSTREAM_ATTRIBUTIONS_TOPIC" in str(refused.value)
+    assert open_tables(stream_config, spark).version(SESSIONS.name) == sessions_version
+    assert len(table_rows(stream_config, spark, "corrections")) == 1  # the plan, recorded
+    assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+
+    run_recompute(stream_config, spark=spark, progress=quiet)
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1")}
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)
+
+
 def test_a_plan_interrupted_before_apply_goes_first_when_another_run_of_the_client_starts(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     late(stream_config, spark, [("p1", "c1", "u1", 0)])

@@ -16,8 +16,27 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, StructType
 
 from clickstream.config import Config
-from clickstream.io.kafka_clients import produce_records
+from clickstream.io.kafka_clients import make_consumer, produce_records, topic_watermarks
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
+
+
+def check_changelogs_answer(config: Config) -> None:
+    """Fail unless the broker answers for the ``sessions`` and ``attributions`` topics: asked
+    before a correction changes the tables those topics mirror, so that a broker out of reach
+    leaves both as they were (a rerun resumes the recorded plan) rather than the tables ahead
+    of the topics until then.
+
+    Raises:
+        BrokerUnavailableError: no answer (after ``topic_watermarks``' retries, ~30 s).
+        ClickstreamError: the broker answers but lacks one of the topics.
+    """
+    consumer = make_consumer(config)
+    try:
+        for topic in (config.sessions_topic, config.attributions_topic):
+            topic_watermarks(config, topic, consumer=consumer)
+    finally:
+        consumer.close()
+
 
 # Spark's ``to_json`` options for the changelog value (the session time zone is UTC, so XXX is
 # a Z): ISO-8601 timestamps with milliseconds, null fields kept.

@@ -509,10 +509,13 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
         if attempt < attempts:
             wait_before_retry(attempt, 0.5, jitter=False)
     if unknown_topic:
+        settings = [ENV_NAMES[name] for name in ("events_topic", "sessions_topic",
+                                                 "attributions_topic")
+                    if getattr(config, name) == topic]
         raise ClickstreamError(
             f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
             f"({last_error}); create it (the embedded broker creates events, sessions and "
-            "attributions at start) or fix the topic name setting"
+            f"attributions at start) or fix {' / '.join(settings) or 'the topic name setting'}"
         )
     raise BrokerUnavailableError(
         f"kafka at {config.kafka_bootstrap_servers} did not answer for topic {topic!r} after "

@@ -25,6 +25,7 @@ from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.io.kafka_changelog import check_changelogs_answer
 from clickstream.jobs.batch_input import (
     KEY,
     BatchFiles,
@@ -289,6 +290,8 @@ def run_backfill(
     check_session_gap(config)
     check_client_id(client_id)
     files = list_batch_files(config, path)
+    # Kafka out of reach fails here, in one line, not after the merge (corrections publish).
+    check_changelogs_answer(config)
     summary = BackfillSummary(backfill_run_id(kind, client_id, files))
     page = functools.partial(write_run_summary, config, run_id=summary.run_id,
                              client_id=client_id, kind=kind, root=str(files.root))

@@ -117,7 +117,7 @@ from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables
-from clickstream.io.kafka_changelog import publish_pairs, spark_row_value
+from clickstream.io.kafka_changelog import check_changelogs_answer, publish_pairs, spark_row_value
 from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.quality.correction_report import (
     CorrectionFigures,
@@ -1073,8 +1073,11 @@ def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "",
     """Apply a recorded plan, publish it, and record that it was published (C6).
 
     ``check_applied``: pass the gate the backfill DAG runs between apply and publish (another
-    run's plan: its own check may have failed, and then it must not be published either)."""
+    run's plan: its own check may have failed, and then it must not be published either).
+    The plan is applied only once the topics it is published to answer: with Kafka out of
+    reach the tables stay as the topics show them, and the recorded plan waits for a rerun."""
     prefix = f"{step}: " if step else ""
+    check_changelogs_answer(run.config)
     with timer.step(f"{prefix}apply to tables"):
         apply(run, changes)
         if check_applied:
