@@ -18,6 +18,7 @@ from pathlib import Path
 from clickstream.config import ENV_NAMES, FLAG_HELP, Config, cli_flag
 from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE, ClickstreamError, ConfigError
 from clickstream.events.contract import client_id_problem
+from clickstream.io.kafka_broker import port_number
 
 Handler = Callable[[argparse.Namespace, Config], int]
 DRY_RUN_STEPS = ("check", "report")  # the backfill steps that write nothing
@@ -220,16 +221,6 @@ def _client_id(text: str) -> str:
     return text
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
-    return port
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clickstream",
@@ -243,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM, with the configured topics (CLICKSTREAM_EVENTS_TOPIC, "
         "CLICKSTREAM_SESSIONS_TOPIC, CLICKSTREAM_ATTRIBUTIONS_TOPIC), 16 partitions each. "
         "Memory only: its data is gone when it stops.")
-    broker.add_argument("--port", type=_port, default=9092,
+    broker.add_argument("--port", type=port_number, default=9092,
                         help="fixed port, 0 for any free one (default 9092)")
     broker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     broker.set_defaults(handler=_cmd_broker)

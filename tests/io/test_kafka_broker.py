@@ -35,7 +35,7 @@ from clickstream.errors import (
     DataLossError,
     DeliveryError,
 )
-from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker
+from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker, main
 from clickstream.io.kafka_clients import (
     BULK_LINGER_MS,
     LIBRDKAFKA_LOG,
@@ -534,3 +534,19 @@ def test_produce_records_sends_raw_values_at_a_rate(kafka_config: Config,
                     if m.key() is None)
     assert values == [(None, b"not json {")] * 5
     assert read_compacted(kafka_config, topic) == {"c/u2": {"event_id": "e2"}}
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--port", "99999"], "argument --port: '99999' is not a port (0-65535)"),
+    (["--topic", "events=x"], "argument --topic: 'events=x' is not NAME=PARTITIONS"),
+    (["--topic", "=4"], "argument --topic: '=4' is not NAME=PARTITIONS")])
+def test_the_broker_module_refuses_a_bad_port_or_topic_in_one_line(
+        argv: list[str], reason: str, capsys: pytest.CaptureFixture) -> None:
+    """A port past 65535 ended in an OverflowError traceback from bind()."""
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"python -m clickstream.io.kafka_broker: error: {reason}" + (
+            "" if "port" in reason else " (a topic name, and a whole number of partitions of "
+            "at least 1)")

@@ -618,30 +618,45 @@ def run_broker_forever(port: int = DEFAULT_PORT,
             pass
 
 
+def port_number(text: str) -> int:
+    """argparse type of a listening port: 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return port
+
+
+def topic_spec(text: str) -> tuple[str, int]:
+    """argparse type of ``NAME=PARTITIONS`` (``NAME`` alone: its default partition count)."""
+    name, _, count = text.partition("=")
+    partitions = count or str(DEFAULT_TOPICS.get(name, TOPIC_PARTITIONS))
+    if not name or not partitions.isdigit() or int(partitions) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=PARTITIONS (a topic name, and a whole number of partitions "
+            "of at least 1)")
+    return name, int(partitions)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m clickstream.io.kafka_broker --port 9092``; the CLI wires the same function."""
     parser = argparse.ArgumentParser(prog="python -m clickstream.io.kafka_broker",
                                      description="Run the embedded Kafka-protocol broker.")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--topic", action="append", default=[], metavar="NAME=PARTITIONS",
+    parser.add_argument("--topic", action="append", type=topic_spec, default=[],
+                        metavar="NAME=PARTITIONS",
                         help="topic to create (repeatable); default: "
                         + ", ".join(f"{k}={v}" for k, v in DEFAULT_TOPICS.items()))
     args = parser.parse_args(argv)
     try:
-        topics = dict(DEFAULT_TOPICS)
-        if args.topic:
-            topics = {}
-            for item in args.topic:
-                name, _, count = item.partition("=")
-                topics[name] = int(count or DEFAULT_TOPICS.get(name, TOPIC_PARTITIONS))
-        run_broker_forever(port=args.port, topics=topics, host=args.host)
+        run_broker_forever(port=args.port, topics=dict(args.topic) or dict(DEFAULT_TOPICS),
+                           host=args.host)
     except BrokerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:
-        print(f"error: bad --topic: {exc}", file=sys.stderr)
-        return 2
     return 0
 
 
