@@ -697,6 +697,31 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
         "f1": (Decimal("19.99"), None), "f2": (Decimal("0.1"), None)}
 
 
+def test_a_json_lines_batch_without_one_object_is_read_as_its_lines(
+    config: Config, spark: SparkSession
+) -> None:
+    """(B17) Spark infers no column from it: `generate history` wrote a 0-byte file for a
+    day without orders, and backfill refused it as lacking every column (an empty CSV or
+    Parquet batch reads as 0 rows); all-malformed lines were refused, not quarantined."""
+    def rows(path: str, kind: str = "orders") -> list[tuple[str, str]]:
+        files = batch_input.list_batch_files(config, path)
+        return sorted((r["raw"], r["error"]) for r in batch_input.validate_batch(
+            batch_input.read_batch(spark, files, kind), kind, "client-00",
+            config.max_ts_ahead_ms).collect())
+
+    (config.landing / "e").mkdir(parents=True)
+    (config.landing / "e" / "a.jsonl").write_text("")
+    (config.landing / "e" / "b.jsonl").write_text("\n \n")
+    assert rows("e") == [] and rows("e", "pageviews") == []
+    (config.landing / "m").mkdir()
+    (config.landing / "m" / "a.jsonl").write_text("not json\n[1]\n")
+    assert rows("m") == [
+        ("[1]", "line is not one JSON object: JSON Lines holds one record per line (two "
+                "records joined on one line, or an array, are quarantined as they are); split "
+                "the line and load it again"),
+        ("not json", "line is not valid JSON")]
+
+
 def test_files_under_hidden_folders_are_not_part_of_a_batch(
     stream_config: Config, spark: SparkSession
 ) -> None:

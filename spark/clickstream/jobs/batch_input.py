@@ -72,6 +72,10 @@ Known edge cases, cited inline as (B1)..(B16):
   B16. A JSON Lines batch may leave out a column whose every value is null (Spark's JSON
       writer drops null fields: a batch of pageviews without a referrer has no ``referrer``
       key), so such a nullable column (``NULLABLE``) is null, not missing.
+  B17. A JSON Lines batch without one JSON object (empty files, blank lines, or lines that
+      are all malformed) has the kind's columns: Spark infers no column from it, and such a
+      batch was refused as lacking every column, where an empty CSV or Parquet batch reads
+      as 0 rows and malformed lines are quarantined one by one.
 """
 
 from __future__ import annotations
@@ -265,7 +269,8 @@ def csv_header(batch: BatchFiles) -> list[str]:
 def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
     """Raw rows of the batch with their file of origin; refuses missing columns and files
     Spark cannot read."""
-    frame = _json_lines(spark, batch) if batch.file_format == "json" else _read(spark, batch)
+    frame = (_json_lines(spark, batch, kind) if batch.file_format == "json"
+             else _read(spark, batch))
     if batch.file_format == "json":  # (B16) a key left out is a null in JSON
         frame = frame.withColumns({name: F.lit(None).cast(StringType())
                                    for name in NULLABLE[kind] if name not in frame.columns})
@@ -363,11 +368,13 @@ def _file_bytes(column: str) -> Column:
     return F.encode(F.col(column), CSV_READ_AS).cast(StringType())
 
 
-def _json_lines(spark: SparkSession, batch: BatchFiles) -> DataFrame:
+def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
     """Each non-blank line of a JSON Lines batch as a row of the columns Spark infers from the
     batch, with the line itself and, when it is not one JSON object, why (B10)."""
     fields = StructType([f for f in _read(spark, batch).schema
                          if f.name != "_corrupt_record"])  # Spark's reader: the inference
+    if not fields:  # (B17) no object to infer from
+        fields = StructType([StructField(name, StringType()) for name in REQUIRED[kind]])
     text = F.col("value")
     lines = _read(spark, batch, "text").where(~text.rlike(r"^[ \t\r\n]*$"))
     line = F.regexp_replace(text, "^\ufeff", "")  # a file's byte-order mark, files joined
