@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 
 from clickstream.config import ENV_NAMES, FLAG_HELP, Config, cli_flag
@@ -168,13 +169,22 @@ def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
-    from clickstream.jobs.inspect import describe_sessionizer, describe_tables, describe_topic
+    from clickstream.jobs.inspect import (
+        describe_lag,
+        describe_sessionizer,
+        describe_tables,
+        describe_topic,
+    )
 
-    lines = describe_tables(config, args.sample)
-    lines += describe_sessionizer(config, lag=args.lag)
-    for topic in args.topic or []:
-        lines += describe_topic(config, topic, args.sample)
-    print("\n".join(lines))
+    # Each part as soon as it is known: what needs no Kafka is shown when Kafka is down.
+    parts = [partial(describe_tables, config, args.sample), partial(describe_sessionizer, config)]
+    if args.lag:
+        parts.append(partial(describe_lag, config))
+    parts += [partial(describe_topic, config, topic, args.sample) for topic in args.topic or []]
+    for part in parts:
+        lines = part()
+        if lines:
+            print("\n".join(lines), flush=True)
     return 0
 
 

@@ -7,7 +7,8 @@ import json
 from decimal import Decimal
 
 from clickstream.io.delta_tables import open_tables
-from clickstream.jobs.inspect import describe_sessionizer, describe_tables
+from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.jobs.inspect import describe_lag, describe_sessionizer, describe_tables
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.tables import ALL_TABLES, ORDERS
 from tests.jobs.test_sessionize import pageview, produce
@@ -39,13 +40,14 @@ def test_describe_tables_counts_each_table_and_samples_its_rows(config, spark):
 def test_describe_sessionizer_shows_the_committed_micro_batch_its_watermark_and_the_lag(
         stream_config, spark):
     config = stream_config
-    assert describe_sessionizer(config, lag=True) == [
+    assert describe_sessionizer(config) == [
         f"sessionizer checkpoint {config.checkpoint_path('sessionize')}: no micro-batch yet"]
+    assert describe_lag(config) == []
     start = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
     produce(config, [pageview(f"u{i}", start + dt.timedelta(minutes=i)) for i in range(6)])
     run_sessionizer(config, until_caught_up=True, spark=spark)
 
-    lines = describe_sessionizer(config, lag=True)
+    lines = describe_sessionizer(config) + describe_lag(config)
     commits = config.checkpoint_path("sessionize") / "commits"
     last = max(int(p.name) for p in commits.glob("[0-9]*"))
     assert lines[1].startswith(f"  last committed micro-batch {last}, triggered 20")
@@ -56,5 +58,18 @@ def test_describe_sessionizer_shows_the_committed_micro_batch_its_watermark_and_
     assert lines[4] == f"  lag: 0 records of {config.events_topic} not yet committed"
 
     produce(config, [pageview("u9", start + dt.timedelta(hours=1))] * 3)
-    assert describe_sessionizer(config, lag=True)[4].startswith(
+    assert describe_lag(config)[0].startswith(
         f"  lag: 3 records of {config.events_topic} not yet committed (p")
+
+    # A broker that restarted empty and grew back past the committed offsets: its records
+    # look like lag, but the sessionizer stops on the other log (its topic id) instead.
+    with EmbeddedBroker(port=0) as restarted:
+        restarted.create_topic(config.events_topic, 4)
+        again = config.replace(kafka_bootstrap_servers=restarted.bootstrap_servers)
+        produce(again, [pageview(f"v{i}", start) for i in range(40)])
+        lines = describe_lag(again)
+    assert lines[0] == (f"  lag: unknown: the committed offsets name records of another log "
+                        f"than {config.events_topic}'s")
+    assert lines[1].startswith(f"  topic {config.events_topic} is not the log its stored "
+                               "offsets were read from (topic id ")
+    assert len(lines) == 2

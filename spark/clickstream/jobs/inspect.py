@@ -10,7 +10,13 @@ from typing import Any
 from clickstream.config import Config
 from clickstream.errors import DataLossError
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import check_no_data_loss, read_compacted, topic_watermarks
+from clickstream.io.kafka_clients import (
+    check_no_data_loss,
+    check_same_log,
+    read_compacted,
+    topic_id,
+    topic_watermarks,
+)
 from clickstream.jobs.sessionize import JOB, checkpoint_progress
 from clickstream.tables import ALL_TABLES
 
@@ -45,11 +51,9 @@ def describe_topic(config: Config, topic: str, sample: int = 0) -> list[str]:
     return lines
 
 
-def describe_sessionizer(config: Config, *, lag: bool = False) -> list[str]:
+def describe_sessionizer(config: Config) -> list[str]:
     """The sessionizer's checkpoint: its last committed micro-batch, the event-time watermark
-    that makes records late, and the events topic's offsets it committed; with ``lag``, how
-    many records the topic holds past them (asking Kafka), and any the broker dropped before
-    they were read."""
+    that makes records late, and the events topic's offsets it committed (no Kafka)."""
     checkpoint = config.checkpoint_path(JOB)
     progress = checkpoint_progress(checkpoint, config.events_topic)
     if progress is None:
@@ -68,26 +72,40 @@ def describe_sessionizer(config: Config, *, lag: bool = False) -> list[str]:
     if progress.offsets:
         lines.append(f"  {config.events_topic}: next offsets " + ", ".join(
             f"p{p} {o}" for p, o in sorted(progress.offsets.items())))
-    if lag:
-        lines += _lag(config, progress.offsets)
     return lines
 
 
-def _lag(config: Config, offsets: dict[int, int]) -> list[str]:
-    """Records of the events topic past the committed offsets, and the partitions whose
-    committed offset the topic no longer holds (``check_no_data_loss``, as the source does)."""
+def describe_lag(config: Config) -> list[str]:
+    """Records of the events topic past the sessionizer's committed offsets (asking Kafka),
+    and why the sessionizer would stop on them, as its source would (reported, not raised:
+    inspect only shows where things stand): offsets of another log (the broker restarted
+    empty, the topic created again: no lag means anything then), or records dropped before
+    they were read, one line per partition and the advice once."""
+    topic = config.events_topic
+    progress = checkpoint_progress(config.checkpoint_path(JOB), topic)
+    if progress is None:
+        return []
+    try:
+        check_same_log(topic, progress.topic_id, topic_id(config, topic))
+    except DataLossError as error:
+        return [f"  lag: unknown: the committed offsets name records of another log than "
+                f"{topic}'s", f"  {error}"]
     behind: dict[int, int] = {}
-    problems = []
-    for partition, (low, high) in sorted(topic_watermarks(config, config.events_topic).items()):
-        wanted = offsets.get(partition, low)
+    facts: list[str] = []
+    advice: dict[str, None] = {}  # in order, once each
+    for partition, (low, high) in sorted(topic_watermarks(config, topic).items()):
+        wanted = progress.offsets.get(partition, low)
         try:
-            check_no_data_loss(config.events_topic, partition, wanted, low, high)
-        except DataLossError as error:  # reported: inspect only shows where things stand
-            problems.append(f"  {error}")
+            check_no_data_loss(topic, partition, wanted, low, high)
+        except DataLossError as error:
+            fact, _, what_to_do = str(error).partition("; ")
+            facts.append(f"  {fact}")
+            advice[what_to_do] = None
         behind[partition] = max(high - max(wanted, low), 0)
     by_partition = ", ".join(f"p{p} {n}" for p, n in behind.items() if n)
-    return [f"  lag: {sum(behind.values())} records of {config.events_topic} not yet committed"
-            + (f" ({by_partition})" if by_partition else ""), *problems]
+    return [f"  lag: {sum(behind.values())} records of {topic} not yet committed"
+            + (f" ({by_partition})" if by_partition else ""), *facts,
+            *(f"  {text}" for text in advice if text)]
 
 
 def _utc(ms: int | None) -> str:

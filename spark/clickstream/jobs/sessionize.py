@@ -147,7 +147,7 @@ from clickstream.events.parse import parse_kafka_records
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_clients import topic_watermarks
-from clickstream.io.kafka_source import read_kafka_stream
+from clickstream.io.kafka_source import TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
@@ -317,6 +317,7 @@ class CheckpointProgress:
     committed_at_ms: int | None  # the committed micro-batch's trigger time
     watermark_ms: int  # a later record whose ts is at or before it is late (Z1)
     offsets: dict[int, int]  # per partition of the events topic, the next offset to read
+    topic_id: str | None = None  # of the log they name (``kafka_source`` K7); None: unknown
 
 
 def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | None:
@@ -327,7 +328,7 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
         return None
     committed = _last_logged_batch(checkpoint, "commits")
     offsets: dict[int, int] = {}
-    committed_at = None
+    committed_at = read_id = None
     if committed >= 0:
         lines = (checkpoint / "offsets" / str(committed)).read_text().splitlines()
         committed_at = json.loads(lines[1]).get("batchTimestampMs")
@@ -335,13 +336,14 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
             if line.strip() in ("", "-"):
                 continue
             source = json.loads(line)
+            read_id = read_id or source.get(TOPIC_ID)
             by_partition = source.get(topic, source)  # native: {topic: {partition: offset}}
             for partition, offset in by_partition.items():
                 if partition.isdigit():
                     offsets[int(partition)] = min(offset, offsets.get(int(partition), offset))
     return CheckpointProgress(committed, _last_logged_batch(checkpoint, "offsets"),
                               committed_at, checkpoint_watermark_ms(checkpoint, committed),
-                              offsets)
+                              offsets, read_id)
 
 
 def _last_logged_batch(checkpoint: Path, log: str) -> int:
