@@ -228,6 +228,7 @@ def test_settings_that_would_mean_something_else_are_refused_naming_where_they_c
     (["recompute", "--client", "\u5546" * 22], "is not a client id: it is longer than 64 "
      "bytes of UTF-8"),
     (["inspect", "--sample", "-1"], "argument --sample: '-1' must be at least 0"),
+    (["inspect", "--topic", ""], "argument --topic: '' is not a topic name"),
 ])
 def test_flag_values_that_mean_nothing_are_refused_before_anything_runs(
         argv: list[str], complaint: str, capsys: pytest.CaptureFixture) -> None:
@@ -235,6 +236,17 @@ def test_flag_values_that_mean_nothing_are_refused_before_anything_runs(
         main(argv)
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_an_out_file_that_cannot_be_written_is_named_in_one_line(tmp_path, capsys) -> None:
+    """It was an unexpected error, its traceback in a file."""
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "events.jsonl"
+    code = main(["generate", "events", "--clients", "1", "--users", "2", "--minutes", "1",
+                 "--out", str(out), "--home", str(tmp_path / "home")])
+    assert code == EXIT_NOT_RETRYABLE
+    assert capsys.readouterr().err.strip().startswith(
+        f"clickstream generate: error: --out '{out}' cannot be written: ")
 
 
 def test_a_dry_run_of_a_step_that_writes_is_refused(tmp_path, capsys) -> None:

@@ -112,10 +112,14 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
         path = Path(args.out)
         if path.is_dir():
             raise ConfigError(f"--out {args.out!r} is a folder; name the JSON Lines file to write")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as handle:
-            for key, value in records:
-                handle.write(json.dumps({"key": key, "value": value}) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w") as handle:
+                for key, value in records:
+                    handle.write(json.dumps({"key": key, "value": value}) + "\n")
+        except OSError as error:
+            raise ConfigError(f"--out {args.out!r} cannot be written: {error.strerror or error}"
+                              "; name a file in a folder this user can write") from error
         print(f"wrote {len(records)} records to {path}")
         return 0
     _check_not_ahead_of_now(scale.start, timedelta(minutes=scale.minutes), config,
@@ -186,6 +190,13 @@ def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
         if lines:
             print("\n".join(lines), flush=True)
     return 0
+
+
+def _topic_name(text: str) -> str:
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a topic name (empty, or spaces "
+                                         "around it)")
+    return text
 
 
 def _iso_datetime(text: str) -> datetime:
@@ -318,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
         "where the sessionizer's checkpoint stands (last committed micro-batch, event-time "
         "watermark, offsets), and, with --topic, a topic's compacted view (last value per "
         "key).")
-    inspect.add_argument("--topic", action="append", help="also read this topic (repeatable)")
+    inspect.add_argument("--topic", action="append", type=_topic_name,
+                         help="also read this topic (repeatable)")
     inspect.add_argument("--lag", action="store_true",
                          help="also ask Kafka how far the events topic's end is past the "
                          "sessionizer's committed offsets")
