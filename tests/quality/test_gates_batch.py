@@ -76,9 +76,12 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     with pytest.raises(QualityGateFailedError, match=(
             r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [12] of "
             rf"14 expectations failed: .*quality gate historical_batch: {message} .*the batch "
-            r"was refused as a whole: nothing was merged")):
+            r"was refused as a whole: nothing was merged")) as refused:
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                      path=write_rows(stream_config, "o", rows, "parquet"), progress=lambda _: None)
+    # The likely fix: the batch is another client's, sent under the wrong --client.
+    assert ("most of its rows are of client 'client-01': if the batch is that client's, run it "
+            "with --client 'client-01'" in str(refused.value)) == (case == "another client")
     after = versions(stream_config, spark)
     unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
     assert after["quarantine"] > before["quarantine"]

@@ -213,9 +213,10 @@ def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind, client_id: 
 
 
 def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,
-                         run_id: str, progress: Callable[[str], None]) -> int:
+                         client_id: str, run_id: str, progress: Callable[[str], None]) -> int:
     """Quarantine the batch's rows with an ``error`` (one transaction per run: a rerun adds
-    none), then refuse the whole batch if its ``historical_batch`` gate failed.
+    none), then refuse the whole batch if its ``historical_batch`` gate failed; when most of
+    its rows are another client's than ``client_id``, the error names that client.
 
     Raises:
         QualityGateFailedError: the gate failed; nothing is merged, the rows are quarantined.
@@ -232,9 +233,14 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
             metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
     if gate is not None:
         progress(f"  {gate.describe()}")
+        main_client = gate.checks.get("main_client_id")
+        fix = (f"most of its rows are of client {main_client!r}: if the batch is that "
+               f"client's, run it with --client {main_client!r} (the form's Client); otherwise "
+               "fix the batch and send it again"
+               if main_client is not None and main_client != client_id
+               else "fix the batch and send it again")
         gate.raise_if_failed(f"the batch was refused as a whole: nothing was merged, its "
-                             f"{quarantined} rows with problems are in quarantine; fix the "
-                             "batch and send it again")
+                             f"{quarantined} rows with problems are in quarantine; {fix}")
     return quarantined
 
 
@@ -332,7 +338,7 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     validated = batch
     batch, gate = gate_historical_batch(batch, raw.schema, kind=kind, key=KEY[kind],
                                         client_id=client_id, config=config, run_id=run_id)
-    summary.quarantined = quarantine_or_refuse(tables, batch, gate, run_id, progress)
+    summary.quarantined = quarantine_or_refuse(tables, batch, gate, client_id, run_id, progress)
     valid = valid_rows(batch, kind)  # a filter of the persisted batch: see merge_pageviews
     valid_count = valid.count()
     step("validate", started)

@@ -287,7 +287,8 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         gate = batch.gate()
         rows_read = batch.rows.count()
         # The same rows and transactions as run_backfill (S2).
-        quarantined = quarantine_or_refuse(tables, batch.rows, gate, run_id, progress)
+        quarantined = quarantine_or_refuse(tables, batch.rows, gate, client_id, run_id,
+                                           progress)
         merged = merge_valid_rows(tables, config, batch.valid(), kind, client_id, run_id,
                                   progress)
         result = MergeResult(run_id, rows_read, merged, rows_read - quarantined - merged,
