@@ -565,12 +565,17 @@ def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replac
                                        client_id="client-00", path=path, run_id=run_id,
                                        spark=spark, progress=lambda _: None)
 
-    with pytest.raises(ConfigError, match="no result of step 'check'"):
-        step("report")  # out of order: nothing to summarise yet
+    (file,) = (stream_config.landing / path).rglob("*.parquet")
+    located = file.stat()
+    os.utime(file, ns=(located.st_atime_ns, located.st_mtime_ns + 10**9))  # touched
+    with pytest.raises(BatchRefusedError, match="changed since it was located"):
+        step("check")
     ((failed, page),) = run_summaries(stream_config, run_id)
     assert failed.status == "failed"
-    assert "report: failed" in page and "ConfigError: backfill " in page
-    assert "no result of step &#x27;check&#x27;" in page
+    assert "check: failed" in page and "BatchRefusedError: batch " in page
+    assert "changed since it was located" in page
+
+    os.utime(file, ns=(located.st_atime_ns, located.st_mtime_ns))  # the batch as located
 
     for name in backfill_steps.STEPS:
         step(name)
