@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import BatchRefusedError, ClickstreamError, ConfigError
+from clickstream.errors import BatchRefusedError, ClickstreamError
 from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
