@@ -42,7 +42,8 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
   Airflow, lets the planned micro-batches finish and commit, then stops.)
 * **One sessionizer per checkpoint:** a `clickstream sessionize` started from a shell while
   this DAG streams (or the other way round) is refused at once, naming the pid that holds
-  the checkpoint; this task then retries, and runs once the other one stopped.
+  the checkpoint; this task then retries (5 times), and the DAG pauses after 6 failed runs
+  (about an hour): unpause it once the other one stopped.
 * Param `until_caught_up` (off by default): process what is available now, commit, and end
   the run — for demos and tests; the next continuous run streams again.
 """

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import Param, TriggerRule, dag, task
 
-from clickstream.orchestration import task_errors
+from clickstream.orchestration import refuse_unknown_conf, task_errors
 
 DOC = """
 # Table maintenance
@@ -63,11 +63,12 @@ def table_maintenance():
             return compact_tables(Config.from_env())
 
     @task(trigger_rule=TriggerRule.ALL_DONE)  # independent of compaction's outcome
-    def vacuum(params=None) -> dict:
+    def vacuum(params=None, dag_run=None, dag=None) -> dict:
         from clickstream.config import Config
         from clickstream.jobs.maintenance import vacuum_tables
 
         with task_errors():
+            refuse_unknown_conf(dag_run.conf, dag.params)
             return vacuum_tables(Config.from_env(),
                                  retention_hours=int(params["retention_hours"]))
 

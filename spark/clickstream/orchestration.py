@@ -14,8 +14,10 @@ Known edge cases, cited inline as (O1)..(O3):
       task sees the exception itself (``task_errors``); a Spark task sees only spark-submit's
       exit status, which the entry point sets to ``errors.EXIT_NOT_RETRYABLE`` for these, or
       ``errors.EXIT_USAGE`` for arguments it refuses (``spark_job``). A run's conf with a key
-      the DAG has no Param for fails too (``refuse_unknown_conf``): Airflow ignores it, so a
-      misspelled ``dry_run`` would start a run that writes.
+      the DAG has no Param for fails too, before the task works (``refuse_unknown_conf``:
+      every Spark task, and the first task of each DAG's Python tasks that reads a Param):
+      Airflow ignores such a key, so a misspelled ``dry_run`` would start a run that writes,
+      and a misspelled ``retention_hours`` vacuum at the default.
   O2. Asset URIs name a table, not a folder: the warehouse location is configuration and
       must not be read while the DAG file is parsed.
   O3. Configuration is read when a task runs, in the worker's environment, never while the
@@ -115,6 +117,7 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
         from clickstream.spark_session import driver_launch_conf
 
         with task_errors():
+            refuse_unknown_conf(context["dag_run"].conf, context["dag"].params)  # (O1)
             config = Config.from_env()
         operator = context["task"]
         operator.conf = {**driver_launch_conf(config, long_running=long_running),

@@ -87,3 +87,24 @@ def test_a_client_the_form_lets_through_and_the_job_refuses_fails_the_task_at_on
     output = capfd.readouterr().out + caplog.text
     assert "AirflowFailException: clickstream recompute: error: argument --client: " in output
     assert "longer than 64 bytes of UTF-8" in output
+
+
+def test_a_misspelled_parameter_fails_the_task_that_would_ignore_it(
+        dagbag, env_config: Config, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture) -> None:
+    """Airflow ignores a conf key the DAG has no Param for: the vacuum ran at the default
+    retention, the recompute for every client (O1)."""
+    maintenance = dagbag.dags["table_maintenance"].test(run_conf={"retention-hours": 1000})
+    states = {ti.task_id: (str(ti.state), ti.try_number)
+              for ti in maintenance.get_task_instances()}
+    assert states["vacuum"] == ("failed", 1), states
+    assert str(maintenance.state) == "failed"
+
+    recompute = dagbag.dags["scheduled_recompute"].test(run_conf={"client_id": "client-00"})
+    (ti,) = recompute.get_task_instances()
+    assert (str(ti.state), ti.try_number) == ("failed", 1)
+    output = capfd.readouterr().out + caplog.text
+    assert "the run's conf has 'retention-hours', which this DAG has no parameter for (it " \
+           "has retention_hours)" in output
+    assert "the run's conf has 'client_id', which this DAG has no parameter for (it has " \
+           "client)" in output

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import BatchRefusedError, ClickstreamError
+from clickstream.errors import BatchRefusedError, ClickstreamError, QualityGateFailedError
 from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
@@ -243,10 +243,10 @@ def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
     assert rerun.rows_merged == 0 and rerun.duplicates_skipped == 1
 
 
-def test_a_backfill_whose_topics_do_not_answer_stops_before_it_reads_the_batch(
+def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
         stream_config: Config, spark: SparkSession) -> None:
     """It merged and applied its corrections, then failed to publish them: the tables ahead
-    of the topics until a rerun."""
+    of the topics until a rerun. A batch with nothing valid to merge needs no Kafka."""
     path = write_rows(stream_config, "p", [pv_row("a", "u", 0)], "parquet")
     missing = stream_config.replace(sessions_topic=f"{stream_config.sessions_topic}-x")
 
@@ -254,7 +254,15 @@ def test_a_backfill_whose_topics_do_not_answer_stops_before_it_reads_the_batch(
                        r"exist on .* or fix CLICKSTREAM_SESSIONS_TOPIC$"):
         run_backfill(missing, kind="pageviews", client_id="client-00", path=path, spark=spark)
     assert set(versions(stream_config, spark).values()) == {-1}
-    assert not reports.reports_dir(stream_config).exists()
+    ((summary, page),) = run_summaries(stream_config)
+    assert summary.status == "failed" and "<th>validate</th>" in page
+    assert "merge: failed" in page and "does not exist" in page
+
+    bad = write_rows(stream_config, "bad", [{**pv_row("b", "u", 0), "ts": "soon"}], "parquet")
+    with pytest.raises(QualityGateFailedError, match="bad_ts_fraction = 1"):  # not Kafka's
+        run_backfill(missing, kind="pageviews", client_id="client-00", path=bad,
+                     spark=spark, progress=lambda _: None)
+    assert len(table_rows(stream_config, spark, "quarantine")) == 1
 
 
 def test_a_later_batch_with_the_same_order_id_updates_that_order(

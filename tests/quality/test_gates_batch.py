@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from datetime import date, timedelta
 
@@ -56,6 +57,8 @@ def unchanged(before: dict, after: dict, *names: str) -> None:
     ("amounts the contract does not read", r"bad_amount_fraction = 0\.75, expected at most 0\.5"),
     ("another client", r"main_client_id = client-01, expected one of \[client-00\]"),
     ("dates as ts", r"ts_column_type = date, expected one of \[string, timestamp, integer\]"),
+    # (suite v2) a reason no other fraction counts: every row bad, and it passed with a warning
+    ("times ahead of the file's", r"other_problem_fraction = 1, expected at most 0\.5"),
 ])
 def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     stream_config: Config, spark: SparkSession, case: str, message: str
@@ -70,18 +73,23 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
             row["amount"] = amount
     elif case == "another client":
         rows = [{**row, "client_id": "client-01"} for row in rows]
-    else:
+    elif case == "dates as ts":
         rows = [{**row, "ts": row["ts"].date()} for row in rows]
+    path = write_rows(stream_config, "o", rows, "parquet")
+    if case == "times ahead of the file's":  # written a month before its orders' times
+        written = (rows[0]["ts"] - timedelta(days=30)).timestamp()
+        for file in (stream_config.landing / path).rglob("*.parquet"):
+            os.utime(file, (written, written))
     before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
             r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [12] of "
-            rf"14 expectations failed: .*quality gate historical_batch: {message} .*the batch "
+            rf"15 expectations failed: .*quality gate historical_batch: {message} .*the batch "
             r"was refused as a whole: nothing was merged")) as refused:
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
-                     path=write_rows(stream_config, "o", rows, "parquet"), progress=lambda _: None)
+                     path=path, progress=lambda _: None)
     # The likely fix: the batch is another client's, sent under the wrong --client.
     assert ("most of its rows are of client 'client-01': if the batch is that client's, run it "
-            "with --client 'client-01'" in str(refused.value)) == (case == "another client")
+            "with --client client-01 " in str(refused.value)) == (case == "another client")
     after = versions(stream_config, spark)
     unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
     assert after["quarantine"] > before["quarantine"]

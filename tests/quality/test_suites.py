@@ -11,7 +11,9 @@ from clickstream.config import Config
 from clickstream.quality import checks, suites
 from clickstream.quality.gates import run_gate
 
-VERSIONS = {"recomputed_sessions": "2"}  # v2: sessions without an id or bounds
+# recomputed_sessions v2: sessions without an id or bounds; historical_batch v2: rows
+# refused for a reason no other fraction counts
+VERSIONS = {"recomputed_sessions": "2", "historical_batch": "2"}
 
 
 def test_every_suite_file_is_a_gx_suite_over_documented_check_columns() -> None:
@@ -46,7 +48,7 @@ GOOD = {
                          "bad_ts_fraction": 0.01, "other_client_fraction": 0.0,
                          "conflicting_duplicate_fraction": 0.0, "bad_amount_fraction": 0.0,
                          "negative_amount_fraction": 0.0, "bad_currency_fraction": 0.0,
-                         "missing_url_fraction": None},
+                         "missing_url_fraction": None, "other_problem_fraction": 0.01},
     "tables_after_merge": {"rows_before": 5, "batch_keys": 4, "keys_already_stored": 1,
                            "rows_after": 8, "expected_rows_after": 8, "duplicate_keys": 0},
     "recomputed_sessions": {"sessions": 3, "sessions_without_id_or_bounds": 0,

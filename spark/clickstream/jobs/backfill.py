@@ -14,6 +14,7 @@ queueing rows ahead of its merge must be rerun (``queue_ahead_of_the_merge``).
 from __future__ import annotations
 
 import functools
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,9 +236,10 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
         progress(f"  {gate.describe()}")
         main_client = gate.checks.get("main_client_id")
         fix = (f"most of its rows are of client {main_client!r}: if the batch is that "
-               f"client's, run it with --client {main_client!r} (the form's Client); otherwise "
-               "fix the batch and send it again"
-               if main_client is not None and main_client != client_id
+               f"client's, run it with --client {shlex.quote(main_client)} (the form's "
+               "Client); otherwise fix the batch and send it again"
+               if main_client and main_client != client_id
+               and contract.client_id_problem(main_client) is None
                else "fix the batch and send it again")
         gate.raise_if_failed(f"the batch was refused as a whole: nothing was merged, its "
                              f"{quarantined} rows with problems are in quarantine; {fix}")
@@ -296,8 +298,6 @@ def run_backfill(
     check_session_gap(config)
     check_client_id(client_id)
     files = list_batch_files(config, path)
-    # Kafka out of reach fails here, in one line, not after the merge (corrections publish).
-    check_changelogs_answer(config)
     summary = BackfillSummary(backfill_run_id(kind, client_id, files))
     page = functools.partial(write_run_summary, config, run_id=summary.run_id,
                              client_id=client_id, kind=kind, root=str(files.root))
@@ -342,6 +342,8 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     valid = valid_rows(batch, kind)  # a filter of the persisted batch: see merge_pageviews
     valid_count = valid.count()
     step("validate", started)
+    if valid_count:  # Kafka out of reach fails before the merge, not after it and the plan
+        check_changelogs_answer(config)
 
     started = time.monotonic()
     run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",

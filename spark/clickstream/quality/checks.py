@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
@@ -194,6 +195,11 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
         })
     else:
         predicates["missing_url_fraction"] = _blank("url")
+    # A row refused for a reason none of the above counts (its ts ahead of its file's time,
+    # a control character, text that is not UTF-8, ...): alone, such rows passed the gate.
+    counted = reduce(lambda a, b: a | b, (F.coalesce(p, F.lit(False))
+                                          for p in predicates.values()))
+    predicates["other_problem_fraction"] = F.col("error").isNotNull() & ~counted
     row = batch.agg(
         F.count(F.lit(1)).alias("rows_read"),
         F.count_if(F.col("error").isNotNull()).alias("rows_quarantined"),
@@ -216,7 +222,7 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
     for name in ("blank_key_fraction", "blank_user_id_fraction", "bad_ts_fraction",
                  "other_client_fraction", "conflicting_duplicate_fraction",
                  "bad_amount_fraction", "negative_amount_fraction", "bad_currency_fraction",
-                 "missing_url_fraction"):
+                 "missing_url_fraction", "other_problem_fraction"):
         values[name] = _fraction(row[name], rows_read) if name in row else None
     rows = {name: (batch, F.coalesce(p, F.lit(False))) for name, p in predicates.items()}
     rows.update({"ts_column_type": (batch, everyone), "amount_column_type": (batch, everyone),
@@ -337,11 +343,16 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
         gap_ms: the session gap.
         sessions: recomputed sessions (``SESSIONS`` columns, revision not needed).
         attributions: recomputed attributions (``ATTRIBUTIONS`` columns, no revision).
-        orders: the stored orders the recompute attributed (at least ``order_id``,
-            ``amount``): their amounts are what the revenue must add up to.
+        orders: the stored orders the recompute attributed (``ORDERS`` columns, at least
+            the keys below and ``amount``): their amounts are what the revenue must add up to.
+
+    An attribution meets its own order by (client, user, order id, time): the tables may hold
+    one ``order_id`` twice in a client (another user's, or another day's: README, Known
+    limits), and a join by the id alone counted both copies in each session.
     """
     attributed = attributions.where(F.col("session_id").isNotNull()).join(
-        orders.select("order_id", "amount"), "order_id", "left"
+        orders.select("client_id", "user_id", "order_id", F.col("ts").alias("order_ts"),
+                      "amount"), ["client_id", "user_id", "order_id", "order_ts"], "left"
     ).repartition("client_id", "user_id")  # as the window below: the join needs no shuffle
     totals = attributed.groupBy("client_id", "user_id", "session_id").agg(
         F.count(F.lit(1)).alias("_orders"), F.sum("amount").alias("_revenue"),
