@@ -84,6 +84,17 @@ def test_one_order_id_of_two_users_or_two_days_is_each_sessions_own_order(
     assert (got["revenue_mismatch"], got["order_count_mismatch"]) == (0, 0), got
 
 
+def test_an_order_stored_with_microseconds_meets_its_attribution_in_milliseconds(
+        spark: SparkSession) -> None:
+    """Sessions keep times in whole milliseconds (an attribution's order_ts); a stored order's
+    ts may hold microseconds, and joined on the exact time its amount was left out."""
+    stored, attribution = order("u1", "o1", 5, "10.00", "a")
+    stored = {**stored, "ts": stored["ts"] + timedelta(microseconds=500)}
+    got = values(spark, [session("u1", "a", 0, 10, orders=1, revenue="10.00")],
+                 [(stored, attribution)])
+    assert (got["revenue_mismatch"], got["order_count_mismatch"]) == (0, 0), got
+
+
 def test_each_defect_is_counted_by_its_check(spark: SparkSession) -> None:
     sessions = [
         session("u1", "backwards", 10, 5),

@@ -216,9 +216,12 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
                                if kind == "orders" else None),
         "main_client_id": client_id,
     }
+    values["main_client_fraction"] = _fraction(rows_read - row["other_client_fraction"],
+                                               rows_read)
     if row["other_client_fraction"] * 2 > rows_read:  # the declared client is not the main one
         main = batch.groupBy("client_id").count().orderBy(F.desc("count"), "client_id").first()
         values["main_client_id"] = main.client_id
+        values["main_client_fraction"] = _fraction(main["count"], rows_read)
     for name in ("blank_key_fraction", "blank_user_id_fraction", "bad_ts_fraction",
                  "other_client_fraction", "conflicting_duplicate_fraction",
                  "bad_amount_fraction", "negative_amount_fraction", "bad_currency_fraction",
@@ -348,11 +351,14 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
 
     An attribution meets its own order by (client, user, order id, time): the tables may hold
     one ``order_id`` twice in a client (another user's, or another day's: README, Known
-    limits), and a join by the id alone counted both copies in each session.
+    limits), and a join by the id alone counted both copies in each session. The time in
+    whole milliseconds, as sessions keep it (an attribution's ``order_ts``): an order's ``ts``
+    may hold microseconds.
     """
     attributed = attributions.where(F.col("session_id").isNotNull()).join(
-        orders.select("client_id", "user_id", "order_id", F.col("ts").alias("order_ts"),
-                      "amount"), ["client_id", "user_id", "order_id", "order_ts"], "left"
+        orders.select("client_id", "user_id", "order_id",
+                      F.timestamp_millis(F.unix_millis("ts")).alias("order_ts"), "amount"),
+        ["client_id", "user_id", "order_id", "order_ts"], "left"
     ).repartition("client_id", "user_id")  # as the window below: the join needs no shuffle
     totals = attributed.groupBy("client_id", "user_id", "session_id").agg(
         F.count(F.lit(1)).alias("_orders"), F.sum("amount").alias("_revenue"),
