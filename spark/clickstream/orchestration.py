@@ -15,7 +15,8 @@ Known edge cases, cited inline as (O1)..(O3):
       exit status, which the entry point sets to ``errors.EXIT_NOT_RETRYABLE`` for these, or
       ``errors.EXIT_USAGE`` for arguments it refuses (``spark_job``). A run's conf with a key
       the DAG has no Param for fails too, before the task works (``refuse_unknown_conf``:
-      every Spark task, and the first task of each DAG's Python tasks that reads a Param):
+      every Spark task, and the Python tasks that read a Param, ``locate_batch`` and
+      ``vacuum``):
       Airflow ignores such a key, so a misspelled ``dry_run`` would start a run that writes,
       and a misspelled ``retention_hours`` vacuum at the default.
   O2. Asset URIs name a table, not a folder: the warehouse location is configuration and
