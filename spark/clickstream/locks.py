@@ -12,8 +12,26 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 LOCKS_FOLDER = "_clickstream_locks"  # in the warehouse; no table is named with a leading "_"
+
+
+@contextlib.contextmanager
+def _locked(path: Path, when_held: Callable[[IO[str]], None]) -> Iterator[IO[str]]:
+    """``path`` (created if missing) open and exclusively locked until the block ends;
+    ``when_held(handle)`` runs first when another process holds it, and waits for it or
+    raises."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            when_held(handle)
+        try:
+            yield handle
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -21,18 +39,13 @@ def exclusive(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator
     """Hold an exclusive lock on ``path`` (created if missing); ``on_wait`` is called once
     if another process holds it, before waiting for it. Not re-entrant: a second ``exclusive``
     on the same path in the same process waits forever."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if on_wait is not None:
-                on_wait()
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    def wait(handle: IO[str]) -> None:
+        if on_wait is not None:
+            on_wait()
+        fcntl.flock(handle, fcntl.LOCK_EX)
+
+    with _locked(path, wait):
+        yield
 
 
 @contextlib.contextmanager
@@ -40,17 +53,12 @@ def exclusive_or_refuse(path: Path, refuse: Callable[[str], Exception]) -> Itera
     """Hold an exclusive lock on ``path`` for as long as this process works, or raise
     ``refuse(holder)`` at once when another process holds it (``holder``: its pid, which the
     holder writes into the file). For a service of which one copy may run, not for a turn."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            raise refuse(handle.read().strip() or "unknown") from None
+    def refuse_now(handle: IO[str]) -> None:
+        handle.seek(0)
+        raise refuse(handle.read().strip() or "unknown") from None
+
+    with _locked(path, refuse_now) as handle:
         handle.truncate(0)
         handle.write(str(os.getpid()))
         handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
