@@ -8,6 +8,7 @@ conftest of tests/dags and tests/plugins, so either folder can run alone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +63,22 @@ def airflow_db() -> Iterator[Path]:
     # Airflow's logging setup sends py4j's INFO lines to a stream pytest closes at exit.
     logging.getLogger("py4j").setLevel(logging.WARNING)
     yield Path(os.environ["AIRFLOW_HOME"])
+
+
+@contextlib.contextmanager
+def api_server_app() -> Iterator[Any]:
+    """Airflow's API server app (core API, auth manager, plugins), as `airflow api-server`."""
+    from airflow.api_fastapi.app import create_app, purge_cached_app
+
+    try:
+        yield create_app(apps="core")
+    finally:
+        purge_cached_app()
+
+
+def admin_token() -> str:
+    """A JWT of the "admin" user, as ``POST /auth/token`` returns it."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    return get_auth_manager().generate_jwt(SimpleAuthManagerUser(username="admin", role="admin"))

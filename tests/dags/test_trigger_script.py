@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.dags.airflow_env import DAGS, REPO
+from tests.dags.airflow_env import DAGS, REPO, admin_token, api_server_app
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +27,16 @@ def trigger_script() -> ModuleType:
 def api(airflow_db) -> Iterator[Any]:
     """A REST API client logged in as admin, with this repository's DAGs in the metadata DB
     (as the dag-processor stores them)."""
-    from airflow.api_fastapi.app import create_app, get_auth_manager, purge_cached_app
-    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
     from fastapi.testclient import TestClient
 
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(DagBag(dag_folder=str(DAGS)), "dags-folder", None)
-    app = create_app(apps="core")
-    token = get_auth_manager().generate_jwt(SimpleAuthManagerUser(username="admin",
-                                                                  role="admin"))
-    with TestClient(app, base_url="http://testserver/api/v2",
-                    headers={"Authorization": f"Bearer {token}"}) as client:
+    with api_server_app() as app, TestClient(
+            app, base_url="http://testserver/api/v2",
+            headers={"Authorization": f"Bearer {admin_token()}"}) as client:
         yield client
-    purge_cached_app()
 
 
 def test_a_conf_the_api_refuses_ends_with_the_apis_reason(trigger_script, api) -> None:

@@ -8,17 +8,15 @@ from urllib.parse import quote
 
 import pytest
 
+from tests.dags.airflow_env import admin_token, api_server_app
+
 PREFIX = "/clickstream-reports"
 
 
 @pytest.fixture(scope="module")
 def airflow_app(airflow_db):
-    """Airflow's API server app (core API, auth manager, plugins), as `airflow api-server`."""
-    from airflow.api_fastapi.app import create_app, purge_cached_app
-
-    app = create_app(apps="core")
-    yield app
-    purge_cached_app()
+    with api_server_app() as app:
+        yield app
 
 
 @pytest.fixture
@@ -32,10 +30,7 @@ def client(airflow_app, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 @pytest.fixture
 def token(airflow_app) -> str:
-    from airflow.api_fastapi.app import get_auth_manager
-    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
-
-    return get_auth_manager().generate_jwt(SimpleAuthManagerUser(username="admin", role="admin"))
+    return admin_token()
 
 
 @pytest.fixture
