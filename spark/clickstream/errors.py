@@ -28,7 +28,15 @@ class DataLossError(ClickstreamError):
 
 
 class VersionVacuumedError(ClickstreamError):
-    """Raised when a time-travel read needs files a vacuum deleted: no retry brings them back."""
+    """Raised when a time-travel read needs files a vacuum deleted, or a commit the log no
+    longer holds: no retry brings them back."""
+
+
+VACUUMED_WAY_FORWARD = (
+    "A job reading the table as it was then (a backfill step reads its tables as they were "
+    "before its own commits) cannot go on; `clickstream recompute --full --client C` brings "
+    "that client's sessions and attributions up to date from the tables as they are (a "
+    "finished batch's rerun has nothing left to do)")
 
 
 class DeliveryError(ClickstreamError):

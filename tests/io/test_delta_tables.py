@@ -44,6 +44,7 @@ from clickstream.io.delta_tables import (
     open_tables,
     predicate_columns,
 )
+from clickstream.quality.checks import run_commit_version
 from clickstream.tables import ORDERS, PAGEVIEWS
 
 META = {"run_id": "run-1", "cause": "test"}
@@ -782,6 +783,41 @@ def test_time_travel_to_a_version_a_vacuum_deleted_fails_naming_it(tables, spark
                        "files that are gone") as damaged:
         tables.read("orders", version=latest)
     assert not isinstance(damaged.value, VersionVacuumedError)
+
+
+def age_the_log(table_path: str | Path, days: int) -> None:
+    """Every commit of the table ``days`` older, as Delta's log cleanup judges age."""
+    old = time.time() - days * 86_400
+    for commit in (Path(table_path) / "_delta_log").glob("*.json"):
+        os.utime(commit, (old, old))
+
+
+def test_a_commit_the_log_no_longer_holds_fails_naming_it(tables, spark):
+    """Edge case 18: a backfill's merge commit older than the log retention, with a checkpoint
+    since, is deleted from the log. Its run looked like one that never merged (the gate then
+    compared the table with itself) and its version like a table that does not exist."""
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="backfill-r1",
+                       version=1, partition_by=PARTS, metadata={"run_id": "r1", "cause": "r1"})
+    merged = tables.version("orders")
+    tables.append_once("orders", orders(spark, ("o2", "c1", D1, "2")), app_id="stream",
+                       version=1, partition_by=PARTS, metadata=META)
+    assert run_commit_version(tables, "orders", "r1", app_id="backfill-r1") == merged
+
+    age_the_log(tables.table_path("orders"), 31)  # Delta's default retention: 30 days
+    tables.checkpoint("orders")
+    tables.append_once("orders", orders(spark, ("o3", "c1", D1, "3")), app_id="stream",
+                       version=2, partition_by=PARTS, metadata=META)  # its commit cleans up
+
+    with pytest.raises(VersionVacuumedError) as gone:
+        run_commit_version(tables, "orders", "r1", app_id="backfill-r1")
+    assert isinstance(gone.value, NOT_RETRYABLE)
+    assert "run r1 committed to it (backfill-r1), but its log no longer holds" in str(gone.value)
+    assert "recompute --full --client C" in str(gone.value)
+    assert run_commit_version(tables, "orders", "r9", app_id="backfill-r9") is None  # no merge
+    with pytest.raises(VersionVacuumedError, match=f"'orders' as of version {merged} cannot be "
+                       "read: its log no longer holds that commit"):
+        tables.read("orders", version=merged)
+    assert ids(tables.read("orders")) == ["o1", "o2", "o3"]
 
 
 def test_delete_rows_commits_beside_appends_into_its_partition_and_keeps_them(config, spark,

@@ -10,7 +10,8 @@ from deltalake import DeltaTable, write_deltalake
 
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError
-from clickstream.jobs.maintenance import compact_tables
+from clickstream.jobs.maintenance import checkpoint_tables, compact_tables, vacuum_tables
+from tests.io.test_delta_tables import age_the_log
 
 
 def small_files(config: Config, table: str, count: int) -> Path:
@@ -47,3 +48,30 @@ def test_a_failed_compaction_still_compacts_every_other_table_then_fails(config:
     assert DeltaTable(str(quarantine)).to_pyarrow_table().num_rows == 3
     assert lines[0].startswith("compact pageviews: failed: ")
     assert lines[1] == "compact quarantine: 3 files into 1"
+
+
+def test_vacuum_keeps_the_commits_as_long_as_the_files(config: Config):
+    """M3: the log is kept as long as vacuum keeps files. A retention above Delta's 30 days of
+    log kept the files of versions whose commits were gone, so time travel failed anyway."""
+    path = small_files(config, "quarantine", 2)
+    lines: list[str] = []
+
+    vacuum_tables(config, retention_hours=2000, progress=lines.append)
+    assert "vacuum quarantine: commits now kept 2000 h (delta.logRetentionDuration)" in lines
+    version = DeltaTable(str(path)).version()
+    vacuum_tables(config, retention_hours=2000, progress=lines.append)
+    assert DeltaTable(str(path)).version() == version  # set once, not once per run
+
+    def forty_days_on() -> int:
+        """The earliest version still readable after 40 days, a checkpoint and a commit."""
+        age_the_log(path, 40)
+        checkpoint_tables(config, progress=lines.append)
+        write_deltalake(str(path), pa.table({"reason": ["later"]}), mode="append")
+        return min(int(p.stem) for p in (path / "_delta_log").glob("*[0-9].json"))
+
+    assert forty_days_on() == 0
+    assert DeltaTable(str(path), version=0).to_pyarrow_table().num_rows == 1
+
+    vacuum_tables(config, progress=lines.append)  # the minimum retention: Delta's 30 days
+    assert "vacuum quarantine: commits now kept 720 h (delta.logRetentionDuration)" in lines
+    assert forty_days_on() > 0

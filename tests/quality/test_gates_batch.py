@@ -29,6 +29,13 @@ from clickstream.quality.checks import (
     run_commit_version,
     tables_after_merge_checks,
 )
+from clickstream.quality.reports import (
+    ReportEntry,
+    current_entries,
+    read_entries,
+    reports_dir,
+    run_status,
+)
 from clickstream.tables import ORDERS, SESSIONS
 from tests.jobs.test_backfill import (
     START,
@@ -278,6 +285,23 @@ def test_a_full_recompute_does_not_supersede_a_plan_whose_publish_failed(
     topic = read_compacted(stream_config, stream_config.sessions_topic)
     assert set(topic) == {session["session_id"]}
 
+    # The recompute finished the backfill's plan as the backfill: the backfill's red publish
+    # gate is superseded in the index, and the recompute's own row shows no failure.
+    runs: dict[tuple[str, str], list[ReportEntry]] = {}
+    for entry in read_entries(reports_dir(stream_config)):
+        if entry.kind == "validation":
+            runs.setdefault((entry.job, entry.run_id), []).append(entry)
+    statuses = {run: run_status(items, current_entries(items)) for run, items in runs.items()}
+    assert sorted(job for job, _ in statuses) == ["backfill", "backfill", "full-recompute"]
+    assert set(statuses.values()) == {"passed"}, statuses
+    (merge_run,) = [items for (job, _), items in runs.items()
+                    if job == "backfill" and any(e.status == "failed" for e in items)]
+    assert [e.status for e in sorted(merge_run, key=lambda e: e.time)
+            if e.title.startswith("publish")] == [
+        "failed", "failed", "passed"]  # its own attempt, then the recompute's two
+    (recompute_run,) = [items for (job, _), items in runs.items() if job == "full-recompute"]
+    assert {e.status for e in recompute_run} == {"passed"}
+
 
 def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
@@ -317,7 +341,6 @@ def test_good_batches_and_a_recompute_pass_every_gate(stream_config: Config,
                                                       spark: SparkSession) -> None:
     from clickstream.io.delta_tables import open_tables
     from clickstream.jobs.recompute import run_recompute
-    from clickstream.quality.reports import read_entries, reports_dir
     from clickstream.tables import PAGEVIEWS, RECOMPUTE_QUEUE
 
     quiet = {"progress": lambda _: None, "spark": spark}

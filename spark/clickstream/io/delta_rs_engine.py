@@ -90,6 +90,13 @@ Known edge cases (cited inline as "edge case N"):
     the step done by a commit of its own files, the call reports that it committed. It
     reported "already done", so a correction run took its own recorded plan for another
     run's (``corrections`` C6) and failed, and the sessionizer counted 0 rows written.
+18. delta-rs deletes commits older than the table's ``delta.logRetentionDuration`` (30 days
+    unless set) once a later checkpoint exists (its own every 100 commits, or maintenance's).
+    Their versions can no longer be read: time travel to one raises ``VersionVacuumedError``,
+    like a version whose files a vacuum deleted. It used to return "table does not exist",
+    and a commit gone from ``history`` looked like one never made (``quality.checks``
+    ``run_commit_version``). ``table_maintenance`` keeps the log as long as its vacuum
+    keeps files (``set_log_retention``), so a retention above 30 days extends both.
 """
 
 from __future__ import annotations
@@ -118,12 +125,14 @@ from deltalake.schema import Schema as DeltaSchema
 from deltalake.transaction import AddAction, RemoveAction
 
 from clickstream.errors import (
+    VACUUMED_WAY_FORWARD,
     ClickstreamError,
     CommitConflictError,
     ConfigError,
     VersionVacuumedError,
 )
 from clickstream.io.delta_tables import (
+    LOG_RETENTION,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -134,6 +143,7 @@ from clickstream.io.delta_tables import (
     check_partition_predicate,
     filter_alternatives,
     filter_matches,
+    log_retention_value,
     partition_string,
 )
 from clickstream.locks import exclusive
@@ -714,6 +724,20 @@ class DeltaRsTables(DeltaTables):
     def checkpoint(self, name: str) -> None:
         self._require(name).create_checkpoint()
 
+    def set_log_retention(self, name: str, hours: int) -> bool:
+        value = log_retention_value(hours)
+
+        def attempt(table: DeltaTable) -> bool:
+            if table.metadata().configuration.get(LOG_RETENTION) == value:
+                return False
+            table.alter.set_table_properties(
+                {LOG_RETENTION: value}, commit_properties=CommitProperties(
+                    max_commit_retries=0,  # edge case 3
+                    custom_metadata={"cause": "maintenance: log retention"}))
+            return True
+
+        return self._commit_loop(name, "set log retention", attempt)
+
     # -- internals -------------------------------------------------------------------------
 
     def _need_spark(self, what: str) -> SparkSession:
@@ -725,8 +749,14 @@ class DeltaRsTables(DeltaTables):
         path = self.table_path(name)
         try:
             return DeltaTable(path, version=version)
-        except TableNotFoundError:
-            return None
+        except TableNotFoundError as exc:
+            if version is None or not DeltaTable.is_deltatable(path):
+                return None
+            raise VersionVacuumedError(  # an older commit than the log keeps (edge case 18)
+                f"table {name!r} as of version {version} cannot be read: its log no longer "
+                f"holds that commit (latest: {self.version(name)}; Delta deletes commits older "
+                f"than the table's {LOG_RETENTION} at a checkpoint). {VACUUMED_WAY_FORWARD}"
+            ) from exc
         except DeltaError as exc:
             if version is None or not DeltaTable.is_deltatable(path):
                 raise
@@ -1317,11 +1347,7 @@ def _check_not_vacuumed(path: str, files: Sequence[_ActiveFile], name: str, vers
             f"table {name!r} as of version {version} (read by time travel) needs {len(gone)} "
             f"of its {len(files)} files that are gone from {path}, e.g. {gone[0]!r}: a vacuum "
             "deleted them (table_maintenance deletes files removed longer ago than its "
-            "retention, 168 h by default). A job reading the table as it was then (a backfill "
-            "step reads its tables as they were before its own commits) cannot go on; "
-            "`clickstream recompute --full --client C` brings that client's sessions and "
-            "attributions up to date from the tables as they are (a finished batch's rerun has "
-            "nothing left to do)")
+            f"retention, 168 h by default). {VACUUMED_WAY_FORWARD}")
 
 
 def _check_filter_columns(

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
+    LOG_RETENTION,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -39,6 +40,7 @@ from clickstream.io.delta_tables import (
     UpsertResult,
     check_partition_predicate,
     filter_to_sql,
+    log_retention_value,
     quote_ident,
 )
 from clickstream.retry import wait_before_retry
@@ -413,6 +415,15 @@ class DeltaSparkTables(DeltaTables):
             self._spark._jsparkSession, self.table_path(name)
         )
         log.checkpoint()
+
+    def set_log_retention(self, name: str, hours: int) -> bool:
+        value = log_retention_value(hours)
+        if self._delta(name).detail().collect()[0]["properties"].get(LOG_RETENTION) == value:
+            return False
+        path = self.table_path(name).replace("`", "``")
+        self._spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
+                        f"('{LOG_RETENTION}' = '{value}')")
+        return True
 
     # -- internals -------------------------------------------------------------------------
 

@@ -42,6 +42,15 @@ PartitionFilter = Mapping[str, PartitionValue | Sequence[PartitionValue]]
 Entries are ANDed; a sequence value means IN.
 """
 
+LOG_RETENTION = "delta.logRetentionDuration"  # the table property both engines honour
+DEFAULT_LOG_RETENTION_HOURS = 720  # Delta's default: 30 days
+
+
+def log_retention_value(hours: int) -> str:
+    """``delta.logRetentionDuration`` as Delta writes intervals."""
+    return f"interval {int(hours)} hours"
+
+
 ReplacePredicate = PartitionFilter | Sequence[PartitionFilter] | str
 """Which partitions :meth:`DeltaTables.replace_partitions` replaces: a :data:`PartitionFilter`,
 a sequence of them (ORed), or a SQL predicate string over partition columns only
@@ -359,6 +368,12 @@ class DeltaTables(ABC):
     @abstractmethod
     def checkpoint(self, name: str) -> None:
         """Write a log checkpoint at the current version so readers replay less log."""
+
+    @abstractmethod
+    def set_log_retention(self, name: str, hours: int) -> bool:
+        """Keep the table's commits ``hours`` (its ``delta.logRetentionDuration``); True if
+        that changed it (a commit of its own). Time travel to a version needs its commit as
+        much as its files, so the log should be kept at least as long as vacuum keeps files."""
 
 
 def open_tables(config: Config, spark: SparkSession | None = None, **options: Any) -> DeltaTables:

@@ -48,7 +48,7 @@ from clickstream.jobs.corrections import (
     where_attributed,
 )
 from clickstream.jobs.sessionize import check_session_gap, records_lock, stream_watermark_ms
-from clickstream.quality.checks import run_commit_version
+from clickstream.quality.checks import backfill_app_id, run_commit_version
 from clickstream.quality.gates import (
     GateResult,
     gate_historical_batch,
@@ -141,7 +141,7 @@ def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_i
     rows = rows.persist()  # batch-sized: persisted, see above
     count = rows.count()
     if count:
-        tables.append_once(PAGEVIEWS.name, rows, app_id=f"backfill-{run_id}", version=1,
+        tables.append_once(PAGEVIEWS.name, rows, app_id=backfill_app_id(run_id), version=1,
                            partition_by=PAGEVIEWS.partition_by,
                            metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
     release(rows)
@@ -163,7 +163,7 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
     if count:
         tables.upsert(ORDERS.name, rows, keys=["order_id"], partition_by=ORDERS.partition_by,
                       partition_filter={"client_id": client_id},
-                      app_id=f"backfill-{run_id}", version=1,
+                      app_id=backfill_app_id(run_id), version=1,
                       metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
     release(rows)
     return count
@@ -174,7 +174,7 @@ def _version_before_merge(tables: DeltaTables, run_id: str) -> int | None:
     the run merged (a dry run), or if it merged nothing; None before the table existed."""
     if not tables.exists(ORDERS.name):
         return None
-    merged = run_commit_version(tables, ORDERS.name, run_id)
+    merged = run_commit_version(tables, ORDERS.name, run_id, app_id=backfill_app_id(run_id))
     if merged is None:
         return tables.version(ORDERS.name)
     return merged - 1 if merged > 0 else None
@@ -230,7 +230,7 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
             F.col("error").alias("reason"), "client_id",
             F.current_timestamp().alias("quarantined_at"),
             F.current_date().alias("quarantine_date")),
-            app_id=f"backfill-{run_id}", version=1, partition_by=QUARANTINE.partition_by,
+            app_id=backfill_app_id(run_id), version=1, partition_by=QUARANTINE.partition_by,
             metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
     if gate is not None:
         progress(f"  {gate.describe()}")
@@ -272,7 +272,8 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
             merged = merge_orders(tables, valid, client_id, run_id)
     stored = None
     if kind == "orders" and snapshots is not None and gates_enabled(config):
-        version = run_commit_version(tables, ORDERS.name, run_id)
+        version = run_commit_version(tables, ORDERS.name, run_id,
+                                     app_id=backfill_app_id(run_id))
         if version is not None:
             # Read here rather than inside the gate, which then times its checks alone (as
             # recomputed_sessions does): for a batch that spans the client's history, as a

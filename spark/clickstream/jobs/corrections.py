@@ -106,7 +106,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from functools import reduce
 
@@ -1063,7 +1063,10 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
         return changes
     run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
                  "them: finishing them first ...")
-    finish(run, changes, timer, step="finish an interrupted run", check_applied=True)
+    # As that run: its commits, its gates' index entries (a publish gate that failed it
+    # before is superseded there) and the run id a failure names are the plan's.
+    finish(replace(run, run_id=planned_by, cause=f"{planned_by}, finished by {run.run_id}"),
+           changes, timer, step="finish an interrupted run", check_applied=True)
     release(changes)
     return None
 

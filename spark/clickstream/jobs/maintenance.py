@@ -9,7 +9,7 @@ it). Safe while the sessionizer, backfills and recomputes run: a compaction that
 with them fails with ``CommitConflictError`` and is simply retried later. Two compactions of
 one table never overlap: the second waits for the first (``delta_rs_engine`` edge case 15).
 
-Known edge cases, cited inline as (M1)..(M2):
+Known edge cases, cited inline as (M1)..(M3):
   M1. Vacuum retention below 168 hours is refused: writers put Parquet files in place before
       they commit them, and readers (and time travel) may still use files a newer version
       removed; Delta's own default retention is 7 days for these reasons. A backfill step
@@ -22,6 +22,11 @@ Known edge cases, cited inline as (M1)..(M2):
       not stop the others: every table is tried, each failure is reported as it happens, and
       the step then fails with one error naming every failed table and its reason. The first
       failure used to end the loop, so the tables after it went unmaintained that week.
+  M3. Time travel needs a version's commit as well as its files, and Delta deletes commits
+      older than ``delta.logRetentionDuration`` (30 days by default) at checkpoints. Vacuum
+      first sets it to its own retention (30 days at least), so a longer retention keeps both
+      and M1's limit is the one retention. Before, a retention above 30 days kept the files
+      of versions whose commits were gone.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, TypeVar
 
 from clickstream.config import Config
 from clickstream.errors import ConfigError, one_error_for
-from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.io.delta_tables import DEFAULT_LOG_RETENTION_HOURS, DeltaTables, open_tables
 from clickstream.tables import ALL_TABLES
 
 MIN_VACUUM_RETENTION_HOURS = 168
@@ -122,7 +127,11 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
             "years); a longer one keeps every file anyway")
     tables = _open(config)
 
+    log_hours = max(retention_hours, DEFAULT_LOG_RETENTION_HOURS)
+
     def vacuum(name: str) -> int:
+        if tables.set_log_retention(name, log_hours):  # (M3)
+            progress(f"vacuum {name}: commits now kept {log_hours} h (delta.logRetentionDuration)")
         deleted = len(tables.vacuum(name, retention_hours))
         progress(f"vacuum {name}: {deleted} files older than {retention_hours} h deleted")
         return deleted

@@ -55,6 +55,7 @@ from pyspark.sql.types import (
 )
 
 from clickstream.config import Config
+from clickstream.errors import VACUUMED_WAY_FORWARD, VersionVacuumedError
 from clickstream.events import contract
 from clickstream.io.delta_tables import DeltaTables, PartitionFilter
 from clickstream.tables import TableSpec
@@ -235,13 +236,24 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
 
 # --- tables_after_merge ----------------------------------------------------------------------
 
-def run_commit_version(tables: DeltaTables, table: str, run_id: str) -> int | None:
+def backfill_app_id(run_id: str) -> str:
+    """The application transaction of a backfill's merge into ``pageviews`` / ``orders``."""
+    return f"backfill-{run_id}"
+
+
+def run_commit_version(tables: DeltaTables, table: str, run_id: str, *,
+                       app_id: str | None = None) -> int | None:
     """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3); None
-    if the run committed nothing to it (or the log no longer holds that commit).
+    if the run committed nothing to it.
 
     The recent commits first, then the whole log: a step retried beside a running stream
     (which commits every micro-batch) may find its run's commit far behind. Not finding it
-    would make the gate compare the table with itself and pass whatever the merge did."""
+    would make the gate compare the table with itself and pass whatever the merge did.
+
+    Raises:
+        VersionVacuumedError: the commit's application transaction ``app_id`` is in the
+            table but the commit is no longer in its log (``delta_rs_engine`` edge case 18).
+    """
     for limit in (RECENT_COMMITS, None):
         entries = tables.history(table, limit)
         for entry in entries:
@@ -249,6 +261,13 @@ def run_commit_version(tables: DeltaTables, table: str, run_id: str) -> int | No
                 return int(entry["version"])
         if limit is not None and len(entries) < limit:
             break  # that was the whole log
+    if app_id is not None and tables.app_version(table, app_id) is not None:
+        raise VersionVacuumedError(
+            f"table {table!r}: run {run_id} committed to it ({app_id}), but its log no longer "
+            "holds that commit (Delta deletes commits older than the table's "
+            "delta.logRetentionDuration at a checkpoint; table_maintenance keeps them as long "
+            "as its vacuum retention, 30 days at least), so the table as it was before cannot "
+            f"be read. {VACUUMED_WAY_FORWARD}")
     return None
 
 
@@ -279,8 +298,8 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
         values["table"] = spec.name
         return checks
     # The caller's rows were read at the merge commit: no second search of the history.
-    merged = stored.version if stored is not None else run_commit_version(tables, spec.name,
-                                                                           run_id)
+    merged = stored.version if stored is not None else run_commit_version(
+        tables, spec.name, run_id, app_id=backfill_app_id(run_id))
     after_version = merged if merged is not None else tables.version(spec.name)
     before_version = after_version - 1 if merged is not None else after_version
     whole = (stored.rows if stored is not None
