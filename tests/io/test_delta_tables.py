@@ -1044,16 +1044,22 @@ def test_delta_spark_engine_without_jars_says_what_to_set(config, spark):
 
 
 @pytest.mark.needs_jars
-def test_delta_spark_engine_round_trip(config, spark):
+def test_delta_spark_engine_round_trip(config, spark, monkeypatch):
     if not delta_jars_loadable(spark):
         pytest.skip("io.delta jars are not on the Spark classpath (Maven unreachable here); "
                     "run with the delta-spark jars and CLICKSTREAM_DELTA_ENGINE=delta-spark")
     tables = open_tables(config.replace(delta_engine="delta-spark"), spark)
     batch = orders(spark, ("o1", "c1", D1, "1"), ("o2", "c2", D1, "2"))
     assert tables.append_once("orders", batch, app_id="a", version=1, partition_by=PARTS,
-                              metadata=META)
+                              metadata=META) == AppendResult(committed=True, rows=2)
     assert not tables.append_once("orders", batch, app_id="a", version=1, partition_by=PARTS,
                                   metadata=META)
+    with monkeypatch.context() as race:  # a replay that passed the check before "a" committed
+        race.setattr(tables, "app_version", lambda name, app_id: None)
+        assert tables.append_once("orders", batch, app_id="a", version=1, partition_by=PARTS,
+                                  metadata=META) == AppendResult(committed=False)  # edge case 3
+    assert tables.set_log_retention("orders", 1000)
+    assert not tables.set_log_retention("orders", 1000)
     result = tables.upsert("orders", orders(spark, ("o1", "c1", D2, "5")),
                            keys=["client_id", "order_id"], app_id="u", version=1, metadata=META)
     assert result == UpsertResult(inserted=0, updated=1)

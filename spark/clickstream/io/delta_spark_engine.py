@@ -13,7 +13,11 @@ Known edge cases (cited inline as "edge case N"):
 2. Delta has no public API for an app id's committed version; :meth:`app_version` reads it from
    the log with ``deltalake`` (log-only, no data read).
 3. ``append_once`` returns True when it wrote; if a racing replay of the same step committed
-   first, Delta itself skips the write (same ``txnAppId``/``txnVersion``) and True is returned.
+   first, Delta itself skips the write (same ``txnAppId``/``txnVersion``) without an error.
+   Each call therefore marks its commit with a nonce in ``userMetadata`` and looks for it
+   afterwards: no commit of its own means the replay won, and False is returned, as the
+   contract says (a correction run that took another run's recorded plan for its own skipped
+   ``corrections`` C6's guard). The row count is that commit's, not the newest commit's.
 4. A concurrent change inside a ``replace_partitions`` range raises Delta's
    ``ConcurrentAppendException``; it is reported as :class:`CommitConflictError` without retry
    (the caller must recompute the range). Appends and merges are retried with backoff.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,6 +65,8 @@ _TXN_APP = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 _USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 _DML_LOCK = threading.Lock()  # edge case 1
+WRITE_NONCE = "write_nonce"  # in an append's userMetadata (edge case 3)
+RECENT_COMMITS = 50
 
 
 def delta_jars_loadable(spark: SparkSession | None) -> bool:
@@ -195,7 +202,8 @@ class DeltaSparkTables(DeltaTables):
         """See :meth:`DeltaTables.append_once`. Delivery: exactly once per (app_id, version)."""
         if _done(self.app_version(name, app_id), version):
             return AppendResult(committed=False)
-        user_metadata = _user_metadata(metadata, app_id, version)
+        nonce = uuid.uuid4().hex  # edge case 3
+        user_metadata = _user_metadata({**metadata, WRITE_NONCE: nonce}, app_id, version)
 
         def write() -> AppendResult:
             (
@@ -204,12 +212,25 @@ class DeltaSparkTables(DeltaTables):
                 .option("userMetadata", user_metadata)
                 .save(self.table_path(name))
             )
-            # Delta's txn action makes a replay a no-op commit: read what this commit wrote.
-            last = self._delta(name).history(1).first()
-            metrics = (last["operationMetrics"] or {}) if last else {}
+            own = self._commit_with_nonce(name, nonce)
+            if own is None:  # Delta skipped the write: the same step committed elsewhere
+                return AppendResult(committed=False)
+            metrics = own.get("operationMetrics") or {}
             return AppendResult(committed=True, rows=int(metrics.get("numOutputRows", 0)))
 
         return self._retry(name, "append", write)
+
+    def _commit_with_nonce(self, name: str, nonce: str) -> dict[str, Any] | None:
+        """The history entry of the commit that carries ``nonce`` (edge case 3); the recent
+        commits first, a running stream may have committed many since."""
+        for limit in (RECENT_COMMITS, None):
+            entries = self.history(name, limit)
+            for entry in entries:
+                if entry.get(WRITE_NONCE) == nonce:
+                    return entry
+            if limit is not None and len(entries) < limit:
+                break
+        return None
 
     def upsert(
         self,
