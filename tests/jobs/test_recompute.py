@@ -191,6 +191,24 @@ def test_a_recompute_killed_between_apply_and_publish_is_published_by_the_rerun(
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_resumed_recompute_keeps_the_report_and_counts_of_the_plan_it_published(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between apply and publish, the rerun (the same queue version, so the same run)
+    publishes the plan, then plans again to find the users it leaves to the stream. That
+    second pass, which changes nothing, replaced the run's correction report and its counts
+    with zeros."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("p2", "c1", "u1", 90)])
+    killed_at(monkeypatch, corrections, "publish_changes",
+              lambda: run_recompute(stream_config, spark=spark, progress=quiet))
+
+    result = run_recompute(stream_config, spark=spark, progress=quiet).corrections["c1"]
+    assert (result.resumed, result.sessions_created) == (True, 2)
+    (report,) = [e for e in read_entries(reports_dir(stream_config)) if e.kind == "corrections"]
+    assert report.summary.startswith("2 created, 0 updated"), report.summary
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)
+
+
 def test_a_plan_whose_topics_do_not_answer_is_not_applied_and_the_rerun_publishes_it(
         stream_config: Config, spark: SparkSession) -> None:
     """The tables change only once the topics that mirror them answer: applied first, a

@@ -106,7 +106,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, date, datetime, timedelta
 from functools import reduce
 
@@ -177,6 +177,17 @@ class CorrectionSummary:
         return (changed + f"orders attributed {self.orders_attributed}, unattributed "
                 f"{self.orders_unattributed} ({self.attributions_changed} attribution changes); "
                 f"{self.deferred_users} users deferred to the stream; {steps}")
+
+    def and_then(self, later: CorrectionSummary) -> CorrectionSummary:
+        """This pass followed by a later pass of the same run (``recompute`` plans again after
+        finishing its resumed plan, to find the users it leaves to the stream)."""
+        steps = dict(self.seconds_by_step)
+        for step, seconds in later.seconds_by_step.items():
+            steps[step] = steps.get(step, 0) + seconds
+        counts = {f.name: getattr(self, f.name) + getattr(later, f.name) for f in fields(self)
+                  if f.type == "int"}
+        return CorrectionSummary(**counts, resumed=self.resumed or later.resumed,
+                                 seconds_by_step=steps)
 
 
 @dataclass(frozen=True)
@@ -1092,7 +1103,7 @@ def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "",
 
 def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
                     stream_watermark_ms: int | None, summary: CorrectionSummary,
-                    defer: Defer | None) -> None:
+                    defer: Defer | None, report_unchanged: bool) -> None:
     timer = Timer(summary, run.progress)
     figures = None
     changes = resume(run, summary, timer)
@@ -1104,10 +1115,11 @@ def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
                 figures = _figures_before_apply(run, changes)
     if changes is not None:
         finish(run, changes, timer)
-    with timer.step("correction report"):
-        if figures is None and changes is not None and gates_enabled(run.config):
-            figures = correction_figures(run, changes)  # old values by time travel
-        write_correction_report(run, summary, figures or CorrectionFigures())
+    if changes is not None or report_unchanged:
+        with timer.step("correction report"):
+            if figures is None and changes is not None and gates_enabled(run.config):
+                figures = correction_figures(run, changes)  # old values by time travel
+            write_correction_report(run, summary, figures or CorrectionFigures())
     if changes is not None:
         release(changes)
 
@@ -1115,7 +1127,7 @@ def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
 def correct(run: Run, read_scope: ScopeReader, *, orders_only: bool,
             stream_watermark_ms: int | None = None,
             summary: CorrectionSummary | None = None,
-            defer: Defer | None = None) -> CorrectionSummary:
+            defer: Defer | None = None, report_unchanged: bool = True) -> CorrectionSummary:
     """Plan (or resume), apply and publish the corrections of a scope for ``run.client_id``.
 
     ``read_scope`` returns the scope (client_id, user_id, lo_ms, hi_ms: where new or changed
@@ -1125,9 +1137,12 @@ def correct(run: Run, read_scope: ScopeReader, *, orders_only: bool,
     ``stream_watermark_ms``: the watermark of the sessionizer's last committed micro-batch;
     users whose window reaches the stream's open sessions are left to it (C4), counted in
     ``deferred_users`` and handed to ``defer``. Runs of one client wait for each other, and
-    an unpublished plan of the client is finished first (C6).
+    an unpublished plan of the client is finished first (C6). ``report_unchanged``: whether
+    a run that changes nothing writes its correction report (an empty one); a second pass of
+    a run must not replace the report of the plan its first pass published.
     """
     summary = summary or CorrectionSummary()
     with one_run_at_a_time(run.config, run.client_id, run.progress):
-        _correct_locked(run, read_scope, orders_only, stream_watermark_ms, summary, defer)
+        _correct_locked(run, read_scope, orders_only, stream_watermark_ms, summary, defer,
+                        report_unchanged)
     return summary
