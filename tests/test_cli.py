@@ -64,6 +64,16 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
         Config.from_env({}, max_ts_ahead_minutes="-5m")
 
 
+def test_kafka_options_take_a_comma_inside_a_value_escaped() -> None:
+    """List settings (``ssl.cipher.suites``, ``debug``) and passwords hold commas."""
+    options = Config.from_env({"CLICKSTREAM_KAFKA_OPTIONS": (
+        r"ssl.cipher.suites=A\,B, debug=broker\,topic,sasl.password=p\,w=1,")}).kafka_options
+    assert options == {"ssl.cipher.suites": "A,B", "debug": "broker,topic",
+                       "sasl.password": "p,w=1"}
+    with pytest.raises(ConfigError, match=r"'B' is not key=value .*inside a value as \\,"):
+        Config.from_env({"CLICKSTREAM_KAFKA_OPTIONS": "ssl.cipher.suites=A,B"})
+
+
 def test_trigger_interval_reads_bare_numbers_as_seconds_and_echoes_what_was_typed() -> None:
     assert Config.from_env({"CLICKSTREAM_TRIGGER_INTERVAL": "5"}).trigger_interval_seconds == 5
     assert Config.from_env({}, trigger_interval_seconds="2m").trigger_interval_seconds == 120

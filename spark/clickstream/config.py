@@ -105,12 +105,17 @@ def parse_bool(text: str, name: str) -> bool:
 
 
 def parse_options(text: str, name: str) -> dict[str, str]:
-    """Parse ``"a=1,b=2"`` into a mapping of extra librdkafka settings."""
+    """Parse ``"a=1,b=2"`` into a mapping of extra librdkafka settings; ``\\,`` is a comma
+    inside a value (list settings such as ``ssl.cipher.suites``, a password)."""
     options: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for part in re.split(r"(?<!\\),", text):
+        item = part.strip().replace("\\,", ",")
+        if not item:
+            continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"{name}: {item!r} is not key=value (example: linger.ms=5,acks=all)")
+            raise ConfigError(f"{name}: {item!r} is not key=value (example: linger.ms=5,acks=all;"
+                              " write a comma inside a value as \\,)")
         options[key.strip()] = value.strip()
     return options
 

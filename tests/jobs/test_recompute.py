@@ -125,6 +125,26 @@ def test_rows_the_stream_queues_while_a_recompute_runs_stay_queued(
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R10) An error of one client's Spark job reaches the driver as Spark's type, not the
+    product's: only the product's own errors were kept per client, so c2 waited behind c1."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("q1", "c2", "v1", 0)])
+    correct = recompute._correct
+
+    def c1_fails(run, *args):
+        if run.client_id == "c1":
+            raise ArithmeticError("Decimal overflow in a c1 executor")
+        return correct(run, *args)
+
+    monkeypatch.setattr(recompute, "_correct", c1_fails)
+    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: Decimal "
+                       r"overflow in a c1 executor\)"):
+        run_recompute(stream_config, spark=spark, progress=quiet)
+    assert users_with_sessions(stream_config, spark) == {("c2", "v1")}
+    assert [r["client_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["c1"]
+
+
 def test_a_client_whose_queue_rows_cannot_be_removed_does_not_stop_the_other_clients(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R10) c1's folded-in record is queued again before every commit attempt of its removal

@@ -62,7 +62,8 @@ Known edge cases, cited inline as (R1)..(R11):
       its corrections are applied and published, its rows stay queued, and the next run
       plans them again and changes nothing. The removal used to fail outside the per-client
       handling, so the clients after it in the run were not folded in at all, run after run
-      while that client's late traffic lasted.
+      while that client's late traffic lasted. Any exception counts, not only the product's
+      own: an error of one client's Spark job reaches the driver as Spark's type.
   R11. ``--full`` passes the gates every correction passes: ``recomputed_sessions`` on all
       it rewrites, before it records, rewrites or publishes anything, and ``publish`` on its
       plan once published (failing, the plan stays unpublished for the next correction run
@@ -183,7 +184,7 @@ def run_recompute(
             folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
                                                             "left_anti")
             dequeue(tables, run, folded_in, queue_version)  # (R1)
-        except ClickstreamError as error:
+        except Exception as error:  # raised below, with every other client's failure (R10)
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
         finally:
