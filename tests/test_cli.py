@@ -274,7 +274,9 @@ def test_a_dry_run_of_a_step_that_writes_is_refused(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize(("argv", "complaint"), [
-    (["--out", "h[9]"], "has one of * ? [ \\ ] { }, which backfill refuses"),
+    (["--out", "h[9]"], "has one of * ? [ \\ ] { } in its path, which Spark would read as a "
+     "pattern matching other files; backfill refuses such a batch"),
+    (["--out", "late-2026-11-01T00:00"], "has ':' in its path"),
     (["--out", "h1/pageviews"], "is or lies inside a batch folder"),
     (["--start", "2099-01-01T00:00Z"], "--start and --days reach 2099-01-02T00:00:00+00:00, more "
      "than 10 minutes ahead of now: a backfill would quarantine those rows"),

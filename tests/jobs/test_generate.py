@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,18 @@ def test_a_seed_reproduces_the_data_and_orders_follow_pageviews() -> None:
                                    pageviews["user_id"].to_pylist(), strict=True))
     assert set(zip(orders["client_id"].to_pylist(), orders["user_id"].to_pylist(),
                    strict=True)) <= users_with_pageviews
+
+
+def test_every_record_falls_inside_the_span_start_is_checked_against() -> None:
+    """An order follows its session's last pageview by up to 10 minutes: those of the last
+    sessions fell after the span, so a --start the guard let through wrote orders ahead of
+    now, which the backfill quarantined."""
+    scale = Scale(clients=1, users_per_client=500, minutes=24 * 60, start=START,
+                  order_probability=1.0)
+    pageviews, orders = simulate(scale, seed=1)
+    end = START + timedelta(minutes=scale.minutes)
+    assert orders.num_rows > 500
+    assert max(orders["ts"].to_pylist()) < end and max(pageviews["ts"].to_pylist()) < end
 
 
 def test_history_refuses_to_mix_a_second_run_into_the_first_runs_batch(tmp_path: Path) -> None:

@@ -130,6 +130,17 @@ REQUIRED = {
 KEY = {"orders": "order_id", "pageviews": "event_id"}
 NULLABLE = {"orders": (), "pageviews": ("referrer",)}  # required columns whose rows may be null
 GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax (B5)
+
+
+def unreadable_path_reason(path: str) -> str | None:
+    """Why Spark cannot read ``path`` as the one file it names (B5), or None."""
+    if GLOB_CHARACTERS & set(path):
+        return (f"has one of {' '.join(sorted(GLOB_CHARACTERS))} in its path, which Spark "
+                "would read as a pattern matching other files")
+    if ":" in path:
+        return ("has ':' in its path, which Spark's file system cannot open (it reads the "
+                "text before ':' as a URI scheme)")
+    return None
 MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a CSV batch (B6)
 ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps it (B6, B10)
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
@@ -212,16 +223,10 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             f"batch file {root} has a name starting with '.' or '_', which Spark skips as "
             "hidden (it would read no rows); rename it")
     candidates = [root] if root.is_file() else _files_under(root)
-    globbing = [str(p) for p in candidates if GLOB_CHARACTERS & set(str(p))]
-    if globbing:
-        raise BatchRefusedError(
-            f"batch file {globbing[0]} has one of {' '.join(sorted(GLOB_CHARACTERS))} in its "
-            "path, which Spark would read as a pattern matching other files; rename it")
-    colons = [str(p) for p in candidates if ":" in str(p)]
-    if colons:
-        raise BatchRefusedError(
-            f"batch file {colons[0]} has ':' in its path, which Spark's file system cannot "
-            "open (it reads the text before ':' as a URI scheme); rename it")
+    for candidate in candidates:
+        reason = unreadable_path_reason(str(candidate))
+        if reason:
+            raise BatchRefusedError(f"batch file {candidate} {reason}; rename it")
     unknown = [p.name for p in candidates if p.suffix.lower() not in FORMATS]
     if unknown:
         raise BatchRefusedError(

@@ -140,6 +140,9 @@ def simulate(scale: Scale, seed: int, client: str | None = None) -> tuple[pa.Tab
         "amount": np.array([f"{a:.2f}" for a in amounts], dtype=object),
         "currency": currencies,
     })
+    # Inside the span, like the pageviews: the span is what --start is checked against, so an
+    # order of the last session may not fall up to 10 minutes after it, ahead of now.
+    orders = orders.filter(pa.array(order_ts < start_ms + span_ms))
     return pageviews.sort_by("ts"), orders.sort_by("ts")
 
 
@@ -213,17 +216,17 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
         ConfigError: ``out`` leaves the landing folder, lies inside another batch, has a
             character backfill reads as a pattern, or already holds a batch.
     """
-    from clickstream.jobs.batch_input import GLOB_CHARACTERS
+    from clickstream.jobs.batch_input import unreadable_path_reason
 
     target, inside = config.in_landing(out)
     if not inside or target == config.landing:
         raise ConfigError(f"--out {out!r} must name a folder inside the landing folder "
                           f"{config.landing} (CLICKSTREAM_LANDING); backfills read only "
                           "from there")
-    if GLOB_CHARACTERS & set(str(target)):
-        raise ConfigError(f"--out {out!r} has one of {' '.join(sorted(GLOB_CHARACTERS))}, "
-                          "which backfill refuses in a batch's path (Spark reads them as a "
-                          "pattern); choose another --out")
+    reason = unreadable_path_reason(str(target))
+    if reason:
+        raise ConfigError(f"--out {out!r} {reason}; backfill refuses such a batch, choose "
+                          "another --out")
     inside_batch = [p for p in (target, *target.parents) if p.name in ("pageviews", "orders")
                     and config.landing in p.parents]
     if inside_batch:
