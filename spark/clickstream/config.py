@@ -130,9 +130,10 @@ class Config:
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
     session_gap_minutes: float = 30.0
     watermark_delay_minutes: float = 10.0
-    # How far an event's ts may be ahead of the time the broker received it (the record's Kafka
-    # timestamp). One event further ahead would carry the stream's watermark with it: every
-    # on-time event after it would count as late and every open session would close early.
+    # How far an event's ts may be ahead of its arrival (the record's Kafka timestamp, or the
+    # micro-batch's time if earlier: events.parse._arrival). One event further ahead would
+    # carry the stream's watermark with it: every on-time event after it would count as late
+    # and every open session would close early.
     # Such an event is quarantined (events.parse.ts_ahead_error).
     max_ts_ahead_minutes: float = 10.0
     events_topic: str = "events"

@@ -74,6 +74,11 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
      "ts 'yesterday' is neither ISO-8601 with a time zone nor epoch milliseconds"),
     (json.dumps({**PAGEVIEW, "ts": "2026-11-01T09:00:00"}),
      "ts '2026-11-01T09:00:00' is neither ISO-8601 with a time zone nor epoch milliseconds"),
+    # Java's $ matched before a final line break, and Spark's casts trim it.
+    (json.dumps({**PAGEVIEW, "ts": "1793500000000\n"}),
+     "ts '1793500000000\n' is neither ISO-8601 with a time zone nor epoch milliseconds"),
+    (json.dumps({**PAGEVIEW, "ts": "2026-11-01T08:30:00Z\n"}),
+     "ts '2026-11-01T08:30:00Z\n' is neither ISO-8601 with a time zone nor epoch milliseconds"),
     (json.dumps({**PAGEVIEW, "ts": "1999-12-31T00:00:00Z"}),
      "ts '1999-12-31T00:00:00Z' is outside the plausible range 2000-01-01..2100-01-01"),
     (json.dumps({**PAGEVIEW, "url": ""}), "pageview without url"),
@@ -85,6 +90,8 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     (json.dumps({k: v for k, v in ORDER.items() if k != "order_id"}),
      "missing field order_id"),
     (json.dumps({**ORDER, "amount": "-5.00"}), "amount '-5.00' is negative"),
+    (json.dumps({**ORDER, "amount": "12.5\n"}),
+     "amount '12.5\n' is not a decimal string with at most 4 decimals"),
     (json.dumps({**ORDER, "amount": "1.23456"}),
      "amount '1.23456' is not a decimal string with at most 4 decimals"),
     (json.dumps({**ORDER, "amount": "1000000000000"}),  # 13 digits: 1 more than kept
@@ -189,25 +196,42 @@ def test_an_iso_ts_that_names_no_real_time_is_an_error(spark: SparkSession) -> N
 def test_a_ts_further_ahead_of_its_arrival_than_allowed_is_an_error(
     spark: SparkSession
 ) -> None:
-    """Judged against the record's Kafka timestamp (10 minutes by default), not the clock."""
+    """Judged against the record's Kafka timestamp (10 minutes by default), not the clock
+    as the check runs."""
     limit = timedelta(minutes=Config().max_ts_ahead_minutes)
     at_limit, beyond = (json.dumps({**PAGEVIEW, "ts": (T0 + ahead).isoformat()})
                         for ahead in (limit, limit + timedelta(milliseconds=1)))
     ok, bad = parse(spark, (KEY, at_limit), (KEY, beyond))
     assert ok["error"] is None
     assert bad["error"] == (
-        "ts '2026-11-01T09:10:00.001000+00:00' is more than 10 minutes ahead of the time the "
-        "broker received the record (2026-11-01T09:00:00.000Z): a producer's clock is wrong, "
-        "and the event would carry the stream's watermark with it (CLICKSTREAM_MAX_TS_AHEAD)")
+        "ts '2026-11-01T09:10:00.001000+00:00' is more than 10 minutes ahead of its arrival at "
+        "the stream (2026-11-01T09:00:00.000Z): a producer's clock is wrong, and the event "
+        "would carry the stream's watermark with it (CLICKSTREAM_MAX_TS_AHEAD)")
     years_late = json.dumps({**PAGEVIEW, "ts": "2001-01-01T00:00:00Z"})
     assert parse(spark, (KEY, years_late))[0]["error"] is None
 
 
 def test_a_record_without_a_kafka_timestamp_is_not_judged_by_it(spark: SparkSession) -> None:
-    """Kafka reports a missing timestamp as -1 ms: no time of arrival to compare with."""
+    """Kafka reports a missing timestamp as -1 ms: the micro-batch's time is the arrival."""
     no_timestamp = datetime(1969, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)
     (row,) = parse(spark, (KEY, json.dumps(PAGEVIEW)), received=no_timestamp)
     assert row["error"] is None
+    ahead = json.dumps({**PAGEVIEW, "ts": (datetime.now(UTC) + timedelta(hours=6)).isoformat()})
+    (row,) = parse(spark, (KEY, ahead), received=no_timestamp)
+    assert "is more than 10 minutes ahead of its arrival at the stream" in row["error"]
+
+
+def test_a_producer_clock_ahead_is_caught_though_it_stamped_the_record_too(
+    spark: SparkSession
+) -> None:
+    """A topic's default timestamps (CreateTime) are the producer's: a clock 6 hours ahead
+    stamps the record as far ahead as its ts, and the record passed, carrying the watermark
+    6 hours ahead. The micro-batch's time bounds the arrival (in a stream: the batch's
+    timestamp in the offsets log, the same on a replay)."""
+    wrong_clock = datetime.now(UTC) + timedelta(hours=6)
+    value = json.dumps({**PAGEVIEW, "ts": wrong_clock.isoformat()})
+    (row,) = parse(spark, (KEY, value), received=wrong_clock)
+    assert "is more than 10 minutes ahead of its arrival at the stream" in row["error"]
 
 
 def test_a_marker_of_lost_offsets_is_quarantined_before_any_other_rule(

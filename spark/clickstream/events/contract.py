@@ -47,17 +47,20 @@ LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
 # ISO-8601 with an explicit zone (Z or z, +hh:mm / +hhmm / +hh); a bare local time is
 # ambiguous. Seconds and their fraction are optional. Spark's cast reads only an upper-case Z
 # and times with seconds: events.parse.ts_from_text brings every form here into that shape.
-ISO_WITH_ZONE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?([Zz]|[+-]\d{2}(:?\d{2})?)$"
-EPOCH_MILLIS = r"^-?\d{1,15}$"
+# The patterns are Java's (Spark's rlike): they end in \z, since $ also matches before a final
+# line break, and Spark's casts trim it, so "1793500000000\n" was read as a valid time.
+ISO_WITH_ZONE = (r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?"
+                 r"([Zz]|[+-]\d{2}(:?\d{2})?)\z")
+EPOCH_MILLIS = r"^-?\d{1,15}\z"
 # Non-negative decimal string with at most 4 decimals (the tables keep DECIMAL(20,4) exactly).
-AMOUNT = r"^-?\d+(\.\d{1,4})?$"
+AMOUNT = r"^-?\d+(\.\d{1,4})?\z"
 # Sessions add amounts up exactly as 64-bit integers of 1/10000 (semantics.AMOUNT_SCALE), so a
 # session's revenue must stay below 2**63 / 10**4 (~9.2e14). An amount must stay below 10**12
 # (at most 12 digits before the point, leading zeros aside): a session then overflows only past
 # 922 orders at the largest amount (semantics.with_order_totals stops loudly if one does); with
 # 14 digits, 10 placeholder amounts such as 99999999999999 made a negative revenue unnoticed.
 AMOUNT_MAX_INTEGER_DIGITS = 12
-AMOUNT_IN_RANGE = rf"^-?0*\d{{1,{AMOUNT_MAX_INTEGER_DIGITS}}}(\.\d*)?$"
+AMOUNT_IN_RANGE = rf"^-?0*\d{{1,{AMOUNT_MAX_INTEGER_DIGITS}}}(\.\d*)?\z"
 
 # A pageview's url is at most this many bytes (UTF-8); a longer one is quarantined, in the
 # stream and in backfills alike. A session's changelog value carries two urls (landing and

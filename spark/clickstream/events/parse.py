@@ -124,13 +124,13 @@ def ts_error(text: Column, ts: Column) -> Column:
 
 
 def ts_ahead_error(text: Column, ts: Column, reference: Column, max_ahead_ms: int, *,
-                   reference_is: str = "the time the broker received the record",
+                   reference_is: str,
                    harm: str = "the event would carry the stream's watermark with it") -> Column:
     """Reason ``ts`` is further ahead of ``reference`` than ``max_ahead_ms``, or null: no event
     is recorded before it happens, so its clock is wrong (config.max_ts_ahead_minutes).
-    ``reference`` is a time the record carries (its Kafka timestamp, its file's modification
-    time), never the clock, so a replay judges it the same way; a record without one (null,
-    or Kafka's -1) is not judged."""
+    ``reference`` is a time fixed for the record (its arrival at the stream, its file's
+    modification time), never the clock as the check runs, so a replay judges it the same
+    way; a record without one (null) is not judged."""
     return F.when(
         (reference > F.lit(contract.EARLIEST_TS))
         & (F.unix_millis(ts) - F.unix_millis(reference) > F.lit(max_ahead_ms)),
@@ -244,6 +244,22 @@ def lost_offsets_error(records: DataFrame) -> Column:
     ))
 
 
+ARRIVAL = "its arrival at the stream"  # _arrival
+
+
+def _arrival(kafka_timestamp: Column) -> Column:
+    """When a record reached the stream, as far as it can be told the same way on a replay.
+
+    A topic's default timestamps (CreateTime) are the producer's clock: a clock hours ahead
+    stamps the record as far ahead as its ``ts``, so the record alone passed the check and
+    carried the watermark with it. The micro-batch's time bounds it: in a streaming query
+    ``current_timestamp()`` is the batch's timestamp, kept in the offsets log, so a replay
+    judges the record the same way. (A LogAppendTime topic stamps the broker's time.) A
+    record without a timestamp (Kafka's -1) is judged by the micro-batch's time alone."""
+    known = F.when(kafka_timestamp > F.lit(contract.EARLIEST_TS), kafka_timestamp)
+    return F.least(known, F.current_timestamp())  # least() skips a null
+
+
 def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFrame:
     """Turn Kafka-layout rows (key, value, topic, partition, offset, timestamp, ...) into parsed
     events; ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``."""
@@ -286,7 +302,8 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),
         ts_error(F.col("ts_text"), F.col("ts_value")),
-        ts_ahead_error(F.col("ts_text"), F.col("ts_value"), F.col("_received"), max_ts_ahead_ms),
+        ts_ahead_error(F.col("ts_text"), F.col("ts_value"), _arrival(F.col("_received")),
+                       max_ts_ahead_ms, reference_is=ARRIVAL),
         F.when(~F.is_valid_utf8("_key"), F.lit(
             "key is not UTF-8 text: a key is '<client_id>/<user_id>' in UTF-8")),
         F.when(

@@ -63,7 +63,7 @@ from clickstream.tables import TableSpec
 if TYPE_CHECKING:
     from clickstream.jobs.corrections import Snapshot
 
-EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$"
+EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}\z"  # Java: $ allows a final \n
 RECENT_COMMITS = 200  # searched first for a run's merge or apply commit (K3)
 
 
