@@ -42,9 +42,12 @@ def test_describe_sessionizer_shows_the_committed_micro_batch_its_watermark_and_
     config = stream_config
     assert describe_sessionizer(config) == [
         f"sessionizer checkpoint {config.checkpoint_path('sessionize')}: no micro-batch yet"]
-    assert describe_lag(config) == []
+    assert describe_lag(config) == [
+        f"  lag: 0 records of {config.events_topic}, none read yet (no micro-batch committed)"]
     start = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
     produce(config, [pageview(f"u{i}", start + dt.timedelta(minutes=i)) for i in range(6)])
+    assert describe_lag(config) == [  # waiting for the sessionizer's first micro-batch
+        f"  lag: 6 records of {config.events_topic}, none read yet (no micro-batch committed)"]
     run_sessionizer(config, until_caught_up=True, spark=spark)
 
     lines = describe_sessionizer(config) + describe_lag(config)

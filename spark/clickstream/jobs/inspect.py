@@ -83,8 +83,10 @@ def describe_lag(config: Config) -> list[str]:
     they were read, one line per partition and the advice once."""
     topic = config.events_topic
     progress = checkpoint_progress(config.checkpoint_path(JOB), topic)
-    if progress is None:
-        return []
+    if progress is None:  # every record the topic holds waits for the first micro-batch
+        waiting = sum(max(high - low, 0) for low, high in topic_watermarks(config, topic).values())
+        return [f"  lag: {waiting} records of {topic}, none read yet (no micro-batch "
+                "committed)"]
     try:
         check_same_log(topic, progress.topic_id, topic_id(config, topic))
     except DataLossError as error:
