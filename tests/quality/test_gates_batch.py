@@ -19,13 +19,12 @@ from pyspark.sql import functions as F
 from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
-from clickstream.io.delta_tables import open_tables
+from clickstream.io.delta_tables import RECENT_COMMITS, open_tables
 from clickstream.io.kafka_clients import encode_json, produce_records, read_compacted
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute
 from clickstream.quality.checks import (
-    RECENT_COMMITS,
     run_commit_version,
     tables_after_merge_checks,
 )

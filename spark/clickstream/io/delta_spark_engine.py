@@ -66,7 +66,6 @@ _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 _USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 _DML_LOCK = threading.Lock()  # edge case 1
 WRITE_NONCE = "write_nonce"  # in an append's userMetadata (edge case 3)
-RECENT_COMMITS = 50
 
 
 def delta_jars_loadable(spark: SparkSession | None) -> bool:
@@ -212,25 +211,13 @@ class DeltaSparkTables(DeltaTables):
                 .option("userMetadata", user_metadata)
                 .save(self.table_path(name))
             )
-            own = self._commit_with_nonce(name, nonce)
+            own = self.newest_commit(name, lambda entry: entry.get(WRITE_NONCE) == nonce)
             if own is None:  # Delta skipped the write: the same step committed elsewhere
                 return AppendResult(committed=False)
             metrics = own.get("operationMetrics") or {}
             return AppendResult(committed=True, rows=int(metrics.get("numOutputRows", 0)))
 
         return self._retry(name, "append", write)
-
-    def _commit_with_nonce(self, name: str, nonce: str) -> dict[str, Any] | None:
-        """The history entry of the commit that carries ``nonce`` (edge case 3); the recent
-        commits first, a running stream may have committed many since."""
-        for limit in (RECENT_COMMITS, None):
-            entries = self.history(name, limit)
-            for entry in entries:
-                if entry.get(WRITE_NONCE) == nonce:
-                    return entry
-            if limit is not None and len(entries) < limit:
-                break
-        return None
 
     def upsert(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ PartitionFilter = Mapping[str, PartitionValue | Sequence[PartitionValue]]
 Entries are ANDed; a sequence value means IN.
 """
 
+RECENT_COMMITS = 200  # newest_commit reads these first, then the whole log
 LOG_RETENTION = "delta.logRetentionDuration"  # the table property both engines honour
 DEFAULT_LOG_RETENTION_HOURS = 720  # Delta's default: 30 days
 
@@ -348,6 +349,20 @@ class DeltaTables(ABC):
     @abstractmethod
     def history(self, name: str, limit: int | None = None) -> list[dict[str, Any]]:
         """Commit infos, newest first, each with ``version``, ``operation`` and our metadata."""
+
+    def newest_commit(self, name: str, matches: Callable[[Mapping[str, Any]], bool]
+                      ) -> dict[str, Any] | None:
+        """The newest commit info of :meth:`history` that ``matches``, or None. The recent
+        commits first, then the whole log: beside a running stream (a commit every
+        micro-batch) the commit looked for may be far behind."""
+        for limit in (RECENT_COMMITS, None):
+            entries = self.history(name, limit)
+            for entry in entries:
+                if matches(entry):
+                    return entry
+            if limit is not None and len(entries) < limit:
+                break  # that was the whole log
+        return None
 
     @abstractmethod
     def optimize(

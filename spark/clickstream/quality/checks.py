@@ -64,7 +64,6 @@ if TYPE_CHECKING:
     from clickstream.jobs.corrections import Snapshot
 
 EVENT_TYPE_IDENTIFIER = r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}\z"  # Java: $ allows a final \n
-RECENT_COMMITS = 200  # searched first for a run's merge or apply commit (K3)
 
 
 @dataclass
@@ -254,13 +253,10 @@ def run_commit_version(tables: DeltaTables, table: str, run_id: str, *,
         VersionVacuumedError: the commit's application transaction ``app_id`` is in the
             table but the commit is no longer in its log (``delta_rs_engine`` edge case 18).
     """
-    for limit in (RECENT_COMMITS, None):
-        entries = tables.history(table, limit)
-        for entry in entries:
-            if entry.get("run_id") == run_id and entry.get("version") is not None:
-                return int(entry["version"])
-        if limit is not None and len(entries) < limit:
-            break  # that was the whole log
+    entry = tables.newest_commit(
+        table, lambda e: e.get("run_id") == run_id and e.get("version") is not None)
+    if entry is not None:
+        return int(entry["version"])
     if app_id is not None and tables.app_version(table, app_id) is not None:
         raise VersionVacuumedError(
             f"table {table!r}: run {run_id} committed to it ({app_id}), but its log no longer "
