@@ -179,6 +179,8 @@ def test_the_largest_amount_and_leading_zeros_are_valid(
     ("2026-11-01 09:00Z", T0),
     ("2026-11-01T10:00:00+01", T0),
     ("2026-11-01T03:30:00.5-05:30", T0.replace(microsecond=500_000)),
+    ("2026-11-01T09:00:00.0009Z", T0),  # kept to the millisecond (contract.TS_PRECISION)
+    ("2026-11-01T09:00:00.123456789Z", T0.replace(microsecond=123_000)),
 ])
 def test_every_ts_form_the_contract_accepts_parses_to_its_instant(
     spark: SparkSession, text: str, instant: datetime

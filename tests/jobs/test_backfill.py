@@ -675,6 +675,28 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
         backfill_steps.locate_batch(config, kind="orders", client_id="\u5546" * 22, path="t")
 
 
+def test_times_finer_than_a_millisecond_are_cut_to_it_whatever_the_column_type(
+    config: Config, spark: SparkSession
+) -> None:
+    """Sessions are computed in epoch milliseconds: a Parquet timestamp or an ISO text with
+    microseconds stored as it came disagreed with its session (contract.TS_PRECISION)."""
+    import pyarrow.parquet as pq
+    fine = START + timedelta(microseconds=900)
+    line = {"client_id": "client-00", "user_id": "u", "amount": "1.00", "currency": "EUR"}
+    (config.landing / "us").mkdir(parents=True)
+    pq.write_table(pa.table({**{k: [v] for k, v in line.items()}, "order_id": ["o1"],
+                             "ts": pa.array([fine], pa.timestamp("us", tz="UTC"))}),
+                   config.landing / "us" / "a.parquet")
+    (config.landing / "iso").mkdir()
+    (config.landing / "iso" / "a.jsonl").write_text(json.dumps(
+        {**line, "order_id": "o2", "ts": "2026-11-01T00:00:00.123456789Z"}) + "\n")
+    naive = START.replace(tzinfo=None)
+    (parquet,) = validated(config, spark, "us").values()
+    (iso,) = validated(config, spark, "iso").values()
+    assert (parquet["ts"], parquet["error"]) == (naive, None)
+    assert (iso["ts"], iso["error"]) == (naive + timedelta(milliseconds=123), None)
+
+
 def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own(
     config: Config, spark: SparkSession
 ) -> None:

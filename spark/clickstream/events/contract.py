@@ -44,6 +44,11 @@ ORDER_FIELDS = ("order_id", "amount", "currency")
 EARLIEST_TS = datetime(2000, 1, 1, tzinfo=UTC)
 LATEST_TS = datetime(2100, 1, 1, tzinfo=UTC)
 
+# Event times are kept to the millisecond, the precision of epoch-ms times, of Kafka's
+# timestamps and of the session arithmetic (semantics works in epoch ms): a finer ISO-8601
+# fraction is cut (events.parse.to_milliseconds), in the stream and in backfills alike.
+TS_PRECISION = "millisecond"
+
 # ISO-8601 with an explicit zone (Z or z, +hh:mm / +hhmm / +hh); a bare local time is
 # ambiguous. Seconds and their fraction are optional. Spark's cast reads only an upper-case Z
 # and times with seconds: events.parse.ts_from_text brings every form here into that shape.

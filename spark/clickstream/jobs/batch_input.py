@@ -9,7 +9,8 @@ Known edge cases, cited inline as (B1)..(B17):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
-      Parquet timestamp (an instant, already UTC); all three are accepted.
+      Parquet timestamp (an instant, already UTC); all three are accepted, and kept to the
+      millisecond as the stream keeps them (``contract.TS_PRECISION``).
   B3. The same id twice in one batch with identical content counts once; with different
       content the batch contradicts itself, so every copy is quarantined.
   B4. A row of another client than ``--client`` is quarantined, never merged into the
@@ -112,6 +113,7 @@ from clickstream.events.parse import (
     currency_error,
     is_one_json_object,
     not_utf8_reason,
+    to_milliseconds,
     ts_ahead_error,
     ts_error,
     ts_from_text,
@@ -429,7 +431,7 @@ def _ts(frame: DataFrame) -> tuple[Column, Column]:
     """(timestamp, text for messages) of the ``ts`` column, whatever its type (B2)."""
     kind = frame.schema["ts"].dataType
     if isinstance(kind, TimestampType):
-        return F.col("ts"), F.col("ts").cast("string")
+        return to_milliseconds(F.col("ts")), F.col("ts").cast("string")
     if isinstance(kind, DateType):
         return F.lit(None).cast("timestamp"), F.col("ts").cast("string")
     text = F.col("ts").cast("string")  # integers too: epoch ms by the text rule (B7)
