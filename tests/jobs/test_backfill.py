@@ -229,18 +229,32 @@ def test_pageview_batch_merges_sessions_and_retracts_the_old_ones(
 
 def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
                                                   spark: SparkSession) -> None:
+    """Nothing is written again, and the rerun still reports what the run did (merged rows,
+    corrections, its correction report): counted again, they were zeros, the report page of
+    the run's changes was replaced by an empty one and the DAG announced no merge."""
     path = write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)], "csv")
     opath = write_rows(stream_config, "o", [order_row("o1", "u", 2)], "jsonl")
-    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
+    first = run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path,
+                         spark=spark)
     run_backfill(stream_config, kind="orders", client_id="client-00", path=opath, spark=spark)
     after_first = versions(stream_config, spark)
     corrections = len(table_rows(stream_config, spark, "corrections"))
-    rerun = run_backfill(stream_config, kind="orders", client_id="client-00", path=opath,
+    (page,) = (reports.reports_dir(stream_config) / "corrections").glob(
+        f"backfill-{first.run_id}*.html")
+    written = page.read_text()
+    rerun_orders = run_backfill(stream_config, kind="orders", client_id="client-00",
+                                path=opath, spark=spark)
+    rerun = run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path,
                          spark=spark)
-    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark)
     assert versions(stream_config, spark) == after_first
     assert len(table_rows(stream_config, spark, "corrections")) == corrections
-    assert rerun.rows_merged == 0 and rerun.duplicates_skipped == 1
+    assert (rerun_orders.rows_merged, rerun_orders.duplicates_skipped) == (1, 0)
+    assert (rerun.rows_merged, rerun.duplicates_skipped) == (2, 0)
+    assert (first.corrections.published_earlier, rerun.corrections.published_earlier) == (
+        False, True)
+    assert first.corrections.sessions_created == 2
+    assert (rerun.corrections.sessions_created, rerun.corrections.sessions_updated) == (2, 0)
+    assert page.read_text() == written
 
 
 def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
@@ -590,6 +604,13 @@ def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replac
     ((succeeded, page),) = run_summaries(stream_config, run_id)
     assert (succeeded.href, succeeded.status) == (failed.href, "info")
     assert ": failed" not in page and "sessions created 1" in page
+    assert "1 merged" in page and ">1 records to" in page
+
+    for name in backfill_steps.STEPS:  # the whole DAG run again: it still says what it did
+        step(name)
+    ((_, again),) = run_summaries(stream_config, run_id)
+    assert "1 merged" in again and ">1 records to" in again
+    assert "sessions created 1" in again and "published by an earlier attempt" in again
 
 
 def run_summaries(config: Config, run_id: str = ""

@@ -143,7 +143,7 @@ def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_i
     if count:
         tables.append_once(PAGEVIEWS.name, rows, app_id=backfill_app_id(run_id), version=1,
                            partition_by=PAGEVIEWS.partition_by,
-                           metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+                           metadata=_merge_metadata(run_id, count))
     release(rows)
     return count
 
@@ -164,9 +164,30 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
         tables.upsert(ORDERS.name, rows, keys=["order_id"], partition_by=ORDERS.partition_by,
                       partition_filter={"client_id": client_id},
                       app_id=backfill_app_id(run_id), version=1,
-                      metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+                      metadata=_merge_metadata(run_id, count))
     release(rows)
     return count
+
+
+def _merge_metadata(run_id: str, rows: int) -> dict[str, object]:
+    return {"run_id": run_id, "cause": f"backfill {run_id}", MERGED_ROWS: rows}
+
+
+MERGED_ROWS = "merged_rows"  # in the merge commit's metadata: what the run merged
+
+
+def merged_earlier(tables: DeltaTables, kind: BatchKind, run_id: str) -> int | None:
+    """Rows an earlier attempt of the run merged (its merge committed: a step retried after
+    its commit, or a batch rerun), from that commit; None when the run has not merged yet.
+    Counted again, they were all stored already: the run would report "0 merged" and the
+    DAG would announce no merge (its Asset event lost when the first attempt died after its
+    commit)."""
+    name = PAGEVIEWS.name if kind == "pageviews" else ORDERS.name
+    if not tables.exists(name) or tables.app_version(name, backfill_app_id(run_id)) is None:
+        return None
+    entry = tables.newest_commit(
+        name, lambda e: e.get("run_id") == run_id and e.get(MERGED_ROWS) is not None)
+    return None if entry is None else int(entry[MERGED_ROWS])  # None: an older commit
 
 
 def _version_before_merge(tables: DeltaTables, run_id: str) -> int | None:
@@ -251,7 +272,8 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
                      client_id: str, run_id: str, progress: Callable[[str], None],
                      snapshots: dict[str, Snapshot] | None = None) -> int:
     """Merge the batch's valid rows (one per key) exactly once, then check the tables with
-    the ``tables_after_merge`` gate; returns the rows written.
+    the ``tables_after_merge`` gate; returns the rows the run merged (by this attempt, or by
+    an earlier one whose merge committed: ``merged_earlier``).
 
     ``snapshots``: the correction run's, when it follows in this process. The gate of an
     orders batch reads all of the client's orders; they are then read once, at the merge
@@ -264,12 +286,18 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
-    with records_lock(config, on_wait=lambda: progress(
-            "  waiting for the sessionizer's micro-batch in flight to store its records ...")):
-        if kind == "pageviews":
-            merged = merge_pageviews(tables, valid, client_id, run_id, dates)
-        else:
-            merged = merge_orders(tables, valid, client_id, run_id)
+    merged = merged_earlier(tables, kind, run_id)
+    if merged is not None:
+        progress(f"  merged by an earlier attempt of this run: {merged} rows; nothing merged "
+                 "again")
+    else:
+        with records_lock(config, on_wait=lambda: progress(
+                "  waiting for the sessionizer's micro-batch in flight to store its records "
+                "...")):
+            if kind == "pageviews":
+                merged = merge_pageviews(tables, valid, client_id, run_id, dates)
+            else:
+                merged = merge_orders(tables, valid, client_id, run_id)
     stored = None
     if kind == "orders" and snapshots is not None and gates_enabled(config):
         version = run_commit_version(tables, ORDERS.name, run_id,

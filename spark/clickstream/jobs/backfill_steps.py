@@ -65,6 +65,7 @@ from clickstream.jobs.corrections import (
     Timer,
     apply,
     check_plan_applied,
+    count_earlier_plan,
     grow_windows,
     mark_published,
     one_run_at_a_time,
@@ -319,6 +320,8 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
             changes = resume(run, summary, timer)
             if changes is None:
                 changes = _plan_batch(batch, run, summary, timer)
+                if changes is None:
+                    count_earlier_plan(run, summary)
             if changes is not None:
                 with timer.step("apply to tables"):
                     apply(run, changes)
@@ -406,9 +409,13 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
             release(changes)  # a later run plans only once this one was published
             changes = None
         if changes is None:
-            progress(f"publish {run_id}: nothing left to publish (no corrections, or they were "
-                     "published already)")
-            return 0
+            earlier = stored_plan(run)  # not the client's unpublished plan: published (C6)
+            sent = 0 if earlier is None else earlier.count()
+            release(earlier)
+            progress(f"publish {run_id}: nothing left to publish" + (
+                f" (an earlier attempt published its {sent} records)" if sent
+                else " (no corrections)"))
+            return sent
         sent = publish_changes(run, changes)
         mark_published(run, changes)
         release(changes)

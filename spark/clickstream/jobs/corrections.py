@@ -164,12 +164,19 @@ class CorrectionSummary:
     attributions_changed: int = 0
     deferred_users: int = 0
     resumed: bool = False
+    # An earlier attempt of the run (a backfill's run id is its batch's) recorded, applied and
+    # published the counted plan; this one found nothing left to change (``count_earlier_plan``).
+    published_earlier: bool = False
     seconds_by_step: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
         changed = (f"sessions created {self.sessions_created}, updated "
                    f"{self.sessions_updated}, retracted {self.sessions_retracted}; ")
+        if self.published_earlier:  # as below: the counts are the stored plan's
+            return (changed + f"{self.attributions_changed} attribution changes [applied and "
+                    "published by an earlier attempt of this run: nothing left to change]; "
+                    f"{steps}")
         if self.resumed:  # a stored plan holds the changes only, not the totals behind them
             return (changed + f"{self.attributions_changed} attribution changes [resumed a "
                     "planned run: its orders attributed and users deferred were counted by the "
@@ -187,7 +194,8 @@ class CorrectionSummary:
         counts = {f.name: getattr(self, f.name) + getattr(later, f.name) for f in fields(self)
                   if f.type == "int"}
         return CorrectionSummary(**counts, resumed=self.resumed or later.resumed,
-                                 seconds_by_step=steps)
+                                 published_earlier=self.published_earlier
+                                 or later.published_earlier, seconds_by_step=steps)
 
 
 @dataclass(frozen=True)
@@ -852,6 +860,24 @@ def count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
                     changes.groupBy("entity", "change").count().collect()}, summary)
 
 
+def count_earlier_plan(run: Run, summary: CorrectionSummary) -> bool:
+    """For a run that found nothing to change: count the plan an earlier attempt of it
+    published (a backfill rerun, or retried, after its publish), so that the run's summary and
+    correction report keep saying what the run changed instead of turning to zeros. False
+    when the run recorded no plan. Called once its own unpublished plan would have been
+    resumed (``resume``): a plan of the run found here was published."""
+    earlier = stored_plan(run)
+    if earlier is None:
+        return False
+    count_plan(earlier, summary)
+    release(earlier)
+    summary.published_earlier = True
+    run.progress(f"  nothing left to change: an earlier attempt of {run.run_id} recorded, "
+                 "applied and published its corrections (counted below; its correction "
+                 "report stays as that attempt wrote it)")
+    return True
+
+
 def stored_plan(run: Run) -> DataFrame | None:
     """The run's latest recorded plan (a rerun that found more to change records another)."""
     if not run.tables.exists(CORRECTIONS.name):
@@ -1103,7 +1129,7 @@ def finish(run: Run, changes: DataFrame, timer: Timer, step: str = "",
 
 def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
                     stream_watermark_ms: int | None, summary: CorrectionSummary,
-                    defer: Defer | None, report_unchanged: bool) -> None:
+                    defer: Defer | None, first_pass: bool) -> None:
     timer = Timer(summary, run.progress)
     figures = None
     changes = resume(run, summary, timer)
@@ -1113,9 +1139,11 @@ def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
         if changes is not None:
             with timer.step("correction report"):
                 figures = _figures_before_apply(run, changes)
+        elif first_pass:
+            count_earlier_plan(run, summary)
     if changes is not None:
         finish(run, changes, timer)
-    if changes is not None or report_unchanged:
+    if changes is not None or first_pass:
         with timer.step("correction report"):
             if figures is None and changes is not None and gates_enabled(run.config):
                 figures = correction_figures(run, changes)  # old values by time travel
@@ -1127,7 +1155,7 @@ def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
 def correct(run: Run, read_scope: ScopeReader, *, orders_only: bool,
             stream_watermark_ms: int | None = None,
             summary: CorrectionSummary | None = None,
-            defer: Defer | None = None, report_unchanged: bool = True) -> CorrectionSummary:
+            defer: Defer | None = None, first_pass: bool = True) -> CorrectionSummary:
     """Plan (or resume), apply and publish the corrections of a scope for ``run.client_id``.
 
     ``read_scope`` returns the scope (client_id, user_id, lo_ms, hi_ms: where new or changed
@@ -1137,12 +1165,14 @@ def correct(run: Run, read_scope: ScopeReader, *, orders_only: bool,
     ``stream_watermark_ms``: the watermark of the sessionizer's last committed micro-batch;
     users whose window reaches the stream's open sessions are left to it (C4), counted in
     ``deferred_users`` and handed to ``defer``. Runs of one client wait for each other, and
-    an unpublished plan of the client is finished first (C6). ``report_unchanged``: whether
-    a run that changes nothing writes its correction report (an empty one); a second pass of
-    a run must not replace the report of the plan its first pass published.
+    an unpublished plan of the client is finished first (C6). A first pass that changes
+    nothing counts the plan an earlier attempt of the run published, if any (its report then
+    stays), else writes an empty report; a later pass in the same process (``first_pass``
+    false: ``recompute`` plans again after finishing its resumed plan) that changes nothing
+    does neither, since its first pass counted and reported that plan.
     """
     summary = summary or CorrectionSummary()
     with one_run_at_a_time(run.config, run.client_id, run.progress):
         _correct_locked(run, read_scope, orders_only, stream_watermark_ms, summary, defer,
-                        report_unchanged)
+                        first_pass)
     return summary

@@ -223,7 +223,7 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
     if result.resumed:  # an interrupted plan was finished: planning again names the deferred
         result = result.and_then(correct(run, read_scope, orders_only=False,
                                          stream_watermark_ms=watermark, defer=defer,
-                                         report_unchanged=False))
+                                         first_pass=False))
     return result, (left[0] if left else None)
 
 

@@ -147,6 +147,10 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         return None
     config = run.config
     job, run_id = split_run_id(run.run_id)
+    target = (reports.reports_dir(config) / "corrections"
+              / f"{reports.safe_name(f'{job}-{run_id}')}.html")
+    if summary.published_earlier and target.exists():  # written by the attempt that did it
+        return target
     moment = reports.now_utc()
     if figures is None:
         from clickstream.jobs.corrections import stored_plan
@@ -203,8 +207,6 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         + f"<h2>Quality gates of this run</h2><ul>{gate_links}</ul>"
         + "<details><summary>summary as recorded</summary><pre>"
         + html.escape(str(asdict(summary))) + "</pre></details>")
-    target = (reports.reports_dir(config) / "corrections"
-              / f"{reports.safe_name(f'{job}-{run_id}')}.html")
     reports.write_atomically(target, reports.page(f"Corrections of {job} {run_id}", body,
                                                   depth=DEPTH))
     reports.record(config, reports.ReportEntry(
