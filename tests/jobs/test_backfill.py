@@ -805,6 +805,16 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
     with pytest.raises(BatchRefusedError, match=r"CSV headers differ .*a\.csv: order_id,client"):
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                      path="hdr")
+    (stream_config.landing / "open").mkdir(parents=True)  # (B18) the rows after it were lost
+    (stream_config.landing / "open" / "a.csv").write_text(
+        "event_id,client_id,user_id,ts,url,referrer\n"
+        'v1,client-00,u1,2026-11-01T00:00:00Z,/a,"https://ref/?q=""x"""\n'
+        'v2,client-00,u1,2026-11-01T00:01:00Z,/b,"https://ref/?q=1\n'
+        "v3,client-00,u1,2026-11-01T00:02:00Z,/c,\n")
+    with pytest.raises(BatchRefusedError, match=r"a\.csv line 3: a row there opens a quoted "
+                                                r"field that is never closed"):
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                     path="open")
     assert versions(stream_config, spark) == before
     (stream_config.landing / "rows").mkdir(parents=True)
     (stream_config.landing / "rows" / "a.csv").write_text(
