@@ -718,6 +718,29 @@ def test_times_finer_than_a_millisecond_are_cut_to_it_whatever_the_column_type(
     assert (iso["ts"], iso["error"]) == (naive + timedelta(milliseconds=123), None)
 
 
+def test_parquet_int96_times_and_dictionary_text_are_read_as_spark_reads_them(
+    config: Config, spark: SparkSession
+) -> None:
+    """INT96 timestamps (Spark's, Hive's and Impala's default) were refused as nanoseconds
+    Spark cannot read, and a dictionary-encoded text column (a pandas categorical) in one
+    file as another type than plain text in the next."""
+    import pyarrow.parquet as pq
+    line = {"client_id": "client-00", "user_id": "u", "amount": "1.00"}
+    (config.landing / "mixed").mkdir(parents=True)
+    pq.write_table(pa.table({**{k: [v] for k, v in line.items()}, "order_id": ["o1"],
+                             "currency": pa.array(["EUR"]).dictionary_encode(),
+                             "ts": pa.array([START], pa.timestamp("us", tz="UTC"))}),
+                   config.landing / "mixed" / "a.parquet", use_deprecated_int96_timestamps=True)
+    pq.write_table(pa.table({**{k: [v] for k, v in line.items()}, "order_id": ["o2"],
+                             "currency": ["EUR"],
+                             "ts": pa.array([START], pa.timestamp("us", tz="UTC"))}),
+                   config.landing / "mixed" / "b.parquet", use_deprecated_int96_timestamps=True)
+    naive = START.replace(tzinfo=None)
+    assert {key: (r["ts"], r["currency"], r["error"])
+            for key, r in validated(config, spark, "mixed").items()} == {
+        "o1": (naive, "EUR", None), "o2": (naive, "EUR", None)}
+
+
 def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own(
     config: Config, spark: SparkSession
 ) -> None:

@@ -370,9 +370,14 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
     return frame
 
 
-def _type_kind(kind: pa.DataType) -> str:
-    """A Parquet column's type as Spark reads it: text of any Arrow string type, and
-    timestamps of any unit, are one type to Spark's reader."""
+def _type_kind(kind: pa.DataType, int96: bool = False) -> str:
+    """A Parquet column's type as Spark reads it: text of any Arrow string type, dictionary
+    encoded or not (pandas' categoricals), and timestamps of any unit, are one type to Spark's
+    reader; an INT96 timestamp (Spark's, Hive's and Impala's default) is an instant."""
+    if pa.types.is_dictionary(kind):
+        return _type_kind(kind.value_type)
+    if int96:
+        return "timestamp"
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return "string"
     if pa.types.is_timestamp(kind):
@@ -388,8 +393,12 @@ def _check_parquet_types(batch: BatchFiles) -> None:
 
     seen: dict[str, tuple[str, str]] = {}
     for path in batch.files:
-        try:
-            schema = pq.read_schema(path)
+        try:  # INT96 reads as nanoseconds by default, which Spark's reader does not take
+            with pq.ParquetFile(path, coerce_int96_timestamp_unit="us") as parquet:
+                schema = parquet.schema_arrow
+                columns = parquet.schema
+                int96 = {columns.column(i).path for i in range(len(columns))
+                         if columns.column(i).physical_type == "INT96"}
         except (OSError, pa.ArrowException) as error:
             raise BatchRefusedError(
                 f"batch file {path} is not a readable Parquet file: {error}") from error
@@ -401,7 +410,7 @@ def _check_parquet_types(batch: BatchFiles) -> None:
                     "which Spark cannot read; write them in microseconds (pandas: "
                     "to_parquet(..., coerce_timestamps='us'); pyarrow: "
                     "write_table(..., coerce_timestamps='us'))")
-            kind = _type_kind(field.type)
+            kind = _type_kind(field.type, field.name in int96)
             first = seen.setdefault(field.name, (kind, name))
             if first[0] != kind:
                 raise BatchRefusedError(
