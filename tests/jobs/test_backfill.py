@@ -741,6 +741,28 @@ def test_parquet_int96_times_and_dictionary_text_are_read_as_spark_reads_them(
         "o1": (naive, "EUR", None), "o2": (naive, "EUR", None)}
 
 
+@pytest.mark.parametrize("broadcast_max", [batch_input.BROADCAST_KEYS_MAX, 0],
+                         ids=["repeated keys broadcast", "batch sorted by key"])
+def test_another_clients_row_with_the_same_id_is_no_copy_of_the_batch_clients_row(
+    config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch, broadcast_max: int
+) -> None:
+    """(B3, B4) Ids are a client's: the client's order was quarantined as a copy that
+    differs from another client's row, which was quarantined for its client."""
+    monkeypatch.setattr(batch_input, "BROADCAST_KEYS_MAX", broadcast_max)
+    line = {"user_id": "u", "amount": "1.00", "currency": "EUR", "ts": ms(START)}
+    (config.landing / "x").mkdir(parents=True)
+    (config.landing / "x" / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in [
+        {**line, "order_id": "1001", "client_id": "client-00"},
+        {**line, "order_id": "1002", "client_id": "client-00"},
+        {**line, "order_id": "1001", "client_id": "client-01", "amount": "2.00"}]))
+    rows = batch_input.validate_batch(
+        batch_input.read_batch(spark, batch_input.list_batch_files(config, "x"), "orders"),
+        "orders", "client-00", config.max_ts_ahead_ms).collect()
+    assert sorted((r["client_id"], r["order_id"], r["error"]) for r in rows) == [
+        ("client-00", "1001", None), ("client-00", "1002", None),
+        ("client-01", "1001", "client_id 'client-01' is not the batch's client 'client-00'")]
+
+
 def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own(
     config: Config, spark: SparkSession
 ) -> None:

@@ -12,7 +12,8 @@ Known edge cases, cited inline as (B1)..(B17):
       Parquet timestamp (an instant, already UTC); all three are accepted, and kept to the
       millisecond as the stream keeps them (``contract.TS_PRECISION``).
   B3. The same id twice in one batch with identical content counts once; with different
-      content the batch contradicts itself, so every copy is quarantined.
+      content the batch contradicts itself, so every copy is quarantined. Copies are a
+      client's: another client's row with the id is no copy (it is quarantined by B4).
   B4. A row of another client than ``--client`` is quarantined, never merged into the
       declared client's partitions.
   B5. Spark reads a path with ``* ? [ ] { } \\`` as a glob pattern, which could match files
@@ -543,8 +544,10 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
 
 
 def _with_copies(frame: DataFrame, typed: DataFrame, key: str) -> DataFrame:
-    """``typed`` with ``copies``, how many rows share the row's key (null when one does),
-    and B3's error on each copy of a key whose copies differ.
+    """``typed`` with ``copies``, how many rows share the row's client and key (null when one
+    does), and B3's error on each copy of a key whose copies differ. Ids are a client's: a
+    row of another client (quarantined, B4) with the same id made a valid row of the batch's
+    client a copy that differs, and it was quarantined too.
 
     Runs one job: counting the repeated keys reads the key column alone. A batch usually
     repeats none, and its rows then meet no other row; a few are compared through a
@@ -552,8 +555,11 @@ def _with_copies(frame: DataFrame, typed: DataFrame, key: str) -> DataFrame:
     batch shuffled and sorted by key, as every batch was before: validating a year of
     pageviews (10.5M rows) and taking its valid rows took 120 s that way, 75 s this way
     (BENCHMARKS.md, session 39)."""
-    repeated = (frame.groupBy(_text(frame, key).alias(key)).agg(F.count(F.lit(1)).alias("n"))
-                .where((F.col("n") > 1) & F.col(key).isNotNull()).select(key))
+    client_key = ["client_id", key]
+    repeated = (frame.groupBy(_text(frame, "client_id").alias("client_id"),
+                              _text(frame, key).alias(key))
+                .agg(F.count(F.lit(1)).alias("n"))
+                .where((F.col("n") > 1) & F.col(key).isNotNull()).select(*client_key))
     how_many = repeated.count()
     content = F.to_json(F.struct(*[c for c in typed.columns
                                    if c not in ("raw", "source", "error")]))
@@ -561,11 +567,12 @@ def _with_copies(frame: DataFrame, typed: DataFrame, key: str) -> DataFrame:
         marked = typed.withColumn("copies", F.lit(None).cast(LongType())).withColumn(
             "variants", F.lit(1))
     elif how_many <= BROADCAST_KEYS_MAX:
-        variants = typed.join(F.broadcast(repeated), key, "left_semi").groupBy(key).agg(
-            F.count(F.lit(1)).alias("copies"), F.size(F.collect_set(content)).alias("variants"))
-        marked = typed.join(F.broadcast(variants), key, "left")
+        variants = typed.join(F.broadcast(repeated), client_key, "left_semi").groupBy(
+            *client_key).agg(F.count(F.lit(1)).alias("copies"),
+                             F.size(F.collect_set(content)).alias("variants"))
+        marked = typed.join(F.broadcast(variants), client_key, "left")
     else:
-        by_key = Window.partitionBy(key)
+        by_key = Window.partitionBy(*client_key)
         copies = F.count(F.lit(1)).over(by_key)
         marked = typed.withColumn("copies", F.when(copies > 1, copies)).withColumn(
             "variants", F.size(F.collect_set(content).over(by_key)))
