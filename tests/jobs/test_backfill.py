@@ -788,6 +788,19 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
     (config.landing / "v" / "a.jsonl").write_text(json.dumps(pageview) + "\n")
     rows = validated(config, spark, "v", "pageviews")
     assert (rows["v1"]["referrer"], rows["v1"]["error"]) == (None, None)
+    numbers = {"n1": "999999999999.0003", "n2": "1e2", "n3": "-0.0", "n4": "1e25",
+               "n5": "0.30000000000000004"}  # amounts as JSON numbers, read as their decimals
+    (config.landing / "n").mkdir()
+    (config.landing / "n" / "a.jsonl").write_text("".join(
+        json.dumps({**line, "order_id": key, "ts": ms(START), "amount": "AMOUNT"}).replace(
+            '"AMOUNT"', number) + "\n" for key, number in numbers.items()))
+    rows = validated(config, spark, "n")
+    assert {key: (r["amount"], r["error"]) for key, r in rows.items()} == {
+        "n1": (Decimal("999999999999.0003"), None), "n2": (Decimal("100"), None),
+        "n3": (Decimal("0"), None),
+        "n4": (None, "amount '1.0E25' is not a decimal string with at most 4 decimals"),
+        "n5": (None, "amount '0.30000000000000004' is not a decimal string with at most 4 "
+                     "decimals")}
     amounts = pa.table({"order_id": ["f1", "f2"], "client_id": ["client-00"] * 2,
                         "user_id": ["u"] * 2, "ts": [START] * 2,
                         "amount": pa.array([19.99, 0.1], pa.float32()),

@@ -36,7 +36,8 @@ Known edge cases, cited inline as (B1)..(B17):
       scale (``12.500000``) or an exponent (``1.23456785E7``), and such valid amounts were
       quarantined as having more than 4 decimals. A value with more still is. A 32-bit
       float is judged by its own shortest text (19.99 stays 19.99, not the double it
-      widens to).
+      widens to), and a JSON Lines number by its own digits, not the double Spark infers
+      (999999999999.0003 became ...0002).
   B10. A JSON Lines batch is read line by line (``_json_lines``): Spark's JSON reader takes
       the first value of a line and ignores the rest, so two records on one line (files
       joined without a final newline: ``{...}{...}``) stored the first and lost the second
@@ -450,12 +451,22 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
     # writes a number in a text column back through a double (12345678.5 as 1.23456785E7),
     # and one line's float made a column of ids or ``ts`` a double for every line (the ids
     # 1234567890123456789 and ...788 both 1.23456789012345677E18, one dropped as the other's
-    # copy; every integer ``ts`` quarantined). ``amount`` is judged by its value (B9).
+    # copy; every integer ``ts`` quarantined). ``amount`` is judged by its value (B9): a
+    # number's exact decimal, not the double Spark infers (999999999999.0003 was stored as
+    # ...0002), and the double's text beyond a decimal's range (1e25, judged too large).
     as_text = {name for names in REQUIRED.values() for name in names} - {"amount"}
+
+    def column(field: StructField) -> Column:
+        if field.name in as_text or (field.name == "amount"
+                                     and isinstance(field.dataType, StringType)):
+            return F.try_variant_get("_value", f"$.{field.name}", "string")
+        if field.name == "amount":
+            return F.coalesce(_plain_decimal_text(F.try_variant_get(
+                "_value", "$.amount", "decimal(38,18)")), F.col("_record.amount").cast("string"))
+        return F.col("_record")[field.name]
+
     return parsed.select(
-        *(F.try_variant_get("_value", f"$.{f.name}", "string").alias(f.name)
-          if f.name in as_text or (f.name == "amount" and isinstance(f.dataType, StringType))
-          else F.col("_record")[f.name].alias(f.name) for f in fields),
+        *(column(f).alias(f.name) for f in fields),
         F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
 
 
@@ -473,9 +484,13 @@ def _amount_text(frame: DataFrame) -> Column:
     number = F.col("amount")
     if isinstance(frame.schema["amount"].dataType, FloatType):  # (B9) by its own shortest
         number = text  # text: a cast widens it to a double first (19.99 -> 19.9899997711...)
-    exact = number.try_cast(DecimalType(38, 18)).cast(StringType())
-    plain = F.regexp_replace(F.regexp_replace(exact, r"(\.\d*?)0+$", "$1"), r"\.$", "")
-    return F.coalesce(plain, text)
+    return F.coalesce(_plain_decimal_text(number.try_cast(DecimalType(38, 18))), text)
+
+
+def _plain_decimal_text(decimal: Column) -> Column:
+    """A decimal's text without trailing zeros (12.500000 as 12.5, 3.000 as 3)."""
+    return F.regexp_replace(F.regexp_replace(decimal.cast(StringType()), r"(\.\d*?)0+$", "$1"),
+                            r"\.$", "")
 
 
 def _ts(frame: DataFrame) -> tuple[Column, Column]:
