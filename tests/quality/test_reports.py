@@ -10,7 +10,16 @@ from urllib.parse import unquote, urlsplit
 
 from clickstream.config import Config
 from clickstream.quality.gates import run_gate
-from clickstream.quality.reports import read_entries, rebuild_index, reports_dir, svg_bar_chart
+from clickstream.quality.reports import (
+    DRY_RUN,
+    RUN_SUMMARY,
+    ReportEntry,
+    read_entries,
+    rebuild_index,
+    record,
+    reports_dir,
+    svg_bar_chart,
+)
 from tests.quality.test_suites import BAD, GOOD, PARAMETERS
 
 
@@ -117,6 +126,27 @@ def test_a_rerun_that_passes_the_failed_gate_turns_its_run_green(config: Config)
         href = report.relative_to(root).as_posix()
         link = re.search(rf"<a class='([^']*)' href='{re.escape(href)}'", index)
         assert link is not None and ("superseded" in link.group(1).split()) is superseded
+
+
+def test_a_real_run_supersedes_the_failed_dry_run_of_its_batch_not_the_converse(
+        config: Config) -> None:
+    """A dry run and the real run of a batch share its run id: a dry run that failed (a
+    setting fixed later, a transient error) kept the run red after its real run succeeded."""
+    def entry(run_id: str, minute: int, title: str, status: str) -> None:
+        page = reports_dir(config) / "backfills" / f"{run_id}-{minute}.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text("<p>a run summary</p>")
+        record(config, ReportEntry(
+            time=f"2026-11-29T10:{minute:02d}:00+00:00", job="backfill", run_id=run_id,
+            kind="report", title=title, status=status, href=f"backfills/{run_id}-{minute}.html",
+            client_id="client-00"))
+
+    entry("fixed", 1, DRY_RUN, "failed")
+    entry("fixed", 2, RUN_SUMMARY, "info")
+    entry("dry-after", 1, RUN_SUMMARY, "info")
+    entry("dry-after", 2, DRY_RUN, "failed")
+    rows = {r[2]: r[4] for r in parse(reports_dir(config) / "index.html").rows if len(r) == 6}
+    assert rows == {"fixed": "info", "dry-after": "failed"}
 
 
 def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: Config) -> None:

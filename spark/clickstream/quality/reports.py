@@ -183,16 +183,26 @@ def _worst(statuses: Iterable[str]) -> str:
     return max(statuses, key=lambda s: STATUS_ORDER.get(s, 0))
 
 
+RUN_SUMMARY = "run summary"  # the title of a backfill run's summary page (run_summary)
+DRY_RUN = "dry run"  # and of a dry run's, which shares the run id
+
+
 def current_entries(items: Iterable[ReportEntry]) -> set[int]:
     """The ids of a run's entries that stand: the latest of each title (a gate, a report)
-    and client.
+    and client; a dry run's summary stands until the run's real summary is written.
 
     A rerun of the same run id (a retry, a cleared task, the CLI finishing a DAG run) passes
     the gate that failed before: the run's status is its latest attempt's, and the earlier
-    failure stays linked, marked superseded."""
+    failure stays linked, marked superseded. A dry run that failed (a setting, a transient
+    error) and the real run of its batch that then succeeded share the run id: the run was
+    red for good."""
     latest: dict[tuple[str, str | None], ReportEntry] = {}
     for entry in sorted(items, key=lambda e: e.time):
         latest[entry.title, entry.client_id] = entry
+    for (title, client), entry in list(latest.items()):
+        real = latest.get((RUN_SUMMARY, client))
+        if title == DRY_RUN and real is not None and real.time > entry.time:
+            del latest[title, client]
     return {id(entry) for entry in latest.values()}
 
 

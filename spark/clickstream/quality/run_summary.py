@@ -54,7 +54,7 @@ def write_run_summary(config: Config, *, run_id: str, client_id: str, kind: str,
     summary = " | ".join(f"{step}: {text}" for step, text in lines)
     reports.record(config, reports.ReportEntry(
         time=reports.now_utc().isoformat(), job="backfill", run_id=run_id, kind="report",
-        title="dry run" if dry_run else "run summary", status=status, href=href,
+        title=reports.DRY_RUN if dry_run else reports.RUN_SUMMARY, status=status, href=href,
         summary=summary[:SUMMARY_MAX_CHARS], client_id=client_id))
     return summary, target
 
