@@ -242,8 +242,14 @@ def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
     (page,) = (reports.reports_dir(stream_config) / "corrections").glob(
         f"backfill-{first.run_id}*.html")
     written = page.read_text()
+    (orders_page,) = (reports.reports_dir(stream_config) / "corrections").glob(
+        "backfill-orders-*.html")
+    figures = orders_page.read_text().split("<h2>Revenue moved by day")[1].split("<h2>Quality")[0]
+    assert "attributed to a session" in figures
+    orders_page.unlink()  # as if the attempt that published stopped before its report
     rerun_orders = run_backfill(stream_config, kind="orders", client_id="client-00",
                                 path=opath, spark=spark)
+    assert figures in orders_page.read_text()  # the figures of its stored plan
     rerun = run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path,
                          spark=spark)
     assert versions(stream_config, spark) == after_first

@@ -874,7 +874,7 @@ def count_earlier_plan(run: Run, summary: CorrectionSummary) -> bool:
     summary.published_earlier = True
     run.progress(f"  nothing left to change: an earlier attempt of {run.run_id} recorded, "
                  "applied and published its corrections (counted below; its correction "
-                 "report stays as that attempt wrote it)")
+                 "report shows them)")
     return True
 
 
@@ -1147,7 +1147,11 @@ def _correct_locked(run: Run, read_scope: ScopeReader, orders_only: bool,
         with timer.step("correction report"):
             if figures is None and changes is not None and gates_enabled(run.config):
                 figures = correction_figures(run, changes)  # old values by time travel
-            write_correction_report(run, summary, figures or CorrectionFigures())
+            if figures is None and not summary.published_earlier:
+                figures = CorrectionFigures()  # nothing changed
+            # Published earlier: the page that attempt wrote, or (it stopped before writing
+            # one, or another run finished its plan) the figures of its stored plan.
+            write_correction_report(run, summary, figures)
     if changes is not None:
         release(changes)
 
