@@ -59,12 +59,13 @@ or rerunning the whole DAG, resumes instead of doubling. The same batch run thro
 results to the next through `$CLICKSTREAM_HOME/runs/backfill/<run id>/`.
 
 Outlets: `announce_merge` emits events for the tables `merge` wrote (through the
-`clickstream-backfill-merge` alias, with row counts); `recompute` for `sessions`,
-`attributions`, `corrections`.
+`clickstream-backfill-merge` alias, with row counts); `announce_recompute` for those of
+`sessions`, `attributions`, `corrections` the `recompute` step changed (through the
+`clickstream-backfill-recompute` alias; none when it changed nothing).
 """
 
 MERGED = AssetAlias("clickstream-backfill-merge")
-RECOMPUTED = [table_asset(name) for name in ("sessions", "attributions", "corrections")]
+RECOMPUTED = AssetAlias("clickstream-backfill-recompute")
 
 RETRY = {"retries": 2, "retry_delay": timedelta(seconds=30),
          "retry_exponential_backoff": True}
@@ -138,11 +139,23 @@ def late_batch_backfill():
             outlet_events[MERGED].add(table_asset("quarantine"),
                                       extra={**extra, "rows": merged["quarantined"]})
 
+    @task(outlets=[RECOMPUTED])
+    def announce_recompute(located: dict, params=None, outlet_events=None) -> list[str]:
+        from clickstream.config import Config
+        from clickstream.jobs.backfill_steps import recompute_result
+
+        summary = recompute_result(Config.from_env(), located["run_id"])
+        changed = summary.changed_tables() if summary is not None else []
+        for table in changed:
+            outlet_events[RECOMPUTED].add(table_asset(table), extra={
+                "run_id": located["run_id"], "client_id": params["client"]})
+        return changed
+
     located = locate_batch()
     validate = spark_job("validate_batch", "backfill_step",
                          step("check", dry_run="{{ params.dry_run | lower }}"))
     merge = spark_job("merge", "backfill_step", step("merge"))
-    recompute = spark_job("recompute", "backfill_step", step("recompute"), outlets=RECOMPUTED)
+    recompute = spark_job("recompute", "backfill_step", step("recompute"))
     validate_corrections = spark_job("validate_corrections", "backfill_step",
                                      step("check-applied"))
     publish = spark_job("publish", "backfill_step", step("publish"))
@@ -153,6 +166,7 @@ def late_batch_backfill():
     located >> validate >> writes_enabled() >> merge >> recompute >> validate_corrections
     validate_corrections >> publish >> report
     merge >> announce_merge(located)
+    recompute >> announce_recompute(located)
     validate >> report
 
 

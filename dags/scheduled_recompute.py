@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import Param, dag
+from airflow.sdk import AssetAlias, Param, dag, task
 
 from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN, CLIENT_ID_RULE
-from clickstream.orchestration import spark_job, table_asset
+from clickstream.orchestration import spark_job, table_asset, task_errors
 
 DOC = """
 # Scheduled recompute
@@ -27,11 +27,13 @@ sessions, records the changes in `corrections`, applies them and republishes the
 * Runs `spark/entrypoints/recompute.py` through **SparkSubmitOperator** and the
   **`spark_default`** connection (`local[*]` embedded, the Spark master in the cluster
   profile); the summary is in the task log, the correction report under **Quality reports**.
-* Outlets: `sessions`, `attributions`, `corrections`, `recompute_queue`.
+* Outlets: `announce_changes` emits Asset events for the tables the run changed, of
+  `sessions`, `attributions`, `corrections`, `recompute_queue` (through the
+  `clickstream-recompute` alias), and none when it changed nothing.
 """
 
-CHANGED = [table_asset(name)
-           for name in ("sessions", "attributions", "corrections", "recompute_queue")]
+CHANGED = AssetAlias("clickstream-recompute")
+RESULT_PREFIX = "scheduled_recompute-"  # + the DAG run's id: where the job leaves its result
 
 
 @dag(
@@ -55,8 +57,22 @@ CHANGED = [table_asset(name)
     },
 )
 def scheduled_recompute():
-    spark_job("recompute_queue", "recompute",
-              "{{ ['--client=' ~ params.client] if params.client else [] }}", outlets=CHANGED)
+    @task(outlets=[CHANGED])
+    def announce_changes(run_id=None, outlet_events=None) -> list[str]:
+        from clickstream.config import Config
+        from clickstream.jobs.recompute import load_result
+
+        with task_errors():
+            changed = load_result(Config.from_env(), RESULT_PREFIX + run_id)
+        for table in changed:
+            outlet_events[CHANGED].add(table_asset(table))
+        return changed
+
+    recompute = spark_job(
+        "recompute_queue", "recompute",
+        "{{ (['--client=' ~ params.client] if params.client else []) + "
+        f"['--save-result-as={RESULT_PREFIX}' ~ run_id] }}}}")
+    recompute >> announce_changes()
 
 
 scheduled_recompute()

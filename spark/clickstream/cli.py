@@ -90,9 +90,13 @@ def _cmd_recompute(args: argparse.Namespace, config: Config) -> int:
     if args.full:
         if not args.client:
             raise ConfigError("--full needs --client: a full recompute rewrites one client")
+        if args.save_result_as:
+            raise ConfigError("--save-result-as is the queue's recompute's (the "
+                              "scheduled_recompute DAG's), not --full's")
         print(run_full_recompute(config, client_id=args.client).describe())
     else:
-        print(run_recompute(config, client_id=args.client).describe())
+        print(run_recompute(config, client_id=args.client,
+                            result_name=args.save_result_as).describe())
     return 0
 
 
@@ -320,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     recompute.add_argument("--full", action="store_true",
                            help="delete-and-rewrite all sessions of --client from all its data "
                            "(slow; a repair tool and the benchmark baseline)")
+    recompute.add_argument("--save-result-as", default=None, metavar="NAME",
+                           help="also save the tables the run changed to "
+                           "$CLICKSTREAM_HOME/runs/recompute/NAME.json (the scheduled_recompute "
+                           "DAG announces them as Asset events)")
     _add_config_flags(recompute)
     recompute.set_defaults(handler=_cmd_recompute)
 

@@ -113,7 +113,8 @@ def test_dry_run_reports_and_writes_nothing(backfill_dag, env_config: Config, sp
     assert str(dagrun.state) == "success", states
     for task_id in ("locate_batch", "validate_batch", "writes_enabled", "report"):
         assert states[task_id] == "success", states
-    for task_id in ("merge", "announce_merge", "recompute", "validate_corrections", "publish"):
+    for task_id in ("merge", "announce_merge", "recompute", "announce_recompute",
+                    "validate_corrections", "publish"):
         assert states[task_id] == "skipped", states
     assert set(versions(config, spark).values()) == {-1}
     report = next((config.home / "reports" / "backfills").glob("*.dry-run.html")).read_text()

@@ -7,6 +7,7 @@ import pytest
 from clickstream.config import Config
 from clickstream.errors import ConfigError
 from clickstream.jobs.maintenance import vacuum_tables
+from tests.dags.test_late_batch_backfill import changed_assets
 from tests.jobs.test_maintenance import corrupt_one_file, small_files
 
 
@@ -66,9 +67,22 @@ def test_vacuum_below_seven_days_is_refused(dagbag, env_config: Config) -> None:
         dagbag.dags["table_maintenance"].test(run_conf={"retention_hours": 24})
 
 
-def test_scheduled_recompute_with_an_empty_queue_succeeds(dagbag, env_config: Config) -> None:
+def test_scheduled_recompute_with_an_empty_queue_succeeds_and_announces_no_change(
+        dagbag, env_config: Config) -> None:
+    """Its four tables were announced as changed every night (static outlets), waking the
+    DAGs scheduled on them for nothing."""
     dagrun = dagbag.dags["scheduled_recompute"].test()
     assert str(dagrun.state) == "success"
+    assert {ti.task_id: str(ti.state) for ti in dagrun.get_task_instances()} == {
+        "recompute_queue": "success", "announce_changes": "success"}
+    assert changed_assets(dagrun) == set()
+
+
+def recompute_task(dagrun):
+    """The run's recompute task; the task announcing what it changed then did not run."""
+    states = {ti.task_id: ti for ti in dagrun.get_task_instances()}
+    assert str(states["announce_changes"].state) == "upstream_failed"
+    return states["recompute_queue"]
 
 
 def test_a_client_the_form_lets_through_and_the_job_refuses_fails_the_task_at_once(
@@ -82,7 +96,7 @@ def test_a_client_the_form_lets_through_and_the_job_refuses_fails_the_task_at_on
     dagrun = dagbag.dags["scheduled_recompute"].test(run_conf={"client": client})
 
     assert str(dagrun.state) == "failed"
-    (ti,) = dagrun.get_task_instances()
+    ti = recompute_task(dagrun)
     assert (str(ti.state), ti.try_number) == ("failed", 1), "a refused argument was retried"
     output = capfd.readouterr().out + caplog.text
     assert "AirflowFailException: clickstream recompute: error: argument --client: " in output
@@ -101,7 +115,7 @@ def test_a_misspelled_parameter_fails_the_task_that_would_ignore_it(
     assert str(maintenance.state) == "failed"
 
     recompute = dagbag.dags["scheduled_recompute"].test(run_conf={"client_id": "client-00"})
-    (ti,) = recompute.get_task_instances()
+    ti = recompute_task(recompute)
     assert (str(ti.state), ti.try_number) == ("failed", 1)
     output = capfd.readouterr().out + caplog.text
     assert "the run's conf has 'retention-hours', which this DAG has no parameter for (it " \

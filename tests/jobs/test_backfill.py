@@ -879,6 +879,15 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
                                                 r"field that is never closed"):
         run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                      path="open")
+    (stream_config.landing / "after").mkdir(parents=True)  # the strict reader resynced here
+    (stream_config.landing / "after" / "a.csv").write_text(
+        "event_id,client_id,user_id,ts,url,referrer\n"
+        'v2,client-00,u1,2026-11-01T00:01:00Z,"/b"c,"https://ref/?q=1\n'
+        "v3,client-00,u1,2026-11-01T00:02:00Z,/c,\n")
+    with pytest.raises(BatchRefusedError, match=r"a\.csv line 2: a row there has text after "
+                                                r"a closing quote"):
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                     path="after")
     assert versions(stream_config, spark) == before
     (stream_config.landing / "rows").mkdir(parents=True)
     (stream_config.landing / "rows" / "a.csv").write_text(

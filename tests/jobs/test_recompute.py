@@ -16,7 +16,12 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import NOT_RETRYABLE, ClickstreamError, QualityGateFailedError
+from clickstream.errors import (
+    NOT_RETRYABLE,
+    ClickstreamError,
+    ConfigError,
+    QualityGateFailedError,
+)
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_changelog import publish_sessions
 from clickstream.io.kafka_clients import read_compacted
@@ -125,6 +130,20 @@ def test_rows_the_stream_queues_while_a_recompute_runs_stay_queued(
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_run_names_the_tables_it_changed_for_the_dag_to_announce(
+        stream_config: Config, spark: SparkSession) -> None:
+    """``scheduled_recompute`` announces these as Asset events (it announced all four every
+    night, whatever changed)."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    folded = run_recompute(stream_config, spark=spark, progress=quiet)
+    assert folded.changed_tables() == ["corrections", "recompute_queue", "sessions"]
+    recompute.save_result(stream_config, "night-1", folded)
+    assert recompute.load_result(stream_config, "night-1") == folded.changed_tables()
+    assert run_recompute(stream_config, spark=spark, progress=quiet).changed_tables() == []
+    with pytest.raises(ConfigError, match=r"no recompute result at .*night-2"):
+        recompute.load_result(stream_config, "night-2")
+
+
 def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R10) An error of one client's Spark job reaches the driver as Spark's type, not the
@@ -140,9 +159,13 @@ def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients
     monkeypatch.setattr(recompute, "_correct", c1_fails)
     with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: Decimal "
                        r"overflow in a c1 executor\)"):
-        run_recompute(stream_config, spark=spark, progress=quiet)
+        run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
     assert users_with_sessions(stream_config, spark) == {("c2", "v1")}
     assert [r["client_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["c1"]
+    # What c2 changed is saved for the DAG to announce, though the task fails (and its retry
+    # changes only c1's): it was saved only by a run that ended well.
+    assert recompute.load_result(stream_config, "night") == [
+        "corrections", "recompute_queue", "sessions"]
 
 
 def test_a_client_whose_queue_rows_cannot_be_removed_does_not_stop_the_other_clients(
@@ -259,17 +282,19 @@ def test_a_plan_interrupted_before_apply_goes_first_when_another_run_of_the_clie
     assert users_with_sessions(stream_config, spark) == set()
 
     messages: list[str] = []
-    run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark,
-                 progress=messages.append,
-                 path=write_rows(stream_config, "p", [pv_row("x", "u9", 600, client="c1")],
-                                 "parquet"))
+    backfill = run_backfill(
+        stream_config, kind="pageviews", client_id="c1", spark=spark, progress=messages.append,
+        path=write_rows(stream_config, "p", [pv_row("x", "u9", 600, client="c1")], "parquet"))
     assert any("interrupted before publishing them: finishing them first" in m
                for m in messages), messages
+    finished = backfill.corrections  # the tables it changed, for the DAG to announce
+    assert (finished.finished_sessions, finished.sessions_created) == (1, 1)
     assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c1", "u9")}
     assert_topic_equals_table(stream_config, spark)
 
     summary = run_recompute(stream_config, spark=spark, progress=quiet)  # the killed run again
-    assert summary.corrections["c1"].sessions_created == 0  # its changes are in already
+    rerun = summary.corrections["c1"]  # its plan, which the backfill finished as that run
+    assert (rerun.sessions_created, rerun.published_earlier) == (1, True)
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert_topic_equals_table(stream_config, spark)
     plans = {(r["run_id"], r["run_seq"]) for r in table_rows(stream_config, spark, "corrections")}

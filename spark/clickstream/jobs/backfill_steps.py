@@ -501,9 +501,7 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
         lines.append(("merge", MergeResult(**merged).describe()))
     summary_of_corrections = None
     if corrections:
-        fields = {f.name for f in dataclasses.fields(CorrectionSummary)}
-        summary_of_corrections = CorrectionSummary(
-            **{k: v for k, v in corrections.items() if k in fields})
+        summary_of_corrections = _correction_summary(corrections)
         lines.append(("recompute", summary_of_corrections.describe()))
     if applied is not None:
         lines.append(("check", f"tables hold {applied.get('sessions', 0)} session and "
@@ -545,6 +543,17 @@ def load_step_result(config: Config, run_id: str, step: str) -> dict[str, Any] |
     """A step's saved result; None if the step has not run for this batch."""
     path = step_result_path(config, run_id, step)
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def recompute_result(config: Config, run_id: str) -> CorrectionSummary | None:
+    """The ``recompute`` step's saved summary; None if it has not run for this batch."""
+    saved = load_step_result(config, run_id, "recompute")
+    return None if saved is None else _correction_summary(saved)
+
+
+def _correction_summary(saved: Mapping[str, Any]) -> CorrectionSummary:
+    fields = {f.name for f in dataclasses.fields(CorrectionSummary)}
+    return CorrectionSummary(**{k: v for k, v in saved.items() if k in fields})
 
 
 @releases_cache

@@ -79,12 +79,14 @@ Known edge cases, cited inline as (B1)..(B17):
       are all malformed) has the kind's columns: Spark infers no column from it, and such a
       batch was refused as lacking every column, where an empty CSV or Parquet batch reads
       as 0 rows and malformed lines are quarantined one by one.
-  B18. A CSV file whose last record opens a quoted field and never closes it is refused,
-      naming the file and the line: Spark (B14) reads the rest of the file into that field,
-      and when it is the row's last, the row still has the header's number of fields, so
-      every row after it was neither merged nor quarantined (their text was stored in one
-      row's ``referrer``). Found by Python's strict reader in one pass over each file
-      (~180 MB/s), before Spark reads.
+  B18. A CSV file whose quoting is malformed is refused, naming the file and the line: a
+      quoted field never closed, or text after a closing quote (``"/b"c``). Spark (B14)
+      reads the rest of the file into a quoted field left open (after such text, a quote
+      further on the line opens one), and when it is the row's last, the row still has the
+      header's number of fields, so every row after it was neither merged nor quarantined
+      (their text was stored in one row's ``referrer``). Found by Python's strict reader in
+      one pass over each file (~180 MB/s), before Spark reads; a quote inside an unquoted
+      field (``5" screen``) is text to both.
 """
 
 from __future__ import annotations
@@ -281,38 +283,37 @@ def csv_header(batch: BatchFiles) -> list[str]:
     return header
 
 
-def check_csv_quotes_closed(batch: BatchFiles) -> None:
-    """Refuses a CSV batch with a file that ends inside a quoted field (B18)."""
+def check_csv_quoting(batch: BatchFiles) -> None:
+    """Refuses a CSV batch with a file whose quoting is malformed (B18)."""
     limit = csv.field_size_limit()
-    csv.field_size_limit(2**31 - 1)  # the open field holds the rest of the file
+    csv.field_size_limit(2**31 - 1)  # a field left open holds the rest of the file
     try:
         for path in batch.files:
-            opened_at = _unclosed_quote_line(path)
-            if opened_at is not None:
+            malformed = _malformed_quoting(path)
+            if malformed is not None:
+                line, what = malformed
                 raise BatchRefusedError(
-                    f"batch {batch.root}: {path.name} line {opened_at}: a row there opens a "
-                    "quoted field that is never closed, so every line after it would be read "
-                    "as part of that field (neither merged nor quarantined); close the quote "
-                    '(a quote inside a quoted field is written twice: "")')
+                    f"batch {batch.root}: {path.name} line {line}: {what}, so the lines "
+                    "after it could be read as part of one field (neither merged nor "
+                    "quarantined); fix the quoting: a field with a comma, quote or line "
+                    'break is quoted whole, and a quote inside it is written twice ("")')
     finally:
         csv.field_size_limit(limit)
 
 
-def _unclosed_quote_line(path: Path) -> int | None:
-    """The line where the record the file ends inside a quoted field of starts, or None.
-    The strict reader raises at that end only; its other complaints (text after a closing
-    quote) are rows Spark takes apart without losing any, and reading goes on after them."""
+def _malformed_quoting(path: Path) -> tuple[int, str] | None:
+    """(the line of the first record whose quoting is malformed, what is wrong), or None."""
     with path.open(newline="", encoding=CSV_READ_AS) as text:  # bytes as they are (B13)
         rows = csv.reader(text, strict=True)
-        while True:
-            starts_at = rows.line_num + 1
-            try:
-                next(rows)
-            except StopIteration:
-                return None
-            except csv.Error as error:
-                if "unexpected end of data" in str(error):
-                    return starts_at
+        starts_at = 1
+        try:
+            for _ in rows:
+                starts_at = rows.line_num + 1
+        except csv.Error as error:
+            if "unexpected end of data" in str(error):
+                return starts_at, "a row there opens a quoted field that is never closed"
+            return starts_at, f"a row there has text after a closing quote ({error})"
+    return None
 
 
 def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
@@ -343,7 +344,7 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
         _check_parquet_types(batch)
     if batch.file_format == "csv":  # (B6) one header, every field as text, bad rows marked
         header = csv_header(batch)
-        check_csv_quotes_closed(batch)  # (B18)
+        check_csv_quoting(batch)  # (B18)
         reader = reader.schema(StructType(
             [StructField(name, StringType()) for name in header]
             + [StructField(MALFORMED_CSV_ROW, StringType())])).options(

@@ -167,10 +167,17 @@ class CorrectionSummary:
     # An earlier attempt of the run (a backfill's run id is its batch's) recorded, applied and
     # published the counted plan; this one found nothing left to change (``count_earlier_plan``).
     published_earlier: bool = False
+    # Changes of another run's interrupted plan this run finished first (C6): not this run's
+    # corrections, but tables it changed (``changed_tables``).
+    finished_sessions: int = 0
+    finished_attributions: int = 0
     seconds_by_step: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
+        if self.finished_sessions or self.finished_attributions:
+            steps = (f"finished another run's interrupted plan first ({self.finished_sessions} "
+                     f"session and {self.finished_attributions} attribution changes); {steps}")
         changed = (f"sessions created {self.sessions_created}, updated "
                    f"{self.sessions_updated}, retracted {self.sessions_retracted}; ")
         if self.published_earlier:  # as below: the counts are the stored plan's
@@ -184,6 +191,17 @@ class CorrectionSummary:
         return (changed + f"orders attributed {self.orders_attributed}, unattributed "
                 f"{self.orders_unattributed} ({self.attributions_changed} attribution changes); "
                 f"{self.deferred_users} users deferred to the stream; {steps}")
+
+    def changed_tables(self) -> list[str]:
+        """The tables the run changed (the DAGs announce them as Asset events): with its own
+        corrections, those of another run's plan it finished."""
+        sessions = bool(self.sessions_created or self.sessions_updated
+                        or self.sessions_retracted or self.finished_sessions)
+        attributions = bool(self.attributions_changed or self.finished_attributions)
+        return [table for table, changed in (("sessions", sessions),
+                                             ("attributions", attributions),
+                                             ("corrections", sessions or attributions))
+                if changed]
 
     def and_then(self, later: CorrectionSummary) -> CorrectionSummary:
         """This pass followed by a later pass of the same run (``recompute`` plans again after
@@ -1100,6 +1118,9 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
         return changes
     run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
                  "them: finishing them first ...")
+    by_entity = {r.entity: r["count"] for r in changes.groupBy("entity").count().collect()}
+    summary.finished_sessions += by_entity.get("session", 0)
+    summary.finished_attributions += by_entity.get("attribution", 0)
     # As that run: its commits, its gates' index entries (a publish gate that failed it
     # before is superseded there) and the run id a failure names are the plan's.
     finish(replace(run, run_id=planned_by, cause=f"{planned_by}, finished by {run.run_id}"),

@@ -72,10 +72,12 @@ Known edge cases, cited inline as (R1)..(R11):
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial, reduce
+from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -84,6 +86,7 @@ from clickstream.config import Config
 from clickstream.errors import (
     ClickstreamError,
     CommitConflictError,
+    ConfigError,
     PlanNotAppliedError,
     one_error_for,
 )
@@ -111,6 +114,7 @@ from clickstream.jobs.corrections import (
     unfinished_plan_seq,
 )
 from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
+from clickstream.quality import reports
 from clickstream.quality.gates import (
     FULL_RECOMPUTE_JOB,
     gate_publish,
@@ -137,6 +141,16 @@ class RecomputeSummary:
 
     queued: dict[str, int] = field(default_factory=dict)
     corrections: dict[str, CorrectionSummary] = field(default_factory=dict)
+    dequeued: dict[str, int] = field(default_factory=dict)  # queue rows removed, per client
+
+    def changed_tables(self) -> list[str]:
+        """The tables the run changed: what the ``scheduled_recompute`` DAG announces as
+        Asset events (announced whatever happened, every night woke the DAGs scheduled on
+        them for nothing)."""
+        changed = {t for c in self.corrections.values() for t in c.changed_tables()}
+        if any(self.dequeued.values()):
+            changed.add(RECOMPUTE_QUEUE.name)
+        return sorted(changed)
 
     def describe(self) -> str:
         if not self.queued:
@@ -148,14 +162,27 @@ class RecomputeSummary:
 @releases_cache
 def run_recompute(
     config: Config, *, client_id: str | None = None, spark: SparkSession | None = None,
-    progress: Callable[[str], None] = print,
+    progress: Callable[[str], None] = print, result_name: str | None = None,
 ) -> RecomputeSummary:
     """Fold queued late records into sessions for one client, or for every queued client;
-    also finish an interrupted plan of a client with nothing queued (R4)."""
+    also finish an interrupted plan of a client with nothing queued (R4).
+
+    ``result_name``: save the tables the run changed under it (``save_result``), also when
+    a client fails (R10): the others' changes are made, and a retry will not make them."""
+    summary = RecomputeSummary()
+    try:
+        return _recompute(config, client_id, spark, progress, summary)
+    finally:
+        if result_name is not None:
+            save_result(config, result_name, summary)
+
+
+def _recompute(config: Config, client_id: str | None, spark: SparkSession | None,
+               progress: Callable[[str], None], summary: RecomputeSummary
+               ) -> RecomputeSummary:
     check_session_gap(config)
     spark = spark or build_spark(config, "clickstream-recompute")
     tables = open_tables(config, spark)
-    summary = RecomputeSummary()
     unfinished = _clients_with_unfinished_plans(spark, config, tables, client_id)
     if not tables.exists(RECOMPUTE_QUEUE.name) and not unfinished:
         return summary
@@ -183,7 +210,7 @@ def run_recompute(
             summary.corrections[client] = result
             folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
                                                             "left_anti")
-            dequeue(tables, run, folded_in, queue_version)  # (R1)
+            summary.dequeued[client] = dequeue(tables, run, folded_in, queue_version)  # (R1)
         except Exception as error:  # raised below, with every other client's failure (R10)
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
@@ -227,8 +254,8 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
     return result, (left[0] if left else None)
 
 
-def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int) -> None:
-    """Remove exactly the rows the run folded in from the queue (R1).
+def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: int) -> int:
+    """Remove exactly the rows the run folded in from the queue (R1); returns how many.
 
     The stream may queue more rows of the same days while the run works: only the files that
     hold folded-in rows are rewritten, so its appends meanwhile neither conflict with the
@@ -238,14 +265,45 @@ def dequeue(tables: DeltaTables, run: Run, folded_in: DataFrame, queue_version: 
     try:
         dates = sorted({r.event_date for r in folded_in.select("event_date").distinct().collect()})
         if not dates:
-            return
-        tables.delete_rows(
+            return 0
+        return tables.delete_rows(
             RECOMPUTE_QUEUE.name, folded_in, keys=RECOMPUTE_QUEUE.schema.fieldNames(),
             partition_filter={"client_id": run.client_id, "event_date": dates},
             app_id=f"recompute-queue-{run.client_id}", version=queue_version,
-            metadata={"run_id": run.run_id, "cause": run.cause})
+            metadata={"run_id": run.run_id, "cause": run.cause}).deleted
     finally:
         folded_in.unpersist()
+
+
+def result_path(config: Config, name: str) -> Path:
+    """Where ``recompute --save-result-as NAME`` leaves the tables it changed, for the DAG task
+    that announces them (the job runs in spark-submit's process)."""
+    return config.home / "runs" / "recompute" / f"{reports.safe_name(name)}.json"
+
+
+def save_result(config: Config, name: str, summary: RecomputeSummary) -> Path:
+    """Save the tables the run changed under ``name``, with those an earlier attempt saved
+    under it (a retry of a run that failed for a client changes only what is left)."""
+    path = result_path(config, name)
+    changed = set(summary.changed_tables())
+    if path.exists():
+        changed |= set(json.loads(path.read_text())["changed_tables"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"changed_tables": sorted(changed)}))
+    return path
+
+
+def load_result(config: Config, name: str) -> list[str]:
+    """The tables a run saved as ``name`` changed.
+
+    Raises:
+        ConfigError: no run saved that result (the job was not given ``--save-result-as``).
+    """
+    path = result_path(config, name)
+    if not path.exists():
+        raise ConfigError(f"no recompute result at {path}: the run that would have saved it "
+                          "was not given --save-result-as, or ran with another CLICKSTREAM_HOME")
+    return list(json.loads(path.read_text())["changed_tables"])
 
 
 @dataclass
