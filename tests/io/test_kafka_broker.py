@@ -451,6 +451,19 @@ def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: C
     with pytest.raises(DeliveryError, match="1 failed, 0 still queued"):
         produce_records(patient, "sessions", [("s1", "{}")])
     assert time.monotonic() - started < 1.5 + TIMED_OUT_REPORT_GRACE_S + 15
+    # A large send stops at its first failed record: it kept producing, each 100k records
+    # queued waiting one more budget (a 1M-record changelog to a Kafka that is down: ~10 min).
+    yielded = 0
+
+    def many() -> Iterator[tuple[str, str]]:
+        nonlocal yielded
+        for i in range(300_000):
+            yielded += 1
+            yield f"s{i}", "{}"
+
+    with pytest.raises(DeliveryError, match="were not acknowledged"):
+        produce_records(unreachable, "sessions", many(), flush_timeout_s=1)
+    assert yielded < 300_000
     for bad in ("0", "soon"):
         with pytest.raises(ConfigError, match=f"delivery.timeout.ms='{bad}' must be a positive"):
             produce_records(unreachable.replace(kafka_options={
@@ -530,6 +543,12 @@ def test_produce_records_sends_raw_values_at_a_rate(kafka_config: Config,
     started = time.monotonic()
     assert produce_records(kafka_config, topic, records, rate_per_second=100) == 20
     assert time.monotonic() - started >= 0.15  # 20 records at 100/s
+    # At a low rate each record waits its turn (a wait ended at its first delivery report,
+    # and 5/s sent 18/s).
+    started = time.monotonic()
+    assert produce_records(kafka_config, make_topic(1), [(None, "x")] * 6,
+                           rate_per_second=5) == 6
+    assert time.monotonic() - started >= 1.0  # the 6th record is due 1 s after the first
     values = sorted((m.key(), m.value()) for m in _consume(kafka_config, topic, 20)
                     if m.key() is None)
     assert values == [(None, b"not json {")] * 5

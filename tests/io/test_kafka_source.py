@@ -188,6 +188,22 @@ def test_offsets_from_another_log_are_refused_before_any_batch_is_planned(
     assert [t.ranges for t in reader.partitions({"0": 1}, legacy)] == [{0: (1, 3)}]
 
 
+def test_a_new_checkpoint_starts_at_the_log_start_and_warns_of_the_records_before_it(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(K8) Records deleted before the query's first start (retention, the embedded broker's
+    cap) were skipped without a word."""
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 10)
+    broker.delete_records(topic, 0, 4)
+    first = KafkaStreamReader(_source_options(kafka_config, topic)).initialOffset()
+    assert {k: v for k, v in first.items() if k != TOPIC_ID} == {"0": 4}
+    assert [r.getMessage() for r in caplog.records if "new checkpoint" in r.getMessage()] == [
+        f"topic {topic} partition 0: a new checkpoint starts at the log's start, offset 4: "
+        "records 0..3 were deleted by the broker before (its retention, or the embedded "
+        "broker's cap) and are not read"]
+
+
 def test_reading_a_range_the_broker_dropped_raises_data_loss(
     kafka_config: Config, make_topic, broker: EmbeddedBroker
 ) -> None:

@@ -8,6 +8,7 @@ from decimal import Decimal
 
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
+from clickstream.io.kafka_clients import produce_records, topic_id, topic_watermarks
 from clickstream.jobs.inspect import describe_lag, describe_sessionizer, describe_tables
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.tables import ALL_TABLES, ORDERS
@@ -76,3 +77,25 @@ def test_describe_sessionizer_shows_the_committed_micro_batch_its_watermark_and_
     assert lines[1].startswith(f"  topic {config.events_topic} is not the log its stored "
                                "offsets were read from (topic id ")
     assert len(lines) == 2
+
+
+def test_lag_of_a_partition_the_checkpoint_does_not_name_is_counted_from_offset_0(config):
+    """(kafka_source K3) The sessionizer reads such a partition (added to the topic since)
+    from offset 0 and stops on records the broker dropped: inspect counted it from its log
+    start and showed no loss."""
+    with EmbeddedBroker(port=0, topics={config.events_topic: 2}) as broker:
+        here = config.replace(kafka_bootstrap_servers=broker.bootstrap_servers)
+        produce_records(here, config.events_topic, [(f"k{i}", "v") for i in range(200)])
+        low = {p: lo for p, (lo, _) in topic_watermarks(here, config.events_topic).items()}
+        broker.delete_records(config.events_topic, 0, 5)
+        committed = {"1": low[1], "topicId": topic_id(here, config.events_topic)}  # no p0
+        checkpoint = here.checkpoint_path("sessionize")
+        (checkpoint / "offsets").mkdir(parents=True)
+        (checkpoint / "commits").mkdir()
+        (checkpoint / "offsets" / "0").write_text("v1\n" + json.dumps(
+            {"batchWatermarkMs": 0, "batchTimestampMs": 0}) + "\n" + json.dumps(committed)
+            + "\n" + json.dumps(committed) + "\n")
+        (checkpoint / "commits" / "0").write_text('v1\n{"nextBatchWatermarkMs":0}\n')
+        lines = describe_lag(here)
+    assert any(f"topic {config.events_topic} partition 0: records 0..4 were dropped" in line
+               for line in lines), lines

@@ -436,10 +436,12 @@ def produce_records(config: Config, topic: str,
     sent = 0
     with gc_paused():
         for key, value in records:
-            if rate_per_second:
-                ahead = sent / rate_per_second - (time.monotonic() - started)
-                if ahead > 0:
+            if rate_per_second:  # a poll returns at its first delivery report: wait on
+                while (ahead := sent / rate_per_second - (time.monotonic() - started)) > 0:
                     producer.poll(ahead)  # serve delivery reports while waiting
+            if producer.failed:  # the broker is gone or refuses: the flush below raises
+                producer.purge()  # stopped here, not after every record's own budget
+                break
             raw_key = key.encode() if isinstance(key, str) else key
             raw_value = value.encode() if isinstance(value, str) else value
             produce_waiting(producer, topic, key=raw_key, value=raw_value)

@@ -40,6 +40,11 @@ Known edge cases, cited inline as (K1)..(K7):
       own source: one whose log no longer starts at 0 when first seen lost records before
       anyone read them, and stops with DataLossError (K1) instead of starting at its log start
       (with ``failOnDataLoss=false``: a marker for offsets 0..log start - 1, K1).
+  K8. A new checkpoint starts each partition at its log's start, as Spark's own source does
+      with ``earliest``: records a broker deleted before the query's first start (a real
+      topic's retention, the embedded broker's cap while nothing read) were never this
+      query's, and stopping on them would keep a new checkpoint from starting on any topic
+      with retention. A warning names each such partition's first offset.
   K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
       their backlog, and every partition with a backlog gets at least one record, so no
       partition starves.
@@ -185,10 +190,16 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return current
 
     def initialOffset(self) -> dict:
+        """Each partition's log start (K8)."""
         current = self._same_log()
-        return _with_topic_id(
-            {str(p): low for p, (low, _high) in _watermarks(self.options, self.topic).items()},
-            current)
+        marks = _watermarks(self.options, self.topic)
+        for partition, (low, _high) in sorted(marks.items()):
+            if low > 0:  # (K8)
+                log.warning("topic %s partition %d: a new checkpoint starts at the log's start, "
+                            "offset %d: records 0..%d were deleted by the broker before (its "
+                            "retention, or the embedded broker's cap) and are not read",
+                            self.topic, partition, low, low - 1)
+        return _with_topic_id({str(p): low for p, (low, _high) in marks.items()}, current)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_rows) if self.max_rows else ReadAllAvailable()

@@ -96,7 +96,7 @@ def describe_lag(config: Config) -> list[str]:
     facts: list[str] = []
     advice: dict[str, None] = {}  # in order, once each
     for partition, (low, high) in sorted(topic_watermarks(config, topic).items()):
-        wanted = progress.offsets.get(partition, low)
+        wanted = progress.offsets.get(partition, 0)  # not in the checkpoint: read from 0 (K3)
         try:
             check_no_data_loss(topic, partition, wanted, low, high)
         except DataLossError as error:
