@@ -142,10 +142,10 @@ def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
             for r in table_rows(stream_config, spark, "attributions")} == {"o-old": None}
 
 
-@pytest.mark.parametrize(("crash_after", "merged_by_the_rerun"), [
-    ("queued ahead of the merge", 1), ("merge:", 0)])
+@pytest.mark.parametrize(("crash_after", "merged_earlier"), [
+    ("queued ahead of the merge", False), ("merge:", True)])
 def test_a_backfill_killed_before_it_planned_stores_once_what_the_stream_then_receives(
-    stream_config: Config, spark: SparkSession, crash_after: str, merged_by_the_rerun: int
+    stream_config: Config, spark: SparkSession, crash_after: str, merged_earlier: bool
 ) -> None:
     """(Z11, Z14) Each batch's first attempt is killed before its plan queued the rows of u,
     whom the stream holds: after its merge, or before it, once its rows were queued ahead of
@@ -165,7 +165,10 @@ def test_a_backfill_killed_before_it_planned_stores_once_what_the_stream_then_re
     produce(stream_config, ON_TIME_COPIES)
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     for kind, path in paths.items():
+        said: list[str] = []
         rerun = run_backfill(stream_config, kind=kind, client_id="client-00", path=path,
-                             spark=spark, progress=lambda _: None)
-        assert (rerun.rows_merged, rerun.corrections.deferred_users) == (merged_by_the_rerun, 1)
+                             spark=spark, progress=said.append)
+        # The run's merged row, whichever attempt stored it (the killed one, after its merge).
+        assert (rerun.rows_merged, rerun.corrections.deferred_users) == (1, 1)
+        assert any("merged by an earlier attempt" in line for line in said) is merged_earlier
     assert_stored_once_and_folded_in(stream_config, spark)

@@ -413,7 +413,8 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
             sent = 0 if earlier is None else earlier.count()
             release(earlier)
             progress(f"publish {run_id}: nothing left to publish" + (
-                f" (an earlier attempt published its {sent} records)" if sent
+                f" (its {sent} records were published already: by an earlier attempt, or by "
+                "another correction run of the client that finished its plan)" if sent
                 else " (no corrections)"))
             return sent
         sent = publish_changes(run, changes)
