@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import AssetAlias, Param, dag, task
+from airflow.sdk import AssetAlias, Param, TriggerRule, dag, task
 
 from clickstream.events.contract import CLIENT_ID_MAX_BYTES, CLIENT_ID_PATTERN, CLIENT_ID_RULE
 from clickstream.orchestration import spark_job, table_asset, task_errors
@@ -29,7 +29,10 @@ sessions, records the changes in `corrections`, applies them and republishes the
   profile); the summary is in the task log, the correction report under **Quality reports**.
 * Outlets: `announce_changes` emits Asset events for the tables the run changed, of
   `sessions`, `attributions`, `corrections`, `recompute_queue` (through the
-  `clickstream-recompute` alias), and none when it changed nothing.
+  `clickstream-recompute` alias), and none when it changed nothing. It runs when the
+  recompute failed too: the clients folded in before one failed changed their tables, and a
+  client that fails every night (a plan refused until `--full`) would hide them; `watcher`
+  then fails the run, so the failure is not hidden behind a green run.
 """
 
 CHANGED = AssetAlias("clickstream-recompute")
@@ -57,22 +60,31 @@ RESULT_PREFIX = "scheduled_recompute-"  # + the DAG run's id: where the job leav
     },
 )
 def scheduled_recompute():
-    @task(outlets=[CHANGED])
+    @task(outlets=[CHANGED], trigger_rule=TriggerRule.ALL_DONE)
     def announce_changes(run_id=None, outlet_events=None) -> list[str]:
         from clickstream.config import Config
-        from clickstream.jobs.recompute import load_result
+        from clickstream.jobs.recompute import changed_tables_saved
 
         with task_errors():
-            changed = load_result(Config.from_env(), RESULT_PREFIX + run_id)
+            changed = changed_tables_saved(Config.from_env(), RESULT_PREFIX + run_id)
         for table in changed:
             outlet_events[CHANGED].add(table_asset(table))
         return changed
+
+    @task(trigger_rule=TriggerRule.ONE_FAILED, retries=0)
+    def watcher() -> None:
+        """Fail the run when the recompute failed: the announcing leaf runs anyway
+        (ALL_DONE), and alone it would decide the run's state."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException("recompute_queue failed; its log has the reason (the "
+                                   "tables it changed before failing were announced)")
 
     recompute = spark_job(
         "recompute_queue", "recompute",
         "{{ (['--client=' ~ params.client] if params.client else []) + "
         f"['--save-result-as={RESULT_PREFIX}' ~ run_id] }}}}")
-    recompute >> announce_changes()
+    recompute >> [announce_changes(), watcher()]
 
 
 scheduled_recompute()

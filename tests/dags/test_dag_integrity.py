@@ -16,7 +16,7 @@ EXPECTED = {
     "late_batch_backfill": ["locate_batch", "validate_batch", "writes_enabled", "merge",
                             "recompute", "validate_corrections", "publish", "report",
                             "announce_merge", "announce_recompute"],
-    "scheduled_recompute": ["recompute_queue", "announce_changes"],
+    "scheduled_recompute": ["recompute_queue", "announce_changes", "watcher"],
     "table_maintenance": ["compact", "vacuum", "checkpoint", "watcher"],
 }
 

@@ -19,7 +19,6 @@ from clickstream.config import Config
 from clickstream.errors import (
     NOT_RETRYABLE,
     ClickstreamError,
-    ConfigError,
     QualityGateFailedError,
 )
 from clickstream.io.delta_tables import open_tables
@@ -138,10 +137,13 @@ def test_a_run_names_the_tables_it_changed_for_the_dag_to_announce(
     folded = run_recompute(stream_config, spark=spark, progress=quiet)
     assert folded.changed_tables() == ["corrections", "recompute_queue", "sessions"]
     recompute.save_result(stream_config, "night-1", folded)
-    assert recompute.load_result(stream_config, "night-1") == folded.changed_tables()
+    assert recompute.changed_tables_saved(stream_config, "night-1") == folded.changed_tables()
     assert run_recompute(stream_config, spark=spark, progress=quiet).changed_tables() == []
-    with pytest.raises(ConfigError, match=r"no recompute result at .*night-2"):
-        recompute.load_result(stream_config, "night-2")
+    assert recompute.changed_tables_saved(stream_config, "night-2") == []  # never started
+    recompute.result_path(stream_config, "night-3").write_text('{"changed_tab')  # cut
+    assert recompute.changed_tables_saved(stream_config, "night-3") == list(
+        recompute.ANNOUNCED_TABLES)  # announced again rather than not at all
+    recompute.save_result(stream_config, "night-3", folded)  # a retry saves over it
 
 
 def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients(
@@ -164,7 +166,7 @@ def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients
     assert [r["client_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["c1"]
     # What c2 changed is saved for the DAG to announce, though the task fails (and its retry
     # changes only c1's): it was saved only by a run that ended well.
-    assert recompute.load_result(stream_config, "night") == [
+    assert recompute.changed_tables_saved(stream_config, "night") == [
         "corrections", "recompute_queue", "sessions"]
 
 

@@ -438,7 +438,8 @@ def produce_records(config: Config, topic: str,
         for key, value in records:
             if rate_per_second:  # a poll returns at its first delivery report: wait on
                 while (ahead := sent / rate_per_second - (time.monotonic() - started)) > 0:
-                    producer.poll(ahead)  # serve delivery reports while waiting
+                    producer.poll(max(ahead, 0.001))  # reports served meanwhile; a wait under
+                    # 1 ms is poll(0) to librdkafka, which would spin a core
             if producer.failed:  # the broker is gone or refuses: the flush below raises
                 producer.purge()  # stopped here, not after every record's own budget
                 break

@@ -8,7 +8,7 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K7):
+Known edge cases, cited inline as (K1)..(K8):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. Or it lost records we did
       read (the embedded broker restarted empty, the topic was recreated): the log now ends
@@ -40,11 +40,6 @@ Known edge cases, cited inline as (K1)..(K7):
       own source: one whose log no longer starts at 0 when first seen lost records before
       anyone read them, and stops with DataLossError (K1) instead of starting at its log start
       (with ``failOnDataLoss=false``: a marker for offsets 0..log start - 1, K1).
-  K8. A new checkpoint starts each partition at its log's start, as Spark's own source does
-      with ``earliest``: records a broker deleted before the query's first start (a real
-      topic's retention, the embedded broker's cap while nothing read) were never this
-      query's, and stopping on them would keep a new checkpoint from starting on any topic
-      with retention. A warning names each such partition's first offset.
   K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
       their backlog, and every partition with a backlog gets at least one record, so no
       partition starves.
@@ -69,6 +64,12 @@ Known edge cases, cited inline as (K1)..(K7):
       against the topic's id now (one metadata request, ~3 ms): a different id is
       DataLossError. Offsets without an id (older checkpoints, brokers before Kafka 2.8) are
       not checked. A checkpoint written with ids cannot be resumed by code before K7.
+  K8. A new checkpoint starts each partition at its log's start, as Spark's own source does
+      with ``earliest``: records a broker deleted before the query's first start (a real
+      topic's retention, the embedded broker's cap while nothing read) were never this
+      query's, and stopping on them would keep a new checkpoint from starting on any topic
+      with retention. A warning names each such partition's first offset, once per query
+      run (Spark asks for the initial offsets at every trigger until it plans a batch).
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.fail_on_data_loss = options.get("failOnDataLoss", "true").lower() == "true"  # (K1)
         self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
+        self._warned_log_starts: set[tuple[int, int]] = set()  # (K8) once each
 
     def _same_log(self, *planned: dict) -> str | None:
         """The topic's id now (asked before its offsets, so that offsets read from a new log
@@ -194,11 +196,12 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         current = self._same_log()
         marks = _watermarks(self.options, self.topic)
         for partition, (low, _high) in sorted(marks.items()):
-            if low > 0:  # (K8)
+            if low > 0 and (partition, low) not in self._warned_log_starts:  # (K8)
+                self._warned_log_starts.add((partition, low))  # asked every trigger until
                 log.warning("topic %s partition %d: a new checkpoint starts at the log's start, "
                             "offset %d: records 0..%d were deleted by the broker before (its "
                             "retention, or the embedded broker's cap) and are not read",
-                            self.topic, partition, low, low - 1)
+                            self.topic, partition, low, low - 1)  # the first batch is planned
         return _with_topic_id({str(p): low for p, (low, _high) in marks.items()}, current)
 
     def getDefaultReadLimit(self) -> ReadLimit:

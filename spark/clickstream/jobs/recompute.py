@@ -86,7 +86,6 @@ from clickstream.config import Config
 from clickstream.errors import (
     ClickstreamError,
     CommitConflictError,
-    ConfigError,
     PlanNotAppliedError,
     one_error_for,
 )
@@ -281,29 +280,33 @@ def result_path(config: Config, name: str) -> Path:
     return config.home / "runs" / "recompute" / f"{reports.safe_name(name)}.json"
 
 
+ANNOUNCED_TABLES = ("attributions", "corrections", "recompute_queue", "sessions")
+
+
 def save_result(config: Config, name: str, summary: RecomputeSummary) -> Path:
     """Save the tables the run changed under ``name``, with those an earlier attempt saved
-    under it (a retry of a run that failed for a client changes only what is left)."""
+    under it (a retry of a run that failed for a client changes only what is left). Written
+    whole or not at all: a file cut by a kill would fail every later attempt's save."""
     path = result_path(config, name)
     changed = set(summary.changed_tables())
     if path.exists():
-        changed |= set(json.loads(path.read_text())["changed_tables"])
+        changed |= set(changed_tables_saved(config, name))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"changed_tables": sorted(changed)}))
+    reports.write_atomically(path, json.dumps({"changed_tables": sorted(changed)}))
     return path
 
 
-def load_result(config: Config, name: str) -> list[str]:
-    """The tables a run saved as ``name`` changed.
-
-    Raises:
-        ConfigError: no run saved that result (the job was not given ``--save-result-as``).
-    """
+def changed_tables_saved(config: Config, name: str) -> list[str]:
+    """The tables the runs saved as ``name`` changed: none when no run saved it (the job
+    failed before it started), all it may change when the file cannot be read (announced
+    again rather than not at all)."""
     path = result_path(config, name)
     if not path.exists():
-        raise ConfigError(f"no recompute result at {path}: the run that would have saved it "
-                          "was not given --save-result-as, or ran with another CLICKSTREAM_HOME")
-    return list(json.loads(path.read_text())["changed_tables"])
+        return []
+    try:
+        return list(json.loads(path.read_text())["changed_tables"])
+    except (ValueError, KeyError, TypeError):
+        return list(ANNOUNCED_TABLES)
 
 
 @dataclass
