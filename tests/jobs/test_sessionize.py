@@ -653,17 +653,19 @@ def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
     stream_config: Config, spark: SparkSession
 ) -> None:
     """(S3) Spark compares event times in microseconds: a pageview 0.5 ms after the watermark
-    is on time in the next micro-batch, but the state kept ids by their millisecond and let
-    this one go with the watermark: its retry was stored and counted a second time."""
+    was on time in the next micro-batch, but the state kept ids by their millisecond and let
+    this one go with the watermark: its retry was stored and counted a second time. Times are
+    now kept to the millisecond (contract.TS_PRECISION): the retry is at the watermark, late,
+    and dropped as a copy of its day's stored row (not counted among the duplicates)."""
     start = datetime(2026, 11, 1, tzinfo=UTC)
     just_after = start + timedelta(microseconds=500)
     delay = timedelta(milliseconds=stream_config.watermark_delay_ms)
     for records in ([pageview("a", just_after, "p1"), pageview("b", start + delay, "q")],
                     [pageview("a", start + timedelta(minutes=5), "p2")],  # the watermark: start
-                    [pageview("a", just_after, "p1")]):  # on time: after the watermark
+                    [pageview("a", just_after, "p1")]):  # at the watermark's millisecond
         produce(stream_config, records)
         summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    assert summary.totals.duplicates == 1
+    assert (summary.totals.duplicates, summary.totals.late_queued) == (0, 0)
     assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")) == [
         "p1", "p2", "q"]
 
@@ -673,19 +675,20 @@ def test_an_on_time_retry_of_an_unattributed_order_within_the_watermark_millisec
 ) -> None:
     """(S3) An order no session covers was emitted, and let go, once the watermark reached its
     millisecond; 0.5 ms after the watermark, its retry was still on time: stored and
-    attributed a second time."""
+    attributed a second time. Times are now kept to the millisecond (contract.TS_PRECISION):
+    the retry is at the watermark, late, and dropped as a copy of its day's stored row."""
     start = datetime(2026, 11, 1, tzinfo=UTC)
     just_after = start + timedelta(microseconds=500)
     delay = timedelta(milliseconds=stream_config.watermark_delay_ms)
     duplicates = []
     for records in ([order("c", just_after, "o1"), pageview("b", start + delay, "q")],
                     [pageview("a", start + timedelta(minutes=5), "p2")],  # the watermark: start
-                    [order("c", just_after, "o1")],  # on time: after the watermark
+                    [order("c", just_after, "o1")],  # at the watermark's millisecond
                     [pageview("b", start + delay + timedelta(minutes=1), "q2")]):  # it moves on
         produce(stream_config, records)
         duplicates.append(run_sessionizer(stream_config, until_caught_up=True,
                                           spark=spark).totals.duplicates)
-    assert duplicates == [0, 0, 1, 0]
+    assert duplicates == [0, 0, 0, 0]
     assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["o1"]
     assert [(r["order_id"], r["session_id"])
             for r in table_rows(stream_config, spark, "attributions")] == [("o1", None)]
