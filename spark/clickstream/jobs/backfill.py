@@ -169,11 +169,11 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
     return count
 
 
+MERGED_ROWS = "merged_rows"  # in the merge commit's metadata: what the run merged
+
+
 def _merge_metadata(run_id: str, rows: int) -> dict[str, object]:
     return {"run_id": run_id, "cause": f"backfill {run_id}", MERGED_ROWS: rows}
-
-
-MERGED_ROWS = "merged_rows"  # in the merge commit's metadata: what the run merged
 
 
 def merged_earlier(tables: DeltaTables, kind: BatchKind, run_id: str) -> int | None:

@@ -198,9 +198,9 @@ class CorrectionSummary:
         sessions = bool(self.sessions_created or self.sessions_updated
                         or self.sessions_retracted or self.finished_sessions)
         attributions = bool(self.attributions_changed or self.finished_attributions)
-        return [table for table, changed in (("sessions", sessions),
-                                             ("attributions", attributions),
-                                             ("corrections", sessions or attributions))
+        return [table for table, changed in ((SESSIONS.name, sessions),
+                                             (ATTRIBUTIONS.name, attributions),
+                                             (CORRECTIONS.name, sessions or attributions))
                 if changed]
 
     def and_then(self, later: CorrectionSummary) -> CorrectionSummary:

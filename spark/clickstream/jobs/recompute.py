@@ -280,7 +280,9 @@ def result_path(config: Config, name: str) -> Path:
     return config.home / "runs" / "recompute" / f"{reports.safe_name(name)}.json"
 
 
-ANNOUNCED_TABLES = ("attributions", "corrections", "recompute_queue", "sessions")
+# Every table a run may change (``RecomputeSummary.changed_tables``), sorted as it sorts them.
+ANNOUNCED_TABLES = tuple(sorted(
+    (SESSIONS.name, ATTRIBUTIONS.name, CORRECTIONS.name, RECOMPUTE_QUEUE.name)))
 
 
 def save_result(config: Config, name: str, summary: RecomputeSummary) -> Path:
