@@ -790,46 +790,37 @@ def test_a_full_recompute_never_retracts_a_session_the_stream_closed_while_it_re
     assert_topic_equals_table(stream_config, spark)
 
 
-def test_a_full_recompute_killed_after_an_attribution_tombstone_is_finished_by_the_next_run(
-        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_recompute_keeps_an_order_moved_to_a_held_user_for_the_recompute_to_update(
+        stream_config: Config, spark: SparkSession) -> None:
     """(R8) o1 moved (C7) from w to v, whose session is open in the stream: the full
-    recompute leaves v's rows to the stream (R2) and retracts w's attribution of o1. Killed
-    after its tombstone, before the rewrite, it had recorded nothing (an attribution's
-    retraction was not part of its plan), so the client's next correction run had no plan to
-    finish: the table kept o1's attribution, the topic its tombstone."""
+    recompute leaves v's rows to the stream (R2) and keeps w's attribution of o1, as a
+    targeted correction does (C8). It retracted it, and the recompute that folded o1 in once
+    the stream let v go created it again at revision 1: (o1, revision 1) twice on the topic
+    and in ``corrections``, with different values."""
     stored_by_the_stream(stream_config, spark, [("v1", "c1", "v", 100), ("v2", "c1", "v", 110)])
     stream_committed_a_batch_at(stream_config, 120)  # v's session is open
     for name, user, minutes in (("o1", "w", 1), ("o2", "v", 105)):
         run_backfill(stream_config, kind="orders", client_id="c1", spark=spark, progress=quiet,
                      path=write_rows(stream_config, name,
                                      [order_row("o1", user, minutes, client="c1")], "parquet"))
-    assert [r["user_id"] for r in table_rows(stream_config, spark, "attributions")] == ["w"]
-    send = recompute.publish_pairs
+    stored = table_rows(stream_config, spark, "attributions")
+    assert [(r["user_id"], r["revision"]) for r in stored] == [("w", 1)]
+    published = read_compacted(stream_config, stream_config.attributions_topic)
 
-    def killed_after_the_attribution_tombstones(config, topic, pairs):
-        sent = send(config, topic, pairs)
-        if topic == stream_config.attributions_topic:
-            raise Killed(f"after {sent} attribution tombstones, before the rewrite")
-        return sent
-
-    monkeypatch.setattr(recompute, "publish_pairs", killed_after_the_attribution_tombstones)
-    with pytest.raises(Killed):
-        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
-    monkeypatch.undo()
-    assert read_compacted(stream_config, stream_config.attributions_topic) == {}
-
-    run_recompute(stream_config, spark=spark, progress=quiet)  # v's session is still open
-    assert_attributions_topic_equals_table(stream_config, spark)
-    assert table_rows(stream_config, spark, "attributions") == []
-    recorded = [(r["key"], r["change"], r["old_revision"]) for r in
-                table_rows(stream_config, spark, "corrections")
-                if r["cause"] == "full recompute of c1"]
-    assert recorded == [("o1", "retracted", 1)]
+    run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert table_rows(stream_config, spark, "attributions") == stored
+    assert read_compacted(stream_config, stream_config.attributions_topic) == published
+    assert [r["key"] for r in table_rows(stream_config, spark, "corrections")
+            if r["cause"] == "full recompute of c1" and r["entity"] == "attribution"] == []
 
     stream_committed_a_batch_at(stream_config, 300)  # v's session closed: o1 is v's now
     run_recompute(stream_config, spark=spark, progress=quiet)
-    assert [r["user_id"] for r in table_rows(stream_config, spark, "attributions")] == ["v"]
+    assert [(r["user_id"], r["revision"]) for r in
+            table_rows(stream_config, spark, "attributions")] == [("v", 2)]
     assert_attributions_topic_equals_table(stream_config, spark)
+    revisions = sorted(r["new_revision"] for r in table_rows(stream_config, spark, "corrections")
+                       if r["key"] == "o1")
+    assert revisions == [1, 2]
 
 
 def assert_attributions_topic_equals_table(config: Config, spark: SparkSession) -> None:

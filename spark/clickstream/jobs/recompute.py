@@ -47,12 +47,14 @@ Known edge cases, cited inline as (R1)..(R11):
       applied check fails: ``PlanNotAppliedError``). A plan applied whose publish gate fails
       again is an error of this run too: superseded, its retractions would never reach the
       topic, since the rewrite finds nothing left to retract. A rerun publishes it.
-  R8. ``--full`` retracts an attribution when its order moved (C7) to a user left to the
-      stream (R2): the stored row is another user's, the rewrite has none. That retraction
-      is in its plan like a session's, not only on the topic: killed after the tombstone,
-      before the rewrite, it recorded no plan (the only change), so the client's next
-      correction run had nothing to finish and the table kept the row the topic had
-      tombstoned.
+  R8. ``--full`` keeps the stored attribution of an order moved (C7) to a user left to the
+      stream (R2), as targeted corrections do (C8): the recompute that folds the order in
+      once the stream lets the user go updates it at the next revision. It retracted it
+      (the stored row is another user's, the rewrite has none), and that recompute created
+      it again at revision 1: the topic and ``corrections`` carried (key, revision 1) twice
+      with different values. Retractions it still makes are in its plan, not only on the
+      topic: killed after a tombstone, before the rewrite, it recorded no plan, so the
+      client's next correction run had nothing to finish.
   R9. ``--full`` keeps a held user's (R2) stored attribution only if the rewrite has none of
       its order: an order moved (C7) from that user to one the rewrite recomputes is the
       rewrite's (an update, in the plan). Kept by user alone, the old row stayed beside the
@@ -420,6 +422,8 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
               if watermark is not None
               else spark.createDataFrame([], "client_id string, user_id string"))
     rewritten_orders = orders.join(active, users, "left_anti")
+    # Keys kept whoever's they are stored as: an order a held user has now (R8).
+    held_keys = {ATTRIBUTIONS.name: orders.join(active, users, "left_semi").select("order_id")}
     emitted = keep(sessionize_frames(pageviews.join(active, users, "left_anti"),
                                      rewritten_orders, config.session_gap_ms, BUCKETS))
     session_rows, attribution_rows = _session_rows(emitted), _attribution_rows(emitted)
@@ -434,8 +438,11 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
              "attribution")):
         (key,) = spec.key
         stored, read_version = stored_of[spec.name]
+        held = stored.join(active, users, "left_semi").select(key)
+        if spec.name in held_keys:  # (R8)
+            held = held.unionByName(held_keys[spec.name]).distinct()
         # A held user's row of a key the rewrite writes is an order moved away from it (R9).
-        kept = stored.join(active, users, "left_semi").join(rows.select(key), key, "left_anti")
+        kept = stored.join(held, key, "left_semi").join(rows.select(key), key, "left_anti")
         old = stored.join(kept.select(key), key, "left_anti")
         content = [c for c in rows.columns if c not in (key, "revision")]
         same = ~_differs(tuple(content))  # the comparison diff() makes
@@ -448,7 +455,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         retracted = old.join(fresh.select(key), key, "left_anti").select(
             F.col(key).alias("key")).persist()
         # The same changes as corrections rows: the audit trail of every run (R3).
-        # Attributions retracted too, as their tombstones below are (R8).
+        # Retracted attributions too, as their tombstones below are (R8).
         changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq))
         rewrites.append(_Rewrite(spec, topic, stored, kept, fresh, retracted, read_version))
     plan = keep(reduce(DataFrame.unionByName, changes))
