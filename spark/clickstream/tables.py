@@ -1,7 +1,10 @@
 """Names, schemas and partitioning of every Delta table the product writes (public contract).
 
-Every table is partitioned by ``client_id`` first, so one client's recompute never rewrites
-another client's files, then by a date derived from the row's own event time for pruning.
+Every table a client's recompute rewrites is partitioned by ``client_id`` first, so it never
+rewrites another client's files, then by a date derived from the row's own event time for
+pruning. Two are not: ``corrections`` is partitioned by ``client_id`` and ``run_id`` (a run
+reads its own plan), and ``quarantine``, only ever appended to, by the day a row was
+quarantined (a row may have no client).
 """
 
 from __future__ import annotations

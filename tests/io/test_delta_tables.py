@@ -1058,8 +1058,8 @@ def test_delta_spark_engine_round_trip(config, spark, monkeypatch):
         race.setattr(tables, "app_version", lambda name, app_id: None)
         assert tables.append_once("orders", batch, app_id="a", version=1, partition_by=PARTS,
                                   metadata=META) == AppendResult(committed=False)  # edge case 3
-    assert tables.set_log_retention("orders", 1000)
-    assert not tables.set_log_retention("orders", 1000)
+    assert tables.set_retention("orders", 1000, 1000)
+    assert not tables.set_retention("orders", 1000, 1000)
     result = tables.upsert("orders", orders(spark, ("o1", "c1", D2, "5")),
                            keys=["client_id", "order_id"], app_id="u", version=1, metadata=META)
     assert result == UpsertResult(inserted=0, updated=1)

@@ -96,7 +96,7 @@ Known edge cases (cited inline as "edge case N"):
     like a version whose files a vacuum deleted. It used to return "table does not exist",
     and a commit gone from ``history`` looked like one never made (``quality.checks``
     ``run_commit_version``). ``table_maintenance`` keeps the log as long as its vacuum
-    keeps files (``set_log_retention``), so a retention above 30 days extends both.
+    keeps files (``set_retention``), so a retention above 30 days extends both.
 """
 
 from __future__ import annotations
@@ -132,7 +132,6 @@ from clickstream.errors import (
     VersionVacuumedError,
 )
 from clickstream.io.delta_tables import (
-    LOG_RETENTION,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -143,7 +142,7 @@ from clickstream.io.delta_tables import (
     check_partition_predicate,
     filter_alternatives,
     filter_matches,
-    log_retention_value,
+    retention_properties,
     partition_string,
 )
 from clickstream.locks import exclusive
@@ -724,19 +723,20 @@ class DeltaRsTables(DeltaTables):
     def checkpoint(self, name: str) -> None:
         self._require(name).create_checkpoint()
 
-    def set_log_retention(self, name: str, hours: int) -> bool:
-        value = log_retention_value(hours)
+    def set_retention(self, name: str, log_hours: int, file_hours: int) -> bool:
+        wanted = retention_properties(log_hours, file_hours)
 
         def attempt(table: DeltaTable) -> bool:
-            if table.metadata().configuration.get(LOG_RETENTION) == value:
+            configuration = table.metadata().configuration
+            if all(configuration.get(key) == value for key, value in wanted.items()):
                 return False
             table.alter.set_table_properties(
-                {LOG_RETENTION: value}, commit_properties=CommitProperties(
+                wanted, commit_properties=CommitProperties(
                     max_commit_retries=0,  # edge case 3
-                    custom_metadata={"cause": "maintenance: log retention"}))
+                    custom_metadata={"cause": "maintenance: retention"}))
             return True
 
-        return self._commit_loop(name, "set log retention", attempt)
+        return self._commit_loop(name, "set retention", attempt)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
-    LOG_RETENTION,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -45,7 +44,7 @@ from clickstream.io.delta_tables import (
     UpsertResult,
     check_partition_predicate,
     filter_to_sql,
-    log_retention_value,
+    retention_properties,
     quote_ident,
 )
 from clickstream.retry import wait_before_retry
@@ -424,13 +423,14 @@ class DeltaSparkTables(DeltaTables):
         )
         log.checkpoint()
 
-    def set_log_retention(self, name: str, hours: int) -> bool:
-        value = log_retention_value(hours)
-        if self._delta(name).detail().collect()[0]["properties"].get(LOG_RETENTION) == value:
+    def set_retention(self, name: str, log_hours: int, file_hours: int) -> bool:
+        wanted = retention_properties(log_hours, file_hours)
+        properties = self._delta(name).detail().collect()[0]["properties"]
+        if all(properties.get(key) == value for key, value in wanted.items()):
             return False
         path = self.table_path(name).replace("`", "``")
-        self._spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
-                        f"('{LOG_RETENTION}' = '{value}')")
+        listed = ", ".join(f"'{key}' = '{value}'" for key, value in wanted.items())
+        self._spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({listed})")
         return True
 
     # -- internals -------------------------------------------------------------------------

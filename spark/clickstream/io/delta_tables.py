@@ -43,13 +43,21 @@ Entries are ANDed; a sequence value means IN.
 """
 
 RECENT_COMMITS = 200  # newest_commit reads these first, then the whole log
-LOG_RETENTION = "delta.logRetentionDuration"  # the table property both engines honour
+# The table properties both engines honour: how long commits are kept, and how long a
+# checkpoint keeps the record of a removed file (vacuum deletes an unrecorded file by its age).
+LOG_RETENTION = "delta.logRetentionDuration"
+FILE_RETENTION = "delta.deletedFileRetentionDuration"
 DEFAULT_LOG_RETENTION_HOURS = 720  # Delta's default: 30 days
 
 
-def log_retention_value(hours: int) -> str:
-    """``delta.logRetentionDuration`` as Delta writes intervals."""
+def retention_value(hours: int) -> str:
+    """A retention property's value, as Delta writes intervals."""
     return f"interval {int(hours)} hours"
+
+
+def retention_properties(log_hours: int, file_hours: int) -> dict[str, str]:
+    """The table properties ``DeltaTables.set_retention`` sets."""
+    return {LOG_RETENTION: retention_value(log_hours), FILE_RETENTION: retention_value(file_hours)}
 
 
 ReplacePredicate = PartitionFilter | Sequence[PartitionFilter] | str
@@ -259,8 +267,9 @@ class DeltaTables(ABC):
         Delivery guarantee: exactly once per ``(app_id, version)``; one commit removes the old
         files and adds the new ones, so readers see the old rows or the new rows, never a mix.
         An empty ``df`` deletes the range. Every row of ``df`` must fall inside ``predicate``.
-        If a commit after ``read_version`` (or, without it, during the call) changed files
-        inside the range, the replace is refused (:class:`~clickstream.errors.CommitConflictError`):
+        If a commit after ``read_version`` (or, without it, during the call) added or removed
+        rows inside the range (on the ``deltalake`` engine a compaction does not count), the
+        replace is refused (:class:`~clickstream.errors.CommitConflictError`):
         ``df`` was computed from rows that are no longer the whole range, so the caller must
         recompute, not retry blindly. Commits outside the range do not matter.
 
@@ -385,10 +394,13 @@ class DeltaTables(ABC):
         """Write a log checkpoint at the current version so readers replay less log."""
 
     @abstractmethod
-    def set_log_retention(self, name: str, hours: int) -> bool:
-        """Keep the table's commits ``hours`` (its ``delta.logRetentionDuration``); True if
-        that changed it (a commit of its own). Time travel to a version needs its commit as
-        much as its files, so the log should be kept at least as long as vacuum keeps files."""
+    def set_retention(self, name: str, log_hours: int, file_hours: int) -> bool:
+        """Keep the table's commits ``log_hours`` (``delta.logRetentionDuration``) and the
+        record of each removed file ``file_hours`` (``delta.deletedFileRetentionDuration``);
+        True if that changed them (a commit of its own). Time travel to a version needs its
+        commit as much as its files, so the log should be kept at least as long as vacuum
+        keeps files; and a checkpoint forgets a file removed longer ago than ``file_hours``,
+        which vacuum then deletes by its age alone, so that must be vacuum's retention."""
 
 
 def open_tables(config: Config, spark: SparkSession | None = None, **options: Any) -> DeltaTables:

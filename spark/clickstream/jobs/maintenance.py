@@ -27,6 +27,11 @@ Known edge cases, cited inline as (M1)..(M3):
       first sets it to its own retention (30 days at least), so a longer retention keeps both
       and M1's limit is the one retention. Before, a retention above 30 days kept the files
       of versions whose commits were gone.
+  M4. A checkpoint keeps the record of a removed file only ``delta.deletedFileRetentionDuration``
+      (7 days by default), and vacuum deletes a file no record names by its age alone: with a
+      longer retention, a file written long ago and removed 8 days ago went at the first
+      vacuum after a checkpoint (the product's, or delta-rs' every 100 commits), and time
+      travel within the retention failed. Vacuum first sets it to its own retention too.
 """
 
 from __future__ import annotations
@@ -36,7 +41,13 @@ from typing import Any, TypeVar
 
 from clickstream.config import Config
 from clickstream.errors import ConfigError, one_error_for
-from clickstream.io.delta_tables import DEFAULT_LOG_RETENTION_HOURS, DeltaTables, open_tables
+from clickstream.io.delta_tables import (
+    DEFAULT_LOG_RETENTION_HOURS,
+    FILE_RETENTION,
+    LOG_RETENTION,
+    DeltaTables,
+    open_tables,
+)
 from clickstream.tables import ALL_TABLES
 
 MIN_VACUUM_RETENTION_HOURS = 168
@@ -130,8 +141,9 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
     log_hours = max(retention_hours, DEFAULT_LOG_RETENTION_HOURS)
 
     def vacuum(name: str) -> int:
-        if tables.set_log_retention(name, log_hours):  # (M3)
-            progress(f"vacuum {name}: commits now kept {log_hours} h (delta.logRetentionDuration)")
+        if tables.set_retention(name, log_hours, retention_hours):  # (M3, M4)
+            progress(f"vacuum {name}: commits now kept {log_hours} h ({LOG_RETENTION}), "
+                     f"removed files {retention_hours} h ({FILE_RETENTION})")
         deleted = len(tables.vacuum(name, retention_hours))
         progress(f"vacuum {name}: {deleted} files older than {retention_hours} h deleted")
         return deleted
