@@ -142,8 +142,8 @@ from clickstream.io.delta_tables import (
     check_partition_predicate,
     filter_alternatives,
     filter_matches,
-    retention_properties,
     partition_string,
+    retention_properties,
 )
 from clickstream.locks import exclusive
 from clickstream.retry import wait_before_retry

@@ -44,8 +44,8 @@ from clickstream.io.delta_tables import (
     UpsertResult,
     check_partition_predicate,
     filter_to_sql,
-    retention_properties,
     quote_ident,
+    retention_properties,
 )
 from clickstream.retry import wait_before_retry
 
