@@ -132,6 +132,7 @@ from clickstream.errors import (
     VersionVacuumedError,
 )
 from clickstream.io.delta_tables import (
+    LOG_RETENTION,
     AppendResult,
     DeleteResult,
     DeltaTables,
