@@ -22,8 +22,8 @@ sessions, records the changes in `corrections`, applies them and republishes the
 
 * Safe while the `sessionizer` runs: sessions it still holds open stay queued for the next
   run; a conflicting commit makes this run keep its rows queued instead of overwriting.
-* Idempotent and retryable: the run id comes from the queue's table version, so a retry
-  after a crash resumes the stored plan.
+* Idempotent and retryable: a retry after a crash finishes the stored plan (as its own run
+  when the queue is unchanged, else as the plan of an earlier run) before it plans again.
 * Runs `spark/entrypoints/recompute.py` through **SparkSubmitOperator** and the
   **`spark_default`** connection (`local[*]` embedded, the Spark master in the cluster
   profile); the summary is in the task log, the correction report under **Quality reports**.
@@ -32,7 +32,8 @@ sessions, records the changes in `corrections`, applies them and republishes the
   `clickstream-recompute` alias), and none when it changed nothing. It runs when the
   recompute failed too: the clients folded in before one failed changed their tables, and a
   client that fails every night (a plan refused until `--full`) would hide them; `watcher`
-  then fails the run, so the failure is not hidden behind a green run.
+  then fails the run, so the failure is not hidden behind a green run. A job killed while it
+  worked on a client (kill -9, out of memory) is taken to have changed all four tables.
 """
 
 CHANGED = AssetAlias("clickstream-recompute")

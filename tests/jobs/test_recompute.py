@@ -170,6 +170,41 @@ def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients
         "corrections", "recompute_queue", "sessions"]
 
 
+def test_an_attempt_killed_while_it_works_on_a_client_has_every_table_announced(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill -9 runs no ``finally``: the result was saved only there, so what the killed
+    attempt changed for c1 was never announced (its retry found c1's rows gone from the
+    queue). Saved before each client, naming it, the attempt that died on c2 counts as having
+    changed every table it may."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("q1", "c2", "v1", 0)])
+    correct, save = recompute._correct, recompute.save_result
+
+    def killed_on_c2(run, *args):
+        if run.client_id == "c2":
+            raise Killed("kill -9 while c2 is recomputed")
+        return correct(run, *args)
+
+    def saved_unless_finally(*args, working_on=None, **kwargs):
+        if working_on is not None:  # a killed process saves nothing on its way out
+            return save(*args, working_on=working_on, **kwargs)
+
+    monkeypatch.setattr(recompute, "_correct", killed_on_c2)
+    monkeypatch.setattr(recompute, "save_result", saved_unless_finally)
+    with pytest.raises(Killed):
+        run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
+    monkeypatch.undo()
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1")}
+    assert recompute.changed_tables_saved(stream_config, "night") == list(
+        recompute.ANNOUNCED_TABLES)
+
+    retried = run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
+    assert retried.queued == {"c2": 1}  # c1's rows were removed by the killed attempt
+    assert recompute.changed_tables_saved(stream_config, "night") == list(
+        recompute.ANNOUNCED_TABLES)
+    run_recompute(stream_config, spark=spark, progress=quiet, result_name="night-2")
+    assert recompute.changed_tables_saved(stream_config, "night-2") == []  # nothing left
+
+
 def test_a_client_whose_queue_rows_cannot_be_removed_does_not_stop_the_other_clients(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R10) c1's folded-in record is queued again before every commit attempt of its removal
@@ -251,6 +286,31 @@ def test_a_resumed_recompute_keeps_the_report_and_counts_of_the_plan_it_publishe
     (report,) = [e for e in read_entries(reports_dir(stream_config)) if e.kind == "corrections"]
     assert report.summary.startswith("2 created, 0 updated"), report.summary
     assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert_topic_equals_table(stream_config, spark)
+
+
+def test_a_plan_another_run_finishes_gets_its_correction_report(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between apply and publish, while the stream queues meanwhile: the retry reads
+    another queue version, so it is another run, and finishes the plan as the killed run's
+    (C6). That run never runs again, so its report (written after publishing) was never
+    written: the quality reports showed the retry's "0 created" and nothing of the session
+    the plan created."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("p2", "c1", "u1", 90)])
+    killed_at(monkeypatch, corrections, "publish_changes",
+              lambda: run_recompute(stream_config, spark=spark, progress=quiet))
+    queued_by_the_stream(stream_config, spark, [("z1", "c9", "z", 0)])  # the queue moves on
+
+    result = run_recompute(stream_config, spark=spark, progress=quiet).corrections["c1"]
+    assert (result.resumed, result.finished_sessions) == (False, 2)
+    reports = {e.run_id: e.summary for e in read_entries(reports_dir(stream_config))
+               if e.kind == "corrections" and e.client_id == "c1"}
+    assert len(reports) == 2, reports
+    (killed,) = [summary for run_id, summary in reports.items() if run_id.endswith("-q1")]
+    assert killed.startswith("2 created, 0 updated"), reports
+    assert table_rows(stream_config, spark, "recompute_queue") == [
+        row for row in table_rows(stream_config, spark, "recompute_queue") if row["client_id"]
+        == "c9"]
     assert_topic_equals_table(stream_config, spark)
 
 

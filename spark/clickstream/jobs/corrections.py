@@ -1106,7 +1106,8 @@ def one_run_at_a_time(config: Config, client_id: str,
 
 def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | None:
     """Before planning: this run's own plan if it was interrupted (resumed from here, C3);
-    another run's interrupted plan is applied and published first, then forgotten (C6)."""
+    another run's interrupted plan is applied and published first, with that run's correction
+    report, then forgotten (C6)."""
     run.next_seq = next_plan_seq(run)  # finishing another plan records no new step
     changes = unfinished_plan(run)
     if changes is None:
@@ -1123,8 +1124,14 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
     summary.finished_attributions += by_entity.get("attribution", 0)
     # As that run: its commits, its gates' index entries (a publish gate that failed it
     # before is superseded there) and the run id a failure names are the plan's.
-    finish(replace(run, run_id=planned_by, cause=f"{planned_by}, finished by {run.run_id}"),
-           changes, timer, step="finish an interrupted run", check_applied=True)
+    planned = replace(run, run_id=planned_by, cause=f"{planned_by}, finished by {run.run_id}")
+    finish(planned, changes, timer, step="finish an interrupted run", check_applied=True)
+    # And its correction report, which it would have written once published: that run may
+    # never run again (a recompute's retry is another run once the queue moved on).
+    finished = CorrectionSummary(published_earlier=True)
+    count_plan(changes, finished)
+    with timer.step("finish an interrupted run: correction report"):
+        write_correction_report(planned, finished)
     release(changes)
     return None
 

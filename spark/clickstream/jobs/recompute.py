@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial, reduce
 from pathlib import Path
@@ -169,18 +169,27 @@ def run_recompute(
     also finish an interrupted plan of a client with nothing queued (R4).
 
     ``result_name``: save the tables the run changed under it (``save_result``), also when
-    a client fails (R10): the others' changes are made, and a retry will not make them."""
+    a client fails (R10): the others' changes are made, and a retry will not make them. Saved
+    before each client too, naming it: an attempt killed while it worked on one (kill -9,
+    the out-of-memory killer) may have changed any table, and its retry finds that client's
+    rows gone from the queue, so nothing else would tell what it changed."""
     summary = RecomputeSummary()
-    try:
+    if result_name is None:
         return _recompute(config, client_id, spark, progress, summary)
+    earlier = changed_tables_saved(config, result_name)  # read before this attempt saves
+
+    def save(working_on: str | None) -> None:
+        save_result(config, result_name, summary, earlier=earlier, working_on=working_on)
+
+    try:
+        return _recompute(config, client_id, spark, progress, summary, starting=save)
     finally:
-        if result_name is not None:
-            save_result(config, result_name, summary)
+        save(None)
 
 
 def _recompute(config: Config, client_id: str | None, spark: SparkSession | None,
-               progress: Callable[[str], None], summary: RecomputeSummary
-               ) -> RecomputeSummary:
+               progress: Callable[[str], None], summary: RecomputeSummary,
+               starting: Callable[[str], None] = lambda client: None) -> RecomputeSummary:
     check_session_gap(config)
     spark = spark or build_spark(config, "clickstream-recompute")
     tables = open_tables(config, spark)
@@ -203,6 +212,7 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
             continue
         progress(f"recompute {client}: {summary.queued[client]} queued records"
                  + ("; an interrupted plan to finish first" if client in unfinished else ""))
+        starting(client)
         run = Run(spark, config, tables, client, f"recompute-{client}-q{queue_version}",
                   f"recompute queue version {queue_version}", progress)
         left = None
@@ -287,29 +297,36 @@ ANNOUNCED_TABLES = tuple(sorted(
     (SESSIONS.name, ATTRIBUTIONS.name, CORRECTIONS.name, RECOMPUTE_QUEUE.name)))
 
 
-def save_result(config: Config, name: str, summary: RecomputeSummary) -> Path:
-    """Save the tables the run changed under ``name``, with those an earlier attempt saved
-    under it (a retry of a run that failed for a client changes only what is left). Written
-    whole or not at all: a file cut by a kill would fail every later attempt's save."""
+def save_result(config: Config, name: str, summary: RecomputeSummary, *,
+                earlier: Iterable[str] | None = None, working_on: str | None = None) -> Path:
+    """Save the tables the run changed under ``name``, with ``earlier``: those earlier
+    attempts saved under it (read from the file when not given; a retry of a run that failed
+    for a client changes only what is left). ``working_on``: the client the attempt starts
+    on; killed before it saves again, the attempt is taken to have changed every table it may
+    (``changed_tables_saved``). Written whole or not at all: a file cut by a kill would fail
+    every later attempt's save."""
     path = result_path(config, name)
     changed = set(summary.changed_tables())
-    if path.exists():
-        changed |= set(changed_tables_saved(config, name))
+    changed |= set(changed_tables_saved(config, name) if earlier is None else earlier)
     path.parent.mkdir(parents=True, exist_ok=True)
-    reports.write_atomically(path, json.dumps({"changed_tables": sorted(changed)}))
+    reports.write_atomically(path, json.dumps({"changed_tables": sorted(changed),
+                                               "working_on": working_on}))
     return path
 
 
 def changed_tables_saved(config: Config, name: str) -> list[str]:
     """The tables the runs saved as ``name`` changed: none when no run saved it (the job
-    failed before it started), all it may change when the file cannot be read (announced
-    again rather than not at all)."""
+    failed before it started); all it may change when an attempt died while it worked on a
+    client, or the file cannot be read (announced again rather than not at all)."""
     path = result_path(config, name)
     if not path.exists():
         return []
     try:
-        return list(json.loads(path.read_text())["changed_tables"])
-    except (ValueError, KeyError, TypeError):
+        saved = json.loads(path.read_text())
+        if saved.get("working_on") is not None:
+            return list(ANNOUNCED_TABLES)
+        return list(saved["changed_tables"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return list(ANNOUNCED_TABLES)
 
 
