@@ -42,6 +42,20 @@ def test_a_seed_reproduces_the_data_and_orders_follow_pageviews() -> None:
                    strict=True)) <= users_with_pageviews
 
 
+def test_another_day_or_client_with_the_same_seed_has_other_ids() -> None:
+    """Ids came from the seed alone: a second day's events, or another client's history,
+    repeated every event and order id of the first, and the tables held each id twice."""
+    scale = Scale(clients=1, users_per_client=20, minutes=24 * 60, start=START,
+                  order_probability=0.5)
+    runs = [simulate(scale, seed=1, client="c1"),
+            simulate(Scale(**{**vars(scale), "start": START + timedelta(days=1)}), seed=1,
+                     client="c1"),
+            simulate(scale, seed=1, client="c2")]
+    for table, key in ((0, "event_id"), (1, "order_id")):
+        ids = [set(run[table][key].to_pylist()) for run in runs]
+        assert all(ids) and sum(map(len, ids)) == len(set().union(*ids)), key
+
+
 def test_every_record_falls_inside_the_span_start_is_checked_against() -> None:
     """An order follows its session's last pageview by up to 10 minutes: those of the last
     sessions fell after the span, so a --start the guard let through wrote orders ahead of
