@@ -105,7 +105,7 @@ airflow_start() {
     _start broker clickstream broker --port "$BROKER_PORT"
     local broker_pid=${_STARTED_PIDS[-1]}
     for _ in $(seq 1 100); do
-      grep -q "ready" "$AIRFLOW_LOGS/broker.log" 2>/dev/null && break
+      grep -q "^embedded broker ready on" "$AIRFLOW_LOGS/broker.log" 2>/dev/null && break
       if ! kill -0 "$broker_pid" 2>/dev/null; then  # it stopped: say why, start nothing more
         echo "airflow: the embedded broker did not start:" >&2
         tail -5 "$AIRFLOW_LOGS/broker.log" >&2

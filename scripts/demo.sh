@@ -13,7 +13,9 @@
 #
 # Everything binds to 127.0.0.1 and writes under var/ (the demo's tables, checkpoints and
 # landing folder under var/demo, reset at each start: the embedded broker keeps its data in
-# memory only, so tables from an earlier demo would not match it). Ctrl-C stops everything.
+# memory only, so tables from an earlier demo would not match it; an exported
+# CLICKSTREAM_WAREHOUSE / _HOME / _LANDING or KAFKA_BOOTSTRAP_SERVERS is not used, so the demo
+# never writes into your own tables). Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_AIRFLOW=1
@@ -28,11 +30,11 @@ bash scripts/setup.sh
 DEMO=var/demo
 rm -rf "$DEMO"
 mkdir -p "$DEMO"
-export CLICKSTREAM_WAREHOUSE="${CLICKSTREAM_WAREHOUSE:-$PWD/$DEMO/warehouse}"
-export CLICKSTREAM_HOME="${CLICKSTREAM_HOME:-$PWD/$DEMO/home}"
-export CLICKSTREAM_LANDING="${CLICKSTREAM_LANDING:-$PWD/$DEMO/landing}"
+export CLICKSTREAM_WAREHOUSE="$PWD/$DEMO/warehouse"
+export CLICKSTREAM_HOME="$PWD/$DEMO/home"
+export CLICKSTREAM_LANDING="$PWD/$DEMO/landing"
 PORT="${CLICKSTREAM_BROKER_PORT:-9092}"
-export KAFKA_BOOTSTRAP_SERVERS="${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:$PORT}"
+export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:$PORT"
 CLI=.venv/bin/clickstream
 LOG=$DEMO/broker.log
 
@@ -49,12 +51,17 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+if _port_open "$PORT"; then  # an earlier broker would hold data the new tables do not match
+  echo "demo.sh: port $PORT is in use (an earlier demo or broker still running?); stop it, or" \
+       "set CLICKSTREAM_BROKER_PORT to a free port" >&2
+  exit 1
+fi
 echo "== starting the embedded broker on 127.0.0.1:$PORT (log: $LOG)"
 "$CLI" broker --port "$PORT" >"$LOG" 2>&1 &
 BROKER=$!
 BACKGROUND+=("$BROKER")
 for _ in $(seq 1 100); do
-  grep -q "ready" "$LOG" 2>/dev/null && break
+  grep -q "^embedded broker ready on" "$LOG" 2>/dev/null && break
   kill -0 "$BROKER" 2>/dev/null || { cat "$LOG" >&2; exit 1; }
   sleep 0.1
 done
