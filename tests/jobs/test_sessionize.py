@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
@@ -452,6 +452,48 @@ def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_lat
                 for r in table_rows(stream_config, spark, "sessions") if r["user_id"] == "a"]
     assert sessions == [("a", 3)]
     assert table_rows(stream_config, spark, "recompute_queue") == []
+
+
+def test_a_replay_publishes_the_attribution_its_crashed_attempt_stored(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Z16) A micro-batch commits O1's attribution and dies before publishing it; a backfill
+    then queues O1 (the client sent it again), ahead of its merge (Z11). The replay left the
+    queued order out of what it published, and the recompute found the stored row unchanged:
+    O1 was in the table and never on the topic."""
+    start = datetime(2026, 11, 1, 5, tzinfo=UTC)
+    produce(stream_config, [pageview("x", start, "x1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [order("o", start - timedelta(minutes=5), "O1"),
+                            pageview("x", start + timedelta(hours=1), "x2")])
+    publish = sessionize.publish_attributions
+
+    def killed(config: Config, rows: DataFrame) -> int:
+        raise RuntimeError("killed between the attributions commit and their publish")
+
+    monkeypatch.setattr(sessionize, "publish_attributions", killed)
+    with pytest.raises(ClickstreamError):
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    monkeypatch.setattr(sessionize, "publish_attributions", publish)
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "attributions")] == ["O1"]
+
+    batch = stream_config.landing / "o"
+    batch.mkdir(parents=True)
+    (batch / "orders.csv").write_text(
+        "order_id,client_id,user_id,ts,amount,currency\n"
+        f"O1,client-00,o,{(start - timedelta(minutes=5)).isoformat()},10.00,EUR\n")
+    run_backfill(stream_config, kind="orders", client_id="client-00", path="o", spark=spark,
+                 progress=lambda line: None)
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
+        "O1"]
+
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # replays the batch
+    produce(stream_config, [pageview("x", start + timedelta(hours=5), "x3")])  # o is let go
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    run_recompute(stream_config, spark=spark, progress=lambda line: None)
+    table = {r["order_id"]: reference_changelog_value(r)
+             for r in table_rows(stream_config, spark, "attributions")}
+    assert set(table) == {"O1"}
+    assert read_compacted(stream_config, stream_config.attributions_topic) == table
 
 
 def order(user: str, at: datetime, order_id: str, amount: str = "10.00",

@@ -116,6 +116,11 @@ Known edge cases, cited inline as (Z1)..(Z15):
       JVM: two processes (``clickstream sessionize`` while the ``sessionizer`` DAG streams)
       would plan and run the same micro-batches and write the same state versions, and only
       a clash on a log file stops one of them, whenever it happens.
+  Z16. A replayed micro-batch whose attributions an earlier attempt committed publishes the
+      rows that attempt stored for its orders, not what it computes again: a backfill may have
+      queued one of its orders since (Z11), and the replay, leaving that order out, published
+      nothing for it while the table held it; the recompute that folded the queued row in
+      found the stored row unchanged, so the order never reached the topic.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ from clickstream import errors
 from clickstream.config import ENV_NAMES, Config
 from clickstream.events import contract
 from clickstream.events.parse import parse_kafka_records
-from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.io.delta_tables import AppendResult, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import TOPIC_ID, read_kafka_stream
@@ -541,10 +546,24 @@ class MicroBatchWriter:
 
     def _append(self, spec: TableSpec, df: DataFrame, batch_id: int, app_id: str) -> int:
         """Rows committed (0 when a replayed batch had committed them already)."""
+        return self._append_once(spec, df, batch_id, app_id).rows
+
+    def _append_once(self, spec: TableSpec, df: DataFrame, batch_id: int, app_id: str
+                     ) -> AppendResult:
         return self.tables.append_once(
             spec.name, _shape(df, spec), app_id=app_id, version=batch_id,
             partition_by=spec.partition_by,
-            metadata={"run_id": self.run_id, "cause": f"{JOB} batch {batch_id}"}).rows
+            metadata={"run_id": self.run_id, "cause": f"{JOB} batch {batch_id}"})
+
+    def _stored_attributions(self, emitted: DataFrame) -> DataFrame:
+        """The stored rows of the orders of ``emitted`` (the batch's attributions), read from
+        their clients' days only (Z16)."""
+        keys = emitted.select("client_id", "order_id", "order_date").distinct()
+        places = keys.select("client_id", "order_date").distinct().collect()
+        return self.tables.read(ATTRIBUTIONS.name, partition_filter={
+            "client_id": sorted({p.client_id for p in places}),
+            "order_date": sorted({p.order_date for p in places})}).join(
+            keys.drop("order_date"), ["client_id", "order_id"], "left_semi")
 
     def write_micro_batch(self, batch: DataFrame, batch_id: int) -> BatchCounts:
         app_id = f"{JOB}-{checkpoint_query_id(self.checkpoint)}"  # (Z4)
@@ -672,6 +691,7 @@ class MicroBatchWriter:
             _ms_to_ts("record_ts_ms").alias("order_ts"), "session_id",
             F.lit(1).alias("revision"), F.to_date(_ms_to_ts("record_ts_ms")).alias("order_date"),
         )
+        all_attributions = attributions  # a replay's published rows are found by these (Z16)
         if backfilled is not None:  # (Z11) the recompute attributes these orders
             attributions = attributions.join(F.broadcast(backfilled.where(
                 F.col("kind") == contract.ORDER).select(
@@ -679,23 +699,26 @@ class MicroBatchWriter:
                 "left_anti")
 
         def table_then_topic(spec: TableSpec, rows: DataFrame,
-                             publish: Callable[[Config, DataFrame], int]) -> int:
+                             publish: Callable[[Config, DataFrame], int],
+                             replayed_from: DataFrame | None = None) -> int:
             # The topic after its table, and decided by what the batch holds, not by what this
             # attempt committed: a crash before the publish replays the batch, which commits
             # nothing new but re-publishes the same keys at the same revisions (idempotent for
             # a compacted reader). One partition: the publish streams partitions to the driver
             # one Spark job each, and the persisted batch has one per branch task, most of
             # them empty here (~0.1 s a job, sequential); a micro-batch's output fits one.
-            committed = self._append(spec, rows, batch_id, app_id)
+            result = self._append_once(spec, rows, batch_id, app_id)
+            if not result.committed and replayed_from is not None:  # (Z16)
+                rows = self._stored_attributions(replayed_from)
             publish(self.config, _shape(rows, spec).coalesce(1))
-            return committed
+            return result.rows
 
         derived: dict[str, Callable[[], int]] = {}
         if present.get("emitted:session"):
             derived["sessions"] = partial(table_then_topic, SESSIONS, sessions, publish_sessions)
         if present.get("emitted:attribution"):
             derived["attributions"] = partial(table_then_topic, ATTRIBUTIONS, attributions,
-                                              publish_attributions)
+                                              publish_attributions, all_attributions)
         for wave in (stored, queued, derived):  # (Z6, Z9)
             for field_name, rows in _side_by_side(batch.sparkSession, wave).items():
                 setattr(counts, field_name, rows)
