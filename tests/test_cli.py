@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from clickstream import cli
 from clickstream.cli import main
 from clickstream.config import Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, ConfigError
@@ -173,6 +176,31 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept(tmp_path) -> 
     assert "Traceback (most recent call last)" in Path(kept).read_text()
 
 
+@pytest.mark.parametrize("pressed", [True, False])
+def test_a_ctrl_c_a_c_extension_lost_is_still_an_interrupt(
+        pressed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Ctrl-C during ``generate events --rate`` hit the delivery callback inside
+    confluent-kafka's ``poll``, which lost the ``KeyboardInterrupt`` and raised
+    ``SystemError``: reported as an unexpected error, exit 1, not interrupted, 130."""
+    def poll_losing_the_interrupt(args: object, config: Config) -> int:
+        if pressed:
+            with contextlib.suppress(KeyboardInterrupt):  # lost in "the callback"
+                signal.raise_signal(signal.SIGINT)
+        raise SystemError("<method 'poll' of 'cimpl.Producer' objects> returned NULL "
+                          "without setting an exception")
+
+    monkeypatch.setattr(cli, "_cmd_generate_events", poll_losing_the_interrupt)
+    monkeypatch.setenv("CLICKSTREAM_HOME", str(tmp_path / "home"))
+    status = main(["generate", "events", "--rate", "5"])
+    error = capsys.readouterr().err
+    if pressed:
+        assert (status, error) == (130, "clickstream generate: interrupted\n")
+    else:  # a SystemError of its own is a bug
+        assert status == 1 and "unexpected error: SystemError" in error
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(tmp_path) -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
@@ -278,11 +306,13 @@ def test_a_dry_run_of_a_step_that_writes_is_refused(tmp_path, capsys) -> None:
      "pattern matching other files; backfill refuses such a batch"),
     (["--out", "late-2026-11-01T00:00"], "has ':' in its path"),
     (["--out", "h1/pageviews"], "is or lies inside a batch folder"),
+    (["--out", "notes.txt/late"], "notes.txt is a file, not a folder"),  # unexpected error
     (["--start", "2099-01-01T00:00Z"], "--start and --days reach 2099-01-02T00:00:00+00:00, more "
      "than 10 minutes ahead of now: a backfill would quarantine those rows"),
 ])
 def test_generate_history_refuses_a_batch_backfill_would_refuse(
         argv: list[str], complaint: str, tmp_path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("not a batch")
     code = main(["generate", "history", "--client", "c1", "--days", "1", "--users", "2",
                  "--landing", str(tmp_path), *argv])
     assert code == EXIT_NOT_RETRYABLE

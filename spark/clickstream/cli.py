@@ -10,14 +10,23 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 
 from clickstream.config import ENV_NAMES, FLAG_HELP, Config, cli_flag
-from clickstream.errors import EXIT_NOT_RETRYABLE, NOT_RETRYABLE, ClickstreamError, ConfigError
+from clickstream.errors import (
+    EXIT_NOT_RETRYABLE,
+    NOT_RETRYABLE,
+    ClickstreamError,
+    ConfigError,
+    QueryFailedError,
+)
 from clickstream.events.contract import client_id_problem
 from clickstream.io.kafka_broker import port_number
 
@@ -387,9 +396,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def _noting_interrupts() -> Iterator[threading.Event]:
+    """Set once Ctrl-C was pressed; the interrupt is raised as usual. A C extension whose
+    Python callback the ``KeyboardInterrupt`` hit may lose it and raise ``SystemError``
+    ("returned NULL without setting an exception": confluent-kafka's ``poll``), which was
+    reported as an unexpected error, exit 1, instead of interrupted, 130."""
+    pressed = threading.Event()
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield pressed
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        pressed.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with _noting_interrupts() as ctrl_c:
+        return _run(args, ctrl_c)
+
+
+def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
     config: Config | None = None
     try:
         overrides = {name: getattr(args, name, None) for name in ENV_NAMES
@@ -397,12 +434,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = Config.from_env(**overrides)
         return args.handler(args, config)
     except ClickstreamError as error:
-        print(f"clickstream {args.command}: error: {error}", file=sys.stderr)
+        kept = (f"; {_keep_traceback(config, args.command)}"
+                if isinstance(error, QueryFailedError) else "")
+        print(f"clickstream {args.command}: error: {error}{kept}", file=sys.stderr)
         return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
     except KeyboardInterrupt:
         print(f"clickstream {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # a bug or an engine's failure: one line, the traceback kept
+        if isinstance(error, SystemError) and ctrl_c.is_set():  # the interrupt, lost
+            print(f"clickstream {args.command}: interrupted", file=sys.stderr)
+            return 130
         lines = str(error).strip().splitlines() or [""]
         print(f"clickstream {args.command}: unexpected error: {type(error).__name__}: "
               f"{lines[0]}; {_keep_traceback(config, args.command)}", file=sys.stderr)

@@ -51,6 +51,11 @@ class BatchRefusedError(ClickstreamError):
     """Raised when a historical batch is refused as a whole (path, schema or client mismatch)."""
 
 
+class QueryFailedError(ClickstreamError):
+    """Raised when the streaming query stopped on a failure the product did not foresee (a bug,
+    a full disk): the CLI keeps its traceback, as for any unexpected error."""
+
+
 class QualityGateFailedError(ClickstreamError):
     """Raised when a data-quality gate fails and its step must not write anything."""
 

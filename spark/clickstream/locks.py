@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -34,15 +35,32 @@ def _locked(path: Path, when_held: Callable[[IO[str]], None]) -> Iterator[IO[str
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+ABANDON_POLL_SECONDS = 0.1
+
+
 @contextlib.contextmanager
-def exclusive(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+def exclusive(path: Path, on_wait: Callable[[], None] | None = None,
+              abandon: Callable[[], Exception | None] | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (created if missing); ``on_wait`` is called once
-    if another process holds it, before waiting for it. Not re-entrant: a second ``exclusive``
-    on the same path in the same process waits forever."""
+    if another process holds it, before waiting for it. ``abandon`` is asked while it waits
+    (every ``ABANDON_POLL_SECONDS``): an exception it returns is raised, and the wait given
+    up; a blocking ``flock`` waits on whatever a signal handler asks. Not re-entrant: a
+    second ``exclusive`` on the same path in the same process waits forever."""
     def wait(handle: IO[str]) -> None:
         if on_wait is not None:
             on_wait()
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        if abandon is None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            return
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                given_up = abandon()
+                if given_up is not None:
+                    raise given_up from None
+                time.sleep(ABANDON_POLL_SECONDS)
 
     with _locked(path, wait):
         yield

@@ -6,10 +6,18 @@ import datetime as dt
 import json
 from decimal import Decimal
 
+import pytest
+
+from clickstream.errors import ClickstreamError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import produce_records, topic_id, topic_watermarks
-from clickstream.jobs.inspect import describe_lag, describe_sessionizer, describe_tables
+from clickstream.jobs.inspect import (
+    describe_lag,
+    describe_sessionizer,
+    describe_tables,
+    describe_topic,
+)
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.tables import ALL_TABLES, ORDERS
 from tests.jobs.test_sessionize import pageview, produce
@@ -101,3 +109,16 @@ def test_lag_of_a_partition_the_checkpoint_does_not_name_is_counted_from_offset_
         lines = describe_lag(here)
     assert any(f"topic {config.events_topic} partition 0: records 0..4 were dropped" in line
                for line in lines), lines
+
+
+def test_an_unknown_topic_from_a_flag_is_named_with_the_products_topics(config):
+    """``inspect --topic sesions``: the advice was to "fix the topic name setting", though
+    the name came from the flag and every setting was right."""
+    with EmbeddedBroker(port=0, topics={config.sessions_topic: 1}) as broker:
+        here = config.replace(kafka_bootstrap_servers=broker.bootstrap_servers)
+        with pytest.raises(ClickstreamError) as unknown:
+            describe_topic(here, "sesions")
+    message = str(unknown.value)
+    assert message.startswith(f"topic 'sesions' does not exist on {broker.bootstrap_servers}")
+    assert message.endswith(f"or check its name (the product's topics: {config.events_topic}, "
+                            f"{config.sessions_topic}, {config.attributions_topic})")

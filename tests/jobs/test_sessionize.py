@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import fcntl
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -275,6 +278,31 @@ def test_data_loss_is_detected_instead_of_skipped(
     assert "records 10..14 were dropped" in capsys.readouterr().err
 
 
+def test_an_unforeseen_error_in_the_sink_is_named_and_its_traceback_kept(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture
+) -> None:
+    """Spark's first line of a failed micro-batch ends at "Return Message: Traceback (most
+    recent call last):": the one line printed named neither the error nor its object, and
+    no traceback was kept, as for a known error."""
+    produce(stream_config, [pageview("u", datetime(2026, 11, 1, tzinfo=UTC), "e1")])
+
+    def no_write_access(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", "/warehouse/quarantine")
+
+    monkeypatch.setattr(sessionize, "gate_raw_events", no_write_access)
+    for name, variable in ENV_NAMES.items():
+        if name != "kafka_options":
+            monkeypatch.setenv(variable, str(getattr(stream_config, name)))
+    assert main(["sessionize", "--until-caught-up"]) == 1
+    error = capsys.readouterr().err
+    assert ("the sessionizer query failed: PermissionError: [Errno 13] Permission denied: "
+            "'/warehouse/quarantine'; it resumes from its checkpoint when restarted; "
+            "traceback in ") in error, error
+    kept = Path(error.rsplit("traceback in ", 1)[1].strip())
+    assert "PermissionError" in kept.read_text()
+
+
 def test_accepted_data_loss_is_quarantined_once_and_the_stream_goes_on(
     stream_config: Config, spark: SparkSession, broker: EmbeddedBroker
 ) -> None:
@@ -407,6 +435,51 @@ def test_a_batch_holds_the_records_lock_until_its_records_are_stored(
     produce(stream_config, [pageview("u", start), pageview("u", start + timedelta(hours=2))])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert held_at == {"pageviews": [True], "sessions": [False]}
+
+
+def test_a_second_signal_stops_a_batch_waiting_for_a_merge_at_once(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Z13) The micro-batch waits for the records lock a backfill's merge holds: Spark's
+    ``stop()`` waits for the writer, which waited in ``flock`` as long as the merge ran, so a
+    second signal did not stop it. It gives up its wait now and writes nothing; the next
+    start stores the batch."""
+    waiting = threading.Event()
+    lock = sessionize.records_lock
+
+    def noticed(config: Config, on_wait: Callable[[], None] | None = None, **kwargs):
+        def wait() -> None:
+            waiting.set()
+            if on_wait is not None:
+                on_wait()
+        return lock(config, wait, **kwargs)
+
+    stopped, merge_ended = threading.Event(), threading.Event()
+
+    def signal_twice_once_it_waits() -> None:
+        waiting.wait(120)  # and then whatever happened: the run must end
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        if not stopped.wait(60):  # still waiting: the merge ends, so that the run can end
+            merge_ended.set()
+            fcntl.flock(merge, fcntl.LOCK_UN)
+
+    monkeypatch.setattr(sessionize, "records_lock", noticed)
+    produce(stream_config, [pageview("u", datetime(2026, 11, 1, tzinfo=UTC), "u1")])
+    path = records_lock_path(stream_config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as merge:  # a backfill's merge holds it
+        fcntl.flock(merge, fcntl.LOCK_EX)
+        signals = threading.Thread(target=signal_twice_once_it_waits, daemon=True)
+        signals.start()
+        summary = run_sessionizer(stream_config, spark=spark)
+        stopped.set()
+        signals.join()
+    assert waiting.is_set() and not merge_ended.is_set()
+    assert summary.batches == 0 and table_rows(stream_config, spark, "pageviews") == []
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["u1"]
 
 
 def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_late_pageview(

@@ -515,10 +515,14 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
         settings = [ENV_NAMES[name] for name in ("events_topic", "sessions_topic",
                                                  "attributions_topic")
                     if getattr(config, name) == topic]
+        fix = (f"fix {' / '.join(settings)}" if settings else
+               "check its name (the product's topics: " + ", ".join(
+                   getattr(config, name) for name in ("events_topic", "sessions_topic",
+                                                      "attributions_topic")) + ")")
         raise ClickstreamError(
             f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
             f"({last_error}); create it (the embedded broker creates events, sessions and "
-            f"attributions at start) or fix {' / '.join(settings) or 'the topic name setting'}"
+            f"attributions at start) or {fix}"
         )
     raise BrokerUnavailableError(
         f"kafka at {config.kafka_bootstrap_servers} did not answer for topic {topic!r} after "

@@ -271,9 +271,11 @@ def csv_header(batch: BatchFiles) -> list[str]:
     if len(headers) > 1:
         (first, first_file), (other, other_file) = list(headers.items())[:2]
         raise BatchRefusedError(
-            f"batch {batch.root}: the files' CSV headers differ ({first_file.name}: "
-            f"{','.join(first) or 'none'}; {other_file.name}: {','.join(other) or 'none'}), "
-            "so their columns would be mixed up; send files with one header")
+            f"batch {batch.root}: the files' CSV headers differ "
+            f"({first_file.relative_to(batch.root)}: {','.join(first) or 'none'}; "
+            f"{other_file.relative_to(batch.root)}: {','.join(other) or 'none'}), so their "
+            "columns would be mixed up; send files with one header (one kind per batch: a "
+            "`generate history` folder holds a pageviews and an orders batch)")
     header = list(headers.popitem()[0]) if headers else []
     repeated = sorted({name for name in header if header.count(name) > 1})
     if repeated:

@@ -224,7 +224,8 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
 
     Raises:
         ConfigError: ``out`` leaves the landing folder, lies inside another batch, has a
-            character backfill reads as a pattern, or already holds a batch.
+            character backfill reads as a pattern, is (or lies under) a file, or already
+            holds a batch.
     """
     from clickstream.jobs.batch_input import unreadable_path_reason
 
@@ -243,6 +244,11 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
         raise ConfigError(f"--out {out!r} is or lies inside a batch folder ({inside_batch[0]}), "
                           "so a backfill of that batch would read both kinds written here; "
                           "choose a folder outside it")
+    not_a_folder = next((p for p in (target, *target.parents)
+                         if config.landing in p.parents and p.exists() and not p.is_dir()), None)
+    if not_a_folder is not None:
+        raise ConfigError(f"--out {out!r}: {not_a_folder} is a file, not a folder; choose "
+                          "another --out")
     held = [target / kind for kind in ("pageviews", "orders") if (target / kind).exists()]
     if held and not overwrite:
         raise ConfigError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"

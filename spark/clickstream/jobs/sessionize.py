@@ -95,7 +95,9 @@ Known edge cases, cited inline as (Z1)..(Z15):
       before writing anything (``StopBeforeMicroBatch``; the next start replays it). Spark's
       own ``stop()`` mid-batch cancels the batch's jobs under the writer, which here ended in
       a ``StackOverflowError`` of the stream thread and a batch to redo. A second signal
-      stops at once (the batch in flight is replayed at the next start, nothing doubled).
+      stops at once (the batch in flight is replayed at the next start, nothing doubled); a
+      batch waiting for a backfill's merge (Z14) gives up its wait: Spark's ``stop()`` waits
+      for the writer, which waited as long as the merge ran.
   Z14. A micro-batch holds the warehouse's records lock (``records_lock``) from the moment it
       reads which records backfills queued (Z11; after its gate's and counts' jobs, which
       compute the micro-batch) until its records' wave committed, and a backfill's merge
@@ -496,12 +498,13 @@ def records_lock_path(config: Config) -> Path:
     return config.warehouse / LOCKS_FOLDER / "stream-records.lock"
 
 
-def records_lock(config: Config, on_wait: Callable[[], None] | None = None
+def records_lock(config: Config, on_wait: Callable[[], None] | None = None,
+                 abandon: Callable[[], Exception | None] | None = None
                  ) -> AbstractContextManager[None]:
     """Held by a micro-batch from its snapshot of the backfills' queue rows until its records
     are stored, and by a backfill's merge from its read of what is stored to its commit
-    (Z14)."""
-    return exclusive(records_lock_path(config), on_wait)
+    (Z14). ``abandon``: see ``locks.exclusive`` (a stop at once, Z13)."""
+    return exclusive(records_lock_path(config), on_wait, abandon)
 
 
 def _shape(df: DataFrame, spec: TableSpec) -> DataFrame:
@@ -521,6 +524,7 @@ class MicroBatchWriter:
         self.last_batch: int | None = None  # set by a stop: the last batch it may write (Z13)
         self._started = -1  # the last batch it began writing
         self._bound = threading.Lock()  # between a batch's start and a stop's bound
+        self.stop_now = threading.Event()  # a second signal: stop at once (Z13)
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
@@ -614,9 +618,16 @@ class MicroBatchWriter:
         # (Z14) From the read of the backfills' queue rows until the records' wave committed,
         # not before: the gate's and the counts' jobs above did the micro-batch's work (the
         # source, the session state) without holding a backfill's merge back.
+        def stopping_now() -> StopBeforeMicroBatch | None:
+            if not self.stop_now.is_set():
+                return None
+            return StopBeforeMicroBatch(
+                f"the sessionizer is stopping at once: micro-batch {batch_id} gave up waiting "
+                "for a backfill's merge and wrote nothing; the next start processes it")
+
         records_lock_held.enter_context(records_lock(self.config, on_wait=lambda: print(
             f"  micro-batch {batch_id}: waiting for a backfill's merge to commit "
-            f"({records_lock_path(self.config)}) ...", flush=True)))
+            f"({records_lock_path(self.config)}) ...", flush=True), abandon=stopping_now))
         # (Z11) One snapshot: the delta-rs engine's read lists the version's files now, so the
         # records' wave and the attributions below see the same queue even if a recompute
         # dequeues in between. (delta-spark's unpinned read may take a later version at each
@@ -752,17 +763,30 @@ def _outputs_present(records: DataFrame, emitted: DataFrame, is_late: Column) ->
 
 
 _ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
+_PYTHON_TRACE = "Traceback (most recent call last):"
+
+
+def _python_error_line(text: str) -> str | None:
+    """The last Python exception a Spark error carries (``PermissionError: ...``): the first
+    unindented line after its last traceback. Spark's first line ends at the traceback."""
+    _, found, trace = text.rpartition(_PYTHON_TRACE)
+    if not found:
+        return None
+    lines = [line for line in trace.splitlines() if line.strip()]
+    return next((line.strip() for line in lines if not line[0].isspace()), None)
 
 
 def _reraise_product_error(error: Exception) -> None:
-    """Surface our own error (raised in the source or a task) instead of Spark's wrapper."""
-    match = _ERROR_IN_TRACE.search(str(error))
+    """Surface our own error (raised in the source or a task) instead of Spark's wrapper, or
+    the Python error under Spark's wrapper."""
+    text = str(error)
+    match = _ERROR_IN_TRACE.search(text)
     if match:
         kind = getattr(errors, match.group(1), errors.ClickstreamError)
         raise kind(match.group(2).strip()) from None
-    raise errors.ClickstreamError(
-        f"the sessionizer query failed: {str(error).splitlines()[0]}; it resumes from its "
-        "checkpoint when restarted"
+    cause = _python_error_line(text) or text.splitlines()[0]
+    raise errors.QueryFailedError(
+        f"the sessionizer query failed: {cause}; it resumes from its checkpoint when restarted"
     ) from error
 
 
@@ -845,7 +869,7 @@ def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession 
     else:
         stream = stream.trigger(processingTime=f"{config.trigger_interval_seconds} seconds")
     query = stream.start()
-    stop = _Stop()
+    stop = _Stop(now=writer.stop_now)
     try:
         with _stop_on_signal(stop):
             while query.isActive and not stop.asked.is_set():
