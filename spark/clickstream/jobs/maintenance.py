@@ -9,7 +9,7 @@ it). Safe while the sessionizer, backfills and recomputes run: a compaction that
 with them fails with ``CommitConflictError`` and is simply retried later. Two compactions of
 one table never overlap: the second waits for the first (``delta_rs_engine`` edge case 15).
 
-Known edge cases, cited inline as (M1)..(M3):
+Known edge cases, cited inline as (M1)..(M4):
   M1. Vacuum retention below 168 hours is refused: writers put Parquet files in place before
       they commit them, and readers (and time travel) may still use files a newer version
       removed; Delta's own default retention is 7 days for these reasons. A backfill step

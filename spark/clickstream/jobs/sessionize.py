@@ -17,7 +17,7 @@ batch replayed after a crash commits nothing twice (a record a backfill queued a
 merge is that backfill's to store: Z11, Z14). Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z15):
+Known edge cases, cited inline as (Z1)..(Z16):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
