@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -617,6 +618,43 @@ def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replac
     ((_, again),) = run_summaries(stream_config, run_id)
     assert "1 merged" in again and ">1 records to" in again
     assert "sessions created 1" in again and "published by an earlier attempt" in again
+
+
+@pytest.mark.parametrize("kind", ["pageviews", "orders"])
+def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_stored(
+        stream_config: Config, spark: SparkSession, kind: str) -> None:
+    """(S5) The client replaces its upload between the DAG's merge and recompute steps: the
+    recompute refused the run as changed, its merged rows stayed in the tables and in no
+    session (or attribution), and a new run for the files as they now are covered only
+    theirs."""
+    if kind == "orders":
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                     progress=lambda _: None, path=write_rows(
+                         stream_config, "p", [pv_row("a1", "ua", 0), pv_row("b1", "ub", 0)],
+                         "parquet"))
+    row = pv_row if kind == "pageviews" else order_row
+    path = write_rows(stream_config, "late", [row("x1", "ua", 5)], "parquet")
+    run_id = backfill_steps.locate_batch(stream_config, kind=kind, client_id="client-00",
+                                         path=path)["run_id"]
+
+    def step(name: str) -> object:
+        return backfill_steps.run_step(stream_config, name, kind=kind, client_id="client-00",
+                                       path=path, run_id=run_id, spark=spark,
+                                       progress=lambda _: None)
+
+    for name in ("check", "merge"):
+        step(name)
+    shutil.rmtree(stream_config.landing / path)
+    write_rows(stream_config, "late", [row("y1", "ub", 5)], "parquet")
+    for name in backfill_steps.STEPS[2:]:
+        step(name)
+
+    stored = {r[backfill_steps.KEY[kind]] for r in table_rows(stream_config, spark, kind)}
+    assert "x1" in stored and "y1" not in stored
+    if kind == "orders":
+        assert [(r["order_id"], r["session_id"] is not None) for r in
+                table_rows(stream_config, spark, "attributions")] == [("x1", True)]
+    assert_tables_equal_from_scratch(stream_config, spark)
 
 
 def run_summaries(config: Config, run_id: str = ""

@@ -12,7 +12,7 @@ would change. Results are small JSON-serialisable dicts (Airflow XComs), never D
 Delivery guarantee: the same as ``run_backfill`` — exactly once into the tables, corrections
 to Kafka at least once, idempotent by key and revision.
 
-Known edge cases, cited inline as (S1)..(S4):
+Known edge cases, cited inline as (S1)..(S5):
   S1. Every step re-reads the batch from the landing folder (the path check included) and
       refuses to continue if its fingerprint is no longer the one ``check_batch`` saw: no step
       ever works on files that changed since they were validated.
@@ -26,6 +26,11 @@ Known edge cases, cited inline as (S1)..(S4):
       plan already published (a retried or cleared task, or another run of the client that
       finished it, C6) is not checked again: later runs may have changed or retracted its
       rows since, and it has nothing left to announce.
+  S5. Once the run's merge committed, ``recompute_affected`` works from the rows the merge
+      wrote (``source`` = ``backfill:<run id>``) if the batch's files changed or are gone
+      (a client replacing its upload, removing it once sent): refused (S1) as before the
+      merge, the merged rows were never sessionized, and a new run for the files as they now
+      are covered only their rows.
 """
 
 from __future__ import annotations
@@ -49,10 +54,12 @@ from clickstream.jobs.backfill import (
     backfill_run_id,
     check_client_id,
     merge_valid_rows,
+    merged_earlier,
     quarantine_or_refuse,
 )
 from clickstream.jobs.batch_input import (
     KEY,
+    REQUIRED,
     BatchKind,
     list_batch_files,
     read_batch,
@@ -161,6 +168,28 @@ class _Batch:
         self.tables: DeltaTables = open_tables(config, self.spark)
         self._raw = read_batch(self.spark, self.files, kind)
         self.raw_schema = self._raw.schema
+
+    @classmethod
+    def as_merged(cls, config: Config, kind: BatchKind, client_id: str, run_id: str,
+                  spark: SparkSession | None, refused: BatchRefusedError,
+                  progress: Progress) -> _Batch:
+        """The run's batch as its merge stored it (S5); ``refused`` is raised again when the
+        run has not merged."""
+        spark = spark or build_spark(config, "clickstream-backfill")
+        tables = open_tables(config, spark)
+        if merged_earlier(tables, kind, run_id) is None:
+            raise refused
+        progress(f"recompute {run_id}: {refused}; its merge committed, so it recomputes what "
+                 "the merge stored (S5)")
+        spec = PAGEVIEWS if kind == "pageviews" else ORDERS
+        stored = tables.read(spec.name, partition_filter={"client_id": client_id}).where(
+            F.col("source") == f"backfill:{run_id}")
+        batch = cls.__new__(cls)
+        batch.config, batch.kind, batch.client_id, batch.run_id = config, kind, client_id, run_id
+        batch.spark, batch.tables = spark, tables
+        batch.rows = stored.select(*REQUIRED[kind], F.lit(None).cast("string").alias("error"),
+                                   F.lit(None).cast("int").alias("copies")).persist()
+        return batch
 
     @functools.cached_property
     def rows(self) -> DataFrame:
@@ -311,7 +340,10 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
     another run of the client is applied and published first (C6). Users whose sessions the
     running sessionizer still holds open are queued for the scheduled recompute.
     """
-    batch = _Batch(config, kind, client_id, path, spark, run_id)
+    try:
+        batch = _Batch(config, kind, client_id, path, spark, run_id)
+    except BatchRefusedError as refused:  # changed or gone since: what the merge stored (S5)
+        batch = _Batch.as_merged(config, kind, client_id, run_id, spark, refused, progress)
     try:
         run = batch.correction_run(progress)
         summary = CorrectionSummary()
