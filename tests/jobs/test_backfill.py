@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.errors import BatchRefusedError, ClickstreamError, QualityGateFailedError
+from clickstream.errors import (
+    BatchRefusedError,
+    ClickstreamError,
+    ConfigError,
+    PlanNotAppliedError,
+    QualityGateFailedError,
+)
 from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
@@ -31,7 +37,7 @@ from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, w
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.sessionize import records_lock, run_sessionizer
 from clickstream.quality import reports
-from clickstream.tables import PAGEVIEWS
+from clickstream.tables import PAGEVIEWS, SESSIONS
 from tests.jobs.test_sessionize import pageview, probe_records_lock, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
@@ -655,6 +661,70 @@ def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_store
         assert [(r["order_id"], r["session_id"] is not None) for r in
                 table_rows(stream_config, spark, "attributions")] == [("x1", True)]
     assert_tables_equal_from_scratch(stream_config, spark)
+
+
+def test_two_attempts_of_one_merge_at_once_both_report_what_the_run_merged(
+        stream_config: Config, spark: SparkSession) -> None:
+    """A retry (or the CLI beside the DAG) waiting for the records lock while the other
+    attempt merged read "not merged yet" before it waited: it merged nothing, reported "0
+    merged, 5 duplicates skipped", and its result overwrote the run's (no merge announced)."""
+    path = write_rows(stream_config, "late", [pv_row(f"a{i}", "ua", i) for i in range(5)],
+                      "parquet")
+    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
+                                         client_id="client-00", path=path)["run_id"]
+    backfill_steps.run_step(stream_config, "check", kind="pageviews", client_id="client-00",
+                            path=path, run_id=run_id, spark=spark, progress=lambda _: None)
+    waiting = {name: threading.Event() for name in "AB"}
+    results: dict[str, dict] = {}
+
+    def attempt(name: str) -> None:
+        def progress(line: str) -> None:
+            if "waiting for the sessionizer" in line:
+                waiting[name].set()
+        results[name] = backfill_steps.run_step(
+            stream_config, "merge", kind="pageviews", client_id="client-00", path=path,
+            run_id=run_id, spark=spark, progress=progress)
+
+    with records_lock(stream_config):  # a micro-batch in flight
+        attempts = [threading.Thread(target=attempt, args=(name,)) for name in "AB"]
+        for thread in attempts:
+            thread.start()
+        assert all(waiting[name].wait(300) for name in "AB")
+    for thread in attempts:
+        thread.join()
+    assert [results[name]["rows_merged"] for name in "AB"] == [5, 5]
+    assert backfill_steps.load_step_result(stream_config, run_id, "merge")["rows_merged"] == 5
+    assert len(table_rows(stream_config, spark, "pageviews")) == 5
+
+
+def test_a_step_runs_only_after_the_one_before_it_succeeded(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(S6) ``publish`` after a failed ``check-applied`` published a plan the tables did not
+    hold; ``recompute`` before ``merge`` planned nothing and the run reported success."""
+    path = write_rows(stream_config, "late", [pv_row("a1", "ua", 0)], "parquet")
+    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
+                                         client_id="client-00", path=path)["run_id"]
+
+    def step(name: str) -> object:
+        return backfill_steps.run_step(stream_config, name, kind="pageviews",
+                                       client_id="client-00", path=path, run_id=run_id,
+                                       spark=spark, progress=lambda _: None)
+
+    step("check")
+    with pytest.raises(ConfigError, match="step 'recompute' comes after 'merge', which has not "
+                                          "succeeded for this run"):
+        step("recompute")
+    for name in ("merge", "recompute"):
+        step(name)
+    sessions = open_tables(stream_config, spark)
+    sessions.delete_rows(SESSIONS.name, sessions.read(SESSIONS.name), keys=["session_id"],
+                         partition_filter={"client_id": "client-00"}, app_id="hand",
+                         version=1, metadata={"run_id": "hand", "cause": "a hand's mistake"})
+    with pytest.raises(PlanNotAppliedError):
+        step("check-applied")
+    with pytest.raises(ConfigError, match="step 'publish' comes after 'check-applied'"):
+        step("publish")
+    assert read_compacted(stream_config, stream_config.sessions_topic) == {}
 
 
 def run_summaries(config: Config, run_id: str = ""

@@ -286,18 +286,20 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
-    merged = merged_earlier(tables, kind, run_id)
-    if merged is not None:
-        progress(f"  merged by an earlier attempt of this run: {merged} rows; nothing merged "
-                 "again")
-    else:
-        with records_lock(config, on_wait=lambda: progress(
-                "  waiting for the sessionizer's micro-batch in flight to store its records "
-                "...")):
-            if kind == "pageviews":
-                merged = merge_pageviews(tables, valid, client_id, run_id, dates)
-            else:
-                merged = merge_orders(tables, valid, client_id, run_id)
+    with records_lock(config, on_wait=lambda: progress(
+            "  waiting for the sessionizer's micro-batch in flight (or another merge) to "
+            "store its records ...")):
+        # Under the lock: another attempt of the run (the CLI beside the DAG, a retry beside
+        # a killed attempt's live child) may have merged while this one waited; read before,
+        # this one merged nothing, reported "0 merged" and overwrote the run's count.
+        merged = merged_earlier(tables, kind, run_id)
+        if merged is not None:
+            progress(f"  merged by an earlier attempt of this run: {merged} rows; nothing "
+                     "merged again")
+        elif kind == "pageviews":
+            merged = merge_pageviews(tables, valid, client_id, run_id, dates)
+        else:
+            merged = merge_orders(tables, valid, client_id, run_id)
     stored = None
     if kind == "orders" and snapshots is not None and gates_enabled(config):
         version = run_commit_version(tables, ORDERS.name, run_id,

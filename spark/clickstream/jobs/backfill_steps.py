@@ -12,10 +12,10 @@ would change. Results are small JSON-serialisable dicts (Airflow XComs), never D
 Delivery guarantee: the same as ``run_backfill`` — exactly once into the tables, corrections
 to Kafka at least once, idempotent by key and revision.
 
-Known edge cases, cited inline as (S1)..(S5):
+Known edge cases, cited inline as (S1)..(S6):
   S1. Every step re-reads the batch from the landing folder (the path check included) and
       refuses to continue if its fingerprint is no longer the one ``check_batch`` saw: no step
-      ever works on files that changed since they were validated.
+      ever works on files that changed since they were validated (after the merge, S5).
   S2. Run ids are the ones ``run_backfill`` uses, so a DAG run and a CLI run of the same
       batch are the same run: whichever comes second resumes or changes nothing.
   S3. Every write happens under the run's application transactions, and the recompute's
@@ -31,6 +31,11 @@ Known edge cases, cited inline as (S1)..(S5):
       (a client replacing its upload, removing it once sent): refused (S1) as before the
       merge, the merged rows were never sessionized, and a new run for the files as they now
       are covered only their rows.
+  S6. A writing step runs only once the step before it succeeded for the run (``AFTER``),
+      and a failed step's saved result is removed: ``publish`` after a failed
+      ``check-applied`` published a plan the tables did not hold and marked it published, so
+      the client's later runs no longer stopped on it; ``recompute`` before ``merge`` planned
+      nothing and the run reported success.
 """
 
 from __future__ import annotations
@@ -548,6 +553,8 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
 # --- steps as separate processes (the DAG's spark-submit tasks) ------------------------------
 
 STEPS = ("check", "merge", "recompute", "check-applied", "publish", "report")
+# The step each writing step needs to have succeeded for its run (S6); report needs check.
+AFTER = dict(zip(STEPS[1:5], STEPS[:4], strict=True))
 GATED_STEPS = ("merge", "recompute", "publish")  # and check, in a dry run
 
 
@@ -612,10 +619,16 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
                           f"{step_result_path(config, run_id, 'check').parent}; run the "
                           "steps in order, under the run id `check` ran with (a mistyped run "
                           "id is a run no step has seen)")
+    needed = AFTER.get(step)
+    if needed and load_step_result(config, run_id, needed) is None:  # (S6)
+        raise ConfigError(f"backfill {run_id}: step {step!r} comes after {needed!r}, which has "
+                          "not succeeded for this run; run the steps in order "
+                          f"({' -> '.join(STEPS)})")
     try:
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
                            run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
     except Exception as error:
+        step_result_path(config, run_id, step).unlink(missing_ok=True)  # (S6)
         page = write_failure_safely(error, functools.partial(
             write_failure_report, config, failed_step=step, error=error, run_id=run_id,
             kind=kind, client_id=client_id, path=path, dry_run=dry_run))
