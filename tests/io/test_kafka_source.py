@@ -27,6 +27,7 @@ from clickstream.io.kafka_clients import (
     topic_watermarks,
 )
 from clickstream.io.kafka_source import (
+    PLANNED_FROM,
     TOPIC_ID,
     KafkaRange,
     KafkaStreamReader,
@@ -184,7 +185,7 @@ def test_offsets_from_another_log_are_refused_before_any_batch_is_planned(
         with pytest.raises(DataLossError, match=f"topic {topic} is not the log"):
             plan()
     # Offsets without an id (a checkpoint from before K7) are taken as they are.
-    legacy = {k: v for k, v in end.items() if k != TOPIC_ID}
+    legacy = {k: v for k, v in end.items() if k not in (TOPIC_ID, PLANNED_FROM)}
     assert [t.ranges for t in reader.partitions({"0": 1}, legacy)] == [{0: (1, 3)}]
 
 
@@ -204,6 +205,42 @@ def test_a_new_checkpoint_starts_at_the_log_start_and_warns_of_the_records_befor
         f"topic {topic} partition 0: a new checkpoint starts at the log's start, offset 4: "
         "records 0..3 were deleted by the broker before (its retention, or the embedded "
         "broker's cap) and are not read"]
+
+
+def test_a_first_micro_batch_replayed_after_a_crash_reads_the_range_it_planned(
+    spark: SparkSession, kafka_config: Config, make_topic, broker: EmbeddedBroker,
+    tmp_path: Path
+) -> None:
+    """(K9) The first micro-batch planned offsets 0..10 and crashed before it committed; the
+    broker then dropped 0..3 while nothing ran. The replay took its start from the log's
+    start again and read 4..10: four records skipped without an error, where a later batch's
+    replay stops on them."""
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 10)
+    checkpoint = tmp_path / "checkpoint"
+
+    def crash(df: DataFrame, batch_id: int) -> None:
+        raise RuntimeError(f"killed in micro-batch {batch_id}")
+
+    query = (read_kafka_stream(spark, kafka_config, topic).writeStream.foreachBatch(crash)
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    with pytest.raises(StreamingQueryException, match="killed in micro-batch 0"):
+        query.awaitTermination()
+    broker.delete_records(topic, 0, 4)
+    with pytest.raises(StreamingQueryException, match=r"records 0\.\.3 were dropped"):
+        run_once(spark, kafka_config, topic, checkpoint)
+
+    # Planned once, the range goes with the batch; and nothing new plans no batch.
+    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    first = reader.initialOffset()
+    produce(kafka_config, topic, 2, start=10)
+    end = reader.latestOffset(first, ReadAllAvailable())
+    assert end[PLANNED_FROM] == {"0": 4} and end["0"] == 12
+    assert reader.latestOffset(end, ReadAllAvailable()) is end
+    restarted = KafkaStreamReader(_source_options(kafka_config, topic))
+    broker.delete_records(topic, 0, 6)
+    assert [t.ranges for t in restarted.partitions(restarted.initialOffset(), end)] == [
+        {0: (4, 12)}]
 
 
 def test_reading_a_range_the_broker_dropped_raises_data_loss(

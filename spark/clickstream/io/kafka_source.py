@@ -8,7 +8,7 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K8):
+Known edge cases, cited inline as (K1)..(K9):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. Or it lost records we did
       read (the embedded broker restarted empty, the topic was recreated): the log now ends
@@ -70,6 +70,16 @@ Known edge cases, cited inline as (K1)..(K8):
       query's, and stopping on them would keep a new checkpoint from starting on any topic
       with retention. A warning names each such partition's first offset, once per query
       run (Spark asks for the initial offsets at every trigger until it plans a batch).
+  K9. The first micro-batch's end offsets carry where it starts (``PLANNED_FROM``): Spark's
+      offsets log holds only end offsets, so a restart before that batch committed took its
+      start from ``initialOffset()`` again, the log's start as it then was. Records the
+      broker dropped meanwhile (the cap, while the sessionizer was down) were skipped
+      without an error or a quarantine row, and the first run's outputs already committed
+      covered records the replay no longer read. The replay now reads the planned range,
+      and a loss in it stops the query or is marked (K1). (Spark's own source writes its
+      initial offsets to the checkpoint for the same reason.) When nothing new arrived,
+      ``latestOffset`` returns its start as it is, so the batch after the first is planned
+      only for new records.
 """
 
 from __future__ import annotations
@@ -117,6 +127,7 @@ log = logging.getLogger(__name__)
 SOURCE_NAME = "clickstream_kafka"
 SHARED_READ_MAX_AGE_S = 3600  # (K6) a kept read nobody took is deleted after this long
 TOPIC_ID = "topicId"  # (K7) in every offset: the id of the topic the offsets were planned on
+PLANNED_FROM = "from"  # (K9) in the first micro-batch's end offsets: its start offsets
 
 _ARROW_SCHEMA = pa.schema([
     pa.field("key", pa.binary()),
@@ -182,6 +193,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
         self._warned_log_starts: set[tuple[int, int]] = set()  # (K8) once each
+        self._initial: dict | None = None  # what initialOffset() last answered (K9)
 
     def _same_log(self, *planned: dict) -> str | None:
         """The topic's id now (asked before its offsets, so that offsets read from a new log
@@ -202,7 +214,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                             "offset %d: records 0..%d were deleted by the broker before (its "
                             "retention, or the embedded broker's cap) and are not read",
                             self.topic, partition, low, low - 1)  # the first batch is planned
-        return _with_topic_id({str(p): low for p, (low, _high) in marks.items()}, current)
+        self._initial = _with_topic_id({str(p): low for p, (low, _high) in marks.items()},
+                                       current)
+        return self._initial
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_rows) if self.max_rows else ReadAllAvailable()
@@ -232,7 +246,12 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 counted_from[key] = min(low, latest[key])
         if isinstance(limit, ReadMaxRows):
             latest = _rate_limit(counted_from, latest, limit.max_rows)
-        return _with_topic_id(latest, current)
+        if all(stop == int(start.get(key, 0)) for key, stop in latest.items()):
+            return start  # nothing new: no micro-batch (K9)
+        end = _with_topic_id(latest, current)
+        if start == self._initial:  # the first micro-batch: its start goes with it (K9)
+            end[PLANNED_FROM] = _partition_offsets(start)
+        return end
 
     def reportLatestOffset(self) -> dict | None:
         return {str(p): high for p, (_low, high) in _watermarks(self.options, self.topic).items()}
@@ -240,6 +259,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
         self._same_log(start, end)  # a restart replays its last batch from here (K7)
         stops = _partition_offsets(end)
+        # The first micro-batch's start as planned, not as initialOffset() now answers (K9).
+        start = end.get(PLANNED_FROM, start)
         # A partition added since ``start`` was planned from its offset 0 (K3); if the broker
         # dropped records since, the read stops with DataLossError or marks them (K1, K2).
         ranges = {int(key): (int(start.get(key, 0)), int(stop)) for key, stop in stops.items()}
@@ -260,7 +281,7 @@ def _with_topic_id(offsets: dict[str, int], current: str | None) -> dict:
 
 
 def _partition_offsets(offsets: dict) -> dict[str, int]:
-    return {key: value for key, value in offsets.items() if key != TOPIC_ID}
+    return {key: value for key, value in offsets.items() if key.isdigit()}
 
 
 def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str, int]:
