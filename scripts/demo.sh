@@ -27,19 +27,26 @@ case "${1:-}" in
 esac
 bash scripts/setup.sh
 
+PORT="${CLICKSTREAM_BROKER_PORT:-9092}"
+# shellcheck source=scripts/airflow.sh
+source scripts/airflow.sh
+# Before anything is reset: a demo still running would lose its tables under it.
+if _port_open "$PORT"; then  # an earlier broker would hold data the new tables do not match
+  echo "demo.sh: port $PORT is in use (an earlier demo or broker still running?); stop it, or" \
+       "set CLICKSTREAM_BROKER_PORT to a free port" >&2
+  exit 1
+fi
+
 DEMO=var/demo
 rm -rf "$DEMO"
 mkdir -p "$DEMO"
 export CLICKSTREAM_WAREHOUSE="$PWD/$DEMO/warehouse"
 export CLICKSTREAM_HOME="$PWD/$DEMO/home"
 export CLICKSTREAM_LANDING="$PWD/$DEMO/landing"
-PORT="${CLICKSTREAM_BROKER_PORT:-9092}"
 export KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:$PORT"
 CLI=.venv/bin/clickstream
 LOG=$DEMO/broker.log
 
-# shellcheck source=scripts/airflow.sh
-source scripts/airflow.sh
 BACKGROUND=()
 cleanup() {
   echo
@@ -51,11 +58,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-if _port_open "$PORT"; then  # an earlier broker would hold data the new tables do not match
-  echo "demo.sh: port $PORT is in use (an earlier demo or broker still running?); stop it, or" \
-       "set CLICKSTREAM_BROKER_PORT to a free port" >&2
-  exit 1
-fi
 echo "== starting the embedded broker on 127.0.0.1:$PORT (log: $LOG)"
 "$CLI" broker --port "$PORT" >"$LOG" 2>&1 &
 BROKER=$!
