@@ -809,6 +809,29 @@ def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_full_recompute_plan_another_run_finishes_gets_no_correction_report(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--full`` writes no correction report (README), and all its runs of a client share
+    one run id: finished by another run, a first plan's page was kept for every later one."""
+    u_merged_by_the_stream(stream_config, spark)
+    send = recompute.publish_pairs
+
+    def killed_after_the_tombstones(config, topic, pairs):
+        sent = send(config, topic, pairs)
+        raise Killed(f"after {sent} tombstones, before the rewrite")
+
+    monkeypatch.setattr(recompute, "publish_pairs", killed_after_the_tombstones)
+    with pytest.raises(Killed):
+        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    monkeypatch.undo()
+    result = run_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    assert result.corrections["c1"].finished_sessions > 0
+    corrections_reports = [e.job for e in read_entries(reports_dir(stream_config))
+                           if e.kind == "corrections"]
+    assert corrections_reports and "full-recompute" not in corrections_reports
+    assert_topic_equals_table(stream_config, spark)
+
+
 def test_a_full_recompute_never_retracts_a_session_the_stream_closed_while_it_read(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R6) x's pageview at 125 arrives on time and the stream closes x's session while the

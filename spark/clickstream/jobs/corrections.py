@@ -124,8 +124,13 @@ from clickstream.quality.correction_report import (
     correction_figures,
     write_correction_report,
 )
+from clickstream.quality.gates import (
+    FULL_RECOMPUTE_JOB,
+    gate_publish,
+    gate_recomputed_sessions,
+    publish_started,
+)
 from clickstream.quality.gates import enabled as gates_enabled
-from clickstream.quality.gates import gate_publish, gate_recomputed_sessions, publish_started
 from clickstream.quality.reports import safe_name
 from clickstream.sessions.batch_adapter import (
     amount_from_e4,
@@ -1127,11 +1132,13 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
     planned = replace(run, run_id=planned_by, cause=f"{planned_by}, finished by {run.run_id}")
     finish(planned, changes, timer, step="finish an interrupted run", check_applied=True)
     # And its correction report, which it would have written once published: that run may
-    # never run again (a recompute's retry is another run once the queue moved on).
-    finished = CorrectionSummary(published_earlier=True)
-    count_plan(changes, finished)
-    with timer.step("finish an interrupted run: correction report"):
-        write_correction_report(planned, finished)
+    # never run again (a recompute's retry is another run once the queue moved on). Of this
+    # plan, over any page an earlier plan of the run id left; `--full` writes none.
+    if not planned_by.startswith(f"{FULL_RECOMPUTE_JOB}-") and gates_enabled(run.config):
+        finished = CorrectionSummary()
+        count_plan(changes, finished)
+        with timer.step("finish an interrupted run: correction report"):
+            write_correction_report(planned, finished, correction_figures(planned, changes))
     release(changes)
     return None
 
