@@ -176,14 +176,24 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept(tmp_path) -> 
     assert "Traceback (most recent call last)" in Path(kept).read_text()
 
 
-@pytest.mark.parametrize("pressed", [True, False])
+@pytest.mark.parametrize(("pressed", "spark_started"), [
+    (True, False), (True, True), (False, False)])
 def test_a_ctrl_c_a_c_extension_lost_is_still_an_interrupt(
-        pressed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture) -> None:
+        pressed: bool, spark_started: bool, spark_config: Config, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Ctrl-C during ``generate events --rate`` hit the delivery callback inside
     confluent-kafka's ``poll``, which lost the ``KeyboardInterrupt`` and raised
-    ``SystemError``: reported as an unexpected error, exit 1, not interrupted, 130."""
+    ``SystemError``: reported as an unexpected error, exit 1, not interrupted, 130. Also
+    once a command started Spark, whose context puts its own SIGINT handler in place."""
+    def pyspark_handler(signum: int, frame: object) -> None:  # cancels the jobs, then:
+        raise KeyboardInterrupt
+
     def poll_losing_the_interrupt(args: object, config: Config) -> int:
+        if spark_started:
+            from clickstream.spark_session import build_spark
+
+            signal.signal(signal.SIGINT, pyspark_handler)  # as SparkContext's start does
+            build_spark(spark_config, "clickstream-tests")
         if pressed:
             with contextlib.suppress(KeyboardInterrupt):  # lost in "the callback"
                 signal.raise_signal(signal.SIGINT)

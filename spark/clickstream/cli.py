@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 
+from clickstream import interrupts
 from clickstream.config import ENV_NAMES, FLAG_HELP, Config, cli_flag
 from clickstream.errors import (
     EXIT_NOT_RETRYABLE,
@@ -398,25 +399,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextmanager
 def _noting_interrupts() -> Iterator[threading.Event]:
-    """Set once Ctrl-C was pressed; the interrupt is raised as usual. A C extension whose
-    Python callback the ``KeyboardInterrupt`` hit may lose it and raise ``SystemError``
-    ("returned NULL without setting an exception": confluent-kafka's ``poll``), which was
-    reported as an unexpected error, exit 1, instead of interrupted, 130."""
-    pressed = threading.Event()
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield pressed
-        return
-
-    def interrupted(signum: int, frame: object) -> None:
-        pressed.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupted)
+    """``interrupts.pressed``, set once Ctrl-C was pressed during the command; the interrupt is
+    raised as usual. A C extension whose Python callback the ``KeyboardInterrupt`` hit may
+    lose it and raise ``SystemError`` (``interrupts``), which was reported as an unexpected
+    error, exit 1, instead of interrupted, 130. The handler found is put back after."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main_thread else None
+    interrupts.pressed.clear()
+    interrupts.note_sigint()
     try:
-        yield pressed
+        yield interrupts.pressed
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

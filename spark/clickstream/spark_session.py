@@ -13,7 +13,7 @@ from py4j.java_gateway import JavaObject
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from clickstream import jvm_class_archive
+from clickstream import interrupts, jvm_class_archive
 from clickstream.config import ENV_NAMES, Config
 
 P = ParamSpec("P")
@@ -82,6 +82,7 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1")
     spark = builder.getOrCreate()
+    interrupts.note_sigint()  # pyspark put its own SIGINT handler in place: noted too
     heap_mib = driver_heap_mib(spark)
     if heap_mib < 0.9 * config.driver_memory_mib:
         print(f"warning: {ENV_NAMES['driver_memory']}={config.driver_memory}, but this "
