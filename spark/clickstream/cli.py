@@ -271,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Memory only: its data is gone when it stops.")
     broker.add_argument("--port", type=port_number, default=9092,
                         help="fixed port, 0 for any free one (default 9092)")
-    broker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    broker.add_argument("--host", default="127.0.0.1", help=(
+        "address the bootstrap port binds (default 127.0.0.1); clients must run on this "
+        "machine whatever it is: after bootstrapping they are sent to the broker's loopback "
+        "address"))
     broker.set_defaults(handler=_cmd_broker)
 
     sessionize = commands.add_parser(

@@ -175,6 +175,21 @@ _LOSS_ADVICE = (
     "each lost run of offsets as one row in the quarantine table and reads on (README, Known "
     f"limits). {_AVOID_LOSS}"
 )
+# A changelog read from offset 0 for its compacted view: no reader position to keep or go on
+# from, and the sessionizer's setting does not apply.
+_CHANGELOG_LOSS_ADVICE = (
+    "a compacted view needs every record since offset 0, so this topic's view can no longer "
+    "be read from this broker (the embedded broker does not compact and keeps only ~5 MiB per "
+    "partition: give the topic more partitions, or use a real Kafka cluster with compaction); "
+    "the Delta tables hold every session and attribution (`clickstream inspect`)"
+)
+# Records a publish just sent, gone before they could be read back (its publish gate).
+PUBLISHED_LOSS_ADVICE = (
+    "the records this publish sent were dropped before they were read back: more than the "
+    "embedded broker keeps per partition (~5 MiB, no compaction) went to the topic; give it "
+    "more partitions, or use a real Kafka cluster with compaction. The tables hold the "
+    "corrections, and the plan stays unpublished for the client's next correction run"
+)
 # The log was replaced (K7 of io.kafka_source) or cut below the reader: its offsets name
 # records of another log, so no reader can go on from them, whatever it accepts.
 _OTHER_LOG_ADVICE = (
@@ -694,8 +709,8 @@ class ReadErrors:
 
 
 def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_watermark: int,
-                       high_watermark: int | None = None, *, fail_on_data_loss: bool = True
-                       ) -> None:
+                       high_watermark: int | None = None, *, fail_on_data_loss: bool = True,
+                       advice: str = _LOSS_ADVICE) -> None:
     """Fail if records a reader still needs are gone (Spark's ``failOnDataLoss``).
 
     Args:
@@ -708,6 +723,7 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
         fail_on_data_loss: False: records dropped below the log start are accepted (the
             caller records them as lost); an offset beyond the log end still fails, since it
             names records of another log.
+        advice: What the message says to do about dropped records (the reader's).
 
     Raises:
         DataLossError: ``wanted_offset`` is below the log start (unless accepted) or beyond
@@ -719,7 +735,7 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
         raise DataLossError(
             f"topic {topic} partition {partition}: records {wanted_offset}..{low_watermark - 1} "
             f"were dropped by the broker before they were consumed (log start offset is now "
-            f"{low_watermark}); {_LOSS_ADVICE}"
+            f"{low_watermark}); {advice}"
         )
     if high_watermark is not None and wanted_offset > high_watermark:
         raise DataLossError(
@@ -756,7 +772,7 @@ def read_compacted(config: Config, topic: str, *,
     """
     watermarks = topic_watermarks(config, topic)
     for partition, (low, high) in watermarks.items():
-        check_no_data_loss(topic, partition, 0, low, high)
+        check_no_data_loss(topic, partition, 0, low, high, advice=_CHANGELOG_LOSS_ADVICE)
     ends = {p: high for p, (_low, high) in watermarks.items() if high > 0}
     result: dict[str, Any] = {}
     if not ends:
@@ -789,9 +805,10 @@ def read_compacted(config: Config, topic: str, *,
                                       KafkaError.OFFSET_OUT_OF_RANGE):
                         # Records were dropped between the start check and the fetch.
                         low, high = topic_watermarks(config, topic).get(partition, (0, 0))
-                        check_no_data_loss(topic, partition, 0, low, high)
+                        check_no_data_loss(topic, partition, 0, low, high,
+                                           advice=_CHANGELOG_LOSS_ADVICE)
                         raise DataLossError(f"topic {topic} partition {partition}: {err.str()}; "
-                                            f"{_LOSS_ADVICE}")
+                                            f"{_CHANGELOG_LOSS_ADVICE}")
                     errors.handle(err, partition, offset)
                     continue
                 if end is None or offset >= end:
@@ -856,7 +873,7 @@ def lost_offsets_marker(topic: str, partition: int, first: int, last: int) -> Me
 def read_offset_ranges(
     config: Config, topic: str, ranges: Mapping[int, tuple[int, int]], *,
     fail_on_gaps: bool = True, fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
-    batch_size: int = 20_000,
+    batch_size: int = 20_000, advice: str = _LOSS_ADVICE,
 ) -> Iterator[list[Message]]:
     """:func:`read_offset_range` for several partitions of a topic with one consumer (a
     consumer per partition costs a connection and a metadata round trip each, which dominates
@@ -865,6 +882,7 @@ def read_offset_ranges(
 
     Args:
         ranges: partition -> ``(start, end)``; empty ranges are skipped.
+        advice: What a data-loss error says to do (:func:`check_no_data_loss`).
     """
     expected = {p: start for p, (start, end) in ranges.items() if end > start}
     ends = {p: ranges[p][1] for p in expected}
@@ -891,7 +909,7 @@ def read_offset_ranges(
         if lost_until <= expected[partition]:
             return None
         check_no_data_loss(topic, partition, expected[partition], lost_until,
-                           fail_on_data_loss=fail_on_data_loss)  # raises, or:
+                           fail_on_data_loss=fail_on_data_loss, advice=advice)  # raises, or:
         return lost_offsets_marker(topic, partition, expected[partition], lost_until - 1)
 
     def short_of_the_range(partition: int) -> None:
@@ -948,7 +966,7 @@ def read_offset_ranges(
                             TopicPartition(topic, partition), timeout=10, cached=False)
                         at = expected.get(partition, low)
                         check_no_data_loss(topic, partition, at, low, high,
-                                           fail_on_data_loss=fail_on_data_loss)
+                                           fail_on_data_loss=fail_on_data_loss, advice=advice)
                         if at < low:  # accepted: record the loss, go on from the log start
                             batch.append(lost_offsets_marker(
                                 topic, partition, at, min(low, ends[partition]) - 1))

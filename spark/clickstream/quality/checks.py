@@ -450,7 +450,7 @@ def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
     lives in one partition, whose records come in offset order, so the last one read wins.
     Returned as the pairs of one dict (a set view): at a million records per-key sets of
     revisions cost more than reading them."""
-    from clickstream.io.kafka_clients import gc_paused, read_offset_ranges
+    from clickstream.io.kafka_clients import PUBLISHED_LOSS_ADVICE, gc_paused, read_offset_ranges
 
     now = topic_ends(config, list(since))
     seen: dict[str, AbstractSet[tuple[str, int | None]]] = {}
@@ -458,7 +458,8 @@ def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
         for topic, ends in now.items():
             last: dict[str, int | None] = {}
             ranges = {p: (since[topic].get(p, 0), end) for p, end in ends.items()}
-            for batch in read_offset_ranges(config, topic, ranges):  # one consumer per topic
+            for batch in read_offset_ranges(  # one consumer per topic
+                    config, topic, ranges, advice=PUBLISHED_LOSS_ADVICE):
                 last.update((key.decode(), _revision(message.value()))
                             for message in batch if (key := message.key()) is not None)
             seen[topic] = last.items()
