@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -618,6 +619,11 @@ def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replac
     assert (succeeded.href, succeeded.status) == (failed.href, "info")
     assert ": failed" not in page and "sessions created 1" in page
     assert "1 merged" in page and ">1 records to" in page
+    # Each step's time (issue #3's summary): the steps' own lines said none but recompute's.
+    for said in (r"sessions within one gap to recompute", r"0 quarantined",
+                 r"apply to tables [\d.]+s", r"attribution corrections",
+                 rf"{stream_config.attributions_topic}"):
+        assert re.search(said + r" \(\d+\.\ds\)", page), said
 
     for name in backfill_steps.STEPS:  # the whole DAG run again: it still says what it did
         step(name)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -529,30 +530,38 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
                    merged: Mapping[str, Any] | None, corrections: Mapping[str, Any] | None,
                    applied: Mapping[str, int] | None, published: int | None
                    ) -> tuple[list[tuple[str, str]], CorrectionSummary | None]:
-    """(step, what it did) per step that ran, and the recompute's summary if it ran."""
+    """(step, what it did) per step that ran, and the recompute's summary if it ran; with
+    each step's time when it ran as a step of its own (``run_step``)."""
+    timed = load_step_result(config, str(check["run_id"]), SECONDS) or {}
+
+    def took(step: str) -> str:
+        return f" ({timed[step]:.1f}s)" if step in timed else ""
+
     lines = [("validate", BatchCheck(**{**check, "first_reasons": tuple(
-        check.get("first_reasons", ()))}).describe())]
+        check.get("first_reasons", ()))}).describe() + took("check"))]
     if dry_run:
         lines.append(("dry run", "nothing was written: merge, recompute and publish were "
                                  "skipped"))
     if merged:
-        lines.append(("merge", MergeResult(**merged).describe()))
+        lines.append(("merge", MergeResult(**merged).describe() + took("merge")))
     summary_of_corrections = None
     if corrections:
         summary_of_corrections = _correction_summary(corrections)
-        lines.append(("recompute", summary_of_corrections.describe()))
+        lines.append(("recompute", summary_of_corrections.describe() + took("recompute")))
     if applied is not None:
         lines.append(("check", f"tables hold {applied.get('sessions', 0)} session and "
-                               f"{applied.get('attributions', 0)} attribution corrections"))
+                               f"{applied.get('attributions', 0)} attribution corrections"
+                               + took("check-applied")))
     if published is not None:
         lines.append(("publish", f"{published} records to {config.sessions_topic} / "
-                                 f"{config.attributions_topic}"))
+                                 f"{config.attributions_topic}" + took("publish")))
     return lines, summary_of_corrections
 
 
 # --- steps as separate processes (the DAG's spark-submit tasks) ------------------------------
 
 STEPS = ("check", "merge", "recompute", "check-applied", "publish", "report")
+SECONDS = "seconds"  # saved beside the steps' results: each step's time, for the run's page
 # The step each writing step needs to have succeeded for its run (S6); report needs check.
 AFTER = dict(zip(STEPS[1:5], STEPS[:4], strict=True))
 GATED_STEPS = ("merge", "recompute", "publish")  # and check, in a dry run
@@ -624,6 +633,7 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
         raise ConfigError(f"backfill {run_id}: step {step!r} comes after {needed!r}, which has "
                           "not succeeded for this run; run the steps in order "
                           f"({' -> '.join(STEPS)})")
+    started = time.monotonic()
     try:
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
                            run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
@@ -637,6 +647,9 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
         raise
     target = step_result_path(config, run_id, step)
     reports.write_atomically(target, json.dumps(result, indent=1, default=str))
+    seconds = {**(load_step_result(config, run_id, SECONDS) or {}),
+               step: round(time.monotonic() - started, 1)}
+    reports.write_atomically(step_result_path(config, run_id, SECONDS), json.dumps(seconds))
     return result
 
 
