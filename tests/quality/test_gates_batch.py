@@ -25,7 +25,9 @@ from clickstream.io.kafka_clients import encode_json, produce_records, read_comp
 from clickstream.jobs import backfill, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute
+from clickstream.quality import gates
 from clickstream.quality.checks import (
+    Checks,
     run_commit_version,
     tables_after_merge_checks,
 )
@@ -445,3 +447,27 @@ def test_recomputed_sessions_catches_totals_wrongly_reported_unchanged_in_orders
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                            path=path, progress=lambda _: None)
     assert summary.corrections.sessions_updated == 2
+
+
+def test_a_rerun_failing_with_other_figures_quarantines_them_too(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """A check with no offending rows stores its figures as the row: under a source without
+    their digest, a rerun that failed with other figures (the tables changed meanwhile) was
+    taken for the first attempt's row and stored nothing."""
+    tables = open_tables(stream_config, spark)
+
+    def failed_with(rows_after: int) -> int:
+        values = {"rows_after": rows_after, "expected_rows_after": 2}
+        outcome = gates.Outcome("tables_after_merge", "expect_column_pair_values_to_be_equal",
+                                "rows_after", "critical", False, rows_after,
+                                "expected_rows_after (2)", "rows reconcile")
+        result = gates.GateResult("tables_after_merge", "backfill", "r1", "v1", values,
+                                  (outcome,), 0.1)
+        return gates.quarantine(tables, Checks(values), result, "client-00")
+
+    assert failed_with(4) == 1 and failed_with(4) == 1  # the same figures: stored once
+    assert failed_with(5) == 1
+    stored = sorted(json.loads(r["raw"])["rows_after"]
+                    for r in quarantined(stream_config, spark, "tables_after_merge"))
+    assert stored == [4, 5]

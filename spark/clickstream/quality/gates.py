@@ -46,6 +46,7 @@ Known edge cases, cited inline as (Q1)..(Q5):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -291,11 +292,13 @@ def quarantine(tables: DeltaTables, checks: C.Checks, result: GateResult,
                 F.concat_ws(":", F.lit(prefix), F.lit(outcome.column), ident).alias("source"),
                 reason.alias("reason"), client.cast("string").alias("client_id"),
             ).dropDuplicates(["source"]))
-        else:
+        else:  # the check's figures, their digest in the source as for rows: a rerun
+            # that fails with other figures (the tables changed meanwhile) stores them too
+            values = json.dumps(dict(checks.values), default=str, sort_keys=True)
+            digest = hashlib.sha1(values.encode()).hexdigest()[:12]
             parts.append(SparkSession.active().createDataFrame(
-                [(json.dumps(dict(checks.values), default=str), f"{prefix}:{outcome.column}",
-                  outcome.reason, client_id)], "raw string, source string, reason string, "
-                "client_id string"))
+                [(values, f"{prefix}:{outcome.column}::{digest}", outcome.reason, client_id)],
+                "raw string, source string, reason string, client_id string"))
     if not parts:
         return 0
     rows = parts[0]
