@@ -202,13 +202,17 @@ def test_a_ctrl_c_a_c_extension_lost_is_still_an_interrupt(
 
     monkeypatch.setattr(cli, "_cmd_generate_events", poll_losing_the_interrupt)
     monkeypatch.setenv("CLICKSTREAM_HOME", str(tmp_path / "home"))
-    status = main(["generate", "events", "--rate", "5"])
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal:
+    try:  # a process started in the background (`cmd &`, CI) inherits SIGINT ignored
+        status = main(["generate", "events", "--rate", "5"])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     error = capsys.readouterr().err
     if pressed:
         assert (status, error) == (130, "clickstream generate: interrupted\n")
     else:  # a SystemError of its own is a bug
         assert status == 1 and "unexpected error: SystemError" in error
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(tmp_path) -> None:
