@@ -656,8 +656,11 @@ def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_store
 
     for name in ("check", "merge"):
         step(name)
+    # Killed after its commit, before it saved its result: the merge step is retried.
+    backfill_steps.step_result_path(stream_config, run_id, "merge").unlink()
     shutil.rmtree(stream_config.landing / path)
     write_rows(stream_config, "late", [row("y1", "ub", 5)], "parquet")
+    assert step("merge")["rows_merged"] == 1  # from the commit: refused, the run was stuck
     for name in backfill_steps.STEPS[2:]:
         step(name)
 
@@ -731,6 +734,35 @@ def test_a_step_runs_only_after_the_one_before_it_succeeded(
     with pytest.raises(ConfigError, match="step 'publish' comes after 'check-applied'"):
         step("publish")
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+
+
+def test_a_second_round_of_a_runs_steps_does_not_lean_on_the_first_rounds_results(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(S6) The batch's steps run again (triggered again, or by hand): its recompute fails,
+    and publish passed the order check on the first round's check-applied result."""
+    path = write_rows(stream_config, "late", [pv_row("a1", "ua", 0)], "parquet")
+    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
+                                         client_id="client-00", path=path)["run_id"]
+
+    def step(name: str) -> object:
+        return backfill_steps.run_step(stream_config, name, kind="pageviews",
+                                       client_id="client-00", path=path, run_id=run_id,
+                                       spark=spark, progress=lambda _: None)
+
+    for name in backfill_steps.STEPS:
+        step(name)
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the second round's recompute fails")
+
+    monkeypatch.setattr(backfill_steps, "recompute_affected", fails)
+    for name in ("check", "merge"):
+        step(name)
+    with pytest.raises(RuntimeError, match="second round"):
+        step("recompute")
+    for name in ("check-applied", "publish"):
+        with pytest.raises(ConfigError, match="which has not succeeded for this run"):
+            step(name)
 
 
 def run_summaries(config: Config, run_id: str = ""

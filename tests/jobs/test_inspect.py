@@ -12,6 +12,7 @@ from clickstream.errors import ClickstreamError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import produce_records, topic_id, topic_watermarks
+from clickstream.jobs import sessionize
 from clickstream.jobs.inspect import (
     describe_lag,
     describe_sessionizer,
@@ -122,3 +123,26 @@ def test_an_unknown_topic_from_a_flag_is_named_with_the_products_topics(config):
     assert message.startswith(f"topic 'sesions' does not exist on {broker.bootstrap_servers}")
     assert message.endswith(f"or check its name (the product's topics: {config.events_topic}, "
                             f"{config.sessions_topic}, {config.attributions_topic})")
+
+
+def test_lag_before_the_first_commit_counts_from_where_the_first_micro_batch_starts(
+        stream_config, spark, broker, monkeypatch):
+    """(``kafka_source`` K9) The first micro-batch was planned and failed before it
+    committed; the broker then dropped records it planned. Its replay reads from where it was
+    planned and stops on them; inspect counted from the log's start and showed a plain lag."""
+    start = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    produce(stream_config, [pageview("u", start + dt.timedelta(minutes=i), f"e{i}")
+                            for i in range(6)])
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the first micro-batch fails")
+
+    monkeypatch.setattr(sessionize, "gate_raw_events", failing)
+    with pytest.raises(ClickstreamError, match="the first micro-batch fails"):
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    (partition,) = [p for p, (_low, high) in
+                    topic_watermarks(stream_config, stream_config.events_topic).items() if high]
+    broker.delete_records(stream_config.events_topic, partition, 2)
+    lines = describe_lag(stream_config)
+    assert any(f"partition {partition}: records 0..1 were dropped" in line for line in lines), \
+        lines

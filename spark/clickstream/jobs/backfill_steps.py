@@ -30,12 +30,16 @@ Known edge cases, cited inline as (S1)..(S6):
       wrote (``source`` = ``backfill:<run id>``) if the batch's files changed or are gone
       (a client replacing its upload, removing it once sent): refused (S1) as before the
       merge, the merged rows were never sessionized, and a new run for the files as they now
-      are covered only their rows.
+      are covered only their rows. A ``merge`` step rerun then (its earlier attempt killed
+      after the commit, before it saved its result) reports the committed merge from the
+      tables (the duplicates it skipped are not known then: counted as none; its
+      ``tables_after_merge`` gate, which needs the batch's keys, is not run again).
   S6. A writing step runs only once the step before it succeeded for the run (``AFTER``),
-      and a failed step's saved result is removed: ``publish`` after a failed
-      ``check-applied`` published a plan the tables did not hold and marked it published, so
-      the client's later runs no longer stopped on it; ``recompute`` before ``merge`` planned
-      nothing and the run reported success.
+      and a step that starts removes its own saved result and those of the steps after it
+      (a second round of the run's steps does not lean on the first round's results):
+      ``publish`` after a failed ``check-applied`` published a plan the tables did not hold
+      and marked it published, so the client's later runs no longer stopped on it;
+      ``recompute`` before ``merge`` planned nothing and the run reported success.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ from clickstream.quality.run_summary import (
     write_run_summary,
 )
 from clickstream.spark_session import build_spark, release, releases_cache
-from clickstream.tables import ORDERS, PAGEVIEWS, SESSIONS
+from clickstream.tables import ORDERS, PAGEVIEWS, QUARANTINE, SESSIONS
 
 if TYPE_CHECKING:
     from clickstream.quality.gates import GateResult
@@ -185,8 +189,8 @@ class _Batch:
         tables = open_tables(config, spark)
         if merged_earlier(tables, kind, run_id) is None:
             raise refused
-        progress(f"recompute {run_id}: {refused}; its merge committed, so it recomputes what "
-                 "the merge stored (S5)")
+        progress(f"{run_id}: {str(refused).split('; ')[0]}, after its merge committed: "
+                 "working from what the merge stored (S5)")
         spec = PAGEVIEWS if kind == "pageviews" else ORDERS
         stored = tables.read(spec.name, partition_filter={"client_id": client_id}).where(
             F.col("source") == f"backfill:{run_id}")
@@ -317,7 +321,16 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         QualityGateFailedError: a gate failed; before the merge, the implicated rows are
             quarantined and nothing is merged.
     """
-    batch = _Batch(config, kind, client_id, path, spark, run_id)
+    try:
+        batch = _Batch(config, kind, client_id, path, spark, run_id)
+    except BatchRefusedError as refused:  # changed or gone since the merge committed (S5)
+        merged = _Batch.as_merged(config, kind, client_id, run_id, spark, refused, progress)
+        try:
+            result = _merged_earlier_result(merged)
+        finally:
+            merged.close()
+        progress(result.describe())
+        return result
     try:
         tables = batch.tables
         gate = batch.gate()
@@ -333,6 +346,18 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         return result
     finally:
         batch.close()
+
+
+def _merged_earlier_result(batch: _Batch) -> MergeResult:
+    """What the run's committed merge did (S5): its rows merged, from the merge commit, and
+    its rows quarantined, from ``quarantine``; the rest of what it read were duplicates."""
+    merged = merged_earlier(batch.tables, batch.kind, batch.run_id) or 0
+    quarantined = 0
+    if batch.tables.exists(QUARANTINE.name):
+        quarantined = batch.tables.read(QUARANTINE.name, ["source"]).where(
+            F.col("source").startswith(f"backfill:{batch.run_id}:")).count()
+    return MergeResult(batch.run_id, rows_read=merged + quarantined, rows_merged=merged,
+                       duplicates_skipped=0, quarantined=quarantined)
 
 
 @releases_cache
@@ -633,12 +658,13 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
         raise ConfigError(f"backfill {run_id}: step {step!r} comes after {needed!r}, which has "
                           "not succeeded for this run; run the steps in order "
                           f"({' -> '.join(STEPS)})")
+    for later in STEPS[STEPS.index(step):]:  # this round's, from here on (S6)
+        step_result_path(config, run_id, later).unlink(missing_ok=True)
     started = time.monotonic()
     try:
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
                            run_id=run_id, dry_run=dry_run, spark=spark, progress=progress)
     except Exception as error:
-        step_result_path(config, run_id, step).unlink(missing_ok=True)  # (S6)
         page = write_failure_safely(error, functools.partial(
             write_failure_report, config, failed_step=step, error=error, run_id=run_id,
             kind=kind, client_id=client_id, path=path, dry_run=dry_run))

@@ -97,7 +97,8 @@ def describe_lag(config: Config) -> list[str]:
     advice: dict[str, None] = {}  # in order, once each
     for partition, (low, high) in sorted(topic_watermarks(config, topic).items()):
         # Not in the committed offsets: read from 0 (K3), or, before the first commit, from
-        # the log's start (the new checkpoint's, K8).
+        # the log's start (the new checkpoint's, K8); a planned first micro-batch's start is
+        # in the offsets then (K9).
         wanted = progress.offsets.get(partition, 0 if progress.committed >= 0 else low)
         try:
             check_no_data_loss(topic, partition, wanted, low, high)

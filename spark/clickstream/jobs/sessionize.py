@@ -154,7 +154,7 @@ from clickstream.events.parse import parse_kafka_records
 from clickstream.io.delta_tables import AppendResult, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_clients import topic_watermarks
-from clickstream.io.kafka_source import TOPIC_ID, read_kafka_stream
+from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
@@ -324,6 +324,7 @@ class CheckpointProgress:
     committed_at_ms: int | None  # the committed micro-batch's trigger time
     watermark_ms: int  # a later record whose ts is at or before it is late (Z1)
     offsets: dict[int, int]  # per partition of the events topic, the next offset to read
+    # (before the first commit: where the planned first micro-batch starts, if it was)
     topic_id: str | None = None  # of the log they name (``kafka_source`` K7); None: unknown
 
 
@@ -336,15 +337,21 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
     committed = _last_logged_batch(checkpoint, "commits")
     offsets: dict[int, int] = {}
     committed_at = read_id = None
-    if committed >= 0:
-        lines = (checkpoint / "offsets" / str(committed)).read_text().splitlines()
-        committed_at = json.loads(lines[1]).get("batchTimestampMs")
+    # Before the first commit, where the first micro-batch starts, as its source keeps it
+    # (``kafka_source`` K9): its replay reads from there.
+    logged = checkpoint / "offsets" / str(max(committed, 0))
+    if committed >= 0 or logged.exists():
+        lines = logged.read_text().splitlines()
+        if committed >= 0:
+            committed_at = json.loads(lines[1]).get("batchTimestampMs")
         for line in lines[2:]:
             if line.strip() in ("", "-"):
                 continue
             source = json.loads(line)
             read_id = read_id or source.get(TOPIC_ID)
             by_partition = source.get(topic, source)  # native: {topic: {partition: offset}}
+            if committed < 0:
+                by_partition = source.get(PLANNED_FROM, {})
             for partition, offset in by_partition.items():
                 if partition.isdigit():
                     offsets[int(partition)] = min(offset, offsets.get(int(partition), offset))
