@@ -9,6 +9,7 @@ import re
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -588,22 +589,30 @@ def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSess
     assert versions(stream_config, spark) == before
 
 
+def located(config: Config, spark: SparkSession, rows: list[dict], kind: str = "pageviews",
+            name: str = "late") -> tuple[str, str, Callable[..., dict]]:
+    """A batch of ``rows`` of client-00 in the landing folder, located as the DAG's first task
+    locates it: its path, its run id, and ``step(name, progress=...)`` running one of its
+    steps as the DAG's tasks do."""
+    path = write_rows(config, name, rows, "parquet")
+    run_id = backfill_steps.locate_batch(config, kind=kind, client_id="client-00",
+                                         path=path)["run_id"]
+
+    def step(step_name: str, progress: Callable[[str], None] = lambda _: None) -> dict:
+        return backfill_steps.run_step(config, step_name, kind=kind, client_id="client-00",
+                                       path=path, run_id=run_id, spark=spark, progress=progress)
+
+    return path, run_id, step
+
+
 def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replaces_it(
         stream_config: Config, spark: SparkSession) -> None:
     """Reviewers find every DAG run in the reports index, failed ones with the failed step's
     reason; once the run ends well (a retry, a cleared task), its summary is the run's page."""
-    path = write_rows(stream_config, "p", [pv_row("a", "u", 0)], "parquet")
-    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
-                                         client_id="client-00", path=path)["run_id"]
-
-    def step(name: str) -> object:
-        return backfill_steps.run_step(stream_config, name, kind="pageviews",
-                                       client_id="client-00", path=path, run_id=run_id,
-                                       spark=spark, progress=lambda _: None)
-
+    path, run_id, step = located(stream_config, spark, [pv_row("a", "u", 0)], name="p")
     (file,) = (stream_config.landing / path).rglob("*.parquet")
-    located = file.stat()
-    os.utime(file, ns=(located.st_atime_ns, located.st_mtime_ns + 10**9))  # touched
+    as_located = file.stat()
+    os.utime(file, ns=(as_located.st_atime_ns, as_located.st_mtime_ns + 10**9))  # touched
     with pytest.raises(BatchRefusedError, match="changed since it was located"):
         step("check")
     ((failed, page),) = run_summaries(stream_config, run_id)
@@ -611,7 +620,7 @@ def test_a_failed_step_writes_the_runs_summary_page_and_its_later_success_replac
     assert "check: failed" in page and "BatchRefusedError: batch " in page
     assert "changed since it was located" in page
 
-    os.utime(file, ns=(located.st_atime_ns, located.st_mtime_ns))  # the batch as located
+    os.utime(file, ns=(as_located.st_atime_ns, as_located.st_mtime_ns))  # the batch as located
 
     for name in backfill_steps.STEPS:
         step(name)
@@ -645,15 +654,7 @@ def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_store
                          stream_config, "p", [pv_row("a1", "ua", 0), pv_row("b1", "ub", 0)],
                          "parquet"))
     row = pv_row if kind == "pageviews" else order_row
-    path = write_rows(stream_config, "late", [row("x1", "ua", 5)], "parquet")
-    run_id = backfill_steps.locate_batch(stream_config, kind=kind, client_id="client-00",
-                                         path=path)["run_id"]
-
-    def step(name: str) -> object:
-        return backfill_steps.run_step(stream_config, name, kind=kind, client_id="client-00",
-                                       path=path, run_id=run_id, spark=spark,
-                                       progress=lambda _: None)
-
+    path, run_id, step = located(stream_config, spark, [row("x1", "ua", 5)], kind)
     for name in ("check", "merge"):
         step(name)
     # Killed after its commit, before it saved its result: the merge step is retried.
@@ -677,12 +678,9 @@ def test_two_attempts_of_one_merge_at_once_both_report_what_the_run_merged(
     """A retry (or the CLI beside the DAG) waiting for the records lock while the other
     attempt merged read "not merged yet" before it waited: it merged nothing, reported "0
     merged, 5 duplicates skipped", and its result overwrote the run's (no merge announced)."""
-    path = write_rows(stream_config, "late", [pv_row(f"a{i}", "ua", i) for i in range(5)],
-                      "parquet")
-    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
-                                         client_id="client-00", path=path)["run_id"]
-    backfill_steps.run_step(stream_config, "check", kind="pageviews", client_id="client-00",
-                            path=path, run_id=run_id, spark=spark, progress=lambda _: None)
+    _, run_id, step = located(stream_config, spark, [pv_row(f"a{i}", "ua", i)
+                                                     for i in range(5)])
+    step("check")
     waiting = {name: threading.Event() for name in "AB"}
     results: dict[str, dict] = {}
 
@@ -690,9 +688,7 @@ def test_two_attempts_of_one_merge_at_once_both_report_what_the_run_merged(
         def progress(line: str) -> None:
             if "waiting for the sessionizer" in line:
                 waiting[name].set()
-        results[name] = backfill_steps.run_step(
-            stream_config, "merge", kind="pageviews", client_id="client-00", path=path,
-            run_id=run_id, spark=spark, progress=progress)
+        results[name] = step("merge", progress)
 
     with records_lock(stream_config):  # a micro-batch in flight
         attempts = [threading.Thread(target=attempt, args=(name,)) for name in "AB"]
@@ -710,15 +706,7 @@ def test_a_step_runs_only_after_the_one_before_it_succeeded(
         stream_config: Config, spark: SparkSession) -> None:
     """(S6) ``publish`` after a failed ``check-applied`` published a plan the tables did not
     hold; ``recompute`` before ``merge`` planned nothing and the run reported success."""
-    path = write_rows(stream_config, "late", [pv_row("a1", "ua", 0)], "parquet")
-    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
-                                         client_id="client-00", path=path)["run_id"]
-
-    def step(name: str) -> object:
-        return backfill_steps.run_step(stream_config, name, kind="pageviews",
-                                       client_id="client-00", path=path, run_id=run_id,
-                                       spark=spark, progress=lambda _: None)
-
+    _, _, step = located(stream_config, spark, [pv_row("a1", "ua", 0)])
     step("check")
     with pytest.raises(ConfigError, match="step 'recompute' comes after 'merge', which has not "
                                           "succeeded for this run"):
@@ -740,15 +728,7 @@ def test_a_second_round_of_a_runs_steps_does_not_lean_on_the_first_rounds_result
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(S6) The batch's steps run again (triggered again, or by hand): its recompute fails,
     and publish passed the order check on the first round's check-applied result."""
-    path = write_rows(stream_config, "late", [pv_row("a1", "ua", 0)], "parquet")
-    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews",
-                                         client_id="client-00", path=path)["run_id"]
-
-    def step(name: str) -> object:
-        return backfill_steps.run_step(stream_config, name, kind="pageviews",
-                                       client_id="client-00", path=path, run_id=run_id,
-                                       spark=spark, progress=lambda _: None)
-
+    _, _, step = located(stream_config, spark, [pv_row("a1", "ua", 0)])
     for name in backfill_steps.STEPS:
         step(name)
 

@@ -779,6 +779,21 @@ def u_merged_by_the_stream(stream_config: Config, spark: SparkSession) -> None:
     stream_committed_a_batch_at(stream_config, 120)
 
 
+def full_recompute_killed_after_its_tombstones(config: Config, spark: SparkSession,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``recompute --full`` of c1, killed once it sent its tombstones, before the rewrite."""
+    send = recompute.publish_pairs
+
+    def killed_after_the_tombstones(config, topic, pairs):
+        sent = send(config, topic, pairs)
+        raise Killed(f"after {sent} tombstones, before the rewrite")
+
+    with monkeypatch.context() as killed:
+        killed.setattr(recompute, "publish_pairs", killed_after_the_tombstones)
+        with pytest.raises(Killed):
+            run_full_recompute(config, client_id="c1", spark=spark, progress=quiet)
+
+
 def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R5) Killed after the tombstones of u's merged-away session, before the rewrite:
@@ -788,16 +803,7 @@ def test_a_full_recompute_killed_after_its_tombstones_is_finished_by_its_rerun(
     then marked its own plan published (which hid the killed one for good): the retracted
     session stayed in the table with a tombstone on the topic."""
     u_merged_by_the_stream(stream_config, spark)
-    send = recompute.publish_pairs
-
-    def killed_after_the_tombstones(config, topic, pairs):
-        sent = send(config, topic, pairs)
-        raise Killed(f"after {sent} tombstones, before the rewrite")
-
-    monkeypatch.setattr(recompute, "publish_pairs", killed_after_the_tombstones)
-    with pytest.raises(Killed):
-        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
-    monkeypatch.undo()
+    full_recompute_killed_after_its_tombstones(stream_config, spark, monkeypatch)
     assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 1
 
     stored_by_the_stream(stream_config, spark, [("back", "c1", "u", 200)])
@@ -814,16 +820,7 @@ def test_a_full_recompute_plan_another_run_finishes_gets_no_correction_report(
     """``--full`` writes no correction report (README), and all its runs of a client share
     one run id: finished by another run, a first plan's page was kept for every later one."""
     u_merged_by_the_stream(stream_config, spark)
-    send = recompute.publish_pairs
-
-    def killed_after_the_tombstones(config, topic, pairs):
-        sent = send(config, topic, pairs)
-        raise Killed(f"after {sent} tombstones, before the rewrite")
-
-    monkeypatch.setattr(recompute, "publish_pairs", killed_after_the_tombstones)
-    with pytest.raises(Killed):
-        run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
-    monkeypatch.undo()
+    full_recompute_killed_after_its_tombstones(stream_config, spark, monkeypatch)
     result = run_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
     assert result.corrections["c1"].finished_sessions > 0
     corrections_reports = [e.job for e in read_entries(reports_dir(stream_config))
