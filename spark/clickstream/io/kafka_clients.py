@@ -527,13 +527,11 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
         if attempt < attempts:
             wait_before_retry(attempt, 0.5, jitter=False)
     if unknown_topic:
-        settings = [ENV_NAMES[name] for name in ("events_topic", "sessions_topic",
-                                                 "attributions_topic")
-                    if getattr(config, name) == topic]
+        names = {name: getattr(config, name)
+                 for name in ("events_topic", "sessions_topic", "attributions_topic")}
+        settings = [ENV_NAMES[name] for name, named in names.items() if named == topic]
         fix = (f"fix {' / '.join(settings)}" if settings else
-               "check its name (the product's topics: " + ", ".join(
-                   getattr(config, name) for name in ("events_topic", "sessions_topic",
-                                                      "attributions_topic")) + ")")
+               f"check its name (the product's topics: {', '.join(names.values())})")
         raise ClickstreamError(
             f"topic {topic!r} does not exist on {config.kafka_bootstrap_servers} "
             f"({last_error}); create it (the embedded broker creates events, sessions and "

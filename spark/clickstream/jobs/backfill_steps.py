@@ -185,12 +185,7 @@ class _Batch:
                   progress: Progress) -> _Batch:
         """The run's batch as its merge stored it (S5); ``refused`` is raised again when the
         run has not merged."""
-        spark = spark or build_spark(config, "clickstream-backfill")
-        tables = open_tables(config, spark)
-        if merged_earlier(tables, kind, run_id) is None:
-            raise refused
-        progress(f"{run_id}: {str(refused).split('; ')[0]}, after its merge committed: "
-                 "working from what the merge stored (S5)")
+        spark, tables, _ = _committed_merge(config, kind, run_id, spark, refused, progress)
         spec = PAGEVIEWS if kind == "pageviews" else ORDERS
         stored = tables.read(spec.name, partition_filter={"client_id": client_id}).where(
             F.col("source") == f"backfill:{run_id}")
@@ -324,11 +319,8 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
     try:
         batch = _Batch(config, kind, client_id, path, spark, run_id)
     except BatchRefusedError as refused:  # changed or gone since the merge committed (S5)
-        merged = _Batch.as_merged(config, kind, client_id, run_id, spark, refused, progress)
-        try:
-            result = _merged_earlier_result(merged)
-        finally:
-            merged.close()
+        _, tables, merged = _committed_merge(config, kind, run_id, spark, refused, progress)
+        result = _merged_earlier_result(tables, run_id, merged)
         progress(result.describe())
         return result
     try:
@@ -348,15 +340,29 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         batch.close()
 
 
-def _merged_earlier_result(batch: _Batch) -> MergeResult:
-    """What the run's committed merge did (S5): its rows merged, from the merge commit, and
-    its rows quarantined, from ``quarantine``; the rest of what it read were duplicates."""
-    merged = merged_earlier(batch.tables, batch.kind, batch.run_id) or 0
+def _committed_merge(config: Config, kind: BatchKind, run_id: str,
+                     spark: SparkSession | None, refused: BatchRefusedError,
+                     progress: Progress) -> tuple[SparkSession, DeltaTables, int]:
+    """(S5) The session, the tables and the rows the run's committed merge wrote, for a step
+    whose batch ``refused``; ``refused`` is raised again when the run has not merged."""
+    spark = spark or build_spark(config, "clickstream-backfill")
+    tables = open_tables(config, spark)
+    merged = merged_earlier(tables, kind, run_id)
+    if merged is None:
+        raise refused
+    progress(f"{run_id}: {str(refused).split('; ')[0]}, after its merge committed: "
+             "working from what the merge stored (S5)")
+    return spark, tables, merged
+
+
+def _merged_earlier_result(tables: DeltaTables, run_id: str, merged: int) -> MergeResult:
+    """What the run's committed merge did (S5): its ``merged`` rows, from the merge commit,
+    and its rows quarantined, from ``quarantine``; the rest of what it read were duplicates."""
     quarantined = 0
-    if batch.tables.exists(QUARANTINE.name):
-        quarantined = batch.tables.read(QUARANTINE.name, ["source"]).where(
-            F.col("source").startswith(f"backfill:{batch.run_id}:")).count()
-    return MergeResult(batch.run_id, rows_read=merged + quarantined, rows_merged=merged,
+    if tables.exists(QUARANTINE.name):
+        quarantined = tables.read(QUARANTINE.name, ["source"]).where(
+            F.col("source").startswith(f"backfill:{run_id}:")).count()
+    return MergeResult(run_id, rows_read=merged + quarantined, rows_merged=merged,
                        duplicates_skipped=0, quarantined=quarantined)
 
 

@@ -1124,9 +1124,11 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
         return changes
     run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
                  "them: finishing them first ...")
-    by_entity = {r.entity: r["count"] for r in changes.groupBy("entity").count().collect()}
-    summary.finished_sessions += by_entity.get("session", 0)
-    summary.finished_attributions += by_entity.get("attribution", 0)
+    finished = CorrectionSummary()  # the plan's counts: this summary's, and its report's
+    count_plan(changes, finished)
+    summary.finished_sessions += (finished.sessions_created + finished.sessions_updated
+                                  + finished.sessions_retracted)
+    summary.finished_attributions += finished.attributions_changed
     # As that run: its commits, its gates' index entries (a publish gate that failed it
     # before is superseded there) and the run id a failure names are the plan's.
     planned = replace(run, run_id=planned_by, cause=f"{planned_by}, finished by {run.run_id}")
@@ -1135,8 +1137,6 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
     # never run again (a recompute's retry is another run once the queue moved on). Of this
     # plan, over any page an earlier plan of the run id left; `--full` writes none.
     if not planned_by.startswith(f"{FULL_RECOMPUTE_JOB}-") and gates_enabled(run.config):
-        finished = CorrectionSummary()
-        count_plan(changes, finished)
         with timer.step("finish an interrupted run: correction report"):
             write_correction_report(planned, finished, correction_figures(planned, changes))
     release(changes)

@@ -349,9 +349,8 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
                 continue
             source = json.loads(line)
             read_id = read_id or source.get(TOPIC_ID)
-            by_partition = source.get(topic, source)  # native: {topic: {partition: offset}}
-            if committed < 0:
-                by_partition = source.get(PLANNED_FROM, {})
+            by_partition = (source.get(PLANNED_FROM, {}) if committed < 0  # (K9)
+                            else source.get(topic, source))  # native: {topic: {p: offset}}
             for partition, offset in by_partition.items():
                 if partition.isdigit():
                     offsets[int(partition)] = min(offset, offsets.get(int(partition), offset))
