@@ -135,7 +135,11 @@ def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
     resumed = run_backfill(stream_config, kind="orders", client_id="client-00", path="late",
                            spark=spark, progress=lambda _: None)
 
-    assert resumed.corrections.resumed
+    # The totals the plan's rows cannot give back come from the commit that recorded them.
+    totals = resumed.corrections
+    assert (totals.resumed, totals.totals_recorded, totals.orders_attributed,
+            totals.orders_unattributed, totals.deferred_users) == (True, True, 0, 1, 1)
+    assert "orders attributed 0, unattributed 1" in totals.describe()
     assert {r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")} == {
         "o-open"}
     assert {r["order_id"]: r["session_id"]

@@ -169,6 +169,9 @@ class CorrectionSummary:
     attributions_changed: int = 0
     deferred_users: int = 0
     resumed: bool = False
+    # A resumed plan's orders attributed / unattributed and users deferred, read back from
+    # the commit that recorded it (``PLAN_TOTALS``); false for a plan recorded without them.
+    totals_recorded: bool = False
     # An earlier attempt of the run (a backfill's run id is its batch's) recorded, applied and
     # published the counted plan; this one found nothing left to change (``count_earlier_plan``).
     published_earlier: bool = False
@@ -189,13 +192,14 @@ class CorrectionSummary:
             return (changed + f"{self.attributions_changed} attribution changes [applied and "
                     "published by an earlier attempt of this run: nothing left to change]; "
                     f"{steps}")
-        if self.resumed:  # a stored plan holds the changes only, not the totals behind them
+        if self.resumed and not self.totals_recorded:  # a plan recorded before its totals were
             return (changed + f"{self.attributions_changed} attribution changes [resumed a "
                     "planned run: its orders attributed and users deferred were counted by the "
                     f"run that planned it]; {steps}")
+        resumed = " [resumed a planned run: totals as it recorded them]" if self.resumed else ""
         return (changed + f"orders attributed {self.orders_attributed}, unattributed "
                 f"{self.orders_unattributed} ({self.attributions_changed} attribution changes); "
-                f"{self.deferred_users} users deferred to the stream; {steps}")
+                f"{self.deferred_users} users deferred to the stream{resumed}; {steps}")
 
     def changed_tables(self) -> list[str]:
         """The tables the run changed (the DAGs announce them as Asset events): with its own
@@ -217,6 +221,7 @@ class CorrectionSummary:
         counts = {f.name: getattr(self, f.name) + getattr(later, f.name) for f in fields(self)
                   if f.type == "int"}
         return CorrectionSummary(**counts, resumed=self.resumed or later.resumed,
+                                 totals_recorded=self.totals_recorded or later.totals_recorded,
                                  published_earlier=self.published_earlier
                                  or later.published_earlier, seconds_by_step=steps)
 
@@ -837,7 +842,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         run.release_snapshots()
         return None
     with timer.step("record corrections"):
-        record_plan(run, changes, run_seq)
+        record_plan(run, changes, run_seq, summary)
     return changes  # what was recorded: no need to read the plan back (C3)
 
 
@@ -853,14 +858,22 @@ def plan_scope(run: Run, read_scope: ScopeReader, orders_only: bool,
         release(scope)
 
 
-def record_plan(run: Run, changes: DataFrame, run_seq: int) -> None:
-    """Store ``changes`` as the client's plan number ``run_seq`` (C3), unless another run
-    recorded one since ``run_seq`` was taken (C6): then nothing is recorded, and it raises."""
+# The plan's totals the changes alone cannot give back, kept in the commit that records it,
+# so that a run resuming the plan after a crash still reports them (``resume``).
+PLAN_TOTALS = ("orders_attributed", "orders_unattributed", "deferred_users")
+
+
+def record_plan(run: Run, changes: DataFrame, run_seq: int, summary: CorrectionSummary
+                ) -> None:
+    """Store ``changes`` as the client's plan number ``run_seq`` (C3), with the summary's
+    ``PLAN_TOTALS``, unless another run recorded one since ``run_seq`` was taken (C6): then
+    nothing is recorded, and it raises."""
     unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
+    totals = {name: getattr(summary, name) for name in PLAN_TOTALS}
     recorded = unchanged and run.tables.append_once(
         CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
         partition_by=CORRECTIONS.partition_by,
-        metadata={"run_id": run.run_id, "cause": run.cause})
+        metadata={"run_id": run.run_id, "cause": run.cause, **totals})
     if not recorded:  # (C6)
         release(changes)
         raise ClickstreamError(
@@ -881,6 +894,19 @@ def count_plan(changes: DataFrame, summary: CorrectionSummary) -> None:
     """Fill the summary's change counts from a stored plan (a resumed run)."""
     _count_changes({(r.entity, r.change): r["count"] for r in
                     changes.groupBy("entity", "change").count().collect()}, summary)
+
+
+def restore_plan_totals(run: Run, run_seq: int, summary: CorrectionSummary) -> None:
+    """Fill the summary's ``PLAN_TOTALS`` from the commit that recorded plan ``run_seq``;
+    left at zero for a plan recorded without them (by an older version) or whose commit
+    left the log."""
+    entry = run.tables.newest_commit(CORRECTIONS.name, lambda e: e.get("app_id") == run.app_id
+                                     and e.get("app_version") == run_seq)
+    if entry is None or any(entry.get(name) is None for name in PLAN_TOTALS):
+        return
+    for name in PLAN_TOTALS:
+        setattr(summary, name, int(entry[name]))
+    summary.totals_recorded = True
 
 
 def count_earlier_plan(run: Run, summary: CorrectionSummary) -> bool:
@@ -1117,10 +1143,11 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
     changes = unfinished_plan(run)
     if changes is None:
         return None
-    planned_by = changes.select("run_id").first()[0]
+    planned_by, run_seq = changes.select("run_id", "run_seq").first()
     if planned_by == run.run_id:
         summary.resumed = True
         count_plan(changes, summary)
+        restore_plan_totals(run, run_seq, summary)
         return changes
     run.progress(f"  {planned_by} recorded corrections and was interrupted before publishing "
                  "them: finishing them first ...")
