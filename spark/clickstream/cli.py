@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         "backfill-step", help="one step of a backfill (what the late_batch_backfill DAG runs)",
         description="Run one step of `clickstream backfill` on its own: check (writes "
         "nothing), merge, recompute (plan and apply), check-applied, publish, report. Each "
-        "step saves its result under $CLICKSTREAM_HOME/runs/backfill/<run id>/ for the next.")
+        "step saves its result under $CLICKSTREAM_HOME/runs/backfill/<run id>/ for the next "
+        "(a dry run's under <run id>.dry-run/).")
     step.add_argument("step", choices=("check", "merge", "recompute", "check-applied",
                                        "publish", "report"))
     step.add_argument("--kind", required=True, choices=("orders", "pageviews"))

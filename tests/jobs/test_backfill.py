@@ -598,9 +598,11 @@ def located(config: Config, spark: SparkSession, rows: list[dict], kind: str = "
     run_id = backfill_steps.locate_batch(config, kind=kind, client_id="client-00",
                                          path=path)["run_id"]
 
-    def step(step_name: str, progress: Callable[[str], None] = lambda _: None) -> dict:
+    def step(step_name: str, progress: Callable[[str], None] = lambda _: None,
+             dry_run: bool = False) -> dict:
         return backfill_steps.run_step(config, step_name, kind=kind, client_id="client-00",
-                                       path=path, run_id=run_id, spark=spark, progress=progress)
+                                       path=path, run_id=run_id, spark=spark, progress=progress,
+                                       dry_run=dry_run)
 
     return path, run_id, step
 
@@ -722,6 +724,24 @@ def test_a_step_runs_only_after_the_one_before_it_succeeded(
     with pytest.raises(ConfigError, match="step 'publish' comes after 'check-applied'"):
         step("publish")
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+
+
+def test_a_dry_run_of_a_batch_leaves_the_real_runs_step_results_alone(
+        stream_config: Config, spark: SparkSession) -> None:
+    """A dry run shares its batch's run id: its check removed the real run's later results
+    (S6), so the real run's retried publish was refused and its page lost merge and recompute."""
+    _, run_id, step = located(stream_config, spark, [pv_row("a1", "ua", 0)])
+    for name in backfill_steps.STEPS[:4]:  # the real run, stopped before publish
+        step(name)
+    for name in ("check", "report"):
+        step(name, dry_run=True)
+    step("publish")  # the real run's retry
+    step("report")
+    ((entry, page),) = run_summaries(stream_config, run_id)  # the real run's, not the dry's
+    assert entry.status == "info" and "1 merged" in page and "sessions created 1" in page
+    assert ">1 records to" in page
+    assert backfill_steps.load_step_result(stream_config, run_id, "merge")["rows_merged"] == 1
+    assert backfill_steps.load_step_result(stream_config, run_id, "merge", dry_run=True) is None
 
 
 def test_a_second_round_of_a_runs_steps_does_not_lean_on_the_first_rounds_results(

@@ -539,7 +539,7 @@ def write_failure_report(config: Config, *, failed_step: str, error: BaseExcepti
         The page's path.
     """
     ran = STEPS[:STEPS.index(failed_step)]  # before it, so this attempt's (a dry run: check)
-    earlier = {name: load_step_result(config, run_id, name)
+    earlier = {name: load_step_result(config, run_id, name, dry_run)
                for name in ran if not dry_run or name == "check"}
     check = earlier.get("check")
     lines: list[tuple[str, str]] = []
@@ -563,7 +563,7 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
                    ) -> tuple[list[tuple[str, str]], CorrectionSummary | None]:
     """(step, what it did) per step that ran, and the recompute's summary if it ran; with
     each step's time when it ran as a step of its own (``run_step``)."""
-    timed = load_step_result(config, str(check["run_id"]), SECONDS) or {}
+    timed = load_step_result(config, str(check["run_id"]), SECONDS, dry_run) or {}
 
     def took(step: str) -> str:
         return f" ({timed[step]:.1f}s)" if step in timed else ""
@@ -614,14 +614,19 @@ def locate_batch(config: Config, *, kind: BatchKind, client_id: str, path: str
             "file_count": len(files.files), "file_format": files.file_format}
 
 
-def step_result_path(config: Config, run_id: str, step: str) -> Path:
-    """Where a step run in its own process leaves its result for the steps after it."""
-    return config.home / "runs" / "backfill" / reports.safe_name(run_id) / f"{step}.json"
+def step_result_path(config: Config, run_id: str, step: str, dry_run: bool = False) -> Path:
+    """Where a step run in its own process leaves its result for the steps after it. A dry
+    run of a batch keeps its own (its run id is the batch's): it must not remove what a real
+    run of the batch saved (S6), which that run's retried steps and report read."""
+    folder = reports.safe_name(f"{run_id}.dry-run" if dry_run else run_id)
+    return config.home / "runs" / "backfill" / folder / f"{step}.json"
 
 
-def load_step_result(config: Config, run_id: str, step: str) -> dict[str, Any] | None:
-    """A step's saved result; None if the step has not run for this batch."""
-    path = step_result_path(config, run_id, step)
+def load_step_result(config: Config, run_id: str, step: str, dry_run: bool = False
+                     ) -> dict[str, Any] | None:
+    """A step's saved result; None if the step has not run for this batch (in this kind of
+    run: real, or dry)."""
+    path = step_result_path(config, run_id, step, dry_run)
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -654,9 +659,9 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
     """
     if step not in STEPS:
         raise ConfigError(f"unknown backfill step {step!r}; one of: {', '.join(STEPS)}")
-    if step != "check" and load_step_result(config, run_id, "check") is None:
+    if step != "check" and load_step_result(config, run_id, "check", dry_run) is None:
         raise ConfigError(f"backfill {run_id}: no result of step 'check' under "
-                          f"{step_result_path(config, run_id, 'check').parent}; run the "
+                          f"{step_result_path(config, run_id, 'check', dry_run).parent}; run the "
                           "steps in order, under the run id `check` ran with (a mistyped run "
                           "id is a run no step has seen)")
     needed = AFTER.get(step)
@@ -665,7 +670,7 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
                           "not succeeded for this run; run the steps in order "
                           f"({' -> '.join(STEPS)})")
     for later in STEPS[STEPS.index(step):]:  # this round's, from here on (S6)
-        step_result_path(config, run_id, later).unlink(missing_ok=True)
+        step_result_path(config, run_id, later, dry_run).unlink(missing_ok=True)
     started = time.monotonic()
     try:
         result = _run_step(config, step, kind=kind, client_id=client_id, path=path,
@@ -677,11 +682,12 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
         if page is not None:
             progress(f"report: {page}")
         raise
-    target = step_result_path(config, run_id, step)
+    target = step_result_path(config, run_id, step, dry_run)
     reports.write_atomically(target, json.dumps(result, indent=1, default=str))
-    seconds = {**(load_step_result(config, run_id, SECONDS) or {}),
+    seconds = {**(load_step_result(config, run_id, SECONDS, dry_run) or {}),
                step: round(time.monotonic() - started, 1)}
-    reports.write_atomically(step_result_path(config, run_id, SECONDS), json.dumps(seconds))
+    reports.write_atomically(step_result_path(config, run_id, SECONDS, dry_run),
+                             json.dumps(seconds))
     return result
 
 
@@ -711,7 +717,7 @@ def _run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, pat
         result = {"published": publish_corrections(config, client_id=client_id, run_id=run_id,
                                                    spark=spark, progress=progress)}
     else:
-        check = load_step_result(config, run_id, "check")
+        check = load_step_result(config, run_id, "check", dry_run)
         assert check is not None  # run_step refused the run otherwise
         earlier = {} if dry_run else {
             name: load_step_result(config, run_id, name)
