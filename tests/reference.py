@@ -12,7 +12,7 @@ from collections import defaultdict
 from decimal import Decimal
 from typing import Any
 
-from clickstream.events.contract import CURRENCIES, URL_MAX_BYTES
+from clickstream.events.contract import CURRENCIES, ID_MAX_BYTES, URL_MAX_BYTES
 
 
 def reference_session_id(client_id: str, user_id: str, start_ms: int) -> str:
@@ -58,6 +58,9 @@ def valid_events(records: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
         if (any(ord(c) < 32 or ord(c) == 127 for c in ids)
                 or str(event["client_id"]) != str(event["client_id"]).strip()):
             continue  # a client no command could name, or ids a session id could not separate
+        if any(len(str(event.get(f, "")).encode()) > ID_MAX_BYTES
+               for f in ("event_id", "user_id", "order_id")):
+            continue
         ms = ts_ms(event.get("ts"))
         if ms is None or not (946_684_800_000 <= ms < 4_102_444_800_000):
             continue

@@ -12,7 +12,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.events.contract import LOST_OFFSETS_HEADER, URL_MAX_BYTES
+from clickstream.events.contract import ID_MAX_BYTES, LOST_OFFSETS_HEADER, URL_MAX_BYTES
 from clickstream.events.parse import parse_kafka_records
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -107,6 +107,15 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
      "amount '123456789012345678901' is too large: at most 12 digits before the decimal point "
      "(amounts are kept exactly as 64-bit integers of 1/10000); correct the amount"),
     (json.dumps({**ORDER, "currency": "EURO"}), "currency 'EURO' is not an ISO 4217 code"),
+    # An attribution's key and value carry its order id: a 600 KB id fitted `events`, not the
+    # attributions topic, and the stream failed on it at every restart. Bytes, not characters.
+    *((json.dumps({**ORDER, field: "é" * (ID_MAX_BYTES // 2) + "x"}),
+       f"{field} is {ID_MAX_BYTES + 1} bytes long, more than the {ID_MAX_BYTES} an id may have "
+       "(ids are keys and values of the changelog topics, whose records must fit one Kafka "
+       "message); send a shorter id") for field in ("event_id", "order_id", "user_id")),
+    # A JSON number is judged by its own digits: 5 decimals are still too many.
+    (json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', "0.00005"),
+     "amount '0.00005' is not a decimal string with at most 4 decimals"),
 ])
 def test_a_bad_record_is_marked_with_the_first_rule_it_breaks(
     spark: SparkSession, value: str | None, reason: str
@@ -165,6 +174,29 @@ def test_the_largest_amount_and_leading_zeros_are_valid(
     spark: SparkSession, text: str, amount: Decimal
 ) -> None:
     (order,) = parse(spark, (KEY, json.dumps({**ORDER, "amount": text})))
+    assert (order["error"], order["amount"]) == (None, amount)
+
+
+def test_an_id_at_the_bound_is_valid(spark: SparkSession) -> None:
+    longest = "o" * ID_MAX_BYTES
+    (order,) = parse(spark, (None, json.dumps({**ORDER, "order_id": longest,
+                                               "user_id": longest, "event_id": longest})))
+    assert (order["error"], order["order_id"]) == (None, longest)
+
+
+@pytest.mark.parametrize(("number", "amount"), [
+    ("12345678.5", Decimal("12345678.5")),  # from_json's text of it was 1.23456785E7
+    ("0.0005", Decimal("0.0005")),  # 5.0E-4
+    ("999999999999.0003", Decimal("999999999999.0003")),  # beyond a double's digits
+    ("1.5e2", Decimal("150")),
+])
+def test_an_amount_sent_as_a_json_number_is_judged_by_its_own_digits(
+    spark: SparkSession, number: str, amount: Decimal
+) -> None:
+    """As a JSON Lines backfill judges it (batch_input B9): such valid orders were quarantined,
+    with a reason quoting a value never sent."""
+    value = json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', number)
+    (order,) = parse(spark, (KEY, value))
     assert (order["error"], order["amount"]) == (None, amount)
 
 

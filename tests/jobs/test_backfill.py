@@ -28,7 +28,7 @@ from clickstream.errors import (
     PlanNotAppliedError,
     QualityGateFailedError,
 )
-from clickstream.events.contract import URL_MAX_BYTES
+from clickstream.events.contract import ID_MAX_BYTES, URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
@@ -405,6 +405,8 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
         {**order_row("same", "u", 6)},
         {**order_row("same", "u", 6)},
         {**order_row("ctl", "u\x1f", 6)},  # U+001F joins ids into session ids
+        {**order_row("o" * (ID_MAX_BYTES + 1), "u", 6)},  # an attribution's key and value
+        {**order_row("long-user", "u" * (ID_MAX_BYTES + 1), 6)},
     ]
     for row in rows:
         row["ts"] = row["ts"].isoformat()
@@ -414,7 +416,9 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
                            path=write_rows(stream_config, "o", rows, "jsonl"))
     reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
                for r in table_rows(stream_config, spark, "quarantine")}
-    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts", "future", "ctl"}
+    long_id = "o" * (ID_MAX_BYTES + 1)
+    assert set(reasons) == {"neg", "big", "other", "cur", "dup", "badts", "future", "ctl",
+                            long_id, "long-user"}
     assert "negative" in reasons["neg"]
     assert "too large: at most 12 digits before the decimal point" in reasons["big"]
     assert "is not the batch's client 'client-00'" in reasons["other"]
@@ -423,9 +427,12 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     assert "neither ISO-8601" in reasons["badts"]
     assert "ahead of the time its file was last modified" in reasons["future"]
     assert reasons["ctl"].startswith("user_id has a control character")
+    for key, field in ((long_id, "order_id"), ("long-user", "user_id")):
+        assert reasons[key].startswith(f"{field} is {ID_MAX_BYTES + 1} bytes long, more than "
+                                       f"the {ID_MAX_BYTES} an id may have")
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
-    assert summary.quarantined == 9 and summary.rows_merged == 2
+    assert summary.quarantined == 11 and summary.rows_merged == 2
 
 
 def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(

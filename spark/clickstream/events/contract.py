@@ -76,6 +76,13 @@ AMOUNT_IN_RANGE = rf"^-?0*\d{{1,{AMOUNT_MAX_INTEGER_DIGITS}}}(\.\d*)?\z"
 # JSON escapes every byte (6 bytes for a control character): 2 * 6 * 65,536 = 786,432.
 # Browsers and servers rarely accept urls beyond 8-64 KiB.
 URL_MAX_BYTES = 64 * 1024
+# An event's, order's and user's id is at most this many bytes (UTF-8); a longer one is
+# quarantined, in the stream and in backfills alike. The ids are Kafka keys and values of the
+# changelogs (an attribution's key and value both carry its order id): a 600 KB order id fits
+# the ``events`` topic, but its attribution record did not fit one message, and the stream
+# failed on it at every restart. With two urls at their bound, a session value stays under
+# the limit with the ids at theirs, every byte escaped.
+ID_MAX_BYTES = 1024
 
 # ISO 4217 active codes.
 CURRENCIES = frozenset(

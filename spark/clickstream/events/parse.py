@@ -27,9 +27,20 @@ NOT_UTF8_PREFIX = "base64:"  # a quarantined value that is not UTF-8 is kept as 
 # Every field is read as text in one pass; a JSON number, boolean, object or array comes out
 # as its JSON text. (``try_variant_get`` per field cost ~3x more: Spark builds a Cast and
 # reads the SQL conf per row and field; ``try_parse_json`` stays as the validity check, since
-# it rejects what ``from_json`` tolerates, such as a repeated key.)
+# it rejects what ``from_json`` tolerates, such as a repeated key.) An order's ``amount`` is
+# the exception (``_amount_text``): ``from_json`` writes a number back through a double.
 _FIELDS_AS_TEXT = ", ".join(f"{name} string" for name in (
-    *contract.REQUIRED_EVENT_FIELDS, "url", "referrer", *contract.ORDER_FIELDS))
+    *contract.REQUIRED_EVENT_FIELDS, "url", "referrer",
+    *(name for name in contract.ORDER_FIELDS if name != "amount")))
+
+
+def _amount_text(value: Column) -> Column:
+    """An order's ``amount`` as the amount rule judges it: a string as sent, a JSON number by
+    its own digits (12345678.5, 0.0005). ``from_json`` wrote a number back through a double
+    (``1.23456785E7``, ``5.0E-4``), so such valid orders were quarantined, with a reason
+    quoting a value never sent, where a JSON Lines backfill (B9) accepted them. Read from the
+    parsed value for orders alone, so pageviews do not pay for it."""
+    return F.try_variant_get(value, "$.amount", "string")
 
 
 def _blank(column: Column) -> Column:
@@ -53,7 +64,16 @@ def user_id_error(user_id: Column) -> Column:
     return F.when(user_id.rlike(contract.CONTROL_CHARACTER), F.lit(
         "user_id has a control character (U+0000-U+001F or U+007F): a session id joins the "
         "client and user ids with U+001F, so two users could share one; send it as printable "
-        "text"))
+        "text")).otherwise(id_error(user_id, "user_id"))
+
+
+def id_error(text: Column, name: str) -> Column:
+    """Reason an id is longer than ``contract.ID_MAX_BYTES``, or null. Shared by the stream
+    and backfills; the id itself is not quoted (it may be most of a message)."""
+    return F.when(F.octet_length(text) > contract.ID_MAX_BYTES, F.format_string(
+        "%s is %d bytes long, more than the %d an id may have (ids are keys and values of the "
+        "changelog topics, whose records must fit one Kafka message); send a shorter id",
+        F.lit(name), F.octet_length(text), F.lit(contract.ID_MAX_BYTES)))
 
 
 def _iso_as_spark_reads_it(text: Column) -> Column:
@@ -287,6 +307,8 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
     v = F.col("v")
     events = base.select(F.coalesce("_raw_bytes", "raw").alias("raw"), "_raw_bytes", "_key",
                          "source", "_received", v, "_fields.*", "_lost")
+    is_order = F.col("event_type") == contract.ORDER
+    events = events.withColumn("amount", F.when(is_order, _amount_text(v)))
     events = events.withColumn("ts_value", ts_from_text(F.col("ts"))).withColumnRenamed(
         "ts", "ts_text"
     )
@@ -296,7 +318,6 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         check = F.when(_blank(F.col(name)), F.lit(f"missing field {name}"))
         missing = check if missing is None else F.coalesce(missing, check)
 
-    is_order = F.col("event_type") == contract.ORDER
     is_pageview = F.col("event_type") == contract.PAGEVIEW
     error = F.coalesce(
         F.col("_lost"),
@@ -309,6 +330,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         missing,
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),
+        id_error(F.col("event_id"), "event_id"),
         ts_error(F.col("ts_text"), F.col("ts_value")),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), _arrival(F.col("_received")),
                        max_ts_ahead_ms, reference_is=ARRIVAL),
@@ -324,6 +346,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         ),
         F.when(is_pageview, url_error(F.col("url"))),
         F.when(is_order & _blank(F.col("order_id")), F.lit("missing field order_id")),
+        F.when(is_order, id_error(F.col("order_id"), "order_id")),
         F.when(is_order, amount_error(F.col("amount"))),
         F.when(is_order, currency_error(F.col("currency"))),
     )

@@ -121,6 +121,7 @@ from clickstream.events.parse import (
     amount_value,
     bytes_unless_utf8,
     currency_error,
+    id_error,
     is_one_json_object,
     not_utf8_reason,
     to_milliseconds,
@@ -542,6 +543,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         "re-encode the batch as UTF-8 and load it again", F.col("not_utf8")))]  # (B11)
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(user_id_error(F.col("user_id")))  # the client's is --client's (B4)
+    checks.append(id_error(F.col(key), key))
     checks.append(ts_error(F.col("ts_text"), F.col("ts")))
     checks.append(ts_ahead_error(  # (B8)
         F.col("ts_text"), F.col("ts"), F.col("file_modified"), max_ts_ahead_ms,
