@@ -177,6 +177,30 @@ def test_a_key_stored_twice_before_does_not_stop_a_later_backfill_of_its_day(
     assert quarantined(stream_config, spark, "tables_after_merge") == []
 
 
+def test_an_order_stored_twice_before_is_updated_by_a_later_batch(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """The orders upsert replaces every stored copy of an order the batch updates: the gate
+    expected one row to stay, and failed that backfill at every rerun (its merge committed)."""
+    quiet = lambda _: None  # noqa: E731
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "a", [order_row("o1", "u", 0),
+                                                      order_row("o2", "u", 5)], "parquet"),
+                 progress=quiet)
+    location = str(stream_config.warehouse / "orders")
+    stored = DeltaTable(location).to_pyarrow_table()
+    write_deltalake(location, stored.filter(pa.compute.equal(stored["order_id"], "o1")),
+                    mode="append")  # a new checkpoint's replay stored it again
+
+    summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                           path=write_rows(stream_config, "b", [order_row(
+                               "o1", "u", 0, amount="12.50")], "parquet"), progress=quiet)
+    assert summary.rows_merged == 1
+    assert sorted((r["order_id"], str(r["amount"])) for r in table_rows(
+        stream_config, spark, "orders")) == [("o1", "12.5000"), ("o2", "10.0000")]
+    assert quarantined(stream_config, spark, "tables_after_merge") == []
+
+
 def test_a_retried_merge_gate_finds_its_commit_behind_a_busy_stream(
     stream_config: Config, spark: SparkSession
 ) -> None:
