@@ -27,7 +27,7 @@ from clickstream.jobs.corrections import (
 )
 from clickstream.quality.correction_report import correction_figures
 from clickstream.spark_session import release
-from clickstream.tables import ORDERS, SESSIONS
+from clickstream.tables import ATTRIBUTIONS, ORDERS, SESSIONS
 from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
 from tests.jobs.test_sessionize import table_rows
 from tests.test_spark_session import stored_rdds
@@ -99,6 +99,46 @@ def test_apply_reads_again_only_the_days_another_writer_changed_after_the_plan(
     read_again = [line for line in lines if "changed under the run" in line]
     assert len(read_again) == (1 if day_offset == 0 else 0)
     assert run.snapshots == {}  # released once applied
+
+
+@pytest.mark.parametrize("entity", ["session", "attribution"])
+def test_apply_keeps_what_another_writer_stored_in_a_table_missing_when_the_run_planned(
+    stream_config: Config, spark: SparkSession, entity: str
+) -> None:
+    """A first backfill beside a starting stream: the table did not exist at the plan, the
+    stream created it with a row in the run's days before apply, and apply replaced those
+    days from its empty snapshot, dropping the stream's row (on the topic, not in the table)."""
+    config = stream_config.replace(quality_gates="off")
+    kind, rows = (("pageviews", [pv_row("a", "u", 0), pv_row("b", "u", 3)]) if entity == "session"
+                  else ("orders", [order_row("o1", "u", 5)]))
+    path = write_rows(config, "batch", rows, "parquet")
+    batch = locate_batch(config, kind=kind, client_id="client-00", path=path)
+    merge_batch(config, kind=kind, client_id="client-00", path=path, run_id=batch["run_id"],
+                spark=spark, progress=quiet)
+    run = Run(spark, config, open_tables(config, spark), "client-00", "test-run", "test", quiet)
+    assert not run.tables.exists("sessions") and not run.tables.exists("attributions")
+    lo, hi = ms(START), ms(START + timedelta(minutes=5))
+    scope = spark.createDataFrame([("client-00", "u", lo, hi)],
+                                  "client_id string, user_id string, lo_ms long, hi_ms long")
+    summary = CorrectionSummary()
+    changes = plan(run, scope, entity == "attribution", summary, Timer(summary, quiet), None)
+    assert changes is not None
+    if entity == "session":
+        other_writer_stores_a_session(config, spark, 0)
+    else:
+        at = START + timedelta(hours=3)
+        other = {"order_id": "other", "client_id": "client-00", "user_id": "w",
+                 "order_ts": at, "session_id": None, "revision": 1, "order_date": at.date()}
+        open_tables(config, spark).append_once(
+            ATTRIBUTIONS.name, spark.createDataFrame([other], ATTRIBUTIONS.schema),
+            app_id="test-stream", version=1, partition_by=ATTRIBUTIONS.partition_by,
+            metadata={"run_id": "test-stream", "cause": "test"})
+    apply(run, changes)
+    changes.unpersist()
+
+    key = "user_id" if entity == "session" else "order_id"
+    stored = sorted(r[key] for r in table_rows(config, spark, f"{entity}s"))
+    assert stored == (["u", "w"] if entity == "session" else ["o1", "other"])
 
 
 def test_report_figures_from_the_snapshot_equal_those_by_time_travel(

@@ -133,6 +133,7 @@ from clickstream.errors import (
 )
 from clickstream.io.delta_tables import (
     LOG_RETENTION,
+    TABLE_MISSING,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -251,7 +252,7 @@ class DeltaRsTables(DeltaTables):
 
     def version(self, name: str) -> int:
         table = self._load(name)
-        return -1 if table is None else table.version()
+        return TABLE_MISSING if table is None else table.version()
 
     def app_version(self, name: str, app_id: str) -> int | None:
         table = self._load(name)
@@ -522,18 +523,23 @@ class DeltaRsTables(DeltaTables):
         except BaseException:
             self._discard(name, files)
             raise
-        read = table if read_version is None else self._load(name, read_version)
-        if read is None:
-            raise ClickstreamError(f"replace_partitions on table {name!r}: version "
-                                   f"{read_version} is not in the table's history")
-        in_range_before = {f.log_path for f in self._files_in(name, read, predicate)}
+        if read_version == TABLE_MISSING:  # computed from no rows: any row in range conflicts
+            in_range_before: set[str] = set()
+            since = TABLE_MISSING
+        else:
+            read = table if read_version is None else self._load(name, read_version)
+            if read is None:
+                raise ClickstreamError(f"replace_partitions on table {name!r}: version "
+                                       f"{read_version} is not in the table's history")
+            in_range_before = {f.log_path for f in self._files_in(name, read, predicate)}
+            since = read.version()
 
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
                 return _SKIPPED
             removed = self._files_in(name, current, predicate)
             if {f.log_path for f in removed} != in_range_before and self._data_changed_in(
-                    name, predicate, current, since=read.version()):  # edge case 16
+                    name, predicate, current, since=since):  # edge case 16
                 raise CommitConflictError(
                     f"replace_partitions on table {name!r}: a concurrent commit changed files in "
                     f"the range {predicate!r} (now version {current.version()}); nothing was "

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
 from clickstream.io.delta_tables import (
+    TABLE_MISSING,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -164,7 +165,7 @@ class DeltaSparkTables(DeltaTables):
 
     def version(self, name: str) -> int:
         if not self.exists(name):
-            return -1
+            return TABLE_MISSING
         return int(self._delta(name).history(1).collect()[0]["version"])
 
     def app_version(self, name: str, app_id: str) -> int | None:
@@ -322,8 +323,11 @@ class DeltaSparkTables(DeltaTables):
             predicate if isinstance(predicate, str)
             else filter_to_sql(predicate, _types(df.schema))
         )
-        if read_version is not None and self._range_files(name, where, read_version) != (
-                self._range_files(name, where, None)):
+        before = (set() if read_version == TABLE_MISSING
+                  else None if read_version is None else self._range_files(name, where,
+                                                                           read_version))
+        now = self._range_files(name, where, None) if self.exists(name) else set()
+        if before is not None and before != now:
             # Delta's own conflict check starts at the write's snapshot, not at the caller's;
             # a commit between this comparison and that snapshot is not seen (a short window).
             raise CommitConflictError(

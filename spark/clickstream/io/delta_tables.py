@@ -43,6 +43,7 @@ Entries are ANDed; a sequence value means IN.
 """
 
 RECENT_COMMITS = 200  # newest_commit reads these first, then the whole log
+TABLE_MISSING = -1  # version() of a table that does not exist; a replace's read_version too
 # The table properties both engines honour: how long commits are kept, and how long a
 # checkpoint keeps the record of a removed file (vacuum deletes an unrecorded file by its age).
 LOG_RETENTION = "delta.logRetentionDuration"
@@ -281,7 +282,9 @@ class DeltaTables(ABC):
             app_id: stable id of the writer.
             version: step number.
             metadata: commit metadata (``run_id``, ``cause``).
-            read_version: the table version ``df`` was computed from (a snapshot read earlier).
+            read_version: the table version ``df`` was computed from (a snapshot read earlier);
+                ``TABLE_MISSING`` when it was computed before the table existed, so that rows
+                another writer committed into the range since (creating the table) conflict.
 
         Returns:
             Whether this call committed (false when the step was already committed) and how

@@ -116,7 +116,7 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.events import contract
-from clickstream.io.delta_tables import DeltaTables
+from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables
 from clickstream.io.kafka_changelog import check_changelogs_answer, publish_pairs, spark_row_value
 from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.quality.correction_report import (
@@ -863,13 +863,13 @@ def plan_scope(run: Run, read_scope: ScopeReader, orders_only: bool,
 PLAN_TOTALS = ("orders_attributed", "orders_unattributed", "deferred_users")
 
 
-def record_plan(run: Run, changes: DataFrame, run_seq: int, summary: CorrectionSummary
-                ) -> None:
+def record_plan(run: Run, changes: DataFrame, run_seq: int,
+                summary: CorrectionSummary | None = None) -> None:
     """Store ``changes`` as the client's plan number ``run_seq`` (C3), with the summary's
-    ``PLAN_TOTALS``, unless another run recorded one since ``run_seq`` was taken (C6): then
-    nothing is recorded, and it raises."""
+    ``PLAN_TOTALS`` if given, unless another run recorded one since ``run_seq`` was taken
+    (C6): then nothing is recorded, and it raises."""
     unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
-    totals = {name: getattr(summary, name) for name in PLAN_TOTALS}
+    totals = {} if summary is None else {name: getattr(summary, name) for name in PLAN_TOTALS}
     recorded = unchanged and run.tables.append_once(
         CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
         partition_by=CORRECTIONS.partition_by,
@@ -1010,10 +1010,12 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
     for attempt in range(1, APPLY_ATTEMPTS + 1):
         snapshot = run.snapshots.get(spec.name)
         held = snapshot is not None and snapshot.covers(dates)  # (C5)
-        version = snapshot.version if held else run.tables.version(spec.name)
-        read_version = version if version >= 0 else None  # -1: the table did not exist yet
+        # -1 (TABLE_MISSING): the rows were read before the table existed; a writer that
+        # created it since (the stream's first session) is a conflict, not the range's rows.
+        read_version = snapshot.version if held else run.tables.version(spec.name)
         current = (snapshot.rows.where(F.col(date_column).isin(dates)) if held
-                   else _read_days(run, spec, date_column, dates, read_version))
+                   else _read_days(run, spec, date_column, dates,
+                                   None if read_version == TABLE_MISSING else read_version))
         replacement = current.join(keys, spec.key[0], "left_anti").unionByName(
             fresh.select(*spec.schema.fieldNames()))
         try:

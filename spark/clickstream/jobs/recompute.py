@@ -91,7 +91,7 @@ from clickstream.errors import (
     PlanNotAppliedError,
     one_error_for,
 )
-from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
     BUCKETS,
@@ -418,7 +418,7 @@ class _Rewrite:
     kept: DataFrame  # the stored rows left to the stream (R2, R9)
     fresh: DataFrame  # the client's rows as rewritten, with their revisions
     retracted: DataFrame  # keys of ``stored`` that ``fresh`` no longer has
-    read_version: int | None
+    read_version: int
 
 
 def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
@@ -427,12 +427,12 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     watermark = stream_watermark_ms(config)
     users = ["client_id", "user_id"]
     # What it rewrites is read before what it rewrites it from (R6).
-    stored_of: dict[str, tuple[DataFrame, int | None]] = {}
+    stored_of: dict[str, tuple[DataFrame, int]] = {}
     for spec in (SESSIONS, ATTRIBUTIONS):
-        version = tables.version(spec.name)
-        version = version if version >= 0 else None
-        stored_of[spec.name] = (tables.read(spec.name, partition_filter=mine, schema=spec.schema,
-                                            version=version), version)
+        version = tables.version(spec.name)  # TABLE_MISSING (-1): a table created since conflicts
+        stored_of[spec.name] = (tables.read(
+            spec.name, partition_filter=mine, schema=spec.schema,
+            version=None if version == TABLE_MISSING else version), version)
     pageviews = tables.read(PAGEVIEWS.name, partition_filter=mine, schema=PAGEVIEWS.schema)
     orders = tables.read(ORDERS.name, partition_filter=mine, schema=ORDERS.schema)
     active = (_users_the_stream_holds(pageviews, orders, watermark - config.session_gap_ms)
