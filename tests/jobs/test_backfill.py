@@ -800,6 +800,11 @@ def test_names_spark_would_glob_and_linked_folders_are_refused(
     (stream_config.landing / "w" / "linked").symlink_to(outside)
     with pytest.raises(BatchRefusedError, match=r"holds a linked folder .*linked"):
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="w")
+    (stream_config.landing / "d").mkdir()  # a link whose file was never copied
+    (stream_config.landing / "d" / "part-2.csv").symlink_to("removed.csv")
+    with pytest.raises(BatchRefusedError, match=r"part-2.csv is a link to a missing file"):
+        backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
+                                    path="d")
     assert versions(stream_config, spark) == before
 
 
@@ -809,6 +814,20 @@ def validated(config: Config, spark: SparkSession, path: str, kind: str = "order
     rows = batch_input.validate_batch(batch_input.read_batch(spark, files, kind), kind,
                                       "client-00", config.max_ts_ahead_ms).collect()
     return {r[batch_input.KEY[kind]]: r for r in rows}
+
+
+@pytest.mark.parametrize("file_format", ["csv", "parquet", "jsonl"])
+def test_an_extra_column_named_with_a_dot_is_kept_in_raw(
+    config: Config, spark: SparkSession, file_format: str
+) -> None:
+    """Flattened exports name columns ``utm.source``: Spark read the dot as a struct's field
+    and the batch failed with an unexpected error, retried in vain."""
+    path = write_rows(config, f"dots.{file_format}", [
+        {**order_row("o1", "u", 1), "utm.source": "news"},
+        {**order_row("o2", "u", 2, amount="-1.00"), "utm.source": "ads"}], file_format)
+    rows = validated(config, spark, path)
+    assert (rows["o1"]["error"], json.loads(rows["o1"]["raw"])["utm.source"]) == (None, "news")
+    assert "negative" in rows["o2"]["error"]
 
 
 def test_batches_spark_would_misread_are_refused_with_their_reason(

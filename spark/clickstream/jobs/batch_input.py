@@ -240,6 +240,10 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
         reason = unreadable_path_reason(str(candidate))
         if reason:
             raise BatchRefusedError(f"batch file {candidate} {reason}; rename it")
+        if not candidate.exists():  # its fingerprint failed as an unexpected error, retried
+            raise BatchRefusedError(
+                f"batch file {candidate} is a link to a missing file ({os.readlink(candidate)})"
+                "; copy the file it should link to into the batch, or remove the link")
     unknown = [p.name for p in candidates if p.suffix.lower() not in FORMATS]
     if unknown:
         raise BatchRefusedError(
@@ -428,7 +432,14 @@ def _check_parquet_types(batch: BatchFiles) -> None:
 def _file_bytes(column: str) -> Column:
     """(B13) A CSV field read as ISO-8859-1, as its file's bytes again: a text Spark keeps
     byte for byte, so UTF-8 is its text and anything else is seen (``is_valid_utf8``)."""
-    return F.encode(F.col(column), CSV_READ_AS).cast(StringType())
+    return F.encode(_column(column), CSV_READ_AS).cast(StringType())
+
+
+def _column(name: str) -> Column:
+    """A batch's own column by its name as written: ``F.col`` reads a dot as a struct's field,
+    and an extra column such as ``utm.source`` (flattened analytics exports) failed the batch
+    with an unexpected error."""
+    return F.col("`" + name.replace("`", "``") + "`")
 
 
 def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
@@ -527,7 +538,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     if "ts" in strings:
         ts_text = F.make_valid_utf8(ts_text)
     fields = [c for c in frame.columns if c not in READER_COLUMNS]
-    raw = F.to_json(F.struct(*[F.col(c) for c in fields]))
+    raw = F.to_json(F.struct(*[_column(c) for c in fields]))
     unreadable = F.lit(None).cast(StringType())
     if ROW_TEXT in frame.columns:  # (B6, B10) the record as its file holds it
         raw = F.coalesce(F.col(ROW_TEXT), raw)
