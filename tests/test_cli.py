@@ -15,7 +15,7 @@ import pytest
 from clickstream import cli
 from clickstream.cli import main
 from clickstream.config import Config
-from clickstream.errors import EXIT_NOT_RETRYABLE, ConfigError
+from clickstream.errors import EXIT_NOT_RETRYABLE, ClickstreamError, ConfigError
 
 CLI = [sys.executable, "-m", "clickstream.cli"]
 
@@ -281,6 +281,12 @@ def test_settings_that_would_mean_something_else_are_refused_naming_where_they_c
      "bytes of UTF-8"),
     (["inspect", "--sample", "-1"], "argument --sample: '-1' must be at least 0"),
     (["inspect", "--topic", ""], "argument --topic: '' is not a topic name"),
+    # A variable left unset: the events went to Kafka, the batch was taken as it is now.
+    (["generate", "events", "--out", ""], "argument --out: '' is empty; give a value or leave "
+     "the flag out"),
+    (["backfill-step", "check", "--kind", "orders", "--client", "c1", "--path", "b",
+      "--run-id", " "], "argument --run-id: ' ' is empty"),
+    (["recompute", "--save-result-as", ""], "argument --save-result-as: '' is empty"),
 ])
 def test_flag_values_that_mean_nothing_are_refused_before_anything_runs(
         argv: list[str], complaint: str, capsys: pytest.CaptureFixture) -> None:
@@ -299,6 +305,22 @@ def test_an_out_file_that_cannot_be_written_is_named_in_one_line(tmp_path, capsy
     assert code == EXIT_NOT_RETRYABLE
     assert capsys.readouterr().err.strip().startswith(
         f"clickstream generate: error: --out '{out}' cannot be written: ")
+
+
+def test_an_error_carrying_an_engines_text_is_one_line_its_text_kept(
+        tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark's text of a failure is many lines (a worker's traceback, a JVM stack): the
+    first line alone is printed, the whole text kept in the traceback file."""
+    def fails(args, config) -> int:
+        raise ClickstreamError("recompute failed for 1 of 2 clients (c1: boom)\n  at a.b(C)")
+
+    monkeypatch.setattr(cli, "_cmd_recompute", fails)
+    code = main(["recompute", "--home", str(tmp_path / "home")])
+    assert code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("clickstream recompute: error: recompute failed for 1 of 2 clients "
+                           "(c1: boom); traceback in ")
+    assert "at a.b(C)" in Path(line.rsplit("traceback in ", 1)[1]).read_text()
 
 
 def test_a_dry_run_of_a_step_that_writes_is_refused(tmp_path, capsys) -> None:

@@ -206,6 +206,15 @@ def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _given(text: str) -> str:
+    """A value whose absence means something else: ``--out ""`` (a variable left unset) sent
+    the events to Kafka, ``--run-id ""`` dropped the pin on the batch's files."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a value or leave the flag "
+                                         "out")
+    return text
+
+
 def _topic_name(text: str) -> str:
     if not text.strip() or text != text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not a topic name (empty, or spaces "
@@ -319,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--client", required=True, type=_client_id,
                       help="the client the batch belongs to")
     step.add_argument("--path", required=True, help="as for `clickstream backfill`")
-    step.add_argument("--run-id", default=None,
+    step.add_argument("--run-id", type=_given, default=None,
                       help="the run id the batch was located as; the step refuses files that "
                       "changed since (default: the batch as it is now)")
     step.add_argument("--dry-run", type=_true_or_false, default=False, metavar="true|false",
@@ -338,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     recompute.add_argument("--full", action="store_true",
                            help="delete-and-rewrite all sessions of --client from all its data "
                            "(slow; a repair tool and the benchmark baseline)")
-    recompute.add_argument("--save-result-as", default=None, metavar="NAME",
+    recompute.add_argument("--save-result-as", type=_given, default=None, metavar="NAME",
                            help="also save the tables the run changed to "
                            "$CLICKSTREAM_HOME/runs/recompute/NAME.json (the scheduled_recompute "
                            "DAG announces them as Asset events)")
@@ -377,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--duplicate-fraction", type=_FRACTION, default=0.02)
     events.add_argument("--bad-fraction", type=_FRACTION, default=0.01)
     events.add_argument("--rate", type=_SPAN, default=None, help="records per second to Kafka")
-    events.add_argument("--out", default=None, help="write JSON Lines here instead of Kafka")
+    events.add_argument("--out", type=_given, default=None,
+                        help="write JSON Lines here instead of Kafka")
     _add_config_flags(events)
     events.set_defaults(handler=_cmd_generate_events)
 
@@ -433,9 +443,12 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
         config = Config.from_env(**overrides)
         return args.handler(args, config)
     except ClickstreamError as error:
+        # One line, always: a message carrying an engine's text (several lines) is cut to
+        # its first, and kept whole in the traceback file.
+        first, *rest = str(error).strip().splitlines() or [""]
         kept = (f"; {_keep_traceback(config, args.command)}"
-                if isinstance(error, QueryFailedError) else "")
-        print(f"clickstream {args.command}: error: {error}{kept}", file=sys.stderr)
+                if isinstance(error, QueryFailedError) or rest else "")
+        print(f"clickstream {args.command}: error: {first}{kept}", file=sys.stderr)
         return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
     except KeyboardInterrupt:
         print(f"clickstream {args.command}: interrupted", file=sys.stderr)

@@ -72,6 +72,22 @@ dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""
 
 
+_PYTHON_TRACE = "Traceback (most recent call last):"
+
+
+def error_line(text: str) -> str:
+    """One line of an error's text that says what went wrong: the last Python exception a
+    Spark error carries (``ZeroDivisionError: ...``, the first unindented line after its last
+    traceback; Spark's first line ends at the traceback), else its first line."""
+    _, found, trace = text.rpartition(_PYTHON_TRACE)
+    if found:
+        lines = [line for line in trace.splitlines() if line.strip()]
+        python = next((line.strip() for line in lines if not line[0].isspace()), None)
+        if python:
+            return python
+    return (text.strip().splitlines() or [""])[0]
+
+
 def one_error_for(failures: list[BaseException], message: str) -> ClickstreamError:
     """One error standing for several independent failures (each table's, each client's).
 

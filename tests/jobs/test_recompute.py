@@ -154,14 +154,18 @@ def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients
     correct = recompute._correct
 
     def c1_fails(run, *args):
-        if run.client_id == "c1":
-            raise ArithmeticError("Decimal overflow in a c1 executor")
+        if run.client_id == "c1":  # as Spark words a Python worker's failure: many lines
+            raise ArithmeticError(
+                "An exception was thrown from the Python worker. Please see the stack trace "
+                "below.\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+                "ArithmeticError: Decimal overflow in a c1 executor\n")
         return correct(run, *args)
 
     monkeypatch.setattr(recompute, "_correct", c1_fails)
-    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: Decimal "
-                       r"overflow in a c1 executor\)"):
+    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients.*\(c1: "
+                       r"ArithmeticError: Decimal overflow in a c1 executor\); the others") as e:
         run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
+    assert "\n" not in str(e.value)  # one line for the command's one-line reason
     assert users_with_sessions(stream_config, spark) == {("c2", "v1")}
     assert [r["client_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["c1"]
     # What c2 changed is saved for the DAG to announce, though the task fails (and its retry

@@ -89,6 +89,7 @@ from clickstream.errors import (
     ClickstreamError,
     CommitConflictError,
     PlanNotAppliedError,
+    error_line,
     one_error_for,
 )
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
@@ -231,8 +232,8 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
         raise one_error_for(
             list(failed.values()),
             f"recompute failed for {len(failed)} of {len(clients)} clients, whose rows stay "
-            f"queued ({'; '.join(f'{c}: {e}' for c, e in failed.items())}); the others were "
-            "folded in")
+            f"queued ({'; '.join(f'{c}: {error_line(str(e))}' for c, e in failed.items())}); "
+            "the others were folded in")
     return summary
 
 

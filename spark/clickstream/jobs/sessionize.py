@@ -769,19 +769,6 @@ def _outputs_present(records: DataFrame, emitted: DataFrame, is_late: Column) ->
 
 
 _ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
-_PYTHON_TRACE = "Traceback (most recent call last):"
-
-
-def _python_error_line(text: str) -> str | None:
-    """The last Python exception a Spark error carries (``PermissionError: ...``): the first
-    unindented line after its last traceback. Spark's first line ends at the traceback."""
-    _, found, trace = text.rpartition(_PYTHON_TRACE)
-    if not found:
-        return None
-    lines = [line for line in trace.splitlines() if line.strip()]
-    return next((line.strip() for line in lines if not line[0].isspace()), None)
-
-
 def _reraise_product_error(error: Exception) -> None:
     """Surface our own error (raised in the source or a task) instead of Spark's wrapper, or
     the Python error under Spark's wrapper."""
@@ -790,7 +777,7 @@ def _reraise_product_error(error: Exception) -> None:
     if match:
         kind = getattr(errors, match.group(1), errors.ClickstreamError)
         raise kind(match.group(2).strip()) from None
-    cause = _python_error_line(text) or text.splitlines()[0]
+    cause = errors.error_line(text)
     raise errors.QueryFailedError(
         f"the sessionizer query failed: {cause}; it resumes from its checkpoint when restarted"
     ) from error
