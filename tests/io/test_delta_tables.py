@@ -35,6 +35,7 @@ from clickstream.events.contract import CLIENT_ID_MAX_BYTES
 from clickstream.io.delta_rs_engine import DeltaRsTables, _ActiveFile, _removes
 from clickstream.io.delta_spark_engine import delta_jars_loadable
 from clickstream.io.delta_tables import (
+    TABLE_MISSING,
     AppendResult,
     DeleteResult,
     DeltaTables,
@@ -483,6 +484,42 @@ def test_replace_computed_from_an_older_version_is_refused_only_if_its_range_cha
                                      app_id="recompute", version=1, metadata=META,
                                      read_version=read_at)
     assert ids(tables.read("orders")) == ["late", "o1", "o2b"]
+
+
+def test_replace_computed_before_the_table_existed_is_refused_once_a_row_is_in_range(
+        tables, spark):
+    """``TABLE_MISSING``: rows computed from no table; another writer created it with a row in
+    the range since (the stream's first session beside a first backfill)."""
+    tables.append_once("orders", orders(spark, ("late", "c1", D1, "1")), app_id="stream",
+                       version=1, partition_by=PARTS, metadata=META)
+    with pytest.raises(CommitConflictError, match="Recompute the range"):
+        tables.replace_partitions("orders", orders(spark, ("o1", "c1", D1, "2")),
+                                  predicate={"client_id": "c1", "event_date": [D1]},
+                                  app_id="recompute", version=1, metadata=META,
+                                  read_version=TABLE_MISSING)
+    assert tables.replace_partitions("orders", orders(spark, ("o2", "c1", D2, "2")),
+                                     predicate={"client_id": "c1", "event_date": [D2]},
+                                     app_id="recompute", version=1, metadata=META,
+                                     partition_by=PARTS, read_version=TABLE_MISSING)
+    assert ids(tables.read("orders")) == ["late", "o2"]
+
+
+def test_a_product_table_is_created_with_the_contracts_not_null_columns(tables, spark):
+    """A frame's nullability is how it was computed (parsed JSON: nullable everywhere): tables
+    were created nullable throughout, so a null id was committed and outside tools saw another
+    schema than the contract's."""
+    nullable = StructType([StructField(f.name, f.dataType, True) for f in PAGEVIEWS.schema])
+    row = ("e1", "c1", "u1", dt.datetime(2024, 3, 1, tzinfo=dt.UTC), "/a", None, "test", D1)
+    tables.append_once("pageviews", spark.createDataFrame([row], nullable), app_id="stream",
+                       version=1, partition_by=PAGEVIEWS.partition_by, metadata=META)
+    created = {f.name: f.nullable for f in DeltaTable(tables.table_path("pageviews")).schema(
+        ).fields}
+    assert created == {f.name: f.nullable for f in PAGEVIEWS.schema}
+    with pytest.raises(ClickstreamError, match="null in non-nullable column 'event_id'"):
+        tables.append_once("pageviews", spark.createDataFrame([(None, *row[1:])], nullable),
+                           app_id="stream", version=2, partition_by=PAGEVIEWS.partition_by,
+                           metadata=META)
+    assert tables.read("pageviews").count() == 1
 
 
 def test_a_compaction_since_the_read_does_not_refuse_a_replace(tables, spark):

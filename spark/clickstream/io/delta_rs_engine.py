@@ -142,6 +142,7 @@ from clickstream.io.delta_tables import (
     ReplacePredicate,
     UpsertResult,
     check_partition_predicate,
+    created_schema,
     filter_alternatives,
     filter_matches,
     partition_string,
@@ -794,7 +795,7 @@ class DeltaRsTables(DeltaTables):
                 )
             _check_partition_types(schema, partition_by, name)
             try:
-                delta_schema = DeltaSchema.from_json(schema.json())
+                delta_schema = DeltaSchema.from_json(created_schema(name, schema).json())
             except Exception as exc:  # unsupported Spark type (void, interval, ...)
                 raise ClickstreamError(
                     f"cannot create table {name!r}: schema not representable in Delta: {exc}"

@@ -51,6 +51,24 @@ FILE_RETENTION = "delta.deletedFileRetentionDuration"
 DEFAULT_LOG_RETENTION_HOURS = 720  # Delta's default: 30 days
 
 
+def created_schema(name: str, schema: StructType) -> StructType:
+    """The schema a missing table is created with: the written frame's, with the columns the
+    product's contract (``clickstream.tables``) declares NOT NULL made so. A frame's nullability
+    is an accident of how it was computed (parsed JSON is nullable everywhere), and tables were
+    created nullable throughout: outside tools saw another schema than the contract's, and
+    non-null columns were never enforced (``delta_rs_engine`` edge case 8)."""
+    from pyspark.sql.types import StructField, StructType
+
+    from clickstream.tables import ALL_TABLES
+
+    spec = ALL_TABLES.get(name)
+    if spec is None:
+        return schema
+    required = {f.name for f in spec.schema.fields if not f.nullable}
+    return StructType([StructField(f.name, f.dataType, f.nullable and f.name not in required,
+                                   f.metadata) for f in schema.fields])
+
+
 def retention_value(hours: int) -> str:
     """A retention property's value, as Delta writes intervals."""
     return f"interval {int(hours)} hours"
