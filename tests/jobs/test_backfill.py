@@ -294,6 +294,23 @@ def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
     assert len(table_rows(stream_config, spark, "quarantine")) == 1
 
 
+def test_the_dags_recompute_step_applies_nothing_while_its_topics_do_not_answer(
+        stream_config: Config, spark: SparkSession) -> None:
+    """The DAG's steps: recompute applied its plan with Kafka out of reach, the tables ahead
+    of the topics until publish ran; the retried step applies the recorded plan."""
+    path, run_id, step = located(stream_config, spark, [pv_row("a", "u", 0)])
+    for name in ("check", "merge"):
+        step(name)
+    missing = stream_config.replace(sessions_topic=f"{stream_config.sessions_topic}-x")
+    with pytest.raises(ClickstreamError, match=r"does not exist on .* CLICKSTREAM_SESSIONS"):
+        backfill_steps.run_step(missing, "recompute", kind="pageviews", client_id="client-00",
+                                path=path, run_id=run_id, spark=spark, progress=lambda _: None)
+    assert versions(stream_config, spark)["sessions"] == -1
+    for name in backfill_steps.STEPS[2:]:
+        step(name)
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
 def test_a_later_batch_with_the_same_order_id_updates_that_order(
     stream_config: Config, spark: SparkSession
 ) -> None:

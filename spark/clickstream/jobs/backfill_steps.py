@@ -59,6 +59,7 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError, ConfigError
 from clickstream.io.delta_tables import DeltaTables, open_tables
+from clickstream.io.kafka_changelog import check_changelogs_answer
 from clickstream.jobs.backfill import (
     BatchScope,
     backfill_run_id,
@@ -392,6 +393,9 @@ def recompute_affected(config: Config, *, kind: BatchKind, client_id: str, path:
                 if changes is None:
                     count_earlier_plan(run, summary)
             if changes is not None:
+                # As every correction: with Kafka out of reach the tables stay as the topics
+                # show them, and the retried step applies the recorded plan (S3).
+                check_changelogs_answer(config)
                 with timer.step("apply to tables"):
                     apply(run, changes)
                 release(changes)
