@@ -252,6 +252,9 @@ def test_settings_that_would_mean_something_else_are_refused_naming_where_they_c
         Config.from_env({}, warehouse="")  # "$UNSET_VARIABLE": not the current folder
     with pytest.raises(ConfigError, match=r"^--session-gap='0.0001ms' must be at least 1ms"):
         Config.from_env({}, session_gap_minutes="0.0001ms")  # 0 ms: every pageview alone
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_SESSION_GAP='9{400}' must be at most "
+                                          r"100 years$"):  # a float's infinity, unnamed
+        Config.from_env({"CLICKSTREAM_SESSION_GAP": "9" * 400})
     with pytest.raises(ConfigError, match=r"spark master 'local\[0\]'"):
         Config.from_env({"CLICKSTREAM_SPARK_MASTER": "local[0]"})  # Spark: "0 threads"
     # A value that may have come from the variable or the flag names both.

@@ -82,6 +82,9 @@ def cli_flag(name: str) -> str:
     return "--" + name.removesuffix("_minutes").replace("_", "-")
 
 
+MAX_DURATION_MINUTES = 100 * 365.25 * 24 * 60  # event times lie in 2000..2100 (contract)
+
+
 def parse_minutes(text: str, name: str, bare_unit: str = "m") -> float:
     """Parse ``"30"`` (``bare_unit``, minutes by default), ``"45s"``, ``"1.5h"``, ``"500ms"``."""
     match = _DURATION.match(str(text))
@@ -92,6 +95,8 @@ def parse_minutes(text: str, name: str, bare_unit: str = "m") -> float:
             "500ms, 45s, 30m, 2h"
         )
     minutes = float(match.group(1)) * _UNIT_MINUTES[match.group(2) or bare_unit]
+    if minutes > MAX_DURATION_MINUTES:  # beyond every event time; 400 nines were infinite
+        raise ConfigError(f"{name}={text!r} must be at most 100 years")
     if round(minutes * 60_000) < 1:  # durations are kept in whole milliseconds
         raise ConfigError(f"{name}={text!r} must be at least 1ms")
     return minutes
