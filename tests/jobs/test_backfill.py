@@ -817,6 +817,11 @@ def test_names_spark_would_glob_and_linked_folders_are_refused(
     (stream_config.landing / "w" / "linked").symlink_to(outside)
     with pytest.raises(BatchRefusedError, match=r"holds a linked folder .*linked"):
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="w")
+    (stream_config.landing / "delta" / "_delta_log").mkdir(parents=True)  # removed files too
+    write_rows(stream_config, "delta/a.parquet", [order_row("o1", "u", 1)], "parquet")
+    with pytest.raises(BatchRefusedError, match=r"delta is a Delta table"):
+        backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
+                                    path="delta")
     (stream_config.landing / "d").mkdir()  # a link whose file was never copied
     (stream_config.landing / "d" / "part-2.csv").symlink_to("removed.csv")
     with pytest.raises(BatchRefusedError, match=r"part-2.csv is a link to a missing file"):

@@ -235,6 +235,11 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
         raise BatchRefusedError(
             f"batch file {root} has a name starting with '.' or '_', which Spark skips as "
             "hidden (it would read no rows); rename it")
+    if (root / "_delta_log").is_dir():  # its files are every version's, removed ones too
+        raise BatchRefusedError(
+            f"batch folder {root} is a Delta table: its Parquet files hold every version's "
+            "rows, removed ones too, which a batch would read as they are; export the table's "
+            "current rows as Parquet (or CSV, JSON Lines) and load that folder")
     candidates = [root] if root.is_file() else _files_under(root)
     for candidate in candidates:
         reason = unreadable_path_reason(str(candidate))
