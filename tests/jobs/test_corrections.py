@@ -101,6 +101,17 @@ def test_apply_reads_again_only_the_days_another_writer_changed_after_the_plan(
     assert run.snapshots == {}  # released once applied
 
 
+def test_a_resumed_recompute_counts_the_users_it_leaves_to_the_stream_once() -> None:
+    """The resumed plan's users deferred (read back from its commit) are still queued, and the
+    pass planning after it finds them again: summed, they were counted twice."""
+    resumed = CorrectionSummary(sessions_created=2, orders_attributed=3, deferred_users=4,
+                                resumed=True, totals_recorded=True)
+    later = CorrectionSummary(sessions_updated=1, orders_attributed=1, deferred_users=4)
+    both = resumed.and_then(later)
+    assert (both.sessions_created, both.sessions_updated, both.orders_attributed,
+            both.deferred_users, both.resumed) == (2, 1, 4, 4, True)
+
+
 @pytest.mark.parametrize("entity", ["session", "attribution"])
 def test_apply_keeps_what_another_writer_stored_in_a_table_missing_when_the_run_planned(
     stream_config: Config, spark: SparkSession, entity: str

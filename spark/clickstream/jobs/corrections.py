@@ -220,6 +220,9 @@ class CorrectionSummary:
             steps[step] = steps.get(step, 0) + seconds
         counts = {f.name: getattr(self, f.name) + getattr(later, f.name) for f in fields(self)
                   if f.type == "int"}
+        # The later pass decides who stays with the stream: the resumed plan's users deferred
+        # (PLAN_TOTALS) are still queued, and that pass finds them again.
+        counts["deferred_users"] = later.deferred_users
         return CorrectionSummary(**counts, resumed=self.resumed or later.resumed,
                                  totals_recorded=self.totals_recorded or later.totals_recorded,
                                  published_earlier=self.published_earlier
