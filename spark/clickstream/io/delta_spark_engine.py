@@ -323,11 +323,10 @@ class DeltaSparkTables(DeltaTables):
             predicate if isinstance(predicate, str)
             else filter_to_sql(predicate, _types(df.schema))
         )
-        before = (set() if read_version == TABLE_MISSING
-                  else None if read_version is None else self._range_files(name, where,
-                                                                           read_version))
-        now = self._range_files(name, where, None) if self.exists(name) else set()
-        if before is not None and before != now:
+        if read_version is not None and (
+                set() if read_version == TABLE_MISSING
+                else self._range_files(name, where, read_version)) != (
+                self._range_files(name, where, None) if self.exists(name) else set()):
             # Delta's own conflict check starts at the write's snapshot, not at the caller's;
             # a commit between this comparison and that snapshot is not seen (a short window).
             raise CommitConflictError(
