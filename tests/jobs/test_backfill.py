@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import re
 import shutil
 import threading
 import uuid
+import zipfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -877,6 +879,13 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
     (landing / "elsewhere.csv").write_text(header + row)
     (landing / "l").mkdir()
     (landing / "l" / "a.csv").symlink_to(landing / "elsewhere.csv")
+    (landing / "gz").mkdir()
+    (landing / "gz" / "a.csv").write_bytes(gzip.compress((header + row).encode()))
+    (landing / "zip").mkdir()
+    with zipfile.ZipFile(landing / "zip" / "a.jsonl", "w") as archive:
+        archive.writestr("a.jsonl", json.dumps({"order_id": "z1"}) + "\n")
+    (landing / "pq").mkdir()
+    pq.write_table(pa.table({k: [v] for k, v in pq_rows[0].items()}), landing / "pq" / "a.csv")
 
     refusals = {
         "b/_orders.csv": "name starting with '.' or '_', which Spark skips as hidden",
@@ -885,6 +894,9 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
         "t": r"column amount is string in a\.parquet/part-0+\.parquet and double in b\.parquet/",
         "ns": "column ts holds timestamps in nanoseconds",
         "l": r"links outside the batch folder \(to .*elsewhere\.csv\)",
+        "gz": r"a\.csv is gzip-compressed, not CSV text; unpack it",
+        "zip": r"a\.jsonl is a zip archive, not JSON text",
+        "pq": r"a\.csv is a Parquet file, not CSV text",
         "bad\x00name": "cannot name a file here",
         ".": "is the landing folder itself",
         "a" * 300: "cannot name a file here",
@@ -894,6 +906,9 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
             validated(config, spark, path)
     with pytest.raises(BatchRefusedError, match="longer than 64 bytes of UTF-8"):
         backfill_steps.locate_batch(config, kind="orders", client_id="\u5546" * 22, path="t")
+    (landing / "text").mkdir()  # text starting like a packed file's magic is text
+    (landing / "text" / "a.csv").write_text("PAR1,BZh91AY," + header)
+    assert batch_input.packed_file_reason(landing / "text" / "a.csv") is None
 
 
 def test_times_finer_than_a_millisecond_are_cut_to_it_whatever_the_column_type(

@@ -87,12 +87,17 @@ Known edge cases, cited inline as (B1)..(B17):
       (their text was stored in one row's ``referrer``). Found by Python's strict reader in
       one pass over each file (~180 MB/s), before Spark reads; a quote inside an unquoted
       field (``5" screen``) is text to both.
+  B19. A CSV or JSON Lines file that is compressed, an archive or a Parquet file under a text
+      name (``orders.csv`` gzipped) is refused, saying what it is (``packed_file_reason``):
+      Spark reads it as text, so a CSV batch was refused for a garbled header that lacked
+      every column, and a JSON Lines one had each line of bytes quarantined as bad JSON.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -154,6 +159,36 @@ def unreadable_path_reason(path: str) -> str | None:
         return ("has ':' in its path, which Spark's file system cannot open (it reads the "
                 "text before ':' as a URI scheme)")
     return None
+
+
+# Leading bytes of files a text reader would take apart as garbage: Spark reads a compressed
+# file as text only when its name ends in the codec's suffix, which no accepted format has.
+# Each is long enough that no header line of text starts with it.
+PACKED_FILE_MAGIC = {
+    re.compile(rb"\x1f\x8b\x08"): "gzip-compressed",
+    re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"): "bzip2-compressed",
+    re.compile(rb"\x28\xb5\x2f\xfd"): "zstd-compressed",
+    re.compile(rb"\xfd7zXZ\x00"): "xz-compressed",
+    re.compile(rb"PK\x03\x04"): "a zip archive",
+}
+
+
+def packed_file_reason(path: Path) -> str | None:
+    """Why a CSV or JSON Lines file cannot be read as text, or None: a gzip file named
+    ``.csv`` would otherwise be read as one garbled header (or as rows of bad JSON)."""
+    with path.open("rb") as file:
+        start = file.read(16)
+        size = file.seek(0, os.SEEK_END)
+        if start.startswith(b"PAR1") and size >= 8:  # Parquet: the magic at both ends
+            file.seek(-4, os.SEEK_END)
+            if file.read(4) == b"PAR1":
+                return "a Parquet file"
+    for magic, what in PACKED_FILE_MAGIC.items():
+        if magic.match(start):
+            return what
+    return None
+
+
 MALFORMED_CSV_ROW = "_malformed_csv_row"  # Spark's corrupt-record column of a CSV batch (B6)
 ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps it (B6, B10)
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
@@ -261,13 +296,19 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
         raise BatchRefusedError(
             f"batch {root} mixes formats ({', '.join(sorted(formats))}); send one format per "
             "batch")
+    file_format = formats.pop()
     for p in candidates:
+        packed = packed_file_reason(p) if file_format != "parquet" else None
+        if packed:
+            raise BatchRefusedError(
+                f"batch file {p} is {packed}, not {file_format.upper()} text; unpack it "
+                f"into the batch folder (e.g. gunzip, unzip) and load the {p.suffix} file")
         if p.resolve() != root and root not in p.resolve().parents:  # (B1) symlinked files
             where = ("the batch folder" if config.in_landing(p)[1] else "the landing folder")
             raise BatchRefusedError(
                 f"batch file {p} links outside {where} (to {p.resolve()}); copy the file "
                 "into the batch folder")
-    return BatchFiles(root, tuple(candidates), formats.pop())
+    return BatchFiles(root, tuple(candidates), file_format)
 
 
 def csv_header(batch: BatchFiles) -> list[str]:
