@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -31,6 +32,28 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
         main([*command, "--help"])
     assert exit_info.value.code == 0
     assert "usage: clickstream" in capsys.readouterr().out
+
+
+def _subcommands(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    for name in names:
+        (choices,) = [action.choices for action in parser._actions
+                      if isinstance(action, argparse._SubParsersAction)]
+        parser = choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("kind", ["events", "history"])
+def test_generate_help_shows_every_default(kind: str, capsys: pytest.CaptureFixture) -> None:
+    """The generator's knobs have defaults a user tunes from; --help named none of them."""
+    parser = _subcommands(cli.build_parser(), "generate", kind)
+    with pytest.raises(SystemExit):
+        main(["generate", kind, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    defaults = [action for action in parser._actions
+                if action.default not in (None, False, argparse.SUPPRESS)]
+    assert len(defaults) >= 7
+    for action in defaults:
+        assert f"(default: {action.default})" in shown, action.option_strings
 
 
 def test_invalid_setting_fails_with_one_line_naming_the_accepted_values() -> None:

@@ -252,6 +252,7 @@ def _number(kind: Callable[[str], float], low: float, high: float | None = None,
     return parse
 
 
+_DEFAULT = "(default: %(default)s)"
 _COUNT = _number(int, 1)
 _SEED = _number(int, 0)
 _FRACTION = _number(float, 0, 1)
@@ -376,16 +377,22 @@ def build_parser() -> argparse.ArgumentParser:
         "events", help="live events to Kafka (or a JSON Lines file)",
         description="Live events with out-of-order delivery, late events, duplicates and bad "
         "records; produced to the events topic, or written to --out.")
-    events.add_argument("--seed", type=_SEED, default=7)
-    events.add_argument("--clients", type=_COUNT, default=3)
-    events.add_argument("--users", type=_COUNT, default=50, help="users per client")
-    events.add_argument("--minutes", type=_SPAN, default=24 * 60, help="event-time span")
+    events.add_argument("--seed", type=_SEED, default=7, help=_DEFAULT)
+    events.add_argument("--clients", type=_COUNT, default=3, help=_DEFAULT)
+    events.add_argument("--users", type=_COUNT, default=50, help="users per client " + _DEFAULT)
+    events.add_argument("--minutes", type=_SPAN, default=24 * 60,
+                        help="event-time span " + _DEFAULT)
     events.add_argument("--start", type=_iso_datetime,
-                        default=_iso_datetime("2026-11-01T00:00:00+00:00"))
-    events.add_argument("--late-fraction", type=_FRACTION, default=0.01)
-    events.add_argument("--duplicate-fraction", type=_FRACTION, default=0.02)
-    events.add_argument("--bad-fraction", type=_FRACTION, default=0.01)
-    events.add_argument("--rate", type=_SPAN, default=None, help="records per second to Kafka")
+                        default=_iso_datetime("2026-11-01T00:00:00+00:00"),
+                        help="start of the event-time span " + _DEFAULT)
+    events.add_argument("--late-fraction", type=_FRACTION, default=0.01,
+                        help="share of events delivered 3 hours late " + _DEFAULT)
+    events.add_argument("--duplicate-fraction", type=_FRACTION, default=0.02,
+                        help="share of events sent twice " + _DEFAULT)
+    events.add_argument("--bad-fraction", type=_FRACTION, default=0.01,
+                        help="share of records the contract refuses " + _DEFAULT)
+    events.add_argument("--rate", type=_SPAN, default=None,
+                        help="records per second to Kafka (default: as fast as it takes them)")
     events.add_argument("--out", type=_given, default=None,
                         help="write JSON Lines here instead of Kafka")
     _add_config_flags(events)
@@ -395,15 +402,21 @@ def build_parser() -> argparse.ArgumentParser:
         "history", help="a historical batch (pageviews and orders) in the landing folder",
         description="Write DIR/pageviews and DIR/orders for one client under the landing folder.")
     history.add_argument("--client", required=True, type=_client_id)
-    history.add_argument("--days", type=_SPAN, default=365)
-    history.add_argument("--users", type=_COUNT, default=500)
-    history.add_argument("--sessions-per-user-per-day", type=_SPAN, default=1.0)
-    history.add_argument("--order-probability", type=_FRACTION, default=0.08)
+    history.add_argument("--days", type=_SPAN, default=365, help="days of history " + _DEFAULT)
+    history.add_argument("--users", type=_COUNT, default=500,
+                         help="users of the client " + _DEFAULT)
+    history.add_argument("--sessions-per-user-per-day", type=_SPAN, default=1.0,
+                         help="mean sessions a user starts per day " + _DEFAULT)
+    history.add_argument("--order-probability", type=_FRACTION, default=0.08,
+                         help="chance that a session has an order " + _DEFAULT)
     history.add_argument("--start", type=_iso_datetime,
-                         default=_iso_datetime("2025-11-01T00:00:00+00:00"))
-    history.add_argument("--seed", type=_SEED, default=11)
-    history.add_argument("--format", choices=("parquet", "csv", "jsonl"), default="parquet")
-    history.add_argument("--out", default="history", help="folder relative to the landing folder")
+                         default=_iso_datetime("2025-11-01T00:00:00+00:00"),
+                         help="start of the first day " + _DEFAULT)
+    history.add_argument("--seed", type=_SEED, default=11, help=_DEFAULT)
+    history.add_argument("--format", choices=("parquet", "csv", "jsonl"), default="parquet",
+                         help=_DEFAULT)
+    history.add_argument("--out", default="history",
+                         help="folder relative to the landing folder " + _DEFAULT)
     history.add_argument("--overwrite", action="store_true",
                          help="replace the batch an earlier run wrote to --out")
     _add_config_flags(history)
