@@ -34,6 +34,14 @@ _FIELDS_AS_TEXT = ", ".join(f"{name} string" for name in (
     *(name for name in contract.ORDER_FIELDS if name != "amount")))
 
 
+def _sent_text(value: Column, field: str, text: Column) -> Column:
+    """A field as its record sent it, for a quarantine reason: ``from_json`` writes a JSON
+    number back through a double (``1793500000000.5`` as ``1.7935000000005E12``), and a
+    reason quoting a value never sent sends its reader looking for it in vain. Only read
+    where a reason is built, so valid records do not pay for it."""
+    return F.coalesce(F.try_variant_get(value, f"$.{field}", "string"), text)
+
+
 def _amount_text(value: Column) -> Column:
     """An order's ``amount`` as the amount rule judges it: a string as sent, a JSON number by
     its own digits (12345678.5, 0.0005). ``from_json`` wrote a number back through a double
@@ -130,20 +138,22 @@ def ts_from_text(text: Column) -> Column:
     )
 
 
-def ts_error(text: Column, ts: Column) -> Column:
-    """Reason ``ts`` is unusable, or null."""
+def ts_error(text: Column, ts: Column, shown: Column | None = None) -> Column:
+    """Reason ``ts`` is unusable, or null; the reason quotes ``shown`` (default ``text``),
+    the value as it was sent where ``text`` is not (:func:`_sent_text`)."""
+    shown = text if shown is None else shown
     return (
         F.when(_blank(text), F.lit("missing field ts"))
         .when(
             ts.isNull(),
             F.format_string(
-                "ts '%s' is neither ISO-8601 with a time zone nor epoch milliseconds", text
+                "ts '%s' is neither ISO-8601 with a time zone nor epoch milliseconds", shown
             ),
         )
         .when(
             (ts < F.lit(contract.EARLIEST_TS)) | (ts >= F.lit(contract.LATEST_TS)),
             F.format_string(
-                "ts '%s' is outside the plausible range %s..%s", text,
+                "ts '%s' is outside the plausible range %s..%s", shown,
                 F.lit(contract.EARLIEST_TS.date().isoformat()),
                 F.lit(contract.LATEST_TS.date().isoformat()),
             ),
@@ -331,7 +341,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),
         id_error(F.col("event_id"), "event_id"),
-        ts_error(F.col("ts_text"), F.col("ts_value")),
+        ts_error(F.col("ts_text"), F.col("ts_value"), _sent_text(v, "ts", F.col("ts_text"))),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), _arrival(F.col("_received")),
                        max_ts_ahead_ms, reference_is=ARRIVAL),
         F.when(~F.is_valid_utf8("_key"), F.lit(
