@@ -315,19 +315,21 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
                 before.select(ident.alias("_id")), "_id", "left_semi").count()
         return int(rows or 0), int(duplicated or 0), stored
 
+    def expected(stored: int, copies: int = 0) -> int:
+        """Each batch key adds a row unless stored before; replaced copies go (one per key
+        stays)."""
+        return values["rows_before"] + values["batch_keys"] - stored - copies
+
     rows, duplicated, stored = counted(F.xxhash64(key))
     copies = 0
-    if duplicated or rows != values["rows_before"] + values["batch_keys"] - stored:
+    if duplicated or rows != expected(stored):
         rows, duplicated, stored = counted(F.col(key))  # (K6) exactly
-        if spec.name == ORDERS.name and before is not None and (
-                rows != values["rows_before"] + values["batch_keys"] - stored):
+        if spec.name == ORDERS.name and before is not None and rows != expected(stored):
             # The upsert replaced every stored copy of an order it updated: one stored twice
             # before (a new checkpoint's replay, Known limits) failed this gate at every rerun.
             copies = before.join(batch_keys, key, "left_semi").count() - stored
     values.update(rows_after=rows, duplicate_keys=duplicated, keys_already_stored=stored,
-                  copies_replaced=copies)
-    values["expected_rows_after"] = (values["rows_before"] + values["batch_keys"] - stored
-                                     - copies)
+                  copies_replaced=copies, expected_rows_after=expected(stored, copies))
     values["table"] = spec.name
     if duplicated:
         twice = after.groupBy(key).count().where(F.col("count") > 1).select(key)
