@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--duplicate-fraction", type=_FRACTION, default=0.02,
                         help="share of events sent twice " + _DEFAULT)
     events.add_argument("--bad-fraction", type=_FRACTION, default=0.01,
-                        help="share of records the contract refuses " + _DEFAULT)
+                        help="bad records added, as a share of the events " + _DEFAULT)
     events.add_argument("--rate", type=_SPAN, default=None,
                         help="records per second to Kafka (default: as fast as it takes them)")
     events.add_argument("--out", type=_given, default=None,
