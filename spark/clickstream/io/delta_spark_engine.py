@@ -323,10 +323,7 @@ class DeltaSparkTables(DeltaTables):
             predicate if isinstance(predicate, str)
             else filter_to_sql(predicate, _types(df.schema))
         )
-        if read_version is not None and (
-                set() if read_version == TABLE_MISSING
-                else self._range_files(name, where, read_version)) != (
-                self._range_files(name, where, None) if self.exists(name) else set()):
+        if read_version is not None and self._range_changed(name, where, read_version):
             # Delta's own conflict check starts at the write's snapshot, not at the caller's;
             # a commit between this comparison and that snapshot is not seen (a short window).
             raise CommitConflictError(
@@ -348,6 +345,14 @@ class DeltaSparkTables(DeltaTables):
                 f"{where}; nothing was committed ({exc}). Recompute the range, then retry."
             ) from exc
         return True
+
+    def _range_changed(self, name: str, where: str, read_version: int) -> bool:
+        """Whether the files of ``where`` differ now from those at ``read_version``
+        (``TABLE_MISSING``: whether it holds any file now)."""
+        before = (set() if read_version == TABLE_MISSING
+                  else self._range_files(name, where, read_version))
+        now = self._range_files(name, where, None) if self.exists(name) else set()
+        return before != now
 
     def _range_files(self, name: str, where: str, version: int | None) -> set[str]:
         reader = self._spark.read.format("delta")
