@@ -689,7 +689,12 @@ def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_store
     backfill_steps.step_result_path(stream_config, run_id, "merge").unlink()
     shutil.rmtree(stream_config.landing / path)
     write_rows(stream_config, "late", [row("y1", "ub", 5)], "parquet")
-    assert step("merge")["rows_merged"] == 1  # from the commit: refused, the run was stuck
+    said: list[str] = []
+    assert step("merge", said.append)["rows_merged"] == 1  # from the commit: was stuck
+    # Its gate is run again, with the keys the merge wrote (it was not: they were unknown).
+    (gate,) = [line for line in said if "tables_after_merge" in line]
+    assert re.fullmatch(r"  quality gate tables_after_merge \(suite v1\): passed, 2 of 2 "
+                        r"expectations met in [\d.]+s \(with the keys the merge wrote\)", gate)
     for name in backfill_steps.STEPS[2:]:
         step(name)
 

@@ -320,6 +320,28 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     return merged
 
 
+def gate_committed_merge(tables: DeltaTables, config: Config, kind: BatchKind, client_id: str,
+                         run_id: str, progress: Callable[[str], None]) -> None:
+    """The ``tables_after_merge`` gate of the run's merge committed by an earlier attempt,
+    for a retry that can no longer read the batch (its files changed or are gone:
+    ``backfill_steps`` S5), with the keys that commit wrote in place of the batch's. A key
+    the merge skipped (stored before, unchanged) changes no count either way. Those rows
+    are found among all of the client's rows at the commit: a rare path, not a pruned one."""
+    spec = PAGEVIEWS if kind == "pageviews" else ORDERS
+    version = run_commit_version(tables, spec.name, run_id, app_id=backfill_app_id(run_id))
+    if version is None:  # merged nothing: the checks have nothing to reconcile
+        return
+    written = tables.read(spec.name, [spec.key[0], "ts", "source"], {"client_id": client_id},
+                          version=version).where(F.col("source") == f"backfill:{run_id}")
+    dates = None
+    if kind == "pageviews":
+        dates = [r.d for r in written.select(F.to_date("ts").alias("d")).distinct().collect()]
+    gate = gate_tables_after_merge(tables, config, kind=kind, client_id=client_id,
+                                   run_id=run_id, valid=written, dates=dates)
+    if gate is not None:
+        progress(f"  {gate.describe()} (with the keys the merge wrote)")
+
+
 @releases_cache
 def run_backfill(
     config: Config, *, kind: BatchKind, client_id: str, path: str,

@@ -32,8 +32,8 @@ Known edge cases, cited inline as (S1)..(S6):
       merge, the merged rows were never sessionized, and a new run for the files as they now
       are covered only their rows. A ``merge`` step rerun then (its earlier attempt killed
       after the commit, before it saved its result) reports the committed merge from the
-      tables (the duplicates it skipped are not known then: counted as none; its
-      ``tables_after_merge`` gate, which needs the batch's keys, is not run again).
+      tables (the duplicates it skipped are not known then: counted as none) and runs its
+      ``tables_after_merge`` gate with the keys the merge wrote in place of the batch's.
   S6. A writing step runs only once the step before it succeeded for the run (``AFTER``),
       and a step that starts removes its own saved result and those of the steps after it
       (a second round of the run's steps does not lean on the first round's results):
@@ -64,6 +64,7 @@ from clickstream.jobs.backfill import (
     BatchScope,
     backfill_run_id,
     check_client_id,
+    gate_committed_merge,
     merge_valid_rows,
     merged_earlier,
     quarantine_or_refuse,
@@ -321,6 +322,7 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
         batch = _Batch(config, kind, client_id, path, spark, run_id)
     except BatchRefusedError as refused:  # changed or gone since the merge committed (S5)
         _, tables, merged = _committed_merge(config, kind, run_id, spark, refused, progress)
+        gate_committed_merge(tables, config, kind, client_id, run_id, progress)
         result = _merged_earlier_result(tables, run_id, merged)
         progress(result.describe())
         return result
