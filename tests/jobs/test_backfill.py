@@ -296,6 +296,33 @@ def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
     assert len(table_rows(stream_config, spark, "quarantine")) == 1
 
 
+def test_a_correction_run_with_another_home_than_the_sessionizers_is_refused(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(Z17) A shell's run with another CLICKSTREAM_HOME than the sessionizer's (or the
+    relative default from another folder) found no checkpoint there: it left the stream no
+    open session and could store what the stream still held a second time."""
+    produce(stream_config, [pageview("u", START, "a")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    shell = stream_config.replace(home=stream_config.home.parent / "shell-home")
+    path = write_rows(stream_config, "p", [pv_row("b", "u", 1)], "parquet")
+    before = versions(stream_config, spark)
+    checkpoint = re.escape(str(stream_config.checkpoint_path("sessionize").resolve()))
+    refused = (rf"^the sessionizer of warehouse {re.escape(str(stream_config.warehouse))} runs "
+               rf"on the checkpoint {checkpoint} \(CLICKSTREAM_HOME=(?P<home>.+)\), but this "
+               rf"run's CLICKSTREAM_HOME is .+/shell-home, where it would find no sessionizer"
+               rf".* Run it with CLICKSTREAM_HOME=(?P=home)\. ")
+    with pytest.raises(ConfigError, match=refused) as error:
+        run_backfill(shell, kind="pageviews", client_id="client-00", path=path, spark=spark)
+    assert re.match(refused, str(error.value))["home"] == str(stream_config.home.resolve())
+    with pytest.raises(ConfigError, match=refused):
+        run_recompute(shell, spark=spark, progress=lambda _: None)
+    assert versions(stream_config, spark) == before
+
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path,
+                 spark=spark, progress=lambda _: None)  # with the sessionizer's home
+    assert len(table_rows(stream_config, spark, "pageviews")) == 2
+
+
 def test_the_dags_recompute_step_applies_nothing_while_its_topics_do_not_answer(
         stream_config: Config, spark: SparkSession) -> None:
     """The DAG's steps: recompute applied its plan with Kafka out of reach, the tables ahead

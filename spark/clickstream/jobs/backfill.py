@@ -47,7 +47,7 @@ from clickstream.jobs.corrections import (
     stored_elsewhere,
     where_attributed,
 )
-from clickstream.jobs.sessionize import check_session_gap, records_lock, stream_watermark_ms
+from clickstream.jobs.sessionize import check_stream_settings, records_lock, stream_watermark_ms
 from clickstream.quality.checks import backfill_app_id, run_commit_version
 from clickstream.quality.gates import (
     GateResult,
@@ -349,7 +349,7 @@ def run_backfill(
 ) -> BackfillSummary:
     """Merge the batch at ``path`` (inside the landing folder) and correct what it affects;
     the run's summary page (``quality.run_summary``) says what it did, or why it failed."""
-    check_session_gap(config)
+    check_stream_settings(config)
     check_client_id(client_id)
     files = list_batch_files(config, path)
     summary = BackfillSummary(backfill_run_id(kind, client_id, files))

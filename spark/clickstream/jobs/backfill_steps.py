@@ -95,7 +95,7 @@ from clickstream.jobs.corrections import (
     stored_plan,
     unfinished_plan,
 )
-from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
+from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_historical_batch, warm_up
@@ -700,7 +700,7 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
 def _run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path: str,
               run_id: str, dry_run: bool, spark: SparkSession | None, progress: Progress
               ) -> dict[str, Any]:
-    check_session_gap(config)
+    check_stream_settings(config)
     if step in GATED_STEPS or (step == "check" and dry_run):
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark's
     batch = {"kind": kind, "client_id": client_id, "path": path, "spark": spark,

@@ -115,7 +115,7 @@ from clickstream.jobs.corrections import (
     unfinished_plan,
     unfinished_plan_seq,
 )
-from clickstream.jobs.sessionize import check_session_gap, stream_watermark_ms
+from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.gates import (
     FULL_RECOMPUTE_JOB,
@@ -191,7 +191,7 @@ def run_recompute(
 def _recompute(config: Config, client_id: str | None, spark: SparkSession | None,
                progress: Callable[[str], None], summary: RecomputeSummary,
                starting: Callable[[str], None] = lambda client: None) -> RecomputeSummary:
-    check_session_gap(config)
+    check_stream_settings(config)
     spark = spark or build_spark(config, "clickstream-recompute")
     tables = open_tables(config, spark)
     unfinished = _clients_with_unfinished_plans(spark, config, tables, client_id)
@@ -367,7 +367,7 @@ def run_full_recompute(
     Tombstones are sent before the rows they retract are replaced: a rerun after a crash
     finds those rows gone and could not tell them any more.
     """
-    check_session_gap(config)
+    check_stream_settings(config)
     started = time.monotonic()
     spark = spark or build_spark(config, "clickstream-full-recompute")
     tables = open_tables(config, spark)

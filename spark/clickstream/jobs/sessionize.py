@@ -17,7 +17,7 @@ batch replayed after a crash commits nothing twice (a record a backfill queued a
 merge is that backfill's to store: Z11, Z14). Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z16):
+Known edge cases, cited inline as (Z1)..(Z17):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -123,11 +123,18 @@ Known edge cases, cited inline as (Z1)..(Z16):
       queued one of its orders since (Z11), and the replay, leaving that order out, published
       nothing for it while the table held it; the recompute that folded the queued row in
       found the stored row unchanged, so the order never reached the topic.
+  Z17. Correction runs read the stream's watermark and gap from its checkpoint under
+      ``CLICKSTREAM_HOME``; one with another home (a shell beside Airflow's sessionizer, or
+      the relative default ``var/home`` from another folder) saw no sessionizer, left it no
+      open session and could store what the stream still held a second time. Each
+      sessionizer start notes its checkpoint in the warehouse (``STREAM_CHECKPOINT_FILE``),
+      and a correction run with another home is refused, naming the home to use.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -368,6 +375,9 @@ def _last_logged_batch(checkpoint: Path, log: str) -> int:
 
 
 SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
+# In the warehouse, beside the tables: the checkpoint its sessionizer runs on (Z17). No table
+# is named with a leading "_" (as ``locks.LOCKS_FOLDER``).
+STREAM_CHECKPOINT_FILE = "_clickstream_sessionizer.json"
 
 
 def _session_settings(config: Config) -> dict[str, int]:
@@ -405,20 +415,53 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     partial_path.replace(path)  # whole or not at all
 
 
-def check_session_gap(config: Config) -> None:
-    """Refuse a batch correction (backfill, recompute) whose session gap is not the one the
-    sessionizer's checkpoint was started with (Z10): the batch would store sessions the
+def record_stream_checkpoint(config: Config) -> None:
+    """Note in the warehouse which checkpoint its sessionizer runs on (Z17), at each start:
+    the last one started is the warehouse's."""
+    path = config.warehouse / STREAM_CHECKPOINT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial_path.write_text(json.dumps({"checkpoint": str(config.checkpoint_path(JOB).resolve()),
+                                        "home": str(config.home.resolve())}))
+    partial_path.replace(path)  # whole or not at all
+
+
+def check_stream_settings(config: Config) -> None:
+    """Refuse a batch correction (backfill, recompute) that would not see the warehouse's
+    sessionizer as it runs: its checkpoint under another home (Z17), or another session gap
+    than the one the checkpoint was started with (Z10): the batch would store sessions the
     stream's split or merge, each side retracting the other's.
 
     Raises:
-        ConfigError: the gaps differ.
+        ConfigError: another sessionizer home, or another gap.
     """
+    _refuse_another_home(config)
     checkpoint = config.checkpoint_path(JOB)
     path = checkpoint / SETTINGS_FILE
     if path.exists() and _planned_a_batch(checkpoint):
         _refuse_another_gap(checkpoint, json.loads(path.read_text())["session_gap_ms"], config,
                             "sessions computed with another gap than the stream's would split "
                             "or merge the stream's")
+
+
+def _refuse_another_home(config: Config) -> None:
+    """(Z17) A run with another home sees no sessionizer: it would leave no session to the
+    stream and could store what the stream still holds a second time."""
+    path = config.warehouse / STREAM_CHECKPOINT_FILE
+    if not path.exists():  # no sessionizer has run on this warehouse
+        return
+    recorded = json.loads(path.read_text())
+    if Path(recorded["checkpoint"]) == config.checkpoint_path(JOB).resolve():
+        return
+    home = ENV_NAMES["home"]
+    raise errors.ConfigError(
+        f"the sessionizer of warehouse {config.warehouse} runs on the checkpoint "
+        f"{recorded['checkpoint']} ({home}={recorded['home']}), but this run's {home} is "
+        f"{config.home}, where it would find no sessionizer: it would leave no open session "
+        f"to the stream and could store what the stream still holds a second time. Run it "
+        f"with {home}={recorded['home']}. If that sessionizer is gone for good (its "
+        f"checkpoint moved away or deleted), start the sessionizer with this home once, or "
+        f"remove {path}")
 
 
 def _refuse_another_gap(checkpoint: Path, recorded_ms: int, config: Config, why: str) -> None:
@@ -846,6 +889,7 @@ def run_sessionizer(
 def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession | None
                      ) -> SessionizeSummary:
     pin_session_settings(config.checkpoint_path(JOB), config)  # (Z10)
+    record_stream_checkpoint(config)  # (Z17)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
     checkpoint = config.checkpoint_path(JOB)
