@@ -316,7 +316,7 @@ def test_a_correction_run_with_another_home_than_the_sessionizers_is_refused(
     assert re.match(refused, str(error.value))["home"] == str(stream_config.home.resolve())
     with pytest.raises(ConfigError, match=refused):
         run_recompute(shell, spark=spark, progress=lambda _: None)
-    assert versions(stream_config, spark) == before  # (with its home: the tests after it)
+    assert versions(stream_config, spark) == before  # with its home: the Z11 and B8 tests
 
 
 def test_the_dags_recompute_step_applies_nothing_while_its_topics_do_not_answer(
