@@ -296,11 +296,12 @@ def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
     assert len(table_rows(stream_config, spark, "quarantine")) == 1
 
 
-def test_a_correction_run_with_another_home_than_the_sessionizers_is_refused(
-        stream_config: Config, spark: SparkSession) -> None:
+def test_a_correction_run_with_another_home_or_topics_than_the_sessionizers_is_refused(
+        stream_config: Config, spark: SparkSession, broker: EmbeddedBroker) -> None:
     """(Z17) A shell's run with another CLICKSTREAM_HOME than the sessionizer's (or the
     relative default from another folder) found no checkpoint there: it left the stream no
-    open session and could store what the stream still held a second time."""
+    open session and could store what the stream still held a second time. With another
+    sessions or attributions topic, its corrections never reached the stream's readers."""
     produce(stream_config, [pageview("u", START, "a")])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     shell = stream_config.replace(home=stream_config.home.parent / "shell-home")
@@ -316,6 +317,17 @@ def test_a_correction_run_with_another_home_than_the_sessionizers_is_refused(
     assert re.match(refused, str(error.value))["home"] == str(stream_config.home.resolve())
     with pytest.raises(ConfigError, match=refused):
         run_recompute(shell, spark=spark, progress=lambda _: None)
+    for variable, field in (("SESSIONS", "sessions_topic"),
+                            ("ATTRIBUTIONS", "attributions_topic")):
+        theirs = getattr(stream_config, field)
+        elsewhere = stream_config.replace(**{field: f"{theirs}-new"})
+        broker.create_topic(f"{theirs}-new", 4)  # it exists: only the check stops the run
+        with pytest.raises(ConfigError, match=(
+                rf"publishes to topic '{theirs}', but this run would publish its corrections "
+                rf"to '{theirs}-new' \(CLICKSTREAM_{variable}_TOPIC\): .* Run it with "
+                rf"CLICKSTREAM_{variable}_TOPIC={theirs};")):
+            run_backfill(elsewhere, kind="pageviews", client_id="client-00", path=path,
+                         spark=spark)
     assert versions(stream_config, spark) == before  # with its home: the Z11 and B8 tests
 
 

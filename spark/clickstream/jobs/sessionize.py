@@ -127,8 +127,10 @@ Known edge cases, cited inline as (Z1)..(Z17):
       ``CLICKSTREAM_HOME``; one with another home (a shell beside Airflow's sessionizer, or
       the relative default ``var/home`` from another folder) saw no sessionizer, left it no
       open session and could store what the stream still held a second time. Each
-      sessionizer start notes its checkpoint in the warehouse (``STREAM_CHECKPOINT_FILE``),
-      and a correction run with another home is refused, naming the home to use.
+      sessionizer start notes its checkpoint and topics in the warehouse
+      (``STREAM_SETTINGS_FILE``), and a correction run with another home is refused, naming
+      the home to use; so is one that would publish to other topics than the stream's (its
+      corrections would never reach the stream's readers).
 """
 
 from __future__ import annotations
@@ -375,9 +377,9 @@ def _last_logged_batch(checkpoint: Path, log: str) -> int:
 
 
 SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
-# In the warehouse, beside the tables: the checkpoint its sessionizer runs on (Z17). No table
+# In the warehouse, beside the tables: its sessionizer's checkpoint and topics (Z17). No table
 # is named with a leading "_" (as ``locks.LOCKS_FOLDER``).
-STREAM_CHECKPOINT_FILE = "_clickstream_sessionizer.json"
+STREAM_SETTINGS_FILE = "_clickstream_sessionizer.json"
 
 
 def _session_settings(config: Config) -> dict[str, int]:
@@ -415,42 +417,45 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     partial_path.replace(path)  # whole or not at all
 
 
-def record_stream_checkpoint(config: Config) -> None:
-    """Note in the warehouse which checkpoint its sessionizer runs on (Z17), at each start:
-    the last one started is the warehouse's."""
-    path = config.warehouse / STREAM_CHECKPOINT_FILE
+def record_stream_settings(config: Config) -> None:
+    """Note in the warehouse which checkpoint its sessionizer runs on, and the topics it
+    publishes to (Z17), at each start: the last one started is the warehouse's."""
+    path = config.warehouse / STREAM_SETTINGS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     partial_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial_path.write_text(json.dumps({"checkpoint": str(config.checkpoint_path(JOB).resolve()),
-                                        "home": str(config.home.resolve())}))
+    partial_path.write_text(json.dumps({
+        "checkpoint": str(config.checkpoint_path(JOB).resolve()),
+        "home": str(config.home.resolve()), "sessions_topic": config.sessions_topic,
+        "attributions_topic": config.attributions_topic}))
     partial_path.replace(path)  # whole or not at all
 
 
 def check_stream_settings(config: Config) -> None:
     """Refuse a batch correction (backfill, recompute) that would not see the warehouse's
-    sessionizer as it runs: its checkpoint under another home (Z17), or another session gap
-    than the one the checkpoint was started with (Z10): the batch would store sessions the
-    stream's split or merge, each side retracting the other's.
+    sessionizer as it runs, or would publish beside it: its checkpoint under another home,
+    its changelogs on other topics (Z17), or another session gap than the one the checkpoint
+    was started with (Z10): the batch would store sessions the stream's split or merge, each
+    side retracting the other's.
 
     Raises:
-        ConfigError: another sessionizer home, or another gap.
+        ConfigError: another sessionizer home, other topics, or another gap.
     """
-    _refuse_another_home(config)
+    path = config.warehouse / STREAM_SETTINGS_FILE
+    if path.exists():  # else no sessionizer has run on this warehouse
+        recorded = json.loads(path.read_text())
+        _refuse_another_home(config, recorded, path)
+        _refuse_other_topics(config, recorded, path)
     checkpoint = config.checkpoint_path(JOB)
-    path = checkpoint / SETTINGS_FILE
-    if path.exists() and _planned_a_batch(checkpoint):
-        _refuse_another_gap(checkpoint, json.loads(path.read_text())["session_gap_ms"], config,
-                            "sessions computed with another gap than the stream's would split "
-                            "or merge the stream's")
+    settings = checkpoint / SETTINGS_FILE
+    if settings.exists() and _planned_a_batch(checkpoint):
+        _refuse_another_gap(checkpoint, json.loads(settings.read_text())["session_gap_ms"],
+                            config, "sessions computed with another gap than the stream's "
+                            "would split or merge the stream's")
 
 
-def _refuse_another_home(config: Config) -> None:
+def _refuse_another_home(config: Config, recorded: dict[str, str], path: Path) -> None:
     """(Z17) A run with another home sees no sessionizer: it would leave no session to the
     stream and could store what the stream still holds a second time."""
-    path = config.warehouse / STREAM_CHECKPOINT_FILE
-    if not path.exists():  # no sessionizer has run on this warehouse
-        return
-    recorded = json.loads(path.read_text())
     if Path(recorded["checkpoint"]) == config.checkpoint_path(JOB).resolve():
         return
     home = ENV_NAMES["home"]
@@ -462,6 +467,23 @@ def _refuse_another_home(config: Config) -> None:
         f"with {home}={recorded['home']}. If that sessionizer is gone for good (its "
         f"checkpoint moved away or deleted), start the sessionizer with this home once, or "
         f"remove {path}")
+
+
+def _refuse_other_topics(config: Config, recorded: dict[str, str], path: Path) -> None:
+    """(Z17) Corrections published to another topic than the stream's sessions never reach
+    the readers of the stream's: its compacted view and the table part for good."""
+    for field_name in ("sessions_topic", "attributions_topic"):
+        theirs, ours = recorded.get(field_name), getattr(config, field_name)
+        if theirs is None or theirs == ours:
+            continue
+        variable = ENV_NAMES[field_name]
+        raise errors.ConfigError(
+            f"the sessionizer of warehouse {config.warehouse} publishes to topic {theirs!r}, "
+            f"but this run would publish its corrections to {ours!r} ({variable}): readers "
+            f"of {theirs!r} would never see them, and the topic would no longer mirror the "
+            f"table. Run it with {variable}={theirs}; to move to the new topic, start the "
+            f"sessionizer with it once (or remove {path} if that sessionizer is gone for "
+            "good)")
 
 
 def _refuse_another_gap(checkpoint: Path, recorded_ms: int, config: Config, why: str) -> None:
@@ -889,7 +911,7 @@ def run_sessionizer(
 def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession | None
                      ) -> SessionizeSummary:
     pin_session_settings(config.checkpoint_path(JOB), config)  # (Z10)
-    record_stream_checkpoint(config)  # (Z17)
+    record_stream_settings(config)  # (Z17)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
     checkpoint = config.checkpoint_path(JOB)
