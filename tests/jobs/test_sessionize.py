@@ -45,6 +45,7 @@ from clickstream.jobs.sessionize import (
     records_lock_path,
     run_sessionizer,
     sessionizer_lock_path,
+    warehouse_sessionizer_lock_path,
 )
 from clickstream.sessions.batch_adapter import user_bucket
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
@@ -881,11 +882,14 @@ def test_two_clients_of_one_state_bucket_may_send_the_same_ids(
     assert table_rows(stream_config, spark, "quarantine") == []
 
 
-HOLD_THE_SESSIONIZER_LOCK = """
+HOLD_THE_SESSIONIZER_LOCKS = """
 import sys, time
+from contextlib import ExitStack
 from pathlib import Path
 from clickstream.locks import exclusive_or_refuse
-with exclusive_or_refuse(Path(sys.argv[1]), RuntimeError):
+with ExitStack() as held:
+    for path in sys.argv[1:]:
+        held.enter_context(exclusive_or_refuse(Path(path), RuntimeError))
     print("held", flush=True)
     time.sleep(120)
 """
@@ -895,12 +899,15 @@ def test_a_second_sessionizer_on_the_checkpoint_is_refused_before_it_reads_it(
     stream_config: Config, spark: SparkSession
 ) -> None:
     """(Z15) Spark guards a checkpoint within one JVM only: a sessionizer in another process
-    (the DAG's, while one runs from the shell) holds it, and this one is refused at once."""
+    (the DAG's, while one runs from the shell) holds it, and this one is refused at once. One
+    with another home (another checkpoint) would run beside it into the same tables: refused
+    too."""
     checkpoint = stream_config.checkpoint_path("sessionize")
     produce(stream_config, [pageview("u", datetime(2026, 11, 1, tzinfo=UTC), "p1")])
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_SESSIONIZER_LOCK,
-         str(sessionizer_lock_path(stream_config))], stdout=subprocess.PIPE, text=True)
+        [sys.executable, "-c", HOLD_THE_SESSIONIZER_LOCKS,
+         str(sessionizer_lock_path(stream_config)),
+         str(warehouse_sessionizer_lock_path(stream_config))], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(ClickstreamError) as refused:
@@ -909,7 +916,16 @@ def test_a_second_sessionizer_on_the_checkpoint_is_refused_before_it_reads_it(
             f"another sessionizer (pid {holder.pid}) is running on the checkpoint {checkpoint} "
             f"(it holds {sessionizer_lock_path(stream_config)}): two would run the same "
             "micro-batches at once. Stop that one first")
-        assert not checkpoint.exists()
+        shell = stream_config.replace(home=stream_config.home.parent / "shell-home")
+        with pytest.raises(ClickstreamError) as beside:
+            run_sessionizer(shell, until_caught_up=True, spark=spark)
+        assert str(beside.value).startswith(
+            f"another sessionizer (pid {holder.pid}) is running into the warehouse "
+            f"{stream_config.warehouse} (it holds "
+            f"{warehouse_sessionizer_lock_path(stream_config)}): this one, on the checkpoint "
+            f"{shell.checkpoint_path('sessionize')}, would sessionize the same events into the "
+            "same tables and topics beside it. Stop that one first")
+        assert not checkpoint.exists() and not shell.checkpoint_path("sessionize").exists()
         assert open_tables(stream_config, spark).version("pageviews") == -1
     finally:
         holder.kill()  # SIGKILL: the lock goes with its holder

@@ -118,6 +118,9 @@ Known edge cases, cited inline as (Z1)..(Z17):
       JVM: two processes (``clickstream sessionize`` while the ``sessionizer`` DAG streams)
       would plan and run the same micro-batches and write the same state versions, and only
       a clash on a log file stops one of them, whenever it happens.
+      One sessionizer per warehouse too (a second lock, in the warehouse's locks folder):
+      one with another home (another checkpoint) would sessionize the same events into the
+      same tables and topics beside it.
   Z16. A replayed micro-batch whose attributions an earlier attempt committed publishes the
       rows that attempt stored for its orders, not what it computes again: a backfill may have
       queued one of its orders since (Z11), and the replay, leaving that order out, published
@@ -884,17 +887,40 @@ def sessionizer_lock_path(config: Config) -> Path:
     return checkpoint.with_name(f"{checkpoint.name}.lock")
 
 
-def sessionizer_lock(config: Config) -> AbstractContextManager[None]:
-    """Held for a whole run; a second run on the checkpoint is refused at once (Z15)."""
+def warehouse_sessionizer_lock_path(config: Config) -> Path:
+    """In the warehouse, as the correction runs' locks: one sessionizer per warehouse (Z15)."""
+    return config.warehouse / LOCKS_FOLDER / "sessionizer.lock"
+
+
+@contextmanager
+def sessionizer_lock(config: Config) -> Iterator[None]:
+    """Held for a whole run; a second run on the checkpoint, or on the warehouse with another
+    checkpoint, is refused at once (Z15)."""
     checkpoint = config.checkpoint_path(JOB)
+    let_it_run = ("Stop that one first, or let it run: the `sessionizer` DAG starts one "
+                  "whenever it is unpaused, and `--until-caught-up` ends once it caught up")
 
     def refuse(holder: str) -> errors.ClickstreamError:
         return errors.ClickstreamError(
             f"another sessionizer (pid {holder}) is running on the checkpoint {checkpoint} "
             f"(it holds {sessionizer_lock_path(config)}): two would run the same micro-batches "
-            "at once. Stop that one first, or let it run: the `sessionizer` DAG starts one "
-            "whenever it is unpaused, and `--until-caught-up` ends once it caught up")
-    return exclusive_or_refuse(sessionizer_lock_path(config), refuse)
+            f"at once. {let_it_run}")
+
+    def refuse_beside(holder: str) -> errors.ClickstreamError:
+        noted = config.warehouse / STREAM_SETTINGS_FILE  # the running one's (Z17)
+        theirs = (f" on the checkpoint {json.loads(noted.read_text())['checkpoint']}"
+                  if noted.exists() else "")
+        return errors.ClickstreamError(
+            f"another sessionizer (pid {holder}) is running{theirs} into the warehouse "
+            f"{config.warehouse} (it holds {warehouse_sessionizer_lock_path(config)}): this "
+            f"one, on the checkpoint {checkpoint}, would sessionize the same events into the "
+            f"same tables and topics beside it. {let_it_run}. To move the stream to this "
+            f"{ENV_NAMES['home']}, stop that one first (a new checkpoint reads the events "
+            "topic from its start: README, Known limits)")
+
+    with (exclusive_or_refuse(sessionizer_lock_path(config), refuse),
+          exclusive_or_refuse(warehouse_sessionizer_lock_path(config), refuse_beside)):
+        yield
 
 
 def run_sessionizer(
