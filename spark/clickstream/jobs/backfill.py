@@ -129,11 +129,17 @@ def _stored(tables: DeltaTables, spec, client_id: str, dates: list) -> DataFrame
 # took 35-40 s to build and saved the merge ~8 s (BENCHMARKS.md, session 41).
 
 
+def merged_source(run_id: str) -> str:
+    """``source`` of the rows the run's merge writes into ``pageviews`` / ``orders``: what
+    finds them again once the batch's files changed or are gone (``backfill_steps`` S5)."""
+    return f"backfill:{run_id}"
+
+
 def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: str,
                     dates: list) -> int:
     """Insert pageviews whose event_id is not stored yet; returns how many."""
     rows = valid.select("event_id", "client_id", "user_id", "ts", "url", "referrer",
-                        F.lit(f"backfill:{run_id}").alias("source"),
+                        F.lit(merged_source(run_id)).alias("source"),
                         F.to_date("ts").alias("event_date"))
     stored = _stored(tables, PAGEVIEWS, client_id, dates)
     if stored is not None:
@@ -152,7 +158,7 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
     """Upsert orders that are new or differ from the stored version; returns how many."""
     rows = valid.select("order_id", "client_id", "user_id", "ts", "amount", "currency",
                         F.lit(None).cast("string").alias("event_id"),
-                        F.lit(f"backfill:{run_id}").alias("source"),
+                        F.lit(merged_source(run_id)).alias("source"),
                         F.to_date("ts").alias("event_date"))
     if tables.exists(ORDERS.name):
         stored = tables.read(ORDERS.name, partition_filter={"client_id": client_id})
@@ -332,7 +338,7 @@ def gate_committed_merge(tables: DeltaTables, config: Config, kind: BatchKind, c
     if version is None:  # merged nothing: the checks have nothing to reconcile
         return
     written = tables.read(spec.name, [spec.key[0], "ts", "source"], {"client_id": client_id},
-                          version=version).where(F.col("source") == f"backfill:{run_id}")
+                          version=version).where(F.col("source") == merged_source(run_id))
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in written.select(F.to_date("ts").alias("d")).distinct().collect()]

@@ -67,6 +67,7 @@ from clickstream.jobs.backfill import (
     gate_committed_merge,
     merge_valid_rows,
     merged_earlier,
+    merged_source,
     quarantine_or_refuse,
 )
 from clickstream.jobs.batch_input import (
@@ -190,7 +191,7 @@ class _Batch:
         spark, tables, _ = _committed_merge(config, kind, run_id, spark, refused, progress)
         spec = PAGEVIEWS if kind == "pageviews" else ORDERS
         stored = tables.read(spec.name, partition_filter={"client_id": client_id}).where(
-            F.col("source") == f"backfill:{run_id}")
+            F.col("source") == merged_source(run_id))
         batch = cls.__new__(cls)
         batch.config, batch.kind, batch.client_id, batch.run_id = config, kind, client_id, run_id
         batch.spark, batch.tables = spark, tables
