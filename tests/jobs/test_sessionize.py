@@ -895,7 +895,7 @@ with ExitStack() as held:
 """
 
 
-def test_a_second_sessionizer_on_the_checkpoint_is_refused_before_it_reads_it(
+def test_a_second_sessionizer_on_the_checkpoint_or_warehouse_is_refused_at_once(
     stream_config: Config, spark: SparkSession
 ) -> None:
     """(Z15) Spark guards a checkpoint within one JVM only: a sessionizer in another process
