@@ -6,6 +6,7 @@ import base64
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -933,6 +934,23 @@ def test_a_second_sessionizer_on_the_checkpoint_or_warehouse_is_refused_at_once(
 
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert [row["event_id"] for row in table_rows(stream_config, spark, "pageviews")] == ["p1"]
+
+
+@pytest.mark.parametrize("note", ['{"checkpoint": "/x"', '["/x"]', '{"home": "/x"}'],
+                         ids=["cut", "a list", "no checkpoint"])
+def test_a_hand_edited_sessionizer_note_stops_corrections_saying_what_to_do(
+        config: Config, note: str) -> None:
+    """(Z17) A correction run read the warehouse's note of its sessionizer unchecked: an
+    edited one failed it with Python's own JSON or key error."""
+    sessionize.record_stream_settings(config)
+    sessionize.check_stream_settings(config)  # its own sessionizer's note: nothing to refuse
+    path = config.warehouse / sessionize.STREAM_SETTINGS_FILE
+    path.write_text(note)
+    with pytest.raises(ConfigError, match=(
+            rf"^{re.escape(str(path))} is not the note a sessionizer writes \(read: .+\); "
+            r"each sessionizer start writes it whole, so it was edited by hand\. Start the "
+            r"sessionizer once")):
+        sessionize.check_stream_settings(config)
 
 
 def test_a_restart_with_another_session_gap_is_refused(

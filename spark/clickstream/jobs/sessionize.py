@@ -445,7 +445,7 @@ def check_stream_settings(config: Config) -> None:
     """
     path = config.warehouse / STREAM_SETTINGS_FILE
     if path.exists():  # else no sessionizer has run on this warehouse
-        recorded = json.loads(path.read_text())
+        recorded = _noted_stream(path)
         _refuse_another_home(config, recorded, path)
         _refuse_other_topics(config, recorded, path)
     checkpoint = config.checkpoint_path(JOB)
@@ -454,6 +454,21 @@ def check_stream_settings(config: Config) -> None:
         _refuse_another_gap(checkpoint, json.loads(settings.read_text())["session_gap_ms"],
                             config, "sessions computed with another gap than the stream's "
                             "would split or merge the stream's")
+
+
+def _noted_stream(path: Path) -> dict[str, str]:
+    """The note ``record_stream_settings`` wrote (Z17); written whole, so a note that does
+    not read was edited by hand."""
+    try:
+        recorded = json.loads(path.read_text())
+    except ValueError as error:
+        recorded = error
+    if isinstance(recorded, dict) and {"checkpoint", "home"} <= recorded.keys():
+        return recorded
+    raise errors.ConfigError(
+        f"{path} is not the note a sessionizer writes (read: {recorded!r:.200}); each "
+        "sessionizer start writes it whole, so it was edited by hand. Start the sessionizer "
+        "once to write it again, or remove it if no sessionizer runs on this warehouse")
 
 
 def _refuse_another_home(config: Config, recorded: dict[str, str], path: Path) -> None:
@@ -908,7 +923,7 @@ def sessionizer_lock(config: Config) -> Iterator[None]:
 
     def refuse_beside(holder: str) -> errors.ClickstreamError:
         noted = config.warehouse / STREAM_SETTINGS_FILE  # the running one's (Z17)
-        theirs = (f" on the checkpoint {json.loads(noted.read_text())['checkpoint']}"
+        theirs = (f" on the checkpoint {_noted_stream(noted)['checkpoint']}"
                   if noted.exists() else "")
         return errors.ClickstreamError(
             f"another sessionizer (pid {holder}) is running{theirs} into the warehouse "
