@@ -459,16 +459,20 @@ def check_stream_settings(config: Config) -> None:
 def _noted_stream(path: Path) -> dict[str, str]:
     """The note ``record_stream_settings`` wrote (Z17); written whole, so a note that does
     not read was edited by hand."""
+    def edited(read: object) -> errors.ConfigError:
+        return errors.ConfigError(
+            f"{path} is not the note a sessionizer writes (read: {read!r:.200}); each "
+            "sessionizer start writes it whole, so it was edited by hand. Start the "
+            "sessionizer once to write it again, or remove it if no sessionizer runs on this "
+            "warehouse")
+
     try:
         recorded = json.loads(path.read_text())
     except ValueError as error:
-        recorded = error
-    if isinstance(recorded, dict) and {"checkpoint", "home"} <= recorded.keys():
-        return recorded
-    raise errors.ConfigError(
-        f"{path} is not the note a sessionizer writes (read: {recorded!r:.200}); each "
-        "sessionizer start writes it whole, so it was edited by hand. Start the sessionizer "
-        "once to write it again, or remove it if no sessionizer runs on this warehouse")
+        raise edited(error) from error
+    if not (isinstance(recorded, dict) and {"checkpoint", "home"} <= recorded.keys()):
+        raise edited(recorded)
+    return recorded
 
 
 def _refuse_another_home(config: Config, recorded: dict[str, str], path: Path) -> None:
