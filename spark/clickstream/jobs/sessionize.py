@@ -139,7 +139,6 @@ Known edge cases, cited inline as (Z1)..(Z17):
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import threading
@@ -168,6 +167,7 @@ from clickstream.io.kafka_changelog import publish_attributions, publish_session
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse
+from clickstream.quality import reports
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -414,23 +414,16 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
                 f"{current['state_buckets']}: move the checkpoint folder away and run "
                 "`clickstream recompute --full --client C` for every client")
         return
-    checkpoint.mkdir(parents=True, exist_ok=True)
-    partial_path = checkpoint / f".{SETTINGS_FILE}.tmp"
-    partial_path.write_text(json.dumps(current))
-    partial_path.replace(path)  # whole or not at all
+    reports.write_atomically(path, json.dumps(current))  # whole or not at all
 
 
 def record_stream_settings(config: Config) -> None:
     """Note in the warehouse which checkpoint its sessionizer runs on, and the topics it
     publishes to (Z17), at each start: the last one started is the warehouse's."""
-    path = config.warehouse / STREAM_SETTINGS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial_path.write_text(json.dumps({
+    reports.write_atomically(config.warehouse / STREAM_SETTINGS_FILE, json.dumps({
         "checkpoint": str(config.checkpoint_path(JOB).resolve()),
         "home": str(config.home.resolve()), "sessions_topic": config.sessions_topic,
         "attributions_topic": config.attributions_topic}))
-    partial_path.replace(path)  # whole or not at all
 
 
 def check_stream_settings(config: Config) -> None:
