@@ -39,7 +39,13 @@ from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
-from clickstream.jobs.sessionize import records_lock, run_sessionizer
+from clickstream.jobs.sessionize import (
+    HISTORY_FILE,
+    JOB,
+    records_lock,
+    run_sessionizer,
+    stored_history_until,
+)
 from clickstream.quality import reports
 from clickstream.tables import PAGEVIEWS, SESSIONS
 from tests.jobs.test_sessionize import pageview, probe_records_lock, produce, table_rows
@@ -1347,6 +1353,75 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
     produce(stream_config, ON_TIME_COPIES)
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert_stored_once_and_folded_in(stream_config, spark)
+
+
+def test_history_backfilled_before_the_stream_ever_ran_is_not_stored_again(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z18) u's history is backfilled before any sessionizer ran; the topic then holds the
+    same records (the client streamed them too) and newer ones: n1 within a gap of u's last
+    backfilled pageview, n2 hours later. Each record is stored once, and once a recompute
+    folded in what the stream took as late, u's history and n1 are one session."""
+    history = [pv_row(f"h{i}", "u", i * 10) for i in range(4)]
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", history, "parquet"))
+    run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "o", [order_row("O1", "u", 15)], "parquet"))
+    copies = [on_time_event("pageview", f"h{i}", i * 10) for i in range(4)]
+    produce(stream_config, [*copies, on_time_event("order", "O1", 15),
+                            on_time_event("pageview", "n1", 50),
+                            on_time_event("pageview", "n2", 300), FLUSH])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    stored = [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")]
+    assert sorted(stored) == ["flush", "h0", "h1", "h2", "h3", "n1", "n2"]
+    assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["O1"]
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
+            ] == ["n1"]  # the copies were found stored, n1 is late (one gap after h3)
+    run_recompute(stream_config, spark=spark)
+    by_start = {r["session_start"]: r for r in table_rows(stream_config, spark, "sessions")}
+    joined = by_start[START]
+    assert (joined["pageview_count"], joined["session_end"], joined["order_count"]) == (
+        5, START + timedelta(minutes=50), 1)
+    assert by_start[START + timedelta(minutes=300)]["pageview_count"] == 1
+    assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
+
+
+def test_a_backfill_merging_after_a_sessionizer_started_queues_its_rows_ahead(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z18, Z14) No sessionizer had started when the backfill looked, so it queued nothing
+    ahead; one starts while the merge waits for the records lock and pins the tables as they
+    are, without the batch. The merge, under the lock, sees the started checkpoint and
+    queues the batch's rows ahead of itself (Z11): the stream's first micro-batch would
+    receive their copies on time."""
+    path = write_rows(stream_config, "p", [pv_row("P1", "u", 100)], "parquet")
+    waiting = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def backfill() -> None:
+        try:
+            outcome["summary"] = run_backfill(
+                stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark,
+                progress=lambda line: waiting.set() if "waiting for the sessionizer" in line
+                else None)
+        except Exception as error:  # reported by the assertion below
+            outcome["error"] = error
+
+    checkpoint = stream_config.checkpoint_path(JOB)
+    with records_lock(stream_config):  # held by the sessionizer's start as it pins
+        worker = threading.Thread(target=backfill)
+        worker.start()
+        assert waiting.wait(300), outcome
+        assert not (stream_config.warehouse / "recompute_queue").exists()
+        pinned = stored_history_until(open_tables(stream_config, spark), GAP_MS)
+        checkpoint.mkdir(parents=True)
+        (checkpoint / HISTORY_FILE).write_text(json.dumps(pinned))
+    worker.join(300)
+    assert "error" not in outcome, outcome
+    assert pinned == {}
+    (queued,) = table_rows(stream_config, spark, "recompute_queue")
+    assert (queued["record_id"], queued["queued_by"].startswith("backfill")) == ("P1", True)
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["P1"]
 
 
 def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(

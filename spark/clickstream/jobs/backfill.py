@@ -47,7 +47,14 @@ from clickstream.jobs.corrections import (
     stored_elsewhere,
     where_attributed,
 )
-from clickstream.jobs.sessionize import check_stream_settings, records_lock, stream_watermark_ms
+from clickstream.jobs.sessionize import (
+    JOB,
+    check_stream_settings,
+    history_until,
+    is_history,
+    records_lock,
+    stream_watermark_ms,
+)
 from clickstream.quality.checks import backfill_app_id, run_commit_version
 from clickstream.quality.gates import (
     GateResult,
@@ -288,7 +295,7 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     The merge holds the stream's records lock from its read of what is stored to its commit
     (``sessionize`` Z14): a micro-batch stores its records before the merge reads them, or
     reads them after it committed, so no record is stored by both."""
-    queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
+    stream_seen = queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
@@ -299,6 +306,8 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
         # a killed attempt's live child) may have merged while this one waited; read before,
         # this one merged nothing, reported "0 merged" and overwrote the run's count.
         merged = merged_earlier(tables, kind, run_id)
+        if merged is None and not stream_seen:  # (Z18) a sessionizer started meanwhile?
+            queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
         if merged is not None:
             progress(f"  merged by an earlier attempt of this run: {merged} rows; nothing "
                      "merged again")
@@ -445,7 +454,7 @@ def _ahead_app_id(run_id: str) -> str:
 
 def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFrame,
                              kind: BatchKind, run_id: str, progress: Callable[[str], None]
-                             ) -> None:
+                             ) -> bool:
     """Queue the batch's rows the stream could still receive on time, before they are merged
     (``sessionize`` Z11, Z14): the stream stores no on-time copy of a record a backfill
     queued (an on-time row is not compared with what is stored), so the merge is the only
@@ -455,11 +464,20 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
     are (C4, whose queue skips them); a row whose user the stream let go meanwhile is folded
     in by the next recompute, which changes nothing once the merge stored it. Killed before
     the merge, the run must be rerun: a copy the stream receives on time meanwhile is in its
-    sessions but not in ``pageviews`` / ``orders`` (README, Known limits)."""
+    sessions but not in ``pageviews`` / ``orders`` (README, Known limits).
+
+    Before the stream's first micro-batch, a started checkpoint takes as late what it pinned
+    as history (``sessionize`` Z18), and rows after that are queued; with no checkpoint
+    started, nothing is queued and the checkpoint's start will find the rows stored. Returns
+    whether it found a started checkpoint: the merge asks again under the records lock."""
     watermark = stream_watermark_ms(config)
-    if watermark is None:  # no stream has run: nothing is on time for it yet
-        return
-    ahead = valid.where(F.col("ts") > F.timestamp_millis(F.lit(watermark)))
+    history = history_until(config.checkpoint_path(JOB))
+    if watermark is None and history is None:  # no stream has started: it will find them
+        return False
+    on_time = ~is_history(history)
+    if watermark is not None:
+        on_time &= F.col("ts") > F.timestamp_millis(F.lit(watermark))
+    ahead = valid.where(on_time)
     queued = tables.append_once(
         RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, _queued_by(run_id)),
         app_id=_ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
@@ -468,6 +486,7 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
         progress(f"  queued ahead of the merge: {queued.rows} rows the stream could still "
                  "receive on time, whose copies it leaves to this run (if it stops before "
                  "its merge, rerun it)")
+    return True
 
 
 def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,

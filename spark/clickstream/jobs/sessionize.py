@@ -134,6 +134,21 @@ Known edge cases, cited inline as (Z1)..(Z17):
       (``STREAM_SETTINGS_FILE``), and a correction run with another home is refused, naming
       the home to use; so is one that would publish to other topics than the stream's (its
       corrections would never reach the stream's readers).
+  Z18. What the tables hold when a checkpoint starts is history to it. A checkpoint's start
+      before its first micro-batch pins, per client, the time of the latest pageview or order
+      the tables hold plus one session gap (``HISTORY_FILE``, computed under the records
+      lock). A record of that client at or before it is late, as one at or before the
+      watermark is (Z1): compared with what is stored, stored and queued only if no other
+      delivery stored it, never counted by the session state. Without it, history loaded
+      by backfills before the stream ever ran (their sessions computed and published) met
+      a first micro-batch with no watermark: every copy the topic held was on time, stored a
+      second time and sessionized again, and a new checkpoint re-reading the topic did the
+      same. The gap makes a record that could join a stored session late too: its user's
+      session is recomputed from the tables by the recompute that folds it in, where the
+      stream would have started a session of its own beside the stored one. A backfill that
+      finds a checkpoint started but not yet planned queues its rows after the pinned time
+      ahead of its merge (Z11), and checks again under the records lock, so a sessionizer
+      starting while the merge waited is seen.
 """
 
 from __future__ import annotations
@@ -257,13 +272,14 @@ def _first_copies(rows: DataFrame, key: str, order: list[str], late: Column) -> 
         *[F.col(c) if c in ids else F.col(f"_first.{c}").alias(c) for c in rows.columns])
 
 
-def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = True
-                 ) -> DataFrame:
+def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = True,
+                 history: Mapping[str, int] | None = None) -> DataFrame:
     """The unioned stream the sink consumes: ``branch`` = 'emitted' | 'record'.
 
     Each branch scans the source; with ``share_reads`` the second scan of a micro-batch takes
     the first's records instead of fetching them again (kafka_source K6; off only to measure
-    what that saves: ``bench/sessionizer_bench.py stages``).
+    what that saves: ``bench/sessionizer_bench.py stages``). ``history``: what the checkpoint
+    pinned (``history_until``), which the session state never counts (Z18).
     """
     records = parse_kafka_records(
         read_kafka_stream(spark, config, config.events_topic, share_reads=share_reads),
@@ -273,7 +289,8 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
     is_session_input = F.coalesce(
         F.col("error").isNull()
         & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER)
-        & raw_events_admitted(config),  # what the sink's gate quarantines
+        & raw_events_admitted(config)  # what the sink's gate quarantines
+        & ~is_history(history),  # (Z18) late, as the sink takes it
         F.lit(False))
     session_input = (
         records.where(is_session_input)
@@ -380,6 +397,7 @@ def _last_logged_batch(checkpoint: Path, log: str) -> int:
 
 
 SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
+HISTORY_FILE = "clickstream-history.json"  # in the checkpoint folder too (Z18)
 # In the warehouse, beside the tables: its sessionizer's checkpoint and topics (Z17). No table
 # is named with a leading "_" (as ``locks.LOCKS_FOLDER``).
 STREAM_SETTINGS_FILE = "_clickstream_sessionizer.json"
@@ -415,6 +433,51 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
                 "`clickstream recompute --full --client C` for every client")
         return
     reports.write_atomically(path, json.dumps(current))  # whole or not at all
+
+
+def pin_history(checkpoint: Path, config: Config, tables: DeltaTables) -> None:
+    """Pin what the tables hold as history, at each start before the checkpoint's first
+    micro-batch (Z18); a checkpoint that planned one keeps what it pinned (or nothing, if it
+    is older than this record)."""
+    if _planned_a_batch(checkpoint):
+        return
+    with records_lock(config, on_wait=lambda: print(
+            "sessionize: waiting for a backfill's merge to commit before reading what the "
+            f"tables hold ({records_lock_path(config)}) ...", flush=True)):
+        until = stored_history_until(tables, config.session_gap_ms)
+        reports.write_atomically(checkpoint / HISTORY_FILE, json.dumps(until, sort_keys=True))
+    if until:
+        print(f"sessionize: the tables hold {len(until)} clients' history; records up to one "
+              "session gap after each client's latest stored pageview or order are late for "
+              "this checkpoint (README, Late data)", flush=True)
+
+
+def stored_history_until(tables: DeltaTables, gap_ms: int) -> dict[str, int]:
+    """Per client, the time (ms) up to which a record is history (Z18): its latest stored
+    pageview or order, plus one gap."""
+    frames = [tables.read(spec.name, ["client_id", "ts"])
+              for _, _, spec, _ in RECORD_TABLES if tables.exists(spec.name)]
+    if not frames:
+        return {}
+    latest = reduce(DataFrame.unionByName, frames).groupBy("client_id").agg(
+        F.max(F.unix_millis("ts")).alias("latest_ms")).collect()
+    return {row.client_id: row.latest_ms + gap_ms for row in latest}
+
+
+def history_until(checkpoint: Path) -> dict[str, int] | None:
+    """What the checkpoint pinned as history (Z18); None if it pinned nothing (a checkpoint
+    that never started, or one older than this record)."""
+    path = checkpoint / HISTORY_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def is_history(until: Mapping[str, int] | None) -> Column:
+    """Whether a row (``client_id``, ``ts``) is history for the stream (Z18)."""
+    if not until:
+        return F.lit(False)
+    latest = F.create_map(*(F.lit(value) for item in sorted(until.items()) for value in item))
+    return F.coalesce(F.unix_millis("ts") <= F.try_element_at(latest, F.col("client_id")),
+                      F.lit(False))
 
 
 def record_stream_settings(config: Config) -> None:
@@ -607,6 +670,7 @@ class MicroBatchWriter:
         self.checkpoint = checkpoint
         self.summary = summary
         self.run_id = uuid.uuid4().hex
+        self.history = history_until(checkpoint)  # (Z18)
         self.last_batch: int | None = None  # set by a stop: the last batch it may write (Z13)
         self._started = -1  # the last batch it began writing
         self._bound = threading.Lock()  # between a batch's start and a stop's bound
@@ -670,7 +734,7 @@ class MicroBatchWriter:
         counts = BatchCounts()
         records = batch.where(F.col("branch") == "record").select("record.*")
         emitted = batch.where(F.col("branch") == "emitted").select("emitted.*")
-        is_late = F.col("ts") <= _ms_to_ts(F.lit(late_before_ms))
+        is_late = (F.col("ts") <= _ms_to_ts(F.lit(late_before_ms))) | is_history(self.history)
         # The raw_events gate marks offending records as errors: quarantined below, with the
         # failed expectation as the reason, and never stored; the stream goes on.
         # Every Spark job costs a fixed ~0.1-0.3 s here: one job finds which outputs have rows
@@ -948,18 +1012,20 @@ def run_sessionizer(
 
 def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession | None
                      ) -> SessionizeSummary:
-    pin_session_settings(config.checkpoint_path(JOB), config)  # (Z10)
-    record_stream_settings(config)  # (Z17)
+    checkpoint = config.checkpoint_path(JOB)
+    pin_session_settings(checkpoint, config)  # (Z10)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
-    checkpoint = config.checkpoint_path(JOB)
+    pin_history(checkpoint, config, tables)  # (Z18)
+    record_stream_settings(config)  # (Z17)
     print(f"sessionize: {config.events_topic} -> {config.warehouse}, checkpoint {checkpoint}, "
           f"driver heap {driver_heap_mib(spark)} MiB", flush=True)
     checkpoint.mkdir(parents=True, exist_ok=True)
     summary = SessionizeSummary()
     started = time.monotonic()
     writer = MicroBatchWriter(config, tables, checkpoint, summary)
-    stream = build_stream(spark, config).writeStream.foreachBatch(writer).queryName(JOB)
+    stream = build_stream(spark, config, history=writer.history).writeStream.foreachBatch(
+        writer).queryName(JOB)
     stream = stream.option("checkpointLocation", str(checkpoint))
     if until_caught_up:
         stream = stream.trigger(availableNow=True)
