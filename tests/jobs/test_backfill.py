@@ -1393,7 +1393,8 @@ def test_a_backfill_merging_after_a_sessionizer_started_queues_its_rows_ahead(
     ahead; one starts while the merge waits for the records lock and pins the tables as they
     are, without the batch. The merge, under the lock, sees the started checkpoint and
     queues the batch's rows ahead of itself (Z11): the stream's first micro-batch would
-    receive their copies on time."""
+    receive their copies on time. A recompute before that micro-batch leaves them queued
+    (recompute R12); the first one after it folds them in."""
     path = write_rows(stream_config, "p", [pv_row("P1", "u", 100)], "parquet")
     waiting = threading.Event()
     outcome: dict[str, object] = {}
@@ -1422,6 +1423,16 @@ def test_a_backfill_merging_after_a_sessionizer_started_queues_its_rows_ahead(
     (queued,) = table_rows(stream_config, spark, "recompute_queue")
     assert (queued["record_id"], queued["queued_by"].startswith("backfill")) == ("P1", True)
     assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["P1"]
+    run_recompute(stream_config, spark=spark)  # (R12) the row waits for a first micro-batch
+    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
+            ] == ["P1"]
+    produce(stream_config, [on_time_event("pageview", "P1", 100), FLUSH])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    run_recompute(stream_config, spark=spark)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")
+                  ) == ["P1", "flush"]
+    assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
 
 
 def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(

@@ -993,6 +993,51 @@ def test_a_restart_with_another_session_gap_is_refused(
             for r in table_rows(thirty, spark, "sessions")] == [("a", 2)]
 
 
+def test_a_new_checkpoint_reading_the_topic_again_stores_and_sessionizes_nothing_twice(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z18) The checkpoint is moved away and the sessionizer started again: the new one reads
+    the topic from its start, and what the tables hold is history to it. It stored every
+    pageview a second time and emitted every session again. Now it stores and emits nothing
+    of what it reads again, and queues it (the same deliveries stored it: Z8); once the
+    stream has moved on, a recompute folds that in, which emits the sessions the old
+    checkpoint held open and changes nothing else."""
+    records = live_records(SCALE, Delivery(late_fraction=0.0, duplicate_fraction=0.1,
+                                           bad_fraction=0.0, jitter_seconds=120), seed=7)
+    produce(stream_config, records)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    kept = {name: table_rows(stream_config, spark, name)
+            for name in ("pageviews", "orders", "sessions", "attributions")}
+    open_before = reference_sessions(valid_events(records), stream_config.session_gap_ms
+                                     )[0].keys() - {
+        r["session_id"] for r in kept["sessions"]}
+    assert kept["sessions"] and open_before, "the data should close sessions and hold some"
+    checkpoint = stream_config.checkpoint_path("sessionize")
+    checkpoint.rename(checkpoint.with_name("sessionize-moved-away"))
+
+    summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert (summary.totals.pageviews, summary.totals.orders, summary.totals.sessions) == (
+        0, 0, 0)
+    for name, rows in kept.items():
+        assert table_rows(stream_config, spark, name) == rows, name
+    assert summary.totals.late_queued == len(kept["pageviews"]) + len(kept["orders"])
+
+    last = max(r["ts"] for r in kept["pageviews"])
+    moved_on = [pageview("new", last + timedelta(hours=1), "n1"),
+                pageview("new", last + timedelta(days=1), "n2")]
+    produce(stream_config, moved_on)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    run_recompute(stream_config, spark=spark)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    rows = assert_sessions_match_reference(stream_config, spark,
+                                           valid_events([*records, *moved_on]), revised=True)
+    assert open_before <= {r["session_id"] for r in rows}
+    assert {r["session_id"]: r for r in rows if r["session_id"] not in open_before} == {
+        r["session_id"]: r for r in kept["sessions"]} | {
+        r["session_id"]: r for r in rows if r["user_id"] == "new"}
+    assert_topic_equals_table(stream_config, rows)
+
+
 def test_a_stop_refuses_the_micro_batches_after_those_planned_before_reading_them(
     stream_config: Config, spark: SparkSession, tmp_path: Path
 ) -> None:

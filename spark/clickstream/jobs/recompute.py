@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R11):
+Known edge cases, cited inline as (R1)..(R12):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
@@ -70,6 +70,12 @@ Known edge cases, cited inline as (R1)..(R11):
       it rewrites, before it records, rewrites or publishes anything, and ``publish`` on its
       plan once published (failing, the plan stays unpublished for the next correction run
       to finish, C6). It ran none: the largest rewrite the product makes went unchecked.
+  R12. Between a sessionizer's start and its first micro-batch (``sessionize`` Z18), the rows
+      a backfill queued ahead of its merge (Z11) stay queued: with no watermark yet, no user
+      is left to the stream, so a run folded them in and removed them, and a copy the
+      stream's first micro-batch then received on time was stored a second time. The
+      backfill planned those rows itself (nothing is deferred without a watermark); they
+      are folded in by the first run after that micro-batch, changing nothing.
 """
 
 from __future__ import annotations
@@ -115,7 +121,12 @@ from clickstream.jobs.corrections import (
     unfinished_plan,
     unfinished_plan_seq,
 )
-from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
+from clickstream.jobs.sessionize import (
+    JOB,
+    check_stream_settings,
+    history_until,
+    stream_watermark_ms,
+)
 from clickstream.quality import reports
 from clickstream.quality.gates import (
     FULL_RECOMPUTE_JOB,
@@ -128,6 +139,7 @@ from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
     ATTRIBUTIONS,
+    BACKFILL_QUEUED_BY,
     CORRECTIONS,
     ORDERS,
     PAGEVIEWS,
@@ -201,9 +213,11 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
     queue_version = tables.version(RECOMPUTE_QUEUE.name)
     queue = (tables.read(RECOMPUTE_QUEUE.name, version=queue_version) if queue_version >= 0
              else spark.createDataFrame([], RECOMPUTE_QUEUE.schema))
+    watermark = stream_watermark_ms(config)
+    if watermark is None and history_until(config.checkpoint_path(JOB)) is not None:  # (R12)
+        queue = _without_rows_ahead_of_a_first_micro_batch(queue, progress)
     clients = [client_id] if client_id else sorted(
         {r.client_id for r in queue.select("client_id").distinct().collect()} | unfinished)
-    watermark = stream_watermark_ms(config)
     failed: dict[str, ClickstreamError] = {}
     for client in clients:
         mine = queue.where(F.col("client_id") == client).persist()
@@ -235,6 +249,18 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
             f"queued ({'; '.join(f'{c}: {error_line(str(e))}' for c, e in failed.items())}); "
             "the others were folded in")
     return summary
+
+
+def _without_rows_ahead_of_a_first_micro_batch(queue: DataFrame,
+                                               progress: Callable[[str], None]) -> DataFrame:
+    """(R12) The queue less the rows backfills queued for the stream's first micro-batch."""
+    ahead = F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
+    waiting = queue.where(ahead).count()
+    if waiting:
+        progress(f"recompute: {waiting} rows backfills queued ahead of their merges stay "
+                 "queued until the sessionizer, started but not yet through its first "
+                 "micro-batch, has run one (their sessions are already computed)")
+    return queue.where(~ahead)
 
 
 def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables,

@@ -17,7 +17,7 @@ batch replayed after a crash commits nothing twice (a record a backfill queued a
 merge is that backfill's to store: Z11, Z14). Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z17):
+Known edge cases, cited inline as (Z1)..(Z18):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -139,7 +139,8 @@ Known edge cases, cited inline as (Z1)..(Z17):
       the tables hold plus one session gap (``HISTORY_FILE``, computed under the records
       lock). A record of that client at or before it is late, as one at or before the
       watermark is (Z1): compared with what is stored, stored and queued only if no other
-      delivery stored it, never counted by the session state. Without it, history loaded
+      delivery stored it, never counted by the session state (it still moves the watermark,
+      as it did when it was on time). Without it, history loaded
       by backfills before the stream ever ran (their sessions computed and published) met
       a first micro-batch with no watermark: every copy the topic held was on time, stored a
       second time and sessionized again, and a new checkpoint re-reading the topic did the
@@ -148,7 +149,10 @@ Known edge cases, cited inline as (Z1)..(Z17):
       stream would have started a session of its own beside the stored one. A backfill that
       finds a checkpoint started but not yet planned queues its rows after the pinned time
       ahead of its merge (Z11), and checks again under the records lock, so a sessionizer
-      starting while the merge waited is seen.
+      starting while the merge waited is seen; a recompute leaves those rows queued until
+      the first micro-batch ran (``recompute`` R12). A new checkpoint (the old one deleted)
+      queues what it reads again, stored by the same deliveries (Z8): the recompute that
+      folds it in emits the sessions the old one held open, and changes nothing else.
 """
 
 from __future__ import annotations
@@ -289,8 +293,7 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
     is_session_input = F.coalesce(
         F.col("error").isNull()
         & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER)
-        & raw_events_admitted(config)  # what the sink's gate quarantines
-        & ~is_history(history),  # (Z18) late, as the sink takes it
+        & raw_events_admitted(config),  # what the sink's gate quarantines
         F.lit(False))
     session_input = (
         records.where(is_session_input)
@@ -301,6 +304,7 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
             _amount_e4().alias("amount_e4"), "currency",
         )
         .withWatermark("ts", f"{config.watermark_delay_ms} milliseconds")
+        .where(~is_history(history))  # (Z18) late, as the sink takes it; the clock saw it
     )
     emitted = session_input.groupBy("bucket").transformWithStateInPandas(
         statefulProcessor=SessionProcessor(config.session_gap_ms),
@@ -441,6 +445,8 @@ def pin_history(checkpoint: Path, config: Config, tables: DeltaTables) -> None:
     is older than this record)."""
     if _planned_a_batch(checkpoint):
         return
+    print("sessionize: before this checkpoint's first micro-batch: reading the latest stored "
+          "pageview and order of each client (Z18) ...", flush=True)
     with records_lock(config, on_wait=lambda: print(
             "sessionize: waiting for a backfill's merge to commit before reading what the "
             f"tables hold ({records_lock_path(config)}) ...", flush=True)):
@@ -449,7 +455,7 @@ def pin_history(checkpoint: Path, config: Config, tables: DeltaTables) -> None:
     if until:
         print(f"sessionize: the tables hold {len(until)} clients' history; records up to one "
               "session gap after each client's latest stored pageview or order are late for "
-              "this checkpoint (README, Late data)", flush=True)
+              "this checkpoint (README, Run the sessionizer: history)", flush=True)
 
 
 def stored_history_until(tables: DeltaTables, gap_ms: int) -> dict[str, int]:
