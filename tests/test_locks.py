@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from clickstream.locks import exclusive
+from clickstream.locks import exclusive, exclusive_or_refuse, held
 
 HOLD = """
 import sys, time
@@ -49,3 +49,24 @@ def test_a_killed_holder_releases_the_lock(tmp_path: Path) -> None:
     started = time.monotonic()
     with exclusive(path):
         assert time.monotonic() - started < 30  # the holder would have held it for 60 s
+
+
+def test_held_tells_a_holder_without_taking_the_lock(tmp_path: Path) -> None:
+    """``held`` reads who holds the lock and takes nothing: a holder starting meanwhile (a
+    sessionizer, ``exclusive_or_refuse``) is never refused because of the probe."""
+    path = tmp_path / "sessionize.lock"
+    assert not held(path)  # no file
+    with exclusive(path):
+        assert held(path)  # this process
+    assert not held(path)  # the file stays, unlocked
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), "30"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert held(path)  # another process
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert not held(path)  # its holder killed
+    with exclusive_or_refuse(path, refuse=lambda holder: AssertionError(holder)):
+        assert held(path)

@@ -36,6 +36,7 @@ from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import backfill as backfill_module
 from clickstream.jobs import backfill_steps, batch_input
+from clickstream.jobs import sessionize as sessionize_module
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
@@ -44,6 +45,7 @@ from clickstream.jobs.sessionize import (
     JOB,
     records_lock,
     run_sessionizer,
+    sessionizer_lock,
     stored_history_until,
 )
 from clickstream.quality import reports
@@ -1386,15 +1388,15 @@ def test_history_backfilled_before_the_stream_ever_ran_is_not_stored_again(
     assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
 
 
-def test_a_backfill_merging_after_a_sessionizer_started_queues_its_rows_ahead(
-    stream_config: Config, spark: SparkSession
+def test_a_sessionizer_waiting_for_its_first_micro_batch_owns_what_is_after_its_history(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """(Z18, Z14) No sessionizer had started when the backfill looked, so it queued nothing
-    ahead; one starts while the merge waits for the records lock and pins the tables as they
-    are, without the batch. The merge, under the lock, sees the started checkpoint and
-    queues the batch's rows ahead of itself (Z11): the stream's first micro-batch would
-    receive their copies on time. A recompute before that micro-batch leaves them queued
-    (recompute R12); the first one after it folds them in."""
+    """(Z18, Z11, C4) No sessionizer ran when the backfill looked, so it queued nothing ahead;
+    one starts while the merge waits for the records lock and pins the tables as they are,
+    without the batch, then waits for events. The merge, under the lock, sees it and queues
+    the batch's rows ahead of itself, and the plan leaves u to it (the pinned time is its
+    watermark), as is a recompute meanwhile: the stream's first micro-batch receives P1 on
+    time. Planned by the backfill (no watermark yet), u's session was stored by both."""
     path = write_rows(stream_config, "p", [pv_row("P1", "u", 100)], "parquet")
     waiting = threading.Event()
     outcome: dict[str, object] = {}
@@ -1409,29 +1411,32 @@ def test_a_backfill_merging_after_a_sessionizer_started_queues_its_rows_ahead(
             outcome["error"] = error
 
     checkpoint = stream_config.checkpoint_path(JOB)
-    with records_lock(stream_config):  # held by the sessionizer's start as it pins
-        worker = threading.Thread(target=backfill)
-        worker.start()
-        assert waiting.wait(300), outcome
-        assert not (stream_config.warehouse / "recompute_queue").exists()
-        pinned = stored_history_until(open_tables(stream_config, spark), GAP_MS)
-        checkpoint.mkdir(parents=True)
-        (checkpoint / HISTORY_FILE).write_text(json.dumps(pinned))
-    worker.join(300)
-    assert "error" not in outcome, outcome
-    assert pinned == {}
-    (queued,) = table_rows(stream_config, spark, "recompute_queue")
-    assert (queued["record_id"], queued["queued_by"].startswith("backfill")) == ("P1", True)
-    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["P1"]
-    run_recompute(stream_config, spark=spark)  # (R12) the row waits for a first micro-batch
-    assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
-            ] == ["P1"]
+    with sessionizer_lock(stream_config):  # a sessionizer that started: it runs on
+        with records_lock(stream_config):  # held by its start as it pins
+            worker = threading.Thread(target=backfill)
+            worker.start()
+            assert waiting.wait(300), outcome
+            assert not (stream_config.warehouse / "recompute_queue").exists()
+            pinned = stored_history_until(open_tables(stream_config, spark), GAP_MS)
+            checkpoint.mkdir(parents=True)
+            (checkpoint / HISTORY_FILE).write_text(json.dumps(pinned))
+        worker.join(300)
+        assert "error" not in outcome, outcome
+        assert (pinned, outcome["summary"].corrections.deferred_users) == ({}, 1)
+        (queued,) = table_rows(stream_config, spark, "recompute_queue")
+        assert (queued["record_id"], queued["queued_by"].startswith("backfill")) == ("P1", True)
+        assert table_rows(stream_config, spark, "sessions") == []
+        run_recompute(stream_config, spark=spark)  # u is the stream's: P1 stays queued
+        assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
+                ] == ["P1"]
+    # The same sessionizer goes on with what it pinned when it started, and receives P1.
+    monkeypatch.setattr(sessionize_module, "pin_history", lambda checkpoint, config, tables: None)
     produce(stream_config, [on_time_event("pageview", "P1", 100), FLUSH])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    run_recompute(stream_config, spark=spark)
-    assert table_rows(stream_config, spark, "recompute_queue") == []
     assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")
                   ) == ["P1", "flush"]
+    run_recompute(stream_config, spark=spark)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
     assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
 
 

@@ -122,7 +122,7 @@ def test_a_run_resumed_after_its_plan_still_queues_what_the_stream_owns(
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     produce(stream_config, [pageview("other", at(45))])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    assert stream_watermark_ms(stream_config) == ms(START + timedelta(minutes=45 - 10))
+    assert stream_watermark_ms(stream_config, "client-00") == ms(START + timedelta(minutes=45 - 10))
     orders = [order_row("o-open", "open", 25),  # inside the session the stream holds open
               order_row("o-old", "old", -24 * 60)]  # long closed: planned and recorded
     write_rows(stream_config, "late", orders, "jsonl")

@@ -680,7 +680,7 @@ def test_a_full_recompute_leaves_an_order_the_stream_holds_to_the_stream(
     produce(stream_config, [order("z", START + timedelta(minutes=60), "o1"),
                             pageview("v", START + timedelta(minutes=65), "v1")])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    watermark = sessionize.stream_watermark_ms(stream_config)
+    watermark = sessionize.stream_watermark_ms(stream_config, "client-00")
     assert watermark is not None and ms(START) < watermark < ms(START + timedelta(minutes=60))
     assert table_rows(stream_config, spark, "attributions") == []  # o1 is in the state
 

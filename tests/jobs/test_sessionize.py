@@ -439,13 +439,21 @@ def test_a_batch_holds_the_records_lock_until_its_records_are_stored(
     assert held_at == {"pageviews": [True], "sessions": [False]}
 
 
+@pytest.mark.parametrize("first_start", [False, True])
 def test_a_second_signal_stops_a_batch_waiting_for_a_merge_at_once(
-    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+    first_start: bool
 ) -> None:
     """(Z13) The micro-batch waits for the records lock a backfill's merge holds: Spark's
     ``stop()`` waits for the writer, which waited in ``flock`` as long as the merge ran, so a
     second signal did not stop it. It gives up its wait now and writes nothing; the next
-    start stores the batch."""
+    start stores the batch. A ``first_start`` waits before its first micro-batch, to pin what
+    the tables hold (Z18), and gives up that wait the same way."""
+    stored = []
+    if not first_start:
+        produce(stream_config, [pageview("p", datetime(2026, 11, 1, tzinfo=UTC), "p0")])
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+        stored = ["p0"]
     waiting = threading.Event()
     lock = sessionize.records_lock
 
@@ -479,9 +487,11 @@ def test_a_second_signal_stops_a_batch_waiting_for_a_merge_at_once(
         stopped.set()
         signals.join()
     assert waiting.is_set() and not merge_ended.is_set()
-    assert summary.batches == 0 and table_rows(stream_config, spark, "pageviews") == []
+    assert summary.batches == 0
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == stored
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["u1"]
+    assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")) == [
+        *stored, "u1"]
 
 
 def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_late_pageview(

@@ -47,14 +47,7 @@ from clickstream.jobs.corrections import (
     stored_elsewhere,
     where_attributed,
 )
-from clickstream.jobs.sessionize import (
-    JOB,
-    check_stream_settings,
-    history_until,
-    is_history,
-    records_lock,
-    stream_watermark_ms,
-)
+from clickstream.jobs.sessionize import check_stream_settings, records_lock, stream_watermark_ms
 from clickstream.quality.checks import backfill_app_id, run_commit_version
 from clickstream.quality.gates import (
     GateResult,
@@ -295,7 +288,8 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     The merge holds the stream's records lock from its read of what is stored to its commit
     (``sessionize`` Z14): a micro-batch stores its records before the merge reads them, or
     reads them after it committed, so no record is stored by both."""
-    stream_seen = queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
+    stream_seen = queue_ahead_of_the_merge(tables, config, valid, kind, client_id, run_id,
+                                           progress)
     dates = None
     if kind == "pageviews":
         dates = [r.d for r in valid.select(F.to_date("ts").alias("d")).distinct().collect()]
@@ -307,7 +301,7 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
         # this one merged nothing, reported "0 merged" and overwrote the run's count.
         merged = merged_earlier(tables, kind, run_id)
         if merged is None and not stream_seen:  # (Z18) a sessionizer started meanwhile?
-            queue_ahead_of_the_merge(tables, config, valid, kind, run_id, progress)
+            queue_ahead_of_the_merge(tables, config, valid, kind, client_id, run_id, progress)
         if merged is not None:
             progress(f"  merged by an earlier attempt of this run: {merged} rows; nothing "
                      "merged again")
@@ -425,7 +419,7 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     started = time.monotonic()
     scope = BatchScope(tables, valid, kind, client_id, run_id)
     summary.corrections = correct(run, scope.read, orders_only=kind == "orders",
-                                  stream_watermark_ms=stream_watermark_ms(config),
+                                  stream_watermark_ms=stream_watermark_ms(config, client_id),
                                   defer=scope.defer)
     step("recompute and publish", started)
     scope.release()
@@ -453,8 +447,8 @@ def _ahead_app_id(run_id: str) -> str:
 
 
 def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFrame,
-                             kind: BatchKind, run_id: str, progress: Callable[[str], None]
-                             ) -> bool:
+                             kind: BatchKind, client_id: str, run_id: str,
+                             progress: Callable[[str], None]) -> bool:
     """Queue the batch's rows the stream could still receive on time, before they are merged
     (``sessionize`` Z11, Z14): the stream stores no on-time copy of a record a backfill
     queued (an on-time row is not compared with what is stored), so the merge is the only
@@ -466,18 +460,14 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
     the merge, the run must be rerun: a copy the stream receives on time meanwhile is in its
     sessions but not in ``pageviews`` / ``orders`` (README, Known limits).
 
-    Before the stream's first micro-batch, a started checkpoint takes as late what it pinned
-    as history (``sessionize`` Z18), and rows after that are queued; with no checkpoint
-    started, nothing is queued and the checkpoint's start will find the rows stored. Returns
-    whether it found a started checkpoint: the merge asks again under the records lock."""
-    watermark = stream_watermark_ms(config)
-    history = history_until(config.checkpoint_path(JOB))
-    if watermark is None and history is None:  # no stream has started: it will find them
+    Before its first micro-batch, a running sessionizer's watermark is what it pinned as
+    history (``sessionize`` Z18); with none running, nothing is queued: the next start will
+    find the rows stored. Returns whether it found a stream: if not, the merge asks again
+    under the records lock."""
+    watermark = stream_watermark_ms(config, client_id)
+    if watermark is None:  # no stream runs or has run: nothing is on time for it yet
         return False
-    on_time = ~is_history(history)
-    if watermark is not None:
-        on_time &= F.col("ts") > F.timestamp_millis(F.lit(watermark))
-    ahead = valid.where(on_time)
+    ahead = valid.where(F.col("ts") > F.timestamp_millis(F.lit(watermark)))
     queued = tables.append_once(
         RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, _queued_by(run_id)),
         app_id=_ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,

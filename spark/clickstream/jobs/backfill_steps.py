@@ -415,7 +415,7 @@ def _plan_batch(batch: _Batch, run: Run, summary: CorrectionSummary, timer: Time
     scope = BatchScope(batch.tables, batch.valid(), batch.kind, batch.client_id, batch.run_id)
     try:
         return plan_scope(run, scope.read, batch.kind == "orders", summary, timer,
-                          stream_watermark_ms(batch.config), scope.defer)
+                          stream_watermark_ms(batch.config, batch.client_id), scope.defer)
     finally:
         scope.release()
 

@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R12):
+Known edge cases, cited inline as (R1)..(R11):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
@@ -70,12 +70,6 @@ Known edge cases, cited inline as (R1)..(R12):
       it rewrites, before it records, rewrites or publishes anything, and ``publish`` on its
       plan once published (failing, the plan stays unpublished for the next correction run
       to finish, C6). It ran none: the largest rewrite the product makes went unchecked.
-  R12. Between a sessionizer's start and its first micro-batch (``sessionize`` Z18), the rows
-      a backfill queued ahead of its merge (Z11) stay queued: with no watermark yet, no user
-      is left to the stream, so a run folded them in and removed them, and a copy the
-      stream's first micro-batch then received on time was stored a second time. The
-      backfill planned those rows itself (nothing is deferred without a watermark); they
-      are folded in by the first run after that micro-batch, changing nothing.
 """
 
 from __future__ import annotations
@@ -121,12 +115,7 @@ from clickstream.jobs.corrections import (
     unfinished_plan,
     unfinished_plan_seq,
 )
-from clickstream.jobs.sessionize import (
-    JOB,
-    check_stream_settings,
-    history_until,
-    stream_watermark_ms,
-)
+from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
 from clickstream.quality import reports
 from clickstream.quality.gates import (
     FULL_RECOMPUTE_JOB,
@@ -139,7 +128,6 @@ from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
     ATTRIBUTIONS,
-    BACKFILL_QUEUED_BY,
     CORRECTIONS,
     ORDERS,
     PAGEVIEWS,
@@ -213,9 +201,6 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
     queue_version = tables.version(RECOMPUTE_QUEUE.name)
     queue = (tables.read(RECOMPUTE_QUEUE.name, version=queue_version) if queue_version >= 0
              else spark.createDataFrame([], RECOMPUTE_QUEUE.schema))
-    watermark = stream_watermark_ms(config)
-    if watermark is None and history_until(config.checkpoint_path(JOB)) is not None:  # (R12)
-        queue = _without_rows_ahead_of_a_first_micro_batch(queue, progress)
     clients = [client_id] if client_id else sorted(
         {r.client_id for r in queue.select("client_id").distinct().collect()} | unfinished)
     failed: dict[str, ClickstreamError] = {}
@@ -232,7 +217,8 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
                   f"recompute queue version {queue_version}", progress)
         left = None
         try:  # one client's trouble does not stop the others (R10)
-            result, left = _correct(run, partial(landing_scope, mine), watermark)
+            result, left = _correct(run, partial(landing_scope, mine),
+                                    stream_watermark_ms(config, client))
             summary.corrections[client] = result
             folded_in = mine if left is None else mine.join(left, ["client_id", "user_id"],
                                                             "left_anti")
@@ -249,18 +235,6 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
             f"queued ({'; '.join(f'{c}: {error_line(str(e))}' for c, e in failed.items())}); "
             "the others were folded in")
     return summary
-
-
-def _without_rows_ahead_of_a_first_micro_batch(queue: DataFrame,
-                                               progress: Callable[[str], None]) -> DataFrame:
-    """(R12) The queue less the rows backfills queued for the stream's first micro-batch."""
-    ahead = F.col("queued_by").startswith(BACKFILL_QUEUED_BY)
-    waiting = queue.where(ahead).count()
-    if waiting:
-        progress(f"recompute: {waiting} rows backfills queued ahead of their merges stay "
-                 "queued until the sessionizer, started but not yet through its first "
-                 "micro-batch, has run one (their sessions are already computed)")
-    return queue.where(~ahead)
 
 
 def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables,
@@ -451,7 +425,7 @@ class _Rewrite:
 def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     config, tables, spark, client_id = run.config, run.tables, run.spark, run.client_id
     mine = {"client_id": client_id}
-    watermark = stream_watermark_ms(config)
+    watermark = stream_watermark_ms(config, client_id)
     users = ["client_id", "user_id"]
     # What it rewrites is read before what it rewrites it from (R6).
     stored_of: dict[str, tuple[DataFrame, int]] = {}

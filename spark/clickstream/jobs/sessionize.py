@@ -147,12 +147,15 @@ Known edge cases, cited inline as (Z1)..(Z18):
       same. The gap makes a record that could join a stored session late too: its user's
       session is recomputed from the tables by the recompute that folds it in, where the
       stream would have started a session of its own beside the stored one. A backfill that
-      finds a checkpoint started but not yet planned queues its rows after the pinned time
-      ahead of its merge (Z11), and checks again under the records lock, so a sessionizer
-      starting while the merge waited is seen; a recompute leaves those rows queued until
-      the first micro-batch ran (``recompute`` R12). A new checkpoint (the old one deleted)
-      queues what it reads again, stored by the same deliveries (Z8): the recompute that
-      folds it in emits the sessions the old one held open, and changes nothing else.
+      finds a sessionizer running before its first micro-batch takes the pinned time as the
+      stream's watermark (``stream_watermark_ms``): it queues its rows after it ahead of its
+      merge (Z11) and leaves their users to the stream (``corrections`` C4), as it does
+      beside a stream that has run; the merge checks again under the records lock, so a
+      sessionizer starting while the merge waited is seen. A sessionizer not running pins
+      again when it starts, and then finds the backfill's rows stored. A new checkpoint
+      (the old one deleted) queues what it reads again, stored by the same deliveries (Z8):
+      the recompute that folds it in emits the sessions the old one held open, and changes
+      nothing else.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ from clickstream.io.delta_tables import AppendResult, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
-from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse
+from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse, held
 from clickstream.quality import reports
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
@@ -333,7 +336,7 @@ def checkpoint_watermark_ms(checkpoint: Path, batch_id: int) -> int:
     return int(json.loads(lines[1]).get("batchWatermarkMs", 0))
 
 
-def stream_watermark_ms(config: Config) -> int | None:
+def stream_watermark_ms(config: Config, client_id: str) -> int | None:
     """The watermark of the sessionizer's last committed micro-batch; None if it never ran.
 
     Sessions ending within one gap of it may still be open in the stream's state, or closed
@@ -341,10 +344,18 @@ def stream_watermark_ms(config: Config) -> int | None:
     topic, or to be replayed after a crash): batch corrections leave them to the stream.
     The latest micro-batch's own watermark would not do: the sessions it closes end within
     one gap of the previous watermark, not of its own.
+
+    A sessionizer running before its first micro-batch takes as on time any record of
+    ``client_id`` after what it pinned as history (Z18): that is its watermark here (0 for a
+    client it pinned nothing of). One not running pins again when it starts, and finds
+    stored whatever a correction stores meanwhile: None, as if none had run.
     """
     checkpoint = config.checkpoint_path(JOB)
     if not _planned_a_batch(checkpoint):
-        return None
+        history = history_until(checkpoint)
+        if history is None or not held(sessionizer_lock_path(config)):
+            return None
+        return history.get(client_id, 0)
     return checkpoint_watermark_ms(checkpoint, _last_logged_batch(checkpoint, "commits"))
 
 
@@ -439,17 +450,29 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
     reports.write_atomically(path, json.dumps(current))  # whole or not at all
 
 
-def pin_history(checkpoint: Path, config: Config, tables: DeltaTables) -> None:
+def pin_history(checkpoint: Path, config: Config, tables: DeltaTables,
+                stop_now: threading.Event) -> None:
     """Pin what the tables hold as history, at each start before the checkpoint's first
     micro-batch (Z18); a checkpoint that planned one keeps what it pinned (or nothing, if it
-    is older than this record)."""
+    is older than this record). A second signal gives up waiting for a merge (Z13).
+
+    Raises:
+        StopBeforeMicroBatch: stopped at once while waiting for a backfill's merge.
+    """
     if _planned_a_batch(checkpoint):
         return
     print("sessionize: before this checkpoint's first micro-batch: reading the latest stored "
           "pageview and order of each client (Z18) ...", flush=True)
+
+    def stopping_now() -> StopBeforeMicroBatch | None:
+        return StopBeforeMicroBatch(
+            "the sessionizer is stopping at once: it gave up waiting for a backfill's merge "
+            "before its first micro-batch, and read nothing") if stop_now.is_set() else None
+
     with records_lock(config, on_wait=lambda: print(
             "sessionize: waiting for a backfill's merge to commit before reading what the "
-            f"tables hold ({records_lock_path(config)}) ...", flush=True)):
+            f"tables hold ({records_lock_path(config)}) ...", flush=True),
+            abandon=stopping_now):
         until = stored_history_until(tables, config.session_gap_ms)
         reports.write_atomically(checkpoint / HISTORY_FILE, json.dumps(until, sort_keys=True))
     if until:
@@ -670,7 +693,7 @@ class MicroBatchWriter:
     """The ``foreachBatch`` sink; one instance per query run."""
 
     def __init__(self, config: Config, tables: DeltaTables, checkpoint: Path,
-                 summary: SessionizeSummary) -> None:
+                 summary: SessionizeSummary, stop_now: threading.Event | None = None) -> None:
         self.config = config
         self.tables = tables
         self.checkpoint = checkpoint
@@ -680,7 +703,7 @@ class MicroBatchWriter:
         self.last_batch: int | None = None  # set by a stop: the last batch it may write (Z13)
         self._started = -1  # the last batch it began writing
         self._bound = threading.Lock()  # between a batch's start and a stop's bound
-        self.stop_now = threading.Event()  # a second signal: stop at once (Z13)
+        self.stop_now = stop_now or threading.Event()  # a second signal: stop at once (Z13)
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
@@ -1020,38 +1043,46 @@ def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession 
                      ) -> SessionizeSummary:
     checkpoint = config.checkpoint_path(JOB)
     pin_session_settings(checkpoint, config)  # (Z10)
+    record_stream_settings(config)  # (Z17)
     spark = spark or build_spark(config, "clickstream-sessionize", long_running=True)
     tables = open_tables(config, spark)
-    pin_history(checkpoint, config, tables)  # (Z18)
-    record_stream_settings(config)  # (Z17)
     print(f"sessionize: {config.events_topic} -> {config.warehouse}, checkpoint {checkpoint}, "
           f"driver heap {driver_heap_mib(spark)} MiB", flush=True)
     checkpoint.mkdir(parents=True, exist_ok=True)
     summary = SessionizeSummary()
     started = time.monotonic()
-    writer = MicroBatchWriter(config, tables, checkpoint, summary)
-    stream = build_stream(spark, config, history=writer.history).writeStream.foreachBatch(
-        writer).queryName(JOB)
-    stream = stream.option("checkpointLocation", str(checkpoint))
-    if until_caught_up:
-        stream = stream.trigger(availableNow=True)
-    else:
-        stream = stream.trigger(processingTime=f"{config.trigger_interval_seconds} seconds")
-    query = stream.start()
-    stop = _Stop(now=writer.stop_now)
+    stop = _Stop()
     try:
         with _stop_on_signal(stop):
+            pin_history(checkpoint, config, tables, stop.now)  # (Z18)
+            if stop.asked.is_set():  # while it pinned: nothing is planned, start none (Z13)
+                print("sessionize: stopped before its first micro-batch", flush=True)
+                return summary
+            writer = MicroBatchWriter(config, tables, checkpoint, summary, stop.now)
+            query = _start_query(spark, config, writer, checkpoint, until_caught_up)
             while query.isActive and not stop.asked.is_set():
                 query.awaitTermination(1.0)
             if stop.asked.is_set():
                 _stop_after_planned_micro_batches(query, writer, checkpoint, stop.now)
         query.awaitTermination()
+    except StopBeforeMicroBatch as stopped:  # the pin gave up its wait (Z13)
+        print(f"sessionize: stopped: {stopped}", flush=True)
     except StreamingQueryException as error:
         if not (stop.asked.is_set() and StopBeforeMicroBatch.__name__ in str(error)):
             _reraise_product_error(error)
     finally:
         summary.seconds = time.monotonic() - started
     return summary
+
+
+def _start_query(spark: SparkSession, config: Config, writer: MicroBatchWriter,
+                 checkpoint: Path, until_caught_up: bool) -> StreamingQuery:
+    stream = (build_stream(spark, config, history=writer.history).writeStream
+              .foreachBatch(writer).queryName(JOB)
+              .option("checkpointLocation", str(checkpoint)))
+    if until_caught_up:
+        return stream.trigger(availableNow=True).start()
+    return stream.trigger(processingTime=f"{config.trigger_interval_seconds} seconds").start()
 
 
 def _stop_after_planned_micro_batches(query: StreamingQuery, writer: MicroBatchWriter,
