@@ -1357,6 +1357,25 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
     assert_stored_once_and_folded_in(stream_config, spark)
 
 
+def backfill_in_a_thread(config: Config, spark: SparkSession, path: str
+                         ) -> tuple[threading.Thread, threading.Event, dict[str, object]]:
+    """A pageviews backfill of client-00, to start; the event is set once its merge waits for
+    the records lock, and the dict gets its ``summary`` or ``error``."""
+    waiting = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def backfill() -> None:
+        try:
+            outcome["summary"] = run_backfill(
+                config, kind="pageviews", client_id="client-00", path=path, spark=spark,
+                progress=lambda line: waiting.set() if "waiting for the sessionizer" in line
+                else None)
+        except Exception as error:  # reported by the assertion below
+            outcome["error"] = error
+
+    return threading.Thread(target=backfill), waiting, outcome
+
+
 def test_history_backfilled_before_the_stream_ever_ran_is_not_stored_again(
     stream_config: Config, spark: SparkSession
 ) -> None:
@@ -1398,22 +1417,10 @@ def test_a_sessionizer_waiting_for_its_first_micro_batch_owns_what_is_after_its_
     watermark), as is a recompute meanwhile: the stream's first micro-batch receives P1 on
     time. Planned by the backfill (no watermark yet), u's session was stored by both."""
     path = write_rows(stream_config, "p", [pv_row("P1", "u", 100)], "parquet")
-    waiting = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def backfill() -> None:
-        try:
-            outcome["summary"] = run_backfill(
-                stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark,
-                progress=lambda line: waiting.set() if "waiting for the sessionizer" in line
-                else None)
-        except Exception as error:  # reported by the assertion below
-            outcome["error"] = error
-
+    worker, waiting, outcome = backfill_in_a_thread(stream_config, spark, path)
     checkpoint = stream_config.checkpoint_path(JOB)
     with sessionizer_lock(stream_config):  # a sessionizer that started: it runs on
         with records_lock(stream_config):  # held by its start as it pins
-            worker = threading.Thread(target=backfill)
             worker.start()
             assert waiting.wait(300), outcome
             assert not (stream_config.warehouse / "recompute_queue").exists()
@@ -1430,7 +1437,7 @@ def test_a_sessionizer_waiting_for_its_first_micro_batch_owns_what_is_after_its_
         assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
                 ] == ["P1"]
     # The same sessionizer goes on with what it pinned when it started, and receives P1.
-    monkeypatch.setattr(sessionize_module, "pin_history", lambda checkpoint, config, tables: None)
+    monkeypatch.setattr(sessionize_module, "pin_history", lambda *pinned_at_its_start: None)
     produce(stream_config, [on_time_event("pageview", "P1", 100), FLUSH])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")
@@ -1454,20 +1461,8 @@ def test_a_micro_batch_in_flight_stores_its_records_before_the_backfill_merges(
     path = write_rows(stream_config, "p", rows, "parquet")
     tables = open_tables(stream_config, spark)
     held_at = probe_records_lock(monkeypatch, backfill_module)
-    waiting = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def backfill() -> None:
-        try:
-            outcome["summary"] = run_backfill(
-                stream_config, kind="pageviews", client_id="client-00", path=path, spark=spark,
-                progress=lambda line: waiting.set() if "waiting for the sessionizer" in line
-                else None)
-        except Exception as error:  # reported by the assertion below
-            outcome["error"] = error
-
+    worker, waiting, outcome = backfill_in_a_thread(stream_config, spark, path)
     with records_lock(stream_config):
-        worker = threading.Thread(target=backfill)
         worker.start()
         assert waiting.wait(300), outcome
         assert sorted(r["record_id"] for r in table_rows(stream_config, spark,
