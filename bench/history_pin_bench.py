@@ -1,5 +1,6 @@
 """What a sessionizer checkpoint's first start pays to pin what the tables hold (``sessionize``
-Z18): one read of the ``ts`` column of ``pageviews`` and ``orders``, grouped by client.
+Z18): each client's latest ``ts`` in ``pageviews`` and ``orders``, from the files' statistics
+where the table engine keeps them (``stored_history_until``).
 
 Times ``stored_history_until`` on an existing warehouse (the backfill benchmark's, kept with
 ``--keep``: a year of one client's pageviews and orders beside two other clients'), in one

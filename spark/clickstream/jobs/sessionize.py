@@ -464,15 +464,10 @@ def pin_history(checkpoint: Path, config: Config, tables: DeltaTables,
     print("sessionize: before this checkpoint's first micro-batch: reading the latest stored "
           "pageview and order of each client (Z18) ...", flush=True)
 
-    def stopping_now() -> StopBeforeMicroBatch | None:
-        return StopBeforeMicroBatch(
-            "the sessionizer is stopping at once: it gave up waiting for a backfill's merge "
-            "before its first micro-batch, and read nothing") if stop_now.is_set() else None
-
     with records_lock(config, on_wait=lambda: print(
             "sessionize: waiting for a backfill's merge to commit before reading what the "
             f"tables hold ({records_lock_path(config)}) ...", flush=True),
-            abandon=stopping_now):
+            abandon=_stop_at_once(stop_now, "before its first micro-batch, and read nothing")):
         until = stored_history_until(tables, config.session_gap_ms)
         reports.write_atomically(checkpoint / HISTORY_FILE, json.dumps(until, sort_keys=True))
     if until:
@@ -679,6 +674,17 @@ def _queued_by_backfills(tables: DeltaTables) -> DataFrame | None:
         "queued_by")
 
 
+def _stop_at_once(stop_now: threading.Event, where: str
+                  ) -> Callable[[], StopBeforeMicroBatch | None]:
+    """The ``abandon`` of a wait for a backfill's merge: a second signal gives it up (Z13)."""
+    def stopping() -> StopBeforeMicroBatch | None:
+        if not stop_now.is_set():
+            return None
+        return StopBeforeMicroBatch("the sessionizer is stopping at once: it gave up waiting for "
+                                    f"a backfill's merge {where}")
+    return stopping
+
+
 def records_lock_path(config: Config) -> Path:
     """In the warehouse, as the correction runs' locks."""
     return config.warehouse / LOCKS_FOLDER / "stream-records.lock"
@@ -805,16 +811,11 @@ class MicroBatchWriter:
         # (Z14) From the read of the backfills' queue rows until the records' wave committed,
         # not before: the gate's and the counts' jobs above did the micro-batch's work (the
         # source, the session state) without holding a backfill's merge back.
-        def stopping_now() -> StopBeforeMicroBatch | None:
-            if not self.stop_now.is_set():
-                return None
-            return StopBeforeMicroBatch(
-                f"the sessionizer is stopping at once: micro-batch {batch_id} gave up waiting "
-                "for a backfill's merge and wrote nothing; the next start processes it")
-
         records_lock_held.enter_context(records_lock(self.config, on_wait=lambda: print(
             f"  micro-batch {batch_id}: waiting for a backfill's merge to commit "
-            f"({records_lock_path(self.config)}) ...", flush=True), abandon=stopping_now))
+            f"({records_lock_path(self.config)}) ...", flush=True), abandon=_stop_at_once(
+            self.stop_now, f"in micro-batch {batch_id}, which wrote nothing; the next start "
+            "processes it")))
         # (Z11) One snapshot: the delta-rs engine's read lists the version's files now, so the
         # records' wave and the attributions below see the same queue even if a recompute
         # dequeues in between. (delta-spark's unpinned read may take a later version at each
