@@ -19,7 +19,11 @@ from decimal import Decimal
 from functools import partial
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from deltalake import DeltaTable
+from deltalake.transaction import AddAction
 from pyspark.sql import DataFrame, SparkSession
 
 from clickstream.cli import main
@@ -49,6 +53,7 @@ from clickstream.jobs.sessionize import (
     warehouse_sessionizer_lock_path,
 )
 from clickstream.sessions.batch_adapter import user_bucket
+from clickstream.tables import ORDERS, PAGEVIEWS
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
 SCALE = Scale(clients=2, users_per_client=12, minutes=8 * 60,
@@ -1046,6 +1051,52 @@ def test_a_new_checkpoint_reading_the_topic_again_stores_and_sessionizes_nothing
         r["session_id"]: r for r in kept["sessions"]} | {
         r["session_id"]: r for r in rows if r["user_id"] == "new"}
     assert_topic_equals_table(stream_config, rows)
+
+
+def test_history_is_read_from_the_rows_of_files_the_log_keeps_no_statistics_for(
+    config: Config, spark: SparkSession
+) -> None:
+    """(Z18) The pin takes a client's latest record from the files' statistics; a file
+    another engine committed without them is not skipped but read, so its client's history
+    is not cut short (a record at or before it would be stored and sessionized again)."""
+    day = datetime(2026, 11, 1, tzinfo=UTC)
+    tables = open_tables(config, spark)
+
+    def pageviews(*rows: tuple[str, str, datetime]) -> DataFrame:
+        return spark.createDataFrame(
+            [(event_id, client, "u", at, "/", "", "test", at.date())
+             for event_id, client, at in rows], PAGEVIEWS.schema)
+
+    for version, spec, frame in (
+            (1, PAGEVIEWS, pageviews(("a1", "c1", day + timedelta(hours=3)),
+                                     ("a2", "c1", day + timedelta(hours=5)))),
+            (1, ORDERS, spark.createDataFrame(
+                [("o1", "c2", "u", day + timedelta(hours=2), Decimal("1"), "EUR", None,
+                  "test", day.date())], ORDERS.schema))):
+        tables.append_once(spec.name, frame, app_id="test", version=version,
+                           partition_by=spec.partition_by, metadata={"run_id": "t", "cause": "t"})
+    # c2's pageviews come in a file whose add action has no statistics.
+    path = Path(tables.table_path(PAGEVIEWS.name))
+    written = next(path.rglob("*.parquet"))
+    no_stats = path / "client_id=c2" / "event_date=2026-11-01" / "no-stats.parquet"
+    no_stats.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"event_id": ["b1", "b2"], "user_id": ["u", "u"],
+                             "ts": [day + timedelta(hours=4), day + timedelta(hours=9)],
+                             "url": ["/", "/"], "referrer": ["", ""], "source": ["t", "t"]},
+                            schema=pq.read_schema(written)), no_stats)
+    table = DeltaTable(str(path))
+    table.create_write_transaction(
+        [AddAction(path="client_id=c2/event_date=2026-11-01/no-stats.parquet",
+                   size=no_stats.stat().st_size,
+                   partition_values={"client_id": "c2", "event_date": "2026-11-01"},
+                   modification_time=int(time.time() * 1000), data_change=True, stats="")],
+        mode="append", schema=table.schema(), partition_by=list(PAGEVIEWS.partition_by))
+
+    highs = tables.largest_by_partition(PAGEVIEWS.name, "ts", "client_id")
+    assert highs == {"c1": day + timedelta(hours=5), "c2": None}
+    gap = config.session_gap_ms
+    assert sessionize.stored_history_until(tables, gap) == {
+        "c1": ms(day + timedelta(hours=5)) + gap, "c2": ms(day + timedelta(hours=9)) + gap}
 
 
 def test_a_stop_refuses_the_micro_batches_after_those_planned_before_reading_them(
