@@ -1407,15 +1407,19 @@ def test_history_backfilled_before_the_stream_ever_ran_is_not_stored_again(
     assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(START) + 86400000)
 
 
+@pytest.mark.parametrize("goes_on", [True, False],
+                         ids=["goes-on", "stopped-before-its-first-micro-batch"])
 def test_a_sessionizer_waiting_for_its_first_micro_batch_owns_what_is_after_its_history(
-    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch, goes_on: bool
 ) -> None:
     """(Z18, Z11, C4) No sessionizer ran when the backfill looked, so it queued nothing ahead;
     one starts while the merge waits for the records lock and pins the tables as they are,
     without the batch, then waits for events. The merge, under the lock, sees it and queues
     the batch's rows ahead of itself, and the plan leaves u to it (the pinned time is its
     watermark), as is a recompute meanwhile: the stream's first micro-batch receives P1 on
-    time. Planned by the backfill (no watermark yet), u's session was stored by both."""
+    time. Planned by the backfill (no watermark yet), u's session was stored by both.
+    Stopped before its first micro-batch, it holds nothing back: the next recompute folds P1
+    in, and its next start pins again, P1 included, so P1 sent then is not stored twice."""
     path = write_rows(stream_config, "p", [pv_row("P1", "u", 100)], "parquet")
     worker, waiting, outcome = backfill_in_a_thread(stream_config, spark, path)
     checkpoint = stream_config.checkpoint_path(JOB)
@@ -1436,8 +1440,13 @@ def test_a_sessionizer_waiting_for_its_first_micro_batch_owns_what_is_after_its_
         run_recompute(stream_config, spark=spark)  # u is the stream's: P1 stays queued
         assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
                 ] == ["P1"]
-    # The same sessionizer goes on with what it pinned when it started, and receives P1.
-    monkeypatch.setattr(sessionize_module, "pin_history", lambda *pinned_at_its_start: None)
+    if goes_on:  # the same sessionizer goes on with what it pinned when it started
+        monkeypatch.setattr(sessionize_module, "pin_history", lambda *pinned_at_its_start: None)
+    else:  # it stopped (its lock is free): the recompute is no longer deferred
+        run_recompute(stream_config, spark=spark)
+        assert table_rows(stream_config, spark, "recompute_queue") == []
+        assert [(r["user_id"], r["pageview_count"])
+                for r in table_rows(stream_config, spark, "sessions")] == [("u", 1)]
     produce(stream_config, [on_time_event("pageview", "P1", 100), FLUSH])
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")
