@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from clickstream.locks import exclusive, exclusive_or_refuse, held
+import pytest
+
+from clickstream import locks
+from clickstream.locks import PROC_LOCKS, exclusive, exclusive_or_refuse, held
 
 HOLD = """
 import sys, time
@@ -70,3 +74,26 @@ def test_held_tells_a_holder_without_taking_the_lock(tmp_path: Path) -> None:
     assert not held(path)  # its holder killed
     with exclusive_or_refuse(path, refuse=lambda holder: AssertionError(holder)):
         assert held(path)
+
+
+def test_held_finds_the_holder_whatever_device_proc_locks_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On btrfs, ``/proc/locks`` names the filesystem's device and ``stat`` the subvolume's:
+    matched by device too, no holder was ever found there, and correction runs took a
+    sessionizer waiting for its first micro-batch for none (``sessionize`` Z18). Played
+    with this machine's own ``/proc/locks`` lines, their devices rewritten."""
+    path = tmp_path / "sessionize.lock"
+    other = tmp_path / "other.lock"
+    other.touch()
+    with exclusive(path):
+        inode = path.stat().st_ino
+        mine = [line for line in PROC_LOCKS.read_text().splitlines()
+                if line.split()[5].endswith(f":{inode}")]
+        assert mine, "this process's lock is in /proc/locks"
+        as_btrfs = tmp_path / "locks"
+        as_btrfs.write_text("".join(re.sub(r"\b[0-9a-f]+:[0-9a-f]+:(\d+)\b", r"00:2d:\1", line)
+                                    + "\n" for line in mine))
+        monkeypatch.setattr(locks, "PROC_LOCKS", as_btrfs)
+        assert held(path)
+        assert not held(other)  # another inode, on the same device

@@ -41,21 +41,26 @@ PROC_LOCKS = Path("/proc/locks")
 
 def held(path: Path) -> bool:
     """Whether a process (this one included) holds the ``flock`` on ``path`` now, read from
-    Linux's ``/proc/locks`` by device and inode: a probe that took the lock, even for an
-    instant, would refuse its holder's own start meanwhile (``exclusive_or_refuse``). True
-    where ``/proc/locks`` cannot be read: callers take a holder as the careful answer."""
+    Linux's ``/proc/locks``: a probe that took the lock, even for an instant, would refuse
+    its holder's own start meanwhile (``exclusive_or_refuse``). True where ``/proc/locks``
+    cannot be read: callers take a holder as the careful answer.
+
+    Matched by inode alone: the device ``/proc/locks`` names is the filesystem's, which is
+    not always ``stat``'s (btrfs gives each subvolume a device of its own), and a device
+    that never matched read every holder as none. A lock on another filesystem's file with
+    the same inode number reads as held, the careful answer again."""
     try:
-        status = path.stat()
+        inode = str(path.stat().st_ino)
     except FileNotFoundError:
         return False
     try:
         table = PROC_LOCKS.read_text()
     except OSError:
         return True
-    file_id = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
     # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; a waiter's line has "->" after "1:".
-    return any(fields[1] == "FLOCK" and file_id in fields
-               for fields in map(str.split, table.splitlines()) if len(fields) > 5)
+    return any(fields[1] == "FLOCK" and any(
+        field.count(":") == 2 and field.rsplit(":", 1)[1] == inode for field in fields)
+        for fields in map(str.split, table.splitlines()) if len(fields) > 5)
 
 
 @contextlib.contextmanager
