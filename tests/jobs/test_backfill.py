@@ -193,6 +193,13 @@ def order_row(order_id: str, user: str, minutes: float, amount: str = "10.00",
             "ts": START + timedelta(minutes=minutes), "amount": amount, "currency": currency}
 
 
+def backfill_rows(config: Config, spark: SparkSession, kind: str, name: str,
+                  rows: list[dict]) -> None:
+    """A whole backfill of ``rows`` of client-00, from a Parquet batch named ``name``."""
+    run_backfill(config, kind=kind, client_id="client-00", spark=spark,
+                 path=write_rows(config, name, rows, "parquet"))
+
+
 def test_orders_before_their_pageviews_are_kept_then_attributed(
     stream_config: Config, spark: SparkSession
 ) -> None:
@@ -397,6 +404,37 @@ def test_orders_moved_by_a_later_batch_are_held_once_where_they_now_are(
     assert [(r["order_id"], r["user_id"], r["order_ts"], r["revision"]) for r in attributions
             ] == [("o1", "u", moved[0]["ts"], 2), ("o2", "v", moved[1]["ts"], 3)]
     assert None not in {r["session_id"] for r in attributions}
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
+@pytest.mark.parametrize("to_day", [0, 1], ids=["same-day", "next-day"])
+def test_an_order_a_batch_moved_leaves_its_old_session_when_another_run_plans_first(
+    stream_config: Config, spark: SparkSession, to_day: int
+) -> None:
+    """(C13) A batch moves o1 from u's session to v's. Before it plans (the DAG's merge and
+    recompute are two tasks; a run killed after its merge is rerun later), a pageviews
+    backfill of v plans where o1 now is. Its windows held no attribution of o1, so it
+    created one at revision 1 while u's stayed out of its plan: u's session kept o1 in its
+    totals for good (the batch then found o1 attributed at v and never planned u), and on
+    another day the table held o1 twice until then. A plan that would create an attribution
+    the client holds elsewhere now plans that place too."""
+    at_v = to_day * 24 * 60 + 420
+    backfill_rows(stream_config, spark, "pageviews", "p", [
+        pv_row("a", "u", 0), pv_row("b", "u", 5), pv_row("c", "v", at_v),
+        pv_row("d", "v", at_v + 10)])
+    backfill_rows(stream_config, spark, "orders", "o", [order_row("o1", "u", 7)])
+    _, _, step = located(stream_config, spark, [order_row("o1", "v", at_v + 12)],
+                         kind="orders", name="moved")
+    step("check")
+    step("merge")
+    backfill_rows(stream_config, spark, "pageviews", "p2", [pv_row("e", "v", at_v + 15)])
+    for name in backfill_steps.STEPS[2:]:  # the moving batch's plan, after the other run's
+        step(name)
+    assert {r["user_id"]: (r["order_count"], r["revenue"]) for r in table_rows(
+        stream_config, spark, "sessions")} == {"u": (0, Decimal("0")), "v": (1, Decimal("10"))}
+    revisions = [(r["old_revision"], r["new_revision"]) for r in table_rows(
+        stream_config, spark, "corrections") if (r["entity"], r["key"]) == ("attribution", "o1")]
+    assert sorted(revisions, key=lambda r: r[1]) == [(None, 1), (1, 2)]
     assert_tables_equal_from_scratch(stream_config, spark)
 
 

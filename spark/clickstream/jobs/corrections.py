@@ -19,7 +19,7 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C12):
+Known edge cases, cited inline as (C1)..(C13):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
       A session is stored under the day it starts, so one that began days before the range
@@ -98,6 +98,17 @@ Known edge cases, cited inline as (C1)..(C12):
       start to its end plus a gap (``_may_hold_orders``). That is a pruning, not the rule:
       which of them an order belongs to is still decided by ``semantics``. The others have
       no order before or after, so their totals cannot change.
+  C13. Between a batch's merge and its plan (two tasks of the DAG, or a run killed after its
+      merge), the batch's moved orders are stored where they now are and attributed where
+      they were. Another run whose windows reach the new place found no attribution of the
+      order there: it created one at revision 1 and left the old place out of its plan, so
+      the old session kept the order in its totals for good (the batch's plan then found the
+      order attributed where it now is, C7, and never planned the old place), and an old
+      place on another day held the order a second time until then. A plan that would
+      create an attribution the client holds elsewhere (``attributed_elsewhere``) is planned
+      again with those places in its scope, as C11 does up front for the queued orders: only
+      a plan creating attributions reads the client's attributions, and only one that finds
+      such an order plans twice.
 """
 
 from __future__ import annotations
@@ -719,11 +730,34 @@ def with_queued_orders_places(run: Run, scope: DataFrame) -> DataFrame:
                           [user] if place_user != user else []))  # (C9)
             if place_user in places and place_user not in done:
                 reached.add(place_user)
-    if not added:
+    return _with_places(run, scope, added)
+
+
+def _with_places(run: Run, scope: DataFrame,
+                 places: list[tuple[str, str, int, int, list[str]]]) -> DataFrame:
+    """``scope`` and the scope rows ``places`` (client_id, user_id, lo_ms, hi_ms,
+    moved_with)."""
+    if not places:
         return scope
     return scope.unionByName(run.spark.createDataFrame(
-        added, "client_id string, user_id string, lo_ms long, hi_ms long, "
+        places, "client_id string, user_id string, lo_ms long, hi_ms long, "
         "moved_with array<string>"), allowMissingColumns=True)
+
+
+def attributed_elsewhere(run: Run, changes: DataFrame, attributions: DataFrame
+                         ) -> list[tuple[str, str, int, int, list[str]]]:
+    """Scope rows of where the client's stored attributions hold the orders the plan
+    (``changes``) would create an attribution of, with the user each order is now stored
+    under (``attributions``: the plan's new ones) if another (C9): places outside the
+    windows, as only a stored attribution outside them is not in the diff (C13)."""
+    if not run.tables.exists(ATTRIBUTIONS.name):
+        return []
+    created = changes.where((F.col("entity") == "attribution") & (F.col("change") == "created")
+                            ).select(F.col("key").alias("order_id"))
+    now = attributions.join(created, "order_id", "left_semi").select("order_id", "user_id")
+    return [(p.client_id, p.user_id, p.ts_ms, p.ts_ms, [p.moved_with] if p.moved_with else [])
+            for p in old_places(_client_attributions(run.tables, run.client_id), "order_ts",
+                                now).distinct().collect()]
 
 
 def stored_elsewhere(tables: DeltaTables, client_id: str, orders: DataFrame,
@@ -787,11 +821,14 @@ _ORDERS_TALLY = "order"  # plan()'s tally of the orders by outcome, beside the c
 
 def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSummary,
          timer: Timer, stream_watermark_ms: int | None,
-         defer: Defer | None = None) -> DataFrame | None:
-    """Compute and store the run's corrections (the plan); None when nothing changes."""
+         defer: Defer | None = None, run_seq: int | None = None,
+         grown_by: frozenset[tuple[str, str, int]] = frozenset()) -> DataFrame | None:
+    """Compute and store the run's corrections (the plan); None when nothing changes.
+    ``run_seq``, ``grown_by``: the step the first pass took, and the places earlier passes
+    added to the scope (C13)."""
     # The step this plan will be, taken before anything was read (by resume()), so that a
     # plan another run recorded meanwhile (from tables this one did not see) is noticed (C6).
-    run_seq = run.next_seq or next_plan_seq(run)
+    run_seq = run_seq or run.next_seq or next_plan_seq(run)
     with timer.step("find affected sessions"):
         scope = with_queued_orders_places(run, scope)  # (C11)
         windows, old_sessions = grow_windows(run, scope)
@@ -841,6 +878,24 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             "entity", "change").count().unionByName(new.attributions.groupBy(
                 F.lit(_ORDERS_TALLY).alias("entity"), outcome.alias("change")).count()
         ).collect()}
+        elsewhere = (attributed_elsewhere(run, changes, new.attributions)
+                     if tallies.get(("attribution", "created")) else [])
+    if elsewhere:  # (C13) planned again with those places: rare, so not done up front
+        new.release()
+        release(*grown, changes)
+        run.release_snapshots()
+        places = {(p[0], p[1], p[2]) for p in elsewhere}
+        if places <= grown_by:
+            raise ClickstreamError(
+                f"{run.run_id}: the plan would create attributions the client's "
+                f"{ATTRIBUTIONS.name} table holds at places its scope already has "
+                f"({elsewhere[:3]}); this is a bug in clickstream: nothing was recorded or "
+                "applied, report it with this message")
+        run.progress(f"  {len(elsewhere)} order(s) of the windows are attributed elsewhere "
+                     "(a batch moved them and has not planned yet): planning with those "
+                     "places too")
+        return plan(run, _with_places(run, scope, elsewhere), orders_only, summary, timer,
+                    stream_watermark_ms, defer, run_seq, grown_by | places)
     summary.orders_attributed = tallies.pop((_ORDERS_TALLY, "attributed"), 0)
     summary.orders_unattributed = tallies.pop((_ORDERS_TALLY, "unattributed"), 0)
     counts = tallies  # what is left: the plan's changes by (entity, change)

@@ -254,8 +254,9 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
     """The run's corrections, and the users left to the stream (their rows stay queued)."""
     left: list[DataFrame] = []
 
-    def defer(users: DataFrame) -> None:
-        left.append(keep(users))  # its lineage reads frames released after plan
+    def defer(users: DataFrame) -> None:  # a plan that grew its scope calls it again (C13)
+        release(*left)
+        left[:] = [keep(users)]  # its lineage reads frames released after plan
 
     result = correct(run, read_scope, orders_only=False, stream_watermark_ms=watermark,
                      defer=defer)
