@@ -243,6 +243,33 @@ def test_a_first_micro_batch_replayed_after_a_crash_reads_the_range_it_planned(
         {0: (4, 12)}]
 
 
+def test_a_new_checkpoints_first_read_starts_where_the_log_starts_when_it_reads(
+    kafka_config: Config, make_topic, broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(K10) The broker drops the oldest records between the first micro-batch's planning
+    and its read (the embedded broker's cap, a full partition still written to). They were
+    never read: the read began where the log then began. It stopped with DataLossError, and
+    so did every restart, as the replay reads the range it planned (K9); the replay still
+    stops, as the first attempt may have stored what it read."""
+    topic = make_topic(partitions=1)
+    produce(kafka_config, topic, 10)
+    reader = KafkaStreamReader(_source_options(kafka_config, topic))
+    first = reader.initialOffset()
+    end = reader.latestOffset(first, ReadAllAvailable())
+    broker.delete_records(topic, 0, 4)
+    with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+        (task,) = reader.partitions(first, end)
+        offsets = [o for batch in reader.read(task) for o in batch.column("offset").to_pylist()]
+    assert offsets == list(range(4, 10))
+    assert (f"topic {topic} partition 0: the broker dropped records 0..3 after the first "
+            "micro-batch of a new checkpoint was planned") in caplog.text
+
+    restarted = KafkaStreamReader(_source_options(kafka_config, topic))
+    (replayed,) = restarted.partitions(restarted.initialOffset(), end)
+    with pytest.raises(DataLossError, match=r"records 0\.\.3 were dropped"):
+        list(restarted.read(replayed))
+
+
 def test_reading_a_range_the_broker_dropped_raises_data_loss(
     kafka_config: Config, make_topic, broker: EmbeddedBroker
 ) -> None:

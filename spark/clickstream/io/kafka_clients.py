@@ -871,7 +871,7 @@ def lost_offsets_marker(topic: str, partition: int, first: int, last: int) -> Me
 def read_offset_ranges(
     config: Config, topic: str, ranges: Mapping[int, tuple[int, int]], *,
     fail_on_gaps: bool = True, fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
-    batch_size: int = 20_000, advice: str = _LOSS_ADVICE,
+    batch_size: int = 20_000, advice: str = _LOSS_ADVICE, start_may_move: bool = False,
 ) -> Iterator[list[Message]]:
     """:func:`read_offset_range` for several partitions of a topic with one consumer (a
     consumer per partition costs a connection and a metadata round trip each, which dominates
@@ -881,8 +881,12 @@ def read_offset_ranges(
     Args:
         ranges: partition -> ``(start, end)``; empty ranges are skipped.
         advice: What a data-loss error says to do (:func:`check_no_data_loss`).
+        start_may_move: the starts are a log's start as a new reader found it: records the
+            broker dropped below them since, before this read reached them, were never read
+            and are skipped with a warning (``kafka_source`` K10).
     """
     expected = {p: start for p, (start, end) in ranges.items() if end > start}
+    unread = dict(expected) if start_may_move else {}  # (K10) until a record is read
     ends = {p: ranges[p][1] for p in expected}
     if not expected:
         return
@@ -892,6 +896,13 @@ def read_offset_ranges(
                                         "enable.partition.eof": True,
                                         "fetch.max.bytes": 52_428_800,
                                         "max.partition.fetch.bytes": 10_485_760})
+
+    def dropped_before_read(partition: int, upto: int) -> None:
+        """(K10) Offsets ``expected..upto - 1``, never read, dropped since they were planned."""
+        log.warning("topic %s partition %d: the broker dropped records %d..%d after the first "
+                    "micro-batch of a new checkpoint was planned from the log's start, before "
+                    "anyone read them; it reads on from offset %d", topic, partition,
+                    expected[partition], upto - 1, upto)
 
     def done(partition: int) -> None:
         del expected[partition]
@@ -905,6 +916,9 @@ def read_offset_ranges(
                                                     timeout=10, cached=False)
         lost_until = min(low, upto)
         if lost_until <= expected[partition]:
+            return None
+        if unread.get(partition) == expected[partition]:  # (K10)
+            dropped_before_read(partition, lost_until)
             return None
         check_no_data_loss(topic, partition, expected[partition], lost_until,
                            fail_on_data_loss=fail_on_data_loss, advice=advice)  # raises, or:
@@ -963,15 +977,23 @@ def read_offset_ranges(
                         low, high = consumer.get_watermark_offsets(
                             TopicPartition(topic, partition), timeout=10, cached=False)
                         at = expected.get(partition, low)
-                        check_no_data_loss(topic, partition, at, low, high,
-                                           fail_on_data_loss=fail_on_data_loss, advice=advice)
+                        moved = unread.get(partition) == at and at < low  # (K10)
+                        if moved:
+                            dropped_before_read(partition, min(low, ends[partition]))
+                        else:
+                            check_no_data_loss(topic, partition, at, low, high,
+                                               fail_on_data_loss=fail_on_data_loss,
+                                               advice=advice)
                         if at < low:  # accepted: record the loss, go on from the log start
-                            batch.append(lost_offsets_marker(
-                                topic, partition, at, min(low, ends[partition]) - 1))
+                            if not moved:
+                                batch.append(lost_offsets_marker(
+                                    topic, partition, at, min(low, ends[partition]) - 1))
                             if low >= ends[partition]:
                                 done(partition)
                             else:  # librdkafka refuses a seek after this error, not this
                                 expected[partition] = low
+                                if moved:
+                                    unread[partition] = low
                                 consumer.incremental_unassign([TopicPartition(topic, partition)])
                                 consumer.incremental_assign([TopicPartition(topic, partition,
                                                                             low)])
@@ -991,6 +1013,7 @@ def read_offset_ranges(
                     done(partition)
                     continue
                 batch.append(message)
+                unread.pop(partition, None)
                 expected[partition] = offset + 1
                 if expected[partition] >= ends[partition]:
                     done(partition)

@@ -8,7 +8,7 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K9):
+Known edge cases, cited inline as (K1)..(K10):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. Or it lost records we did
       read (the embedded broker restarted empty, the topic was recreated): the log now ends
@@ -80,6 +80,19 @@ Known edge cases, cited inline as (K1)..(K9):
       initial offsets to the checkpoint for the same reason.) When nothing new arrived,
       ``latestOffset`` returns its start as it is, so the batch after the first is planned
       only for new records.
+  K10. Between planning the first micro-batch and its tasks' reads (seconds: Spark starts the
+      tasks' Python workers), a broker may drop more of a log's oldest records: the embedded
+      broker's cap drops a full partition's oldest batch at every write. The records below
+      the log's start when a read of that first planning begins were never read by anyone,
+      as K8's were not: the read logs a warning and starts at the log's start, no error and
+      no marker. Stopping on them stopped a new checkpoint on a full topic being written
+      to, and every restart too (its replay reads the range it planned, K9). Only the read
+      of the micro-batch the run itself planned does so, and only before it read a record
+      of the partition: a replay of the first micro-batch after a crash (its first attempt
+      may have stored what it read) and records dropped during a read still stop (K1, K2).
+      The sessionizer's second scan of that micro-batch takes the first scan's records (K6);
+      one that reads Kafka itself (on another host) could start later than the first if the
+      broker dropped more between the two reads.
 """
 
 from __future__ import annotations
@@ -143,20 +156,24 @@ _ARROW_SCHEMA = pa.schema([
 
 
 class KafkaRange(InputPartition):
-    """Offsets ``[start, end)`` of some topic-partitions, read with one consumer: one Spark task."""
+    """Offsets ``[start, end)`` of some topic-partitions, read with one consumer: one Spark task.
+    ``from_log_start``: the starts are the log's as a new checkpoint found it, read for the
+    first time (K10)."""
 
-    def __init__(self, topic: str, ranges: Mapping[int, tuple[int, int]]) -> None:
-        super().__init__((topic, tuple(sorted(ranges.items()))))
+    def __init__(self, topic: str, ranges: Mapping[int, tuple[int, int]],
+                 from_log_start: bool = False) -> None:
+        super().__init__((topic, tuple(sorted(ranges.items())), from_log_start))
         self.topic = topic
         self.ranges = dict(ranges)
+        self.from_log_start = from_log_start
 
     @property
     def rows(self) -> int:
         return sum(end - start for start, end in self.ranges.values())
 
 
-def group_ranges(topic: str, ranges: Mapping[int, tuple[int, int]], tasks: int
-                 ) -> list[KafkaRange]:
+def group_ranges(topic: str, ranges: Mapping[int, tuple[int, int]], tasks: int,
+                 from_log_start: bool = False) -> list[KafkaRange]:
     """At most ``tasks`` read tasks of about equal rows (largest range first, onto the task with
     the fewest rows) (K5)."""
     groups: list[dict[int, tuple[int, int]]] = [{} for _ in range(max(1, tasks))]
@@ -166,7 +183,7 @@ def group_ranges(topic: str, ranges: Mapping[int, tuple[int, int]], tasks: int
         target = load.index(min(load))
         groups[target][partition] = (start, end)
         load[target] += end - start
-    return [KafkaRange(topic, group) for group in groups if group]
+    return [KafkaRange(topic, group, from_log_start) for group in groups if group]
 
 
 def _kafka_config(options: Mapping[str, str]) -> Config:
@@ -194,6 +211,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: dict[str, int] | None = None
         self._warned_log_starts: set[tuple[int, int]] = set()  # (K8) once each
         self._initial: dict | None = None  # what initialOffset() last answered (K9)
+        self._first_planned: dict | None = None  # the first micro-batch this run planned (K10)
 
     def _same_log(self, *planned: dict) -> str | None:
         """The topic's id now (asked before its offsets, so that offsets read from a new log
@@ -251,6 +269,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         end = _with_topic_id(latest, current)
         if start == self._initial:  # the first micro-batch: its start goes with it (K9)
             end[PLANNED_FROM] = _partition_offsets(start)
+            self._first_planned = end
         return end
 
     def reportLatestOffset(self) -> dict | None:
@@ -265,7 +284,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # dropped records since, the read stops with DataLossError or marks them (K1, K2).
         ranges = {int(key): (int(start.get(key, 0)), int(stop)) for key, stop in stops.items()}
         ranges = {p: (begin, stop) for p, (begin, stop) in ranges.items() if stop > begin}
-        return group_ranges(self.topic, ranges, self.read_tasks or len(ranges))
+        # Planned by this run just now, not replayed from the checkpoint (K10).
+        first_read = PLANNED_FROM in end and end == self._first_planned
+        return group_ranges(self.topic, ranges, self.read_tasks or len(ranges), first_read)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaRange)
@@ -314,6 +335,7 @@ def read_range(
         _kafka_config(options), kafka_range.topic, kafka_range.ranges,
         fail_on_gaps=fail_on_gaps, fail_on_data_loss=fail_on_data_loss,
         idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
+        start_may_move=kafka_range.from_log_start,
     ))
     if shared is None:
         yield from batches
