@@ -39,7 +39,9 @@ Known edge cases, cited inline as (K1)..(K10):
   K3. Partitions added to a topic while the query runs are read from offset 0, like Spark's
       own source: one whose log no longer starts at 0 when first seen lost records before
       anyone read them, and stops with DataLossError (K1) instead of starting at its log start
-      (with ``failOnDataLoss=false``: a marker for offsets 0..log start - 1, K1).
+      (with ``failOnDataLoss=false``: a marker for offsets 0..log start - 1, K1). A
+      partition one metadata answer leaves out (a broker's stale metadata) keeps its offset:
+      dropped from the planned offsets, it was read again from offset 0 once it was back.
   K4. ``ReadMaxRows`` (rate limit per trigger) is split across partitions in proportion to
       their backlog, and every partition with a backlog gets at least one record, so no
       partition starves.
@@ -262,6 +264,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                             "them in quarantine and reads on (failOnDataLoss=false)",
                             self.topic, partition, begin, low - 1, begin)
                 counted_from[key] = min(low, latest[key])
+        for key, begin in _partition_offsets(start).items():  # (K3) missing from this answer
+            latest.setdefault(key, int(begin))
         if isinstance(limit, ReadMaxRows):
             latest = _rate_limit(counted_from, latest, limit.max_rows)
         if all(stop == int(start.get(key, 0)) for key, stop in latest.items()):
