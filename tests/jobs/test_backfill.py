@@ -838,6 +838,35 @@ def test_a_step_runs_only_after_the_one_before_it_succeeded(
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
 
 
+def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never_published(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(R7 of ``recompute``) A pageview joins u's two sessions; the plan is applied (the later
+    session gone from the table), then fails its applied check (a hand deleted the joined
+    session meanwhile), and ``recompute --full`` supersedes it, as the error says to. The
+    rewrite found nothing of the later session left to retract: its row stayed on the topic
+    for good, while the table no longer held it."""
+    backfill_rows(stream_config, spark, "pageviews", "p",
+                  [pv_row("a", "u", 0), pv_row("b", "u", 40)])
+    later = {r["session_start"]: r["session_id"] for r in table_rows(
+        stream_config, spark, "sessions")}[START + timedelta(minutes=40)]
+    _, _, step = located(stream_config, spark, [pv_row("c", "u", 20)])
+    for name in ("check", "merge", "recompute"):
+        step(name)
+    tables = open_tables(stream_config, spark)
+    tables.delete_rows(SESSIONS.name, tables.read(SESSIONS.name), keys=["session_id"],
+                       partition_filter={"client_id": "client-00"}, app_id="hand", version=1,
+                       metadata={"run_id": "hand", "cause": "a hand's mistake"})
+    with pytest.raises(PlanNotAppliedError):
+        step("check-applied")
+    assert later in read_compacted(stream_config, stream_config.sessions_topic)
+
+    from clickstream.jobs.recompute import run_full_recompute
+    run_full_recompute(stream_config, client_id="client-00", spark=spark)
+    assert [r["pageview_count"] for r in table_rows(stream_config, spark, "sessions")] == [3]
+    assert later not in read_compacted(stream_config, stream_config.sessions_topic)
+    assert_tables_equal_from_scratch(stream_config, spark)
+
+
 def test_a_dry_run_of_a_batch_leaves_the_real_runs_step_results_alone(
         stream_config: Config, spark: SparkSession) -> None:
     """A dry run shares its batch's run id: its check removed the real run's later results
