@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from confluent_kafka import Message, Producer
+from confluent_kafka import KafkaError, Message, Producer
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.datasource import CaseInsensitiveDict
@@ -22,6 +22,7 @@ from clickstream.events.contract import LOST_OFFSETS_HEADER
 from clickstream.io import kafka_source
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import (
+    ReadErrors,
     flush_or_raise,
     make_producer,
     read_offset_range,
@@ -377,6 +378,17 @@ def test_fetch_errors_the_client_gets_past_are_waited_out_and_permanent_ones_sto
                            r"\(last error: topic t partition \d at offset 0: .*Request timed out"):
             list(read_offset_ranges(own_config, "t", ranges, idle_timeout_s=3))
         assert time.monotonic() - started < 30
+
+@pytest.mark.parametrize("code", [KafkaError._BAD_MSG, KafkaError._BAD_COMPRESSION,
+                                  KafkaError._NOT_IMPLEMENTED])
+def test_a_batch_the_client_cannot_decode_stops_the_read(config: Config, code: int) -> None:
+    """librdkafka reports a batch it cannot decode, then skips it: taken for an error it gets
+    past, the read went on and the gap passed for transaction markers (no embedded broker
+    can send a corrupt batch, so the client's error is made here)."""
+    with pytest.raises(ClickstreamError, match=r"reading topic t partition 3 at offset 7 .* "
+                       r"fix the cause"):
+        ReadErrors(config, "t").handle(KafkaError(code), 3, 7)
+
 
 def _offsets(messages: list[Message]) -> list[tuple[int, bytes | None, list | None]]:
     return [(m.offset(), m.value(), m.headers()) for m in messages]

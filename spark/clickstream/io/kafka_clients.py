@@ -644,11 +644,15 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
 # Errors each reader handles itself: a partition's end, a fetch below the log start.
 _READER_OWN_ERRORS = frozenset({KafkaError._PARTITION_EOF, KafkaError._AUTO_OFFSET_RESET})
 # Fetch errors librdkafka does not get past by itself: the read stops at once with the cause.
+# A batch it cannot decode (a failed CRC with check.crcs, a compression or message format it
+# does not know) it skips after reporting it: read on, the gap looked like the offsets of
+# transaction markers (the log start had not moved), and its records were lost unseen.
 _PERMANENT_READ_ERRORS = frozenset({
     KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
     KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.SASL_AUTHENTICATION_FAILED,
     KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError._UNKNOWN_TOPIC,
     KafkaError._UNKNOWN_PARTITION, KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError._BAD_MSG, KafkaError._BAD_COMPRESSION, KafkaError._NOT_IMPLEMENTED,
 })
 
 
