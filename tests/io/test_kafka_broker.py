@@ -502,6 +502,23 @@ def test_unknown_topic_is_not_reported_as_unavailable(kafka_config: Config,
     assert not isinstance(caught.value, BrokerUnavailableError)
 
 
+def test_a_topic_lookup_the_broker_refuses_stops_at_once_with_the_cause(
+    kafka_config: Config
+) -> None:
+    """An authorization error on the topic's metadata was retried for ~30 s and then
+    reported as a broker that "did not answer" ("start the broker")."""
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:
+        config = kafka_config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        own.fail_metadata(29, 20)  # TOPIC_AUTHORIZATION_FAILED
+        started = time.monotonic()
+        with pytest.raises(ClickstreamError, match=r"about topic 't' failed: .*Topic "
+                           r"authorization failed \(TOPIC_AUTHORIZATION_FAILED\); fix the "
+                           r"cause") as caught:
+            topic_watermarks(config, "t", attempts=5, timeout_s=2)
+        assert not isinstance(caught.value, BrokerUnavailableError)
+        assert time.monotonic() - started < 5  # at once, not after the retries
+
+
 def test_a_topic_id_names_one_log(kafka_config: Config, make_topic: Callable[..., str]) -> None:
     first, second = make_topic(1), make_topic(1)
     assert topic_id(kafka_config, first) == topic_id(kafka_config, first)

@@ -101,7 +101,8 @@ DEFAULT_TOPICS: Mapping[str, int] = dict.fromkeys(("events", "sessions", "attrib
 
 _RD_KAFKA_PRODUCER = 0
 _RESP_ERR_TOPIC_ALREADY_EXISTS = 36
-_API_KEY_FETCH = 1  # the Kafka protocol's request type number of Fetch
+_API_KEY_FETCH = 1  # the Kafka protocol's request type numbers of Fetch and Metadata
+_API_KEY_METADATA = 3
 _BUFFER_LIMIT = 1 << 20  # bytes buffered per direction before reading from that side pauses
 _RECV_SIZE = 1 << 18
 
@@ -568,9 +569,17 @@ class EmbeddedBroker:
     def fail_fetches(self, error_code: int, count: int) -> None:
         """Answer the next ``count`` Fetch requests with ``error_code`` (a Kafka protocol error
         code), as a real broker's failures would (to test how readers take them)."""
+        self._fail_requests(_API_KEY_FETCH, error_code, count)
+
+    def fail_metadata(self, error_code: int, count: int) -> None:
+        """Answer the next ``count`` Metadata requests with ``error_code``, as
+        :meth:`fail_fetches` does Fetch requests (to test how topic lookups take them)."""
+        self._fail_requests(_API_KEY_METADATA, error_code, count)
+
+    def _fail_requests(self, api_key: int, error_code: int, count: int) -> None:
         if count < 1:
-            raise BrokerError(f"fail_fetches needs a count of at least 1, got {count}")
-        self._running()[0].fail_requests(_API_KEY_FETCH, [error_code] * count)
+            raise BrokerError(f"a request failure needs a count of at least 1, got {count}")
+        self._running()[0].fail_requests(api_key, [error_code] * count)
 
     def _running(self) -> tuple[_MockCluster, _Forwarder]:
         mock, forwarder = self._mock, self._forwarder

@@ -523,6 +523,11 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
         except KafkaException as exc:
             unknown_topic = False
             cause = exc.args[0] if exc.args else None
+            if isinstance(cause, KafkaError) and (
+                    cause.fatal() or cause.code() in _PERMANENT_METADATA_ERRORS):
+                raise ClickstreamError(  # no retry brings an answer; not "did not answer"
+                    f"asking {config.kafka_bootstrap_servers} about topic {topic!r} failed: "
+                    f"{cause.str()} ({cause.name()}); {_PERMANENT_FIX}") from exc
             last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
         if attempt < attempts:
             wait_before_retry(attempt, 0.5, jitter=False)
@@ -569,6 +574,9 @@ def topic_watermarks(config: Config, topic: str, *, attempts: int = 5, timeout_s
 
     def ask() -> dict[int, tuple[int, int]]:
         found = client.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if found is not None and found.error is not None and (
+                found.error.code() in _PERMANENT_METADATA_ERRORS):
+            raise KafkaException(found.error)  # not an unknown topic: an error of its own
         if found is None or found.error is not None or not found.partitions:
             raise _UnknownTopic(str(found.error) if found and found.error else "topic unknown")
         return {partition: client.get_watermark_offsets(
@@ -656,6 +664,13 @@ _PERMANENT_READ_ERRORS = frozenset({
 })
 
 
+# Metadata errors no retry gets past (an unknown topic may be being created: retried).
+_PERMANENT_METADATA_ERRORS = _PERMANENT_READ_ERRORS - {KafkaError._UNKNOWN_TOPIC,
+                                                       KafkaError._UNKNOWN_PARTITION}
+_PERMANENT_FIX = (f"fix the cause (the topic, or the client's credentials and ACLs in "
+                  f"{ENV_NAMES['kafka_options']}), then rerun")
+
+
 class ReadErrors:
     """What a reader does with an error ``consume()`` hands it, other than the end of a
     partition and a fetch below the log start (each reader's own business).
@@ -695,9 +710,8 @@ class ReadErrors:
         if error.fatal() or error.code() in _PERMANENT_READ_ERRORS:
             raise ClickstreamError(
                 f"reading {where}{at} from {self._config.kafka_bootstrap_servers} failed: "
-                f"{error.str()} ({error.name()}); fix the cause (the topic, or the client's "
-                f"credentials and ACLs in {ENV_NAMES['kafka_options']}), then rerun: the read "
-                "starts again from the same offsets"
+                f"{error.str()} ({error.name()}); {_PERMANENT_FIX}: the read starts again "
+                "from the same offsets"
             )
         self.last = f"{where}{at}: {error.str()}"
         if (partition, error.code()) not in self._logged:
