@@ -99,7 +99,8 @@ def _inside(root: Path, path: Path) -> Path | None:
     try:
         resolved = path.resolve()
         resolved.exists()  # a name too long for the system raises here, not in resolve()
-    except (OSError, ValueError):  # a NUL byte, a symlink loop, a name too long: no report
+    # A NUL byte, a name too long: no report; nor a symlink loop (RuntimeError before 3.13).
+    except (OSError, ValueError, RuntimeError):
         return None
     return resolved if resolved == root or root in resolved.parents else None
 

@@ -11,7 +11,7 @@ import shutil
 import threading
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -936,15 +936,49 @@ def test_names_spark_would_glob_and_linked_folders_are_refused(
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="w")
     (stream_config.landing / "delta" / "_delta_log").mkdir(parents=True)  # removed files too
     write_rows(stream_config, "delta/a.parquet", [order_row("o1", "u", 1)], "parquet")
+    # A partition folder or file of a table, or a folder holding one, as well (B7).
+    write_rows(stream_config, "delta/day=1/b.parquet", [order_row("o2", "u", 1)], "parquet")
+    for path in ("delta", "delta/day=1", "delta/day=1/b.parquet"):
+        with pytest.raises(BatchRefusedError, match=r"delta is a Delta table"):
+            backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
+                                        path=path)
+    (stream_config.landing / "exports").mkdir()
+    (stream_config.landing / "delta").rename(stream_config.landing / "exports" / "delta")
     with pytest.raises(BatchRefusedError, match=r"delta is a Delta table"):
         backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
-                                    path="delta")
+                                    path="exports")
+    (stream_config.landing / "loop").symlink_to("loop")  # Python 3.11: a RuntimeError
+    with pytest.raises(BatchRefusedError, match=r"cannot name a file here: Symlink loop"):
+        backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
+                                    path="loop/x")
     (stream_config.landing / "d").mkdir()  # a link whose file was never copied
     (stream_config.landing / "d" / "part-2.csv").symlink_to("removed.csv")
     with pytest.raises(BatchRefusedError, match=r"part-2.csv is a link to a missing file"):
         backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
                                     path="d")
     assert versions(stream_config, spark) == before
+
+
+def test_a_batch_folder_this_process_cannot_list_is_refused_not_left_out(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``os.walk`` skips a folder it cannot list without a word: the batch was loaded
+    without its files. (The tests run as root, which lists every folder: the refusal of a
+    folder whose mode bars the batch's user is played by ``os.scandir``.)"""
+    write_rows(config, "b/a.csv", [order_row("o1", "u", 1)], "csv")
+    write_rows(config, "b/2024/b.csv", [order_row("o2", "u", 1)], "csv")
+    barred = config.landing.resolve() / "b" / "2024"
+    listing = os.scandir
+
+    def scandir(path: str | Path = ".") -> Iterator[os.DirEntry]:
+        if Path(path) == barred:
+            raise PermissionError(13, "Permission denied", str(path))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(BatchRefusedError, match=r"batch folder .*b/2024 cannot be listed "
+                                                r"\(Permission denied\)"):
+        batch_input.list_batch_files(config, "b")
 
 
 def validated(config: Config, spark: SparkSession, path: str, kind: str = "orders") -> dict:

@@ -225,7 +225,8 @@ def resolve_in_landing(config: Config, path: str) -> Path:
     try:
         resolved, inside = config.in_landing(path)
         exists = resolved.exists()
-    except (OSError, ValueError) as error:  # a NUL byte, a name too long for the system
+    # A NUL byte, a name too long for the system; a link loop (RuntimeError before 3.13).
+    except (OSError, ValueError, RuntimeError) as error:
         raise BatchRefusedError(
             f"batch path {path[:200]!r} cannot name a file here: {error}; pass the path of a "
             f"file or folder under the landing folder {landing}") from error
@@ -249,10 +250,29 @@ def _hidden(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
+def _refuse_a_delta_table(folder: Path) -> None:
+    """A Delta table's Parquet files hold every version's rows, removed ones too, which a
+    batch would read as they are (B7)."""
+    raise BatchRefusedError(
+        f"batch folder {folder} is a Delta table: its Parquet files hold every version's rows, "
+        "removed ones too, which a batch would read as they are; export the table's current "
+        "rows as Parquet (or CSV, JSON Lines) and load that folder")
+
+
+def _unlisted(error: OSError) -> None:
+    """``os.walk`` skips a folder it cannot list: the batch would be loaded without its files."""
+    raise BatchRefusedError(
+        f"batch folder {error.filename} cannot be listed ({error.strerror}), so its files "
+        "would be left out of the batch; give this process read access to it") from error
+
+
 def _files_under(root: Path) -> list[Path]:
-    """The batch files of a folder: none under hidden folders; linked folders refused (B5)."""
+    """The batch files of a folder: none under hidden folders; linked folders refused (B5);
+    a folder that is (or holds) a Delta table refused (B7)."""
     found = []
-    for folder, subfolders, names in os.walk(root):
+    for folder, subfolders, names in os.walk(root, onerror=_unlisted):
+        if "_delta_log" in subfolders:
+            _refuse_a_delta_table(Path(folder))
         subfolders[:] = sorted(name for name in subfolders if not _hidden(name))
         for name in subfolders:
             if (Path(folder) / name).is_symlink():
@@ -270,11 +290,12 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
         raise BatchRefusedError(
             f"batch file {root} has a name starting with '.' or '_', which Spark skips as "
             "hidden (it would read no rows); rename it")
-    if (root / "_delta_log").is_dir():  # its files are every version's, removed ones too
-        raise BatchRefusedError(
-            f"batch folder {root} is a Delta table: its Parquet files hold every version's "
-            "rows, removed ones too, which a batch would read as they are; export the table's "
-            "current rows as Parquet (or CSV, JSON Lines) and load that folder")
+    landing = config.landing.resolve()
+    for folder in root.parents:  # a file or partition folder of a table (B7); below: walked
+        if folder == landing or landing not in folder.parents:
+            break
+        if (folder / "_delta_log").is_dir():
+            _refuse_a_delta_table(folder)
     candidates = [root] if root.is_file() else _files_under(root)
     for candidate in candidates:
         reason = unreadable_path_reason(str(candidate))
