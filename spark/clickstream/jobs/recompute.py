@@ -47,10 +47,10 @@ Known edge cases, cited inline as (R1)..(R11):
       applied check fails: ``PlanNotAppliedError``). A plan applied whose publish gate fails
       again is an error of this run too: superseded, its retractions would never reach the
       topic, since the rewrite finds nothing left to retract. A rerun publishes it. A
-      superseded plan's own retractions go out with the rewrite's, for the keys the table
-      does not hold and the rewrite does not write: a plan whose check failed was applied
-      all the same (``finish`` applies, then checks), so its retracted rows are gone from the
-      table and no rewrite finds them to retract; their rows stayed on the topic for good.
+      superseded plan's own retractions of keys the tables no longer hold are sent first: a
+      plan whose check failed was applied all the same (``finish`` applies, then checks), so
+      its retracted rows are gone from the table and no rewrite finds them to retract; their
+      rows stayed on the topic for good.
   R8. ``--full`` keeps the stored attribution of an order moved (C7) to a user left to the
       stream (R2), as targeted corrections do (C8): the recompute that folds the order in
       once the stream lets the user go updates it at the next revision. It retracted it
@@ -393,15 +393,25 @@ def run_full_recompute(
                      "recompute supersedes it")
             superseded = unfinished_plan(run)
             if superseded is not None:
-                retracted = keep(superseded.where(F.col("change") == "retracted").select(
-                    "entity", "key"))
+                _retract_what_the_tables_lost(run, superseded)  # killed after: sent again
                 mark_published(run, superseded)
                 superseded.unpersist()
-                try:
-                    return _rewrite_client(run, started, retracted)
-                finally:
-                    release(retracted)
         return _rewrite_client(run, started)
+
+
+def _retract_what_the_tables_lost(run: Run, superseded: DataFrame) -> None:
+    """(R7) Tombstones for the keys a superseded plan retracted that the tables no longer
+    hold: it was applied (``finish`` applies, then checks), and the rewrite cannot retract
+    what it does not find. Sent before the plan is marked published, so a run killed in
+    between sends them again."""
+    for spec, topic, entity in ((SESSIONS, run.config.sessions_topic, "session"),
+                                (ATTRIBUTIONS, run.config.attributions_topic, "attribution")):
+        (key,) = spec.key
+        gone = superseded.where((F.col("entity") == entity) & (F.col("change") == "retracted"))
+        if run.tables.exists(spec.name):
+            gone = gone.join(run.tables.read(spec.name, [key], partition_filter={
+                "client_id": run.client_id}).select(F.col(key).alias("key")), "key", "left_anti")
+        publish_pairs(run.config, topic, gone.select("key", F.lit(None).cast("string")))
 
 
 def _users_the_stream_holds(pageviews: DataFrame, orders: DataFrame, cutoff_ms: int
@@ -434,9 +444,7 @@ class _Rewrite:
     read_version: int
 
 
-def _rewrite_client(run: Run, started: float, superseded_retractions: DataFrame | None = None
-                    ) -> FullRecomputeSummary:
-    """``superseded_retractions``: (entity, key) a superseded plan retracted (R7)."""
+def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     config, tables, spark, client_id = run.config, run.tables, run.spark, run.client_id
     mine = {"client_id": client_id}
     watermark = stream_watermark_ms(config, client_id)
@@ -484,13 +492,8 @@ def _rewrite_client(run: Run, started: float, superseded_retractions: DataFrame 
             .when(same, F.col("o.revision"))
             .otherwise(F.col("o.revision") + 1).cast("int").alias("revision"),
         ).select(*spec.schema.fieldNames()).persist()
-        retracted = old.select(F.col(key).alias("key"))
-        if superseded_retractions is not None:  # (R7) gone from the table, not from the topic
-            retracted = retracted.unionByName(superseded_retractions.where(
-                F.col("entity") == entity).select("key").join(
-                stored.select(F.col(key).alias("key")), "key", "left_anti")).distinct()
-        retracted = retracted.join(fresh.select(F.col(key).alias("key")), "key",
-                                   "left_anti").persist()
+        retracted = old.join(fresh.select(key), key, "left_anti").select(
+            F.col(key).alias("key")).persist()
         # The same changes as corrections rows: the audit trail of every run (R3).
         # Retracted attributions too, as their tombstones below are (R8).
         changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq))
