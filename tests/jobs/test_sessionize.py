@@ -781,6 +781,38 @@ def test_differing_copies_of_an_id_in_one_micro_batch_are_stored_as_the_sessions
     assert_topic_equals_table(stream_config, rows)
 
 
+def test_a_late_copy_of_an_order_id_another_user_holds_is_attributed_beside_it(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(Z12, ``corrections`` C13) A producer reuses order id o for users a and b (their state
+    kept apart). a's copy comes on time and is attributed by the stream; b's comes late, on
+    the day before, is stored and queued. The recompute folding it in would create o's
+    attribution at b while o is attributed at a, which C13 takes for an order a batch moved:
+    unless ``orders`` still holds a's copy, it plans a's place too, and then moved the one
+    key o from a to b, leaving a's session counting an order nothing attributed to it."""
+    start = datetime(2026, 11, 1, 9, tzinfo=UTC)
+    users = spark.createDataFrame([("client-00", "a"), ("client-00", "b")],
+                                  "client_id string, user_id string")
+    assert len({r[0] for r in users.select(user_bucket(16)).collect()}) == 2
+    produce(stream_config, [pageview("a", start, "a1"), order("a", start + timedelta(minutes=1),
+                                                              "o", event_id="oa")])
+    produce(stream_config, [pageview("w", start + timedelta(hours=3), "advance")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    day_before = start - timedelta(days=1)
+    produce(stream_config, [pageview("b", day_before, "b1"),
+                            order("b", day_before + timedelta(minutes=1), "o", "3.00", "ob")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert sorted(r["user_id"] for r in table_rows(stream_config, spark, "orders")) == ["a", "b"]
+    run_recompute(stream_config, spark=spark)
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    sessions = {r["session_id"]: (r["user_id"], r["order_count"], r["revenue"])
+                for r in table_rows(stream_config, spark, "sessions")}
+    assert sorted(v for v in sessions.values() if v[0] != "w") == [
+        ("a", 1, Decimal("10.0000")), ("b", 1, Decimal("3.0000"))]
+    assert sorted((r["user_id"], sessions[r["session_id"]][0]) for r in table_rows(
+        stream_config, spark, "attributions")) == [("a", "a"), ("b", "b")]
+
+
 def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -108,7 +108,8 @@ Known edge cases, cited inline as (C1)..(C13):
       create an attribution the client holds elsewhere (``attributed_elsewhere``) is planned
       again with those places in its scope, as C11 does up front for the queued orders: only
       a plan creating attributions reads the client's attributions, and only one that finds
-      such an order plans twice.
+      such an order plans twice. A place ``orders`` still holds is not one: an id two users'
+      copies share (``sessionize`` Z12) is attributed at each.
 """
 
 from __future__ import annotations
@@ -747,17 +748,30 @@ def _with_places(run: Run, scope: DataFrame,
 def attributed_elsewhere(run: Run, changes: DataFrame, attributions: DataFrame
                          ) -> list[tuple[str, str, int, int, list[str]]]:
     """Scope rows of where the client's stored attributions hold the orders the plan
-    (``changes``) would create an attribution of, with the user each order is now stored
-    under (``attributions``: the plan's new ones) if another (C9): places outside the
-    windows, as only a stored attribution outside them is not in the diff (C13)."""
+    (``changes``) would create an attribution of, and ``orders`` no longer does, with the
+    user each order is now stored under (``attributions``: the plan's new ones) if another
+    (C9): places outside the windows, as only a stored attribution outside them is not in the
+    diff (C13). A place ``orders`` still holds is another user's copy of the id (a producer
+    reusing it, ``sessionize`` Z12), attributed there as it should be."""
     if not run.tables.exists(ATTRIBUTIONS.name):
         return []
     created = changes.where((F.col("entity") == "attribution") & (F.col("change") == "created")
                             ).select(F.col("key").alias("order_id"))
-    now = attributions.join(created, "order_id", "left_semi").select("order_id", "user_id")
-    return [(p.client_id, p.user_id, p.ts_ms, p.ts_ms, [p.moved_with] if p.moved_with else [])
-            for p in old_places(_client_attributions(run.tables, run.client_id), "order_ts",
-                                now).distinct().collect()]
+    now = attributions.join(created, "order_id", "left_semi").select(
+        "order_id", F.col("user_id").alias("now_user_id"))
+    places = _client_attributions(run.tables, run.client_id).join(now, "order_id").select(
+        "order_id", "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms"),
+        F.to_date("order_ts").alias("day"), "now_user_id").distinct().collect()
+    if not places:
+        return []
+    held = {(r.order_id, r.user_id, r.ts_ms) for r in run.tables.read(
+        ORDERS.name, ["order_id", "user_id", "ts"], partition_filter={
+            "client_id": run.client_id, "event_date": sorted({p.day for p in places})}).where(
+        F.col("order_id").isin(sorted({p.order_id for p in places}))).select(
+        "order_id", "user_id", F.unix_millis("ts").alias("ts_ms")).collect()}
+    return [(p.client_id, p.user_id, p.ts_ms, p.ts_ms,
+             [p.now_user_id] if p.now_user_id != p.user_id else [])
+            for p in places if (p.order_id, p.user_id, p.ts_ms) not in held]
 
 
 def stored_elsewhere(tables: DeltaTables, client_id: str, orders: DataFrame,
@@ -891,9 +905,9 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
                 f"{ATTRIBUTIONS.name} table holds at places its scope already has "
                 f"({elsewhere[:3]}); this is a bug in clickstream: nothing was recorded or "
                 "applied, report it with this message")
-        run.progress(f"  {len(elsewhere)} order(s) of the windows are attributed elsewhere "
-                     "(a batch moved them and has not planned yet): planning with those "
-                     "places too")
+        run.progress(f"  orders of the windows are attributed where they no longer are "
+                     f"({len(elsewhere)} place(s): a batch moved them and has not planned "
+                     "yet): planning with those places too")
         return plan(run, _with_places(run, scope, elsewhere), orders_only, summary, timer,
                     stream_watermark_ms, defer, run_seq, grown_by | places)
     summary.orders_attributed = tallies.pop((_ORDERS_TALLY, "attributed"), 0)
