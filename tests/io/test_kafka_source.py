@@ -285,18 +285,23 @@ def test_a_new_checkpoints_first_read_starts_where_the_log_starts_when_it_reads(
     produce(kafka_config, topic, 10)
     reader = KafkaStreamReader(_source_options(kafka_config, topic))
     first = reader.initialOffset()
-    end = reader.latestOffset(first, ReadAllAvailable())
-    broker.delete_records(topic, 0, 4)
+    broker.delete_records(topic, 0, 2)  # before the planning: it starts the batch at 2
+    with caplog.at_level("WARNING"):
+        end = reader.latestOffset(first, ReadAllAvailable())
+    assert end[PLANNED_FROM] == {"0": 2}
+    assert (f"topic {topic} partition 0: the broker dropped records 0..1 while a new "
+            "checkpoint planned its first micro-batch") in caplog.text
+    broker.delete_records(topic, 0, 4)  # after it: the read starts at 4
     with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
         (task,) = reader.partitions(first, end)
         offsets = [o for batch in reader.read(task) for o in batch.column("offset").to_pylist()]
     assert offsets == list(range(4, 10))
-    assert (f"topic {topic} partition 0: the broker dropped records 0..3 after the first "
+    assert (f"topic {topic} partition 0: the broker dropped records 2..3 after the first "
             "micro-batch of a new checkpoint was planned") in caplog.text
 
     restarted = KafkaStreamReader(_source_options(kafka_config, topic))
     (replayed,) = restarted.partitions(restarted.initialOffset(), end)
-    with pytest.raises(DataLossError, match=r"records 0\.\.3 were dropped"):
+    with pytest.raises(DataLossError, match=r"records 2\.\.3 were dropped"):
         list(restarted.read(replayed))
 
 

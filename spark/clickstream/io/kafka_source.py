@@ -82,16 +82,18 @@ Known edge cases, cited inline as (K1)..(K10):
       initial offsets to the checkpoint for the same reason.) When nothing new arrived,
       ``latestOffset`` returns its start as it is, so the batch after the first is planned
       only for new records.
-  K10. Between planning the first micro-batch and its tasks' reads (seconds: Spark starts the
-      tasks' Python workers), a broker may drop more of a log's oldest records: the embedded
-      broker's cap drops a full partition's oldest batch at every write. The records below
-      the log's start when a read of that first planning begins were never read by anyone,
-      as K8's were not: the read logs a warning and starts at the log's start, no error and
-      no marker. Stopping on them stopped a new checkpoint on a full topic being written
-      to, and every restart too (its replay reads the range it planned, K9). Only the read
-      of the micro-batch the run itself planned does so, and only before it read a record
-      of the partition: a replay of the first micro-batch after a crash (its first attempt
-      may have stored what it read) and records dropped during a read still stop (K1, K2).
+  K10. Between ``initialOffset()`` and the first micro-batch's planning, and between that
+      and its tasks' reads (seconds: Spark starts the tasks' Python workers), a broker may
+      drop more of a log's oldest records: the embedded broker's cap drops a full
+      partition's oldest batch at every write. Records below the log's start then were
+      never read by anyone, as K8's were not: the planning starts the batch at the log's
+      start (and records that start, K9), and a read of that first planning starts at the
+      log's start when it begins, each with a warning, no error and no marker. Stopping on
+      them stopped a new checkpoint on a full topic being written to, and every restart too
+      (its replay reads the range it planned, K9). Only the read of the micro-batch the run
+      itself planned does so, and only before it read a record of the partition: a replay
+      of the first micro-batch after a crash (its first attempt may have stored what it
+      read) and records dropped during a read still stop (K1, K2).
       The sessionizer's second scan of that micro-batch takes the first scan's records (K6);
       one that reads Kafka itself (on another host) could start later than the first if the
       broker dropped more between the two reads.
@@ -249,10 +251,18 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         current = self._same_log(start)
         marks = _watermarks(self.options, self.topic)
         latest: dict[str, int] = {}
+        first = start == self._initial  # the first micro-batch (K9)
+        planned_from = _partition_offsets(start)
         counted_from = dict(start)  # where the rate limit counts a partition's backlog from
         for partition, (low, high) in marks.items():
             key = str(partition)
             begin = int(start.get(key, 0))  # (K3) a partition added since: from its offset 0
+            if first and key in start and begin < low:  # (K10) dropped since initialOffset()
+                log.warning("topic %s partition %d: the broker dropped records %d..%d while "
+                            "a new checkpoint planned its first micro-batch, before anyone "
+                            "read them; it starts at offset %d", self.topic, partition, begin,
+                            low - 1, low)
+                begin = planned_from[key] = counted_from[key] = low
             check_no_data_loss(self.topic, partition, begin, low, high,  # (K1, K3)
                                fail_on_data_loss=self.fail_on_data_loss)
             if self._target is not None:
@@ -268,11 +278,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             latest.setdefault(key, int(begin))
         if isinstance(limit, ReadMaxRows):
             latest = _rate_limit(counted_from, latest, limit.max_rows)
-        if all(stop == int(start.get(key, 0)) for key, stop in latest.items()):
+        if all(stop == int(planned_from.get(key, 0)) for key, stop in latest.items()):
             return start  # nothing new: no micro-batch (K9)
         end = _with_topic_id(latest, current)
-        if start == self._initial:  # the first micro-batch: its start goes with it (K9)
-            end[PLANNED_FROM] = _partition_offsets(start)
+        if first:  # its start goes with it (K9), as moved (K10)
+            end[PLANNED_FROM] = planned_from
             self._first_planned = end
         return end
 
