@@ -936,7 +936,7 @@ def test_names_spark_would_glob_and_linked_folders_are_refused(
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark, path="w")
     (stream_config.landing / "delta" / "_delta_log").mkdir(parents=True)  # removed files too
     write_rows(stream_config, "delta/a.parquet", [order_row("o1", "u", 1)], "parquet")
-    # A partition folder or file of a table, or a folder holding one, as well (B7).
+    # A partition folder or file of a table, or a folder holding one, as well (B20).
     write_rows(stream_config, "delta/day=1/b.parquet", [order_row("o2", "u", 1)], "parquet")
     for path in ("delta", "delta/day=1", "delta/day=1/b.parquet"):
         with pytest.raises(BatchRefusedError, match=r"delta is a Delta table"):

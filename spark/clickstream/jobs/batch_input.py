@@ -91,6 +91,11 @@ Known edge cases, cited inline as (B1)..(B19):
       name (``orders.csv`` gzipped) is refused, saying what it is (``packed_file_reason``):
       Spark reads it as text, so a CSV batch was refused for a garbled header that lacked
       every column, and a JSON Lines one had each line of bytes quarantined as bad JSON.
+  B20. A Delta table's Parquet files hold every version's rows, removed ones too: a table
+      is refused as a batch, and so is a file or partition folder of one (its ``_delta_log``
+      is above the batch path, up to the landing folder) and a folder holding one (below,
+      where the batch's files are listed). Only the table's own folder was checked, and a
+      partition of it, or the folder above it, was read with its removed rows.
 """
 
 from __future__ import annotations
@@ -252,7 +257,7 @@ def _hidden(name: str) -> bool:
 
 def _refuse_a_delta_table(folder: Path) -> None:
     """A Delta table's Parquet files hold every version's rows, removed ones too, which a
-    batch would read as they are (B7)."""
+    batch would read as they are (B20)."""
     raise BatchRefusedError(
         f"batch folder {folder} is a Delta table: its Parquet files hold every version's rows, "
         "removed ones too, which a batch would read as they are; export the table's current "
@@ -268,7 +273,7 @@ def _unlisted(error: OSError) -> None:
 
 def _files_under(root: Path) -> list[Path]:
     """The batch files of a folder: none under hidden folders; linked folders refused (B5);
-    a folder that is (or holds) a Delta table refused (B7)."""
+    a folder that is (or holds) a Delta table refused (B20)."""
     found = []
     for folder, subfolders, names in os.walk(root, onerror=_unlisted):
         if "_delta_log" in subfolders:
@@ -291,7 +296,7 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             f"batch file {root} has a name starting with '.' or '_', which Spark skips as "
             "hidden (it would read no rows); rename it")
     landing = config.landing.resolve()
-    for folder in root.parents:  # a file or partition folder of a table (B7); below: walked
+    for folder in root.parents:  # a file or partition folder of a table (B20)
         if folder == landing or landing not in folder.parents:
             break
         if (folder / "_delta_log").is_dir():
