@@ -177,28 +177,39 @@ def test_a_key_stored_twice_before_does_not_stop_a_later_backfill_of_its_day(
     assert quarantined(stream_config, spark, "tables_after_merge") == []
 
 
+@pytest.mark.parametrize("sent_again", [False, True], ids=["updated", "and-one-sent-as-stored"])
 def test_an_order_stored_twice_before_is_updated_by_a_later_batch(
-    stream_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession, sent_again: bool
 ) -> None:
     """The orders upsert replaces every stored copy of an order the batch updates: the gate
-    expected one row to stay, and failed that backfill at every rerun (its merge committed)."""
+    expected one row to stay, and failed that backfill at every rerun (its merge committed).
+    An order the batch sends as stored is not written, so its copies stay: the gate took
+    them for replaced too and failed it; and ``recomputed_sessions`` counted the attributed
+    order once per copy, failing every correction of its user's window."""
     quiet = lambda _: None  # noqa: E731
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=write_rows(stream_config, "p", [pv_row("p1", "u", 0)], "parquet"),
+                 progress=quiet)
     run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                  path=write_rows(stream_config, "a", [order_row("o1", "u", 0),
                                                       order_row("o2", "u", 5)], "parquet"),
                  progress=quiet)
     location = str(stream_config.warehouse / "orders")
     stored = DeltaTable(location).to_pyarrow_table()
-    write_deltalake(location, stored.filter(pa.compute.equal(stored["order_id"], "o1")),
-                    mode="append")  # a new checkpoint's replay stored it again
+    write_deltalake(location, stored, mode="append")  # a new checkpoint's replay stored them
 
+    batch = [order_row("o1", "u", 0, amount="12.50"), *([order_row("o2", "u", 5)]
+                                                       if sent_again else [])]
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
-                           path=write_rows(stream_config, "b", [order_row(
-                               "o1", "u", 0, amount="12.50")], "parquet"), progress=quiet)
+                           path=write_rows(stream_config, "b", batch, "parquet"),
+                           progress=quiet)
     assert summary.rows_merged == 1
     assert sorted((r["order_id"], str(r["amount"])) for r in table_rows(
-        stream_config, spark, "orders")) == [("o1", "12.5000"), ("o2", "10.0000")]
+        stream_config, spark, "orders")) == [("o1", "12.5000"), ("o2", "10.0000"),
+                                             ("o2", "10.0000")]
     assert quarantined(stream_config, spark, "tables_after_merge") == []
+    assert [(r["order_count"], str(r["revenue"])) for r in table_rows(
+        stream_config, spark, "sessions")] == [(2, "22.5000")]
 
 
 def test_a_retried_merge_gate_finds_its_commit_behind_a_busy_stream(

@@ -48,7 +48,7 @@ from clickstream.jobs.corrections import (
     where_attributed,
 )
 from clickstream.jobs.sessionize import check_stream_settings, records_lock, stream_watermark_ms
-from clickstream.quality.checks import backfill_app_id, run_commit_version
+from clickstream.quality.checks import backfill_app_id, merged_source, run_commit_version
 from clickstream.quality.gates import (
     GateResult,
     gate_historical_batch,
@@ -127,12 +127,6 @@ def _stored(tables: DeltaTables, spec, client_id: str, dates: list) -> DataFrame
 # corrections' steps) are kept (BENCHMARKS.md, session 35). The valid rows are a filter of
 # the persisted batch and are not persisted again: for a year of pageviews that second copy
 # took 35-40 s to build and saved the merge ~8 s (BENCHMARKS.md, session 41).
-
-
-def merged_source(run_id: str) -> str:
-    """``source`` of the rows the run's merge writes into ``pageviews`` / ``orders``: what
-    finds them again once the batch's files changed or are gone (``backfill_steps`` S5)."""
-    return f"backfill:{run_id}"
 
 
 def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: str,

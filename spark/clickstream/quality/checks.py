@@ -240,6 +240,12 @@ def backfill_app_id(run_id: str) -> str:
     return f"backfill-{run_id}"
 
 
+def merged_source(run_id: str) -> str:
+    """``source`` of the rows the run's merge writes into ``pageviews`` / ``orders``: what
+    finds them again once the batch's files changed or are gone (``backfill_steps`` S5)."""
+    return f"backfill:{run_id}"
+
+
 def run_commit_version(tables: DeltaTables, table: str, run_id: str, *,
                        app_id: str | None = None) -> int | None:
     """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3); None
@@ -327,7 +333,12 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
         if spec.name == ORDERS.name and before is not None and rows != expected(stored):
             # The upsert replaced every stored copy of an order it updated: one stored twice
             # before (a new checkpoint's replay, Known limits) failed this gate at every rerun.
-            copies = before.join(batch_keys, key, "left_semi").count() - stored
+            # Only of those it wrote (its rows carry the run's source): one the batch sent as
+            # stored is not written, its copies stay, and counted, they failed it too.
+            written = whole.where(F.col("source") == merged_source(run_id)).select(
+                key).distinct()
+            copies = (before.join(written, key, "left_semi").count()
+                      - written.join(before, key, "left_semi").count())
     values.update(rows_after=rows, duplicate_keys=duplicated, keys_already_stored=stored,
                   copies_replaced=copies, expected_rows_after=expected(stored, copies))
     values["table"] = spec.name
@@ -385,12 +396,16 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
     one ``order_id`` twice in a client (another user's, or another day's: README, Known
     limits), and a join by the id alone counted both copies in each session. The time in
     whole milliseconds, as sessions keep it (an attribution's ``order_ts``): an order's ``ts``
-    may hold microseconds.
+    may hold microseconds. Copies of one order at one place (an earlier version stored some
+    twice, README, Known limits) count once, with the amount ``semantics`` E6 keeps (the
+    smallest); counted twice, they failed every correction of that user's window.
     """
+    place = ["client_id", "user_id", "order_id", "order_ts"]
     attributed = attributions.where(F.col("session_id").isNotNull()).join(
         orders.select("client_id", "user_id", "order_id",
-                      F.timestamp_millis(F.unix_millis("ts")).alias("order_ts"), "amount"),
-        ["client_id", "user_id", "order_id", "order_ts"], "left"
+                      F.timestamp_millis(F.unix_millis("ts")).alias("order_ts"), "amount")
+        .groupBy(*place).agg(F.min("amount").alias("amount")),  # partitioned as the join
+        place, "left"
     ).repartition("client_id", "user_id")  # as the window below: the join needs no shuffle
     totals = attributed.groupBy("client_id", "user_id", "session_id").agg(
         F.count(F.lit(1)).alias("_orders"), F.sum("amount").alias("_revenue"),
