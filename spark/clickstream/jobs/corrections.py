@@ -745,20 +745,24 @@ def _with_places(run: Run, scope: DataFrame,
         "moved_with array<string>"), allowMissingColumns=True)
 
 
-def attributed_elsewhere(run: Run, changes: DataFrame, attributions: DataFrame
+def attributed_elsewhere(run: Run, changes: DataFrame
                          ) -> list[tuple[str, str, int, int, list[str]]]:
     """Scope rows of where the client's stored attributions hold the orders the plan
     (``changes``) would create an attribution of, and ``orders`` no longer does, with the
-    user each order is now stored under (``attributions``: the plan's new ones) if another
-    (C9): places outside the windows, as only a stored attribution outside them is not in the
-    diff (C13). A place ``orders`` still holds is another user's copy of the id (a producer
-    reusing it, ``sessionize`` Z12), attributed there as it should be."""
+    user each order is now stored under (the created row's) if another (C9): places outside
+    the windows, as only a stored attribution outside them is not in the diff (C13). A place
+    ``orders`` still holds is another user's copy of the id (a producer reusing it,
+    ``sessionize`` Z12), attributed there as it should be.
+
+    Read from ``changes`` alone, which the run keeps until it is published: a query on the
+    plan's other frames, released right after, left a job of its own (Spark's, unawaited)
+    that failed on their freed blocks (BENCHMARKS.md, session 58)."""
     if not run.tables.exists(ATTRIBUTIONS.name):
         return []
-    created = changes.where((F.col("entity") == "attribution") & (F.col("change") == "created")
-                            ).select(F.col("key").alias("order_id"))
-    now = attributions.join(created, "order_id", "left_semi").select(
-        "order_id", F.col("user_id").alias("now_user_id"))
+    now = changes.where((F.col("entity") == "attribution") & (F.col("change") == "created")
+                        ).select(F.col("key").alias("order_id"),
+                                 F.get_json_object("new_value", "$.user_id").alias(
+                                     "now_user_id"))
     places = _client_attributions(run.tables, run.client_id).join(now, "order_id").select(
         "order_id", "client_id", "user_id", F.unix_millis("order_ts").alias("ts_ms"),
         F.to_date("order_ts").alias("day"), "now_user_id").distinct().collect()
@@ -892,7 +896,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             "entity", "change").count().unionByName(new.attributions.groupBy(
                 F.lit(_ORDERS_TALLY).alias("entity"), outcome.alias("change")).count()
         ).collect()}
-        elsewhere = (attributed_elsewhere(run, changes, new.attributions)
+        elsewhere = (attributed_elsewhere(run, changes)
                      if tallies.get(("attribution", "created")) else [])
     if elsewhere:  # (C13) planned again with those places: rare, so not done up front
         new.release()
