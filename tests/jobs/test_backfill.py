@@ -1060,6 +1060,42 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
     assert batch_input.packed_file_reason(landing / "text" / "a.csv") is None
 
 
+def test_a_batch_file_is_refused_as_a_link_out_or_a_fifo_before_it_is_opened(
+    config: Config, tmp_path: Path
+) -> None:
+    """B21: the packed-file peek (B19) opened each file before the link check, so a link out
+    of the landing folder was read (its refusal told what the outside file was), and a FIFO
+    blocked the run for good; an alarm turns such a block into this test's failure."""
+    import signal
+
+    landing = config.landing
+    (landing / "gzl").mkdir(parents=True)
+    (tmp_path / "outside.csv").write_bytes(gzip.compress(b"private,data\n1,2\n"))
+    (landing / "gzl" / "orders.csv").symlink_to(tmp_path / "outside.csv")
+    os.mkfifo(tmp_path / "outside-fifo")
+    (landing / "fifol").mkdir()
+    (landing / "fifol" / "orders.csv").symlink_to(tmp_path / "outside-fifo")
+    (landing / "fifo").mkdir()
+    os.mkfifo(landing / "fifo" / "orders.jsonl")
+    refusals = {"gzl": r"links outside the landing folder \(to .*outside\.csv\)",
+                "fifol": r"links outside the landing folder \(to .*outside-fifo\)",
+                "fifo": r"orders\.jsonl is not a regular file \(a FIFO"}
+
+    def blocked(*_: object) -> None:
+        raise TimeoutError("list_batch_files blocked opening a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    try:
+        for path, reason in refusals.items():
+            signal.alarm(5)
+            with pytest.raises(BatchRefusedError, match=reason):
+                batch_input.list_batch_files(config, path)
+            signal.alarm(0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_times_finer_than_a_millisecond_are_cut_to_it_whatever_the_column_type(
     config: Config, spark: SparkSession
 ) -> None:

@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B19):
+Known edge cases, cited inline as (B1)..(B21):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
@@ -96,6 +96,11 @@ Known edge cases, cited inline as (B1)..(B19):
       is above the batch path, up to the landing folder) and a folder holding one (below,
       where the batch's files are listed). Only the table's own folder was checked, and a
       partition of it, or the folder above it, was read with its removed rows.
+  B21. Every listed file is checked before any is opened: a link out of the batch is refused
+      (B1), and so is anything but a regular file (a FIFO, socket or device). The B19 peek
+      opened each file first, so it read from a file a link pointed to outside the landing
+      folder (its refusal told what kind of file that was), and a FIFO's open blocked the run
+      (and every queued backfill behind it) for good.
 """
 
 from __future__ import annotations
@@ -310,6 +315,19 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             raise BatchRefusedError(
                 f"batch file {candidate} is a link to a missing file ({os.readlink(candidate)})"
                 "; copy the file it should link to into the batch, or remove the link")
+        # Before any file is opened: a link out of the batch would be peeked at (B19), and a
+        # FIFO or device would block its open for good (B21).
+        target = candidate.resolve()
+        if target != root and root not in target.parents:  # (B1) symlinked files
+            where = ("the batch folder" if config.in_landing(candidate)[1]
+                     else "the landing folder")
+            raise BatchRefusedError(
+                f"batch file {candidate} links outside {where} (to {target}); copy the file "
+                "into the batch folder")
+        if not target.is_file():  # (B21)
+            raise BatchRefusedError(
+                f"batch file {candidate} is not a regular file (a FIFO, socket or device), "
+                "whose reading could block for good; write the batch as regular files")
     unknown = [p.name for p in candidates if p.suffix.lower() not in FORMATS]
     if unknown:
         raise BatchRefusedError(
@@ -329,11 +347,6 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             raise BatchRefusedError(
                 f"batch file {p} is {packed}, not {file_format.upper()} text; unpack it "
                 f"into the batch folder (e.g. gunzip, unzip) and load the {p.suffix} file")
-        if p.resolve() != root and root not in p.resolve().parents:  # (B1) symlinked files
-            where = ("the batch folder" if config.in_landing(p)[1] else "the landing folder")
-            raise BatchRefusedError(
-                f"batch file {p} links outside {where} (to {p.resolve()}); copy the file "
-                "into the batch folder")
     return BatchFiles(root, tuple(candidates), file_format)
 
 
