@@ -134,6 +134,21 @@ def test_driver_memory_needs_a_jvm_size_with_a_unit(size: str) -> None:
         Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": size})
 
 
+@pytest.mark.parametrize("name", ["wh[1]", "wh{a,b}", "wh*", "wh:1"])
+@pytest.mark.parametrize("variable", ["CLICKSTREAM_WAREHOUSE", "CLICKSTREAM_HOME",
+                                      "CLICKSTREAM_LANDING"])
+def test_folders_spark_would_read_as_a_pattern_or_a_scheme_are_refused(
+    tmp_path: Path, variable: str, name: str
+) -> None:
+    """Every table read names the files below the warehouse to Spark, which read
+    ``wh[1]/...`` as a glob matching ``wh1``: writes went through, every read failed."""
+    folder = tmp_path / name
+    with pytest.raises(ConfigError, match=rf"^{variable}='.*' has (one of|':') .* choose a "
+                                          "folder whose path has none"):
+        Config.from_env({variable: str(folder)})
+    assert Config.from_env({variable: str(tmp_path / "wh1")})
+
+
 @pytest.mark.parametrize(("size", "mib"), [("1536m", 1536), ("4G", 4096), ("2097152k", 2048),
                                            ("1t", 1024 * 1024)])
 def test_driver_memory_in_mib_reads_every_jvm_unit(size: str, mib: int) -> None:

@@ -194,7 +194,12 @@ class Config:
             raise ConfigError(f"{ENV_NAMES['driver_memory']}={self.driver_memory!r} is not a "
                               "JVM memory size with a unit; use e.g. 4g or 2048m")
         for name in ("warehouse", "home", "landing"):
-            object.__setattr__(self, name, Path(getattr(self, name)).expanduser().resolve())
+            folder = Path(getattr(self, name)).expanduser().resolve()
+            object.__setattr__(self, name, folder)
+            reason = unreadable_path_reason(str(folder))
+            if reason:  # every table read names files below the warehouse to Spark
+                raise ConfigError(f"{ENV_NAMES[name]}={str(folder)!r} {reason}; choose a "
+                                  "folder whose path has none of these characters")
 
     @property
     def driver_memory_mib(self) -> int:
@@ -246,6 +251,21 @@ class Config:
             if value is not None:
                 values[name] = _convert(name, value, cli_flag(name))
         return cls(**values)  # type: ignore[arg-type]
+
+
+GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax
+
+
+def unreadable_path_reason(path: str) -> str | None:
+    """Why Spark cannot read ``path`` as the one file or folder it names, or None: the
+    landing folder's batches (batch_input B5) and the folders of this configuration."""
+    if GLOB_CHARACTERS & set(path):
+        return (f"has one of {' '.join(sorted(GLOB_CHARACTERS))} in its path, which Spark "
+                "would read as a pattern matching other files")
+    if ":" in path:
+        return ("has ':' in its path, which Spark's file system cannot open (it reads the "
+                "text before ':' as a URI scheme)")
+    return None
 
 
 def _convert(name: str, raw: object, source: str) -> object:

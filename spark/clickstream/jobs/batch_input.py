@@ -129,7 +129,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from clickstream.config import Config
+from clickstream.config import Config, unreadable_path_reason
 from clickstream.errors import BatchRefusedError
 from clickstream.events.parse import (
     amount_error,
@@ -157,18 +157,6 @@ REQUIRED = {
 }
 KEY = {"orders": "order_id", "pageviews": "event_id"}
 NULLABLE = {"orders": (), "pageviews": ("referrer",)}  # required columns whose rows may be null
-GLOB_CHARACTERS = frozenset("*?[]{}\\")  # Hadoop's glob syntax (B5)
-
-
-def unreadable_path_reason(path: str) -> str | None:
-    """Why Spark cannot read ``path`` as the one file it names (B5), or None."""
-    if GLOB_CHARACTERS & set(path):
-        return (f"has one of {' '.join(sorted(GLOB_CHARACTERS))} in its path, which Spark "
-                "would read as a pattern matching other files")
-    if ":" in path:
-        return ("has ':' in its path, which Spark's file system cannot open (it reads the "
-                "text before ':' as a URI scheme)")
-    return None
 
 
 # Leading bytes of files a text reader would take apart as garbage: Spark reads a compressed

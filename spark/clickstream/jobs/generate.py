@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
-from clickstream.config import Config
+from clickstream.config import Config, unreadable_path_reason
 from clickstream.errors import ConfigError
 
 URL_PATHS = ("/", "/search", "/products", "/products/{n}", "/cart", "/checkout", "/blog/{n}",
@@ -227,8 +227,6 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
             character backfill reads as a pattern, is (or lies under) a file, or already
             holds a batch.
     """
-    from clickstream.jobs.batch_input import unreadable_path_reason
-
     target, inside = config.in_landing(out)
     if not inside or target == config.landing:
         raise ConfigError(f"--out {out!r} must name a folder inside the landing folder "
