@@ -192,6 +192,9 @@ def test_an_id_at_the_bound_is_valid(spark: SparkSession) -> None:
     ("0.0005", Decimal("0.0005")),  # 5.0E-4
     ("999999999999.0003", Decimal("999999999999.0003")),  # beyond a double's digits
     ("1.5e2", Decimal("150")),
+    ("1.5E7", Decimal("15000000")),  # a number with an exponent is a double, its text 1.5E7
+    ("1.23456785E7", Decimal("12345678.5")),
+    ("1E-4", Decimal("0.0001")),  # 1.0E-4
 ])
 def test_an_amount_sent_as_a_json_number_is_judged_by_its_own_digits(
     spark: SparkSession, number: str, amount: Decimal
@@ -201,6 +204,18 @@ def test_an_amount_sent_as_a_json_number_is_judged_by_its_own_digits(
     value = json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', number)
     (order,) = parse(spark, (KEY, value))
     assert (order["error"], order["amount"]) == (None, amount)
+
+
+@pytest.mark.parametrize(("sent", "shown"), [('"1e3"', "1e3"), ("true", "true"),
+                                             ('"1.00000"', "1.00000"), ("1e25", "1.0E25")])
+def test_an_amount_that_is_no_decimal_string_nor_a_number_in_range_is_refused(
+    spark: SparkSession, sent: str, shown: str
+) -> None:
+    """A string is judged as sent, whatever a cast would make of it; a JSON Lines batch
+    judges each line's amount the same way (batch_input B9)."""
+    value = json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', sent)
+    (order,) = parse(spark, (KEY, value))
+    assert order["error"] == f"amount '{shown}' is not a decimal string with at most 4 decimals"
 
 
 @pytest.mark.parametrize(("text", "instant"), [

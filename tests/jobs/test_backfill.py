@@ -1201,6 +1201,22 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
         "n4": (None, "amount '1.0E25' is not a decimal string with at most 4 decimals"),
         "n5": (None, "amount '0.30000000000000004' is not a decimal string with at most 4 "
                      "decimals")}
+    # Each line's amount by its own JSON type, as the stream judges it: in a column Spark
+    # inferred as text, a number with an exponent was its double's text (1.5E7, refused);
+    # in one inferred as numbers or booleans, the string "1e3" and true were amounts.
+    refused = "amount '{}' is not a decimal string with at most 4 decimals"
+    for folder, amounts in {"mixed": {"m1": '"1e3"', "m2": "1.5E7", "m3": "1E-4",
+                                      "m4": '"12.5"'},
+                            "cast": {"c1": "true", "c2": "2"}}.items():
+        (config.landing / folder).mkdir()
+        (config.landing / folder / "a.jsonl").write_text("".join(
+            json.dumps({**line, "order_id": key, "ts": ms(START), "amount": "AMOUNT"}).replace(
+                '"AMOUNT"', sent) + "\n" for key, sent in amounts.items()))
+    rows = {**validated(config, spark, "mixed"), **validated(config, spark, "cast")}
+    assert {key: (r["amount"], r["error"]) for key, r in rows.items()} == {
+        "m1": (None, refused.format("1e3")), "m2": (Decimal("15000000"), None),
+        "m3": (Decimal("0.0001"), None), "m4": (Decimal("12.5"), None),
+        "c1": (None, refused.format("true")), "c2": (Decimal("2"), None)}
     amounts = pa.table({"order_id": ["f1", "f2"], "client_id": ["client-00"] * 2,
                         "user_id": ["u"] * 2, "ts": [START] * 2,
                         "amount": pa.array([19.99, 0.1], pa.float32()),

@@ -37,7 +37,10 @@ Known edge cases, cited inline as (B1)..(B21):
       quarantined as having more than 4 decimals. A value with more still is. A 32-bit
       float is judged by its own shortest text (19.99 stays 19.99, not the double it
       widens to), and a JSON Lines number by its own digits, not the double Spark infers
-      (999999999999.0003 became ...0002).
+      (999999999999.0003 became ...0002). In JSON Lines each line's amount is judged by its
+      own JSON type, as the stream judges it (``parse.amount_text``): a column Spark inferred
+      as text judged a number with an exponent by its double's text (``1.5E7``, refused), and
+      one inferred as numbers or booleans took ``"1e3"`` and ``true`` as amounts.
   B10. A JSON Lines batch is read line by line (``_json_lines``): Spark's JSON reader takes
       the first value of a line and ignores the rest, so two records on one line (files
       joined without a final newline: ``{...}{...}``) stored the first and lost the second
@@ -133,12 +136,14 @@ from clickstream.config import Config, unreadable_path_reason
 from clickstream.errors import BatchRefusedError
 from clickstream.events.parse import (
     amount_error,
+    amount_text,
     amount_value,
     bytes_unless_utf8,
     currency_error,
     id_error,
     is_one_json_object,
     not_utf8_reason,
+    plain_decimal_text,
     to_milliseconds,
     ts_ahead_error,
     ts_error,
@@ -539,18 +544,17 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
     # writes a number in a text column back through a double (12345678.5 as 1.23456785E7),
     # and one line's float made a column of ids or ``ts`` a double for every line (the ids
     # 1234567890123456789 and ...788 both 1.23456789012345677E18, one dropped as the other's
-    # copy; every integer ``ts`` quarantined). ``amount`` is judged by its value (B9): a
-    # number's exact decimal, not the double Spark infers (999999999999.0003 was stored as
-    # ...0002), and the double's text beyond a decimal's range (1e25, judged too large).
+    # copy; every integer ``ts`` quarantined). ``amount`` is judged by its line's own JSON
+    # type (B9): a string as sent; a number by its exact decimal, not the double Spark infers
+    # (999999999999.0003 was stored as ...0002), and the double's text beyond a decimal's
+    # range (1e25, judged too large).
     as_text = {name for names in REQUIRED.values() for name in names} - {"amount"}
 
     def column(field: StructField) -> Column:
-        if field.name in as_text or (field.name == "amount"
-                                     and isinstance(field.dataType, StringType)):
+        if field.name in as_text:
             return F.try_variant_get("_value", f"$.{field.name}", "string")
-        if field.name == "amount":
-            return F.coalesce(_plain_decimal_text(F.try_variant_get(
-                "_value", "$.amount", "decimal(38,18)")), F.col("_record.amount").cast("string"))
+        if field.name == "amount":  # each line's by its own JSON type, as the stream's
+            return amount_text(F.col("_value"))
         return F.col("_record")[field.name]
 
     return parsed.select(
@@ -572,13 +576,7 @@ def _amount_text(frame: DataFrame) -> Column:
     number = F.col("amount")
     if isinstance(frame.schema["amount"].dataType, FloatType):  # (B9) by its own shortest
         number = text  # text: a cast widens it to a double first (19.99 -> 19.9899997711...)
-    return F.coalesce(_plain_decimal_text(number.try_cast(DecimalType(38, 18))), text)
-
-
-def _plain_decimal_text(decimal: Column) -> Column:
-    """A decimal's text without trailing zeros (12.500000 as 12.5, 3.000 as 3)."""
-    return F.regexp_replace(F.regexp_replace(decimal.cast(StringType()), r"(\.\d*?)0+$", "$1"),
-                            r"\.$", "")
+    return F.coalesce(plain_decimal_text(number.try_cast(DecimalType(38, 18))), text)
 
 
 def _ts(frame: DataFrame) -> tuple[Column, Column]:
