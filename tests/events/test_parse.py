@@ -206,8 +206,14 @@ def test_an_amount_sent_as_a_json_number_is_judged_by_its_own_digits(
     assert (order["error"], order["amount"]) == (None, amount)
 
 
-@pytest.mark.parametrize(("sent", "shown"), [('"1e3"', "1e3"), ("true", "true"),
-                                             ('"1.00000"', "1.00000"), ("1e25", "1.0E25")])
+@pytest.mark.parametrize(("sent", "shown"), [
+    ('"1e3"', "1e3"), ("true", "true"), ('"1.00000"', "1.00000"), ("1e25", "1.0E25"),
+    # past 18 decimals a cast to decimal(38,18) rounds: each was judged 19.99 or 0, accepted
+    ("19.99000000000000000001", "19.99000000000000000001"),
+    ("-0.0000000000000000001", "-0.0000000000000000001"), ("-1E-20", "-1.0E-20"),
+    ("1e-30", "1.0E-30"),
+    # 16 digits with an exponent: a double, whose text (Java's) is not the one sent
+    ("9.999999999990003E11", "9.999999999990002E11")])
 def test_an_amount_that_is_no_decimal_string_nor_a_number_in_range_is_refused(
     spark: SparkSession, sent: str, shown: str
 ) -> None:

@@ -1206,7 +1206,8 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
     # in one inferred as numbers or booleans, the string "1e3" and true were amounts.
     refused = "amount '{}' is not a decimal string with at most 4 decimals"
     for folder, amounts in {"mixed": {"m1": '"1e3"', "m2": "1.5E7", "m3": "1E-4",
-                                      "m4": '"12.5"'},
+                                      "m4": '"12.5"', "m5": "-1E-20",
+                                      "m6": "19.99000000000000000001"},
                             "cast": {"c1": "true", "c2": "2"}}.items():
         (config.landing / folder).mkdir()
         (config.landing / folder / "a.jsonl").write_text("".join(
@@ -1216,6 +1217,8 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
     assert {key: (r["amount"], r["error"]) for key, r in rows.items()} == {
         "m1": (None, refused.format("1e3")), "m2": (Decimal("15000000"), None),
         "m3": (Decimal("0.0001"), None), "m4": (Decimal("12.5"), None),
+        "m5": (None, refused.format("-1.0E-20")),  # not rounded to 0 (decimal(38,18))
+        "m6": (None, refused.format("19.99000000000000000001")),
         "c1": (None, refused.format("true")), "c2": (Decimal("2"), None)}
     amounts = pa.table({"order_id": ["f1", "f2"], "client_id": ["client-00"] * 2,
                         "user_id": ["u"] * 2, "ts": [START] * 2,
@@ -1342,24 +1345,32 @@ def test_an_amount_column_of_numbers_is_judged_by_its_value_not_its_text(
     quarantined as 'not a decimal string with at most 4 decimals'."""
     decimals = [{**order_row("scale", "u", 1), "amount": Decimal("12.500000")},
                 {**order_row("fine", "u", 2), "amount": Decimal("0.000100")},
-                {**order_row("precise", "u", 3), "amount": Decimal("1.234560")}]
+                {**order_row("precise", "u", 3), "amount": Decimal("1.234560")},
+                # past 18 decimals: a cast to decimal(38,18) rounded it to 19.99, accepted
+                {**order_row("finer", "u", 8), "amount": Decimal("19.99000000000000000001")}]
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                            path=write_rows(stream_config, "dec", decimals, "parquet"))
-    assert (summary.rows_merged, summary.quarantined) == (2, 1)
+    assert (summary.rows_merged, summary.quarantined) == (2, 2)
     floats = [{**order_row("large", "u", 4), "amount": 12345678.5},
               {**order_row("small", "u", 5), "amount": 0.0001},
               {**order_row("inexact", "u", 6), "amount": 0.1 + 0.2},
-              {**order_row("nan", "u", 7), "amount": float("nan")}]
+              {**order_row("nan", "u", 7), "amount": float("nan")},
+              {**order_row("tiny", "u", 9), "amount": -1e-20},  # was judged as 0
+              {**order_row("plain", "u", 10), "amount": 2.5}]
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                            path=write_rows(stream_config, "float", floats, "parquet"))
-    assert (summary.rows_merged, summary.quarantined) == (2, 2)
+    assert (summary.rows_merged, summary.quarantined) == (3, 3)
     amounts = {r["order_id"]: r["amount"] for r in table_rows(stream_config, spark, "orders")}
     assert amounts == {"scale": Decimal("12.5000"), "fine": Decimal("0.0001"),
-                       "large": Decimal("12345678.5000"), "small": Decimal("0.0001")}
+                       "large": Decimal("12345678.5000"), "small": Decimal("0.0001"),
+                       "plain": Decimal("2.5000")}
     reasons = {json.loads(r["raw"])["order_id"]: r["reason"]
                for r in table_rows(stream_config, spark, "quarantine")}
     assert reasons == {
         "precise": "amount '1.23456' is not a decimal string with at most 4 decimals",
+        "finer": "amount '19.99000000000000000001' is not a decimal string with at most 4 "
+                 "decimals",
+        "tiny": "amount '-1.0E-20' is not a decimal string with at most 4 decimals",
         "inexact": "amount '0.30000000000000004' is not a decimal string with at most 4 "
                    "decimals",
         "nan": "amount 'NaN' is not a decimal string with at most 4 decimals"}

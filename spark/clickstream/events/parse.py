@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import DataType, DecimalType, DoubleType
 
 from clickstream.config import ENV_NAMES
 from clickstream.events import contract
@@ -42,26 +43,39 @@ def _sent_text(value: Column, field: str, text: Column) -> Column:
     return F.coalesce(F.try_variant_get(value, f"$.{field}", "string"), text)
 
 
-# The kinds a JSON number takes in a variant: digits alone are a decimal or an integer, and
-# a number with an exponent a double.
-_JSON_NUMBER_KIND = r"^(DECIMAL|DOUBLE|FLOAT|BIGINT|INT|SMALLINT|TINYINT)\b"
+# A JSON number with an exponent is a double in a variant, its text Java's shortest; up to
+# 15 significant digits that text is the number as sent (any such decimal round-trips).
+_JSON_DOUBLE_KIND = r"^(DOUBLE|FLOAT)\b"
+_DOUBLE_EXACT_DIGITS = 15
 
 
 def amount_text(value: Column) -> Column:
     """An order's ``amount`` in a parsed JSON record (``value``, a variant) as the amount rule
     judges it, in the stream and in JSON Lines batches alike: a string as sent, a JSON number
-    by its exact value written plainly (``12345678.5``, ``0.0005``); a number beyond a
-    decimal's range by its text (judged too large), anything else (``true``) by its text.
+    by its value written plainly (``1.5E7`` as ``15000000``, ``1E-4`` as ``0.0001``).
 
-    ``from_json`` wrote a number back through a double, and a number with an exponent is a
-    double in a variant, whose text is Java's (``1.23456785E7``, ``1.0E-4``): such valid
-    orders were quarantined, with a reason quoting a value never sent. A batch judged the
-    column by the type Spark inferred for it, so it took ``"1e3"`` and ``true`` as amounts
-    the stream refused (B9)."""
+    A variant keeps a number without an exponent as an exact decimal, whose text is plain
+    already (``12.500000`` as ``12.5``), and one with an exponent as a double, whose text is
+    Java's (``1.23456785E7``): such valid orders were quarantined, quoting a value never
+    sent. A double is judged by its plain value only when its text has at most 15
+    significant digits and the decimal converts back to it, so a value that text or a cast
+    rounded (``1E-20`` to 0) is judged by its text and refused. A batch judged the column by
+    the type Spark inferred for it, so it took ``"1e3"`` and ``true`` as amounts (B9)."""
     sent = F.try_variant_get(value, "$.amount", "string")
     kind = F.schema_of_variant(F.try_variant_get(value, "$.amount", "variant"))
-    exact = plain_decimal_text(F.try_variant_get(value, "$.amount", "decimal(38,18)"))
-    return F.when(kind.rlike(_JSON_NUMBER_KIND), F.coalesce(exact, sent)).otherwise(sent)
+    digits = F.regexp_replace(F.regexp_extract(sent, r"^-?([0-9.]+)", 1), r"\.|^0+", "")
+    exact = exact_decimal_text(sent, F.try_variant_get(value, "$.amount", "double"),
+                               DoubleType())
+    return F.when(kind.rlike(_JSON_DOUBLE_KIND) & (F.length(digits) <= _DOUBLE_EXACT_DIGITS),
+                  F.coalesce(exact, sent)).otherwise(sent)
+
+
+def exact_decimal_text(number: Column, original: Column, original_type: DataType) -> Column:
+    """``number`` (a number, or its text) written plainly when a ``decimal(38,18)`` holds it
+    exactly (it converts back to ``original``, of ``original_type``), else null: a cast
+    rounds past 18 decimals, and ``-1e-20`` was judged as 0 and accepted."""
+    decimal = number.try_cast(DecimalType(38, 18))
+    return F.when(decimal.cast(original_type) == original, plain_decimal_text(decimal))
 
 
 def plain_decimal_text(decimal: Column) -> Column:

@@ -34,7 +34,8 @@ Known edge cases, cited inline as (B1)..(B21):
   B9. An ``amount`` column of numbers (Parquet decimals, floats; JSON numbers) is judged by its
       value, written plainly without trailing zeros: Spark's text of it carries the column's
       scale (``12.500000``) or an exponent (``1.23456785E7``), and such valid amounts were
-      quarantined as having more than 4 decimals. A value with more still is. A 32-bit
+      quarantined as having more than 4 decimals. A value with more still is, past 18
+      decimals too (a cast to ``decimal(38,18)`` rounded -1e-20 to 0, accepted). A 32-bit
       float is judged by its own shortest text (19.99 stays 19.99, not the double it
       widens to), and a JSON Lines number by its own digits, not the double Spark infers
       (999999999999.0003 became ...0002). In JSON Lines each line's amount is judged by its
@@ -122,7 +123,6 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BinaryType,
     DateType,
-    DecimalType,
     FloatType,
     FractionalType,
     LongType,
@@ -140,10 +140,10 @@ from clickstream.events.parse import (
     amount_value,
     bytes_unless_utf8,
     currency_error,
+    exact_decimal_text,
     id_error,
     is_one_json_object,
     not_utf8_reason,
-    plain_decimal_text,
     to_milliseconds,
     ts_ahead_error,
     ts_error,
@@ -546,8 +546,8 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
     # 1234567890123456789 and ...788 both 1.23456789012345677E18, one dropped as the other's
     # copy; every integer ``ts`` quarantined). ``amount`` is judged by its line's own JSON
     # type (B9): a string as sent; a number by its exact decimal, not the double Spark infers
-    # (999999999999.0003 was stored as ...0002), and the double's text beyond a decimal's
-    # range (1e25, judged too large).
+    # (999999999999.0003 was stored as ...0002), and by its text where a decimal(38,18)
+    # cannot hold it exactly (1e25, -1e-20: refused).
     as_text = {name for names in REQUIRED.values() for name in names} - {"amount"}
 
     def column(field: StructField) -> Column:
@@ -572,11 +572,13 @@ def _amount_text(frame: DataFrame) -> Column:
     if not isinstance(frame.schema["amount"].dataType, FractionalType):  # decimals too
         return text
     # Floats become decimals by their shortest text (0.1 stays 0.1). Beyond 20 digits before
-    # the point, or NaN and infinities, the cast fails and the column's own text is judged.
+    # the point, past 18 decimals (-1e-20 was judged as 0), or NaN and infinities, the
+    # column's own text is judged.
+    kind = frame.schema["amount"].dataType
     number = F.col("amount")
-    if isinstance(frame.schema["amount"].dataType, FloatType):  # (B9) by its own shortest
-        number = text  # text: a cast widens it to a double first (19.99 -> 19.9899997711...)
-    return F.coalesce(plain_decimal_text(number.try_cast(DecimalType(38, 18))), text)
+    if isinstance(kind, FloatType):  # (B9) by its own shortest text: a cast widens it to a
+        number = text  # double first (19.99 -> 19.9899997711...)
+    return F.coalesce(exact_decimal_text(number, F.col("amount"), kind), text)
 
 
 def _ts(frame: DataFrame) -> tuple[Column, Column]:
