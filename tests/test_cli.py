@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,31 @@ def test_driver_memory_needs_a_jvm_size_with_a_unit(size: str) -> None:
         Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": size})
 
 
+def test_progress_reaches_a_pipe_as_it_is_printed() -> None:
+    """Commands print progress with plain ``print``: into a pipe or a log file (``| tee``,
+    cron, nohup) it was held in a block buffer until the process ended, so a backfill
+    waiting for a lock said nothing, and a kill -9 lost what it had said."""
+    script = ("import sys, time\nfrom clickstream.cli import main\n"
+              "try:\n    main(['broker', '--help'])\nexcept SystemExit:\n    pass\n"
+              "print('a progress line')\ntime.sleep(120)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(
+            iter(lambda: process.stdout.readline(), "")), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        deadline = time.monotonic() + 30
+        while "a progress line\n" not in lines and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "a progress line\n" in lines, "the line was still buffered while it ran"
+        assert process.poll() is None
+    finally:
+        process.kill()
+        process.wait()
+
+
 @pytest.mark.parametrize("name", ["wh[1]", "wh{a,b}", "wh*", "wh:1"])
 @pytest.mark.parametrize("variable", ["CLICKSTREAM_WAREHOUSE", "CLICKSTREAM_HOME",
                                       "CLICKSTREAM_LANDING"])
@@ -143,8 +170,9 @@ def test_folders_spark_would_read_as_a_pattern_or_a_scheme_are_refused(
     """Every table read names the files below the warehouse to Spark, which read
     ``wh[1]/...`` as a glob matching ``wh1``: writes went through, every read failed."""
     folder = tmp_path / name
-    with pytest.raises(ConfigError, match=rf"^{variable}='.*' has (one of|':') .* choose a "
-                                          "folder whose path has none"):
+    flag = "--" + variable.removeprefix("CLICKSTREAM_").lower()
+    with pytest.raises(ConfigError, match=rf"^'.*' \({variable} or {flag}\) has (one of|':') "
+                                          ".* choose a folder whose path has none"):
         Config.from_env({variable: str(folder)})
     assert Config.from_env({variable: str(tmp_path / "wh1")})
 

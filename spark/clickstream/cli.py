@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--host", default="127.0.0.1", help=(
         "address the bootstrap port binds (default 127.0.0.1); clients must run on this "
         "machine whatever it is: after bootstrapping they are sent to the broker's loopback "
-        "address"))
+        "address. The broker has no authentication: any host that reaches this port can "
+        "read and write every topic through it, so keep it on loopback"))
     broker.set_defaults(handler=_cmd_broker)
 
     sessionize = commands.add_parser(
@@ -442,6 +443,11 @@ def _noting_interrupts() -> Iterator[threading.Event]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Progress lines reach a log file or a pipe as they are printed, not when a block fills
+    # (lost at a kill -9, when they matter most); Spark's runner sets PYTHONUNBUFFERED itself.
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # absent on a StringIO
+    if reconfigure is not None:
+        reconfigure(line_buffering=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     with _noting_interrupts() as ctrl_c:

@@ -198,7 +198,7 @@ class Config:
             object.__setattr__(self, name, folder)
             reason = unreadable_path_reason(str(folder))
             if reason:  # every table read names files below the warehouse to Spark
-                raise ConfigError(f"{ENV_NAMES[name]}={str(folder)!r} {reason}; choose a "
+                raise ConfigError(f"{_setting_value(name, str(folder))} {reason}; choose a "
                                   "folder whose path has none of these characters")
 
     @property

@@ -1079,7 +1079,8 @@ def test_a_batch_file_is_refused_as_a_link_out_or_a_fifo_before_it_is_opened(
     os.mkfifo(landing / "fifo" / "orders.jsonl")
     refusals = {"gzl": r"links outside the landing folder \(to .*outside\.csv\)",
                 "fifol": r"links outside the landing folder \(to .*outside-fifo\)",
-                "fifo": r"orders\.jsonl is not a regular file \(a FIFO"}
+                "fifo": r"orders\.jsonl is not a regular file \(a FIFO",
+                "fifo/orders.jsonl": r"orders\.jsonl is not a regular file \(a FIFO"}
 
     def blocked(*_: object) -> None:
         raise TimeoutError("list_batch_files blocked opening a FIFO")

@@ -49,7 +49,8 @@ Known limits (measured with librdkafka 2.16.0; limit 2 is exercised by the io te
    CreateTopics and DeleteRecords are unsupported; a producer writing to an unknown topic
    auto-creates it with 4 partitions.
 5. Offset lookup by timestamp (``offsets_for_times``) returns -1; per the project brief's
-   measurements ``read_committed`` is not honoured and ``send_offsets_to_transaction`` stores
+   measurements ``read_committed`` is not honoured (records of open and of aborted
+   transactions are read like any other) and ``send_offsets_to_transaction`` stores
    nothing. So offsets are kept with the outputs, never in Kafka.
 6. Classic consumer groups wait ``session.timeout.ms`` on rejoin; the client helpers use a
    small session timeout. The mock's initial group rebalance delay (3 s, like Kafka's
