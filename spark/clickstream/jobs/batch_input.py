@@ -299,11 +299,7 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             break
         if (folder / "_delta_log").is_dir():
             _refuse_a_delta_table(folder)
-    if not root.is_file() and not root.is_dir():  # (B21) before os.walk reads it as a folder
-        raise BatchRefusedError(
-            f"batch file {root} is not a regular file (a FIFO, socket or device), whose "
-            "reading could block for good; write the batch as regular files")
-    candidates = [root] if root.is_file() else _files_under(root)
+    candidates = _files_under(root) if root.is_dir() else [root]  # a FIFO too: B21 below
     for candidate in candidates:
         reason = unreadable_path_reason(str(candidate))
         if reason:
