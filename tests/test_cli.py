@@ -312,6 +312,21 @@ def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(
         "stamped by a wrong clock (CLICKSTREAM_MAX_TS_AHEAD); choose an earlier --start"]
 
 
+def test_generating_events_before_the_earliest_event_time_is_refused_even_into_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture,
+) -> None:
+    """Both parsers quarantine times before 2000; the generator labelled them valid."""
+    out = tmp_path / "events.jsonl"
+    code = main(["generate", "events", "--start", "1999-12-31T20:00Z", "--minutes", "600",
+                 "--out", str(out)])
+    assert code == EXIT_NOT_RETRYABLE
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "clickstream generate: error: --start 1999-12-31T20:00:00+00:00 is before 2000-01-01, "
+        "the earliest event time the product accepts: the sessionizer would quarantine those "
+        "events; choose a later --start"]
+    assert not out.exists()
+
+
 def test_settings_that_would_mean_something_else_are_refused_naming_where_they_came_from(
 ) -> None:
     with pytest.raises(ConfigError, match=r"^--warehouse is empty; give a value or leave it out"):
@@ -414,6 +429,9 @@ def test_a_dry_run_of_a_step_that_writes_is_refused(tmp_path, capsys) -> None:
     (["--out", "notes.txt/late"], "notes.txt is a file, not a folder"),  # unexpected error
     (["--start", "2099-01-01T00:00Z"], "--start and --days reach 2099-01-02T00:00:00+00:00, more "
      "than 10 minutes ahead of now: a backfill would quarantine those rows"),
+    (["--start", "2000-01-01T01:00+02:00"], "--start 2000-01-01T01:00:00+02:00 is before "
+     "2000-01-01, the earliest event time the product accepts: a backfill would quarantine "
+     "those rows; choose a later --start"),
 ])
 def test_generate_history_refuses_a_batch_backfill_would_refuse(
         argv: list[str], complaint: str, tmp_path, capsys) -> None:

@@ -28,7 +28,7 @@ from clickstream.errors import (
     ConfigError,
     QueryFailedError,
 )
-from clickstream.events.contract import client_id_problem
+from clickstream.events.contract import EARLIEST_TS, client_id_problem
 from clickstream.io.kafka_broker import port_number
 
 Handler = Callable[[argparse.Namespace, Config], int]
@@ -119,6 +119,7 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
                         duplicate_fraction=args.duplicate_fraction,
                         bad_fraction=args.bad_fraction)
     _span_end(scale.start, timedelta(minutes=scale.minutes), "--minutes")
+    _check_not_before_earliest(scale.start, "the sessionizer would quarantine those events")
     records = live_records(scale, delivery, args.seed)
     if args.out:
         import json
@@ -154,6 +155,15 @@ def _span_end(start: datetime, length: timedelta, span: str) -> datetime:
                           "--start") from None
 
 
+def _check_not_before_earliest(start: datetime, consequence: str) -> None:
+    """Both parsers quarantine event times before ``contract.EARLIEST_TS``; refuse before
+    writing any rather than label them valid."""
+    if start < EARLIEST_TS:
+        raise ConfigError(f"--start {start.isoformat()} is before {EARLIEST_TS.date()}, the "
+                          f"earliest event time the product accepts: {consequence}; choose a "
+                          "later --start")
+
+
 def _check_not_ahead_of_now(start: datetime, length: timedelta, config: Config,
                             consequence: str, span: str = "--minutes") -> None:
     """Events produced now are received now, and a batch written now is judged against its
@@ -172,6 +182,7 @@ def _check_not_ahead_of_now(start: datetime, length: timedelta, config: Config,
 def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Scale, history_folder, simulate, write_table
 
+    _check_not_before_earliest(args.start, "a backfill would quarantine those rows")
     _check_not_ahead_of_now(args.start, timedelta(days=args.days), config,
                             "a backfill would quarantine those rows", span="--days")
     target = history_folder(config, args.out, args.overwrite)

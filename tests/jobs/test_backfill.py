@@ -1025,6 +1025,10 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
     (landing / "ns").mkdir()
     import pyarrow.parquet as pq
     pq.write_table(ns, landing / "ns" / "a.parquet")
+    (landing / "ntz").mkdir()  # pandas' default: a local time, every row was quarantined
+    pq.write_table(ns.set_column(ns.schema.get_field_index("ts"), "ts",
+                                 pa.array([START.replace(tzinfo=None)], pa.timestamp("us"))),
+                   landing / "ntz" / "a.parquet")
     (landing / "elsewhere.csv").write_text(header + row)
     (landing / "l").mkdir()
     (landing / "l" / "a.csv").symlink_to(landing / "elsewhere.csv")
@@ -1042,6 +1046,8 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
         "m": "has a column named _metadata",
         "t": r"column amount is string in a\.parquet/part-0+\.parquet and double in b\.parquet/",
         "ns": "column ts holds timestamps in nanoseconds",
+        "ntz": r"column ts holds timestamps without a time zone .* pa\.timestamp\('us', "
+               r"tz='UTC'\)\)$",
         "l": r"links outside the batch folder \(to .*elsewhere\.csv\)",
         "gz": r"a\.csv is gzip-compressed, not CSV text; unpack it",
         "zip": r"a\.jsonl is a zip archive, not JSON text",

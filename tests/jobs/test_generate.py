@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,25 @@ def test_a_seed_reproduces_the_data_and_orders_follow_pageviews() -> None:
                                    pageviews["user_id"].to_pylist(), strict=True))
     assert set(zip(orders["client_id"].to_pylist(), orders["user_id"].to_pylist(),
                    strict=True)) <= users_with_pageviews
+
+
+def test_the_same_scale_written_another_way_generates_the_same_data() -> None:
+    """``--minutes 1440`` (or ``--days 365``) parsed as a float where the default is an int,
+    and a ``--start`` in another zone is the same instant: each seeded other data than the
+    default it equals, so a batch regenerated with its flags written out held other ids."""
+    scale = Scale(clients=1, users_per_client=5, minutes=24 * 60, start=START,
+                  order_probability=0.5)
+    same = [Scale(**{**vars(scale), "minutes": 1440.0}),
+            Scale(**{**vars(scale), "start": START.astimezone(timezone(timedelta(hours=1)))}),
+            Scale(**{**vars(scale), "order_probability": 0.5, "sessions_per_user_per_day": 2}),
+            ]
+    expected = simulate(scale, seed=5)
+    assert expected[0].num_rows > 0 and expected[1].num_rows > 0
+    for other in same:
+        pageviews, orders = simulate(other, seed=5)
+        assert pageviews.equals(expected[0]) and orders.equals(expected[1]), other
+    assert not simulate(Scale(**{**vars(scale), "minutes": 1441.0}), seed=5)[0].equals(
+        expected[0])
 
 
 def test_another_day_or_client_with_the_same_seed_has_other_ids() -> None:

@@ -112,6 +112,20 @@ def test_lag_of_a_partition_the_checkpoint_does_not_name_is_counted_from_offset_
                for line in lines), lines
 
 
+def test_the_events_topic_is_shown_with_the_malformed_records_clients_sent(config):
+    """A keyed record that is not JSON, or not UTF-8, is what the sessionizer quarantines;
+    ``inspect --topic events`` failed on it with an unexpected error instead of showing it."""
+    with EmbeddedBroker(port=0, topics={config.events_topic: 1}) as broker:
+        here = config.replace(kafka_bootstrap_servers=broker.bootstrap_servers)
+        produce_records(here, config.events_topic, [
+            ("c/u1", '{"event_id": "e1"}'), ("c/u2", '{"event_id": "e2", truncated'),
+            (b"c/\xff", b"\xfe not text")])
+        lines = describe_topic(here, config.events_topic, sample=3)
+    assert lines[1:] == ['  c/\\xff: "\\\\xfe not text"',  # sorted: "\\" before "u"
+                         '  c/u1: {"event_id": "e1"}',
+                         '  c/u2: "{\\"event_id\\": \\"e2\\", truncated"'], lines
+
+
 def test_an_unknown_topic_from_a_flag_is_named_with_the_products_topics(config):
     """``inspect --topic sesions``: the advice was to "fix the topic name setting", though
     the name came from the flag and every setting was right."""

@@ -768,7 +768,8 @@ def read_compacted(config: Config, topic: str, *,
 
     Reads every partition from offset 0 to the high watermarks seen at the start (records
     written meanwhile are ignored), applies records in offset order, and drops keys whose last
-    record is a tombstone. Keys are decoded as UTF-8; records without a key are skipped (Kafka
+    record is a tombstone. Keys are decoded as UTF-8 (bytes that are not, as ``\\x`` escapes:
+    the events topic holds what clients sent); records without a key are skipped (Kafka
     rejects them on compacted topics). A key is assumed to live in one partition.
 
     Delivery guarantee: a complete snapshot or an exception, never a partial view.
@@ -831,7 +832,8 @@ def read_compacted(config: Config, topic: str, *,
                     continue  # written after the snapshot started, or partition already done
                 raw_key = msg.key()
                 if raw_key is not None:
-                    key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+                    key = (raw_key.decode("utf-8", "backslashreplace")
+                           if isinstance(raw_key, bytes) else str(raw_key))
                     value = msg.value()
                     if value is None:
                         result.pop(key, None)

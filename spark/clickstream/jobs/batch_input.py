@@ -476,7 +476,9 @@ def _type_kind(kind: pa.DataType, int96: bool = False) -> str:
 def _check_parquet_types(batch: BatchFiles) -> None:
     """Refuses a Parquet batch whose files give one column different types: Spark takes
     the types from one file and fails reading the others (``PARQUET_COLUMN_DATA_TYPE_
-    MISMATCH``) only once the batch is counted, as an unexpected error retried in vain."""
+    MISMATCH``) only once the batch is counted, as an unexpected error retried in vain. A
+    ``ts`` without a zone (pandas' default) is refused too: read as text, every row was
+    quarantined as "neither ISO-8601 with a time zone nor epoch milliseconds"."""
     import pyarrow.parquet as pq
 
     seen: dict[str, tuple[str, str]] = {}
@@ -499,6 +501,12 @@ def _check_parquet_types(batch: BatchFiles) -> None:
                     "to_parquet(..., coerce_timestamps='us'); pyarrow: "
                     "write_table(..., coerce_timestamps='us'))")
             kind = _type_kind(field.type, field.name in int96)
+            if field.name == "ts" and kind == "timestamp without zone":
+                raise BatchRefusedError(
+                    f"batch file {path}: column ts holds timestamps without a time zone (local "
+                    "times in a zone the file does not name), and ts must be an instant; write "
+                    "it with its zone (pandas: df['ts'].dt.tz_localize('UTC') or the zone it "
+                    "was recorded in; pyarrow: pa.timestamp('us', tz='UTC'))")
             first = seen.setdefault(field.name, (kind, name))
             if first[0] != kind:
                 raise BatchRefusedError(

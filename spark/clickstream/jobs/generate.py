@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -82,8 +82,23 @@ def _rng(seed: int, scale: Scale, clients: list[str]) -> np.random.Generator:
     """Seeded by ``seed`` and what is generated: ids drawn from ``seed`` alone came out the same
     for every ``--start`` and client, so a second day's events (or another client's history)
     repeated the first one's event and order ids, and the tables held each id twice."""
-    what = zlib.crc32(repr((scale, clients)).encode())
+    what = zlib.crc32(repr((_as_values(scale), clients)).encode())
     return np.random.default_rng([seed, what])
+
+
+def _as_values(scale: Scale) -> Scale:
+    """The scale by its values, in the forms of its defaults (whole minutes an int, the start in
+    UTC): ``--minutes 1440`` parses as a float where the default is an int, and a ``--start`` in
+    another zone is the same instant, yet either seeded other data than the default it equals.
+    The defaults' forms keep the data generated before the same."""
+    minutes = float(scale.minutes)
+    return replace(
+        scale, clients=int(scale.clients), users_per_client=int(scale.users_per_client),
+        start=scale.start.astimezone(UTC),
+        minutes=int(minutes) if minutes.is_integer() else minutes,
+        sessions_per_user_per_day=float(scale.sessions_per_user_per_day),
+        mean_think_seconds=float(scale.mean_think_seconds),
+        order_probability=float(scale.order_probability))
 
 
 def simulate(scale: Scale, seed: int, client: str | None = None) -> tuple[pa.Table, pa.Table]:

@@ -43,12 +43,22 @@ def describe_tables(config: Config, sample: int = 0) -> list[str]:
 
 def describe_topic(config: Config, topic: str, sample: int = 0) -> list[str]:
     """The topic's compacted view: live keys, and optionally a few values."""
-    view: dict[str, Any] = read_compacted(config, topic)
+    view: dict[str, Any] = read_compacted(config, topic, value_decoder=_json_or_text)
     lines = [f"topic {topic} at {config.kafka_bootstrap_servers}: {len(view)} live keys "
              "(last value per key, tombstoned keys absent)"]
     for key in sorted(view)[:sample]:
         lines.append(f"  {key}: {json.dumps(view[key])}")
     return lines
+
+
+def _json_or_text(value: bytes) -> Any:
+    """A value as JSON, else as its text: the events topic holds what clients sent, malformed
+    records too (the sessionizer quarantines them), and one of them failed the whole view."""
+    text = value.decode("utf-8", "backslashreplace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def describe_sessionizer(config: Config) -> list[str]:
