@@ -7,7 +7,8 @@ The "Quality reports" entry in the UI navigation shows it inside the Airflow UI.
 
 Only logged-in users see it: every request goes through Airflow's own user check (the JWT in
 the ``Authorization: Bearer`` header, or the UI's ``_token`` session cookie). Without it, an
-API client gets 401 (403 for an invalid token) and a browser is sent to the login page.
+API client gets 401 (403 for an invalid token) and a browser is sent to the login page. A
+logged-in user also needs the auth manager's leave to see the "Quality reports" view (403).
 
 Known edge cases, cited inline as (Q1)..(Q3):
   Q1. The folder is resolved per request from ``CLICKSTREAM_HOME`` (never at import), and a
@@ -36,19 +37,28 @@ from fastapi.responses import (
 )
 
 URL_PREFIX = "/clickstream-reports"
+VIEW_NAME = "Quality reports"  # the nav entry, and the resource auth managers grant
 HEADERS = {"X-Content-Type-Options": "nosniff",
            "Content-Security-Policy": "frame-ancestors 'self'",
            "Cache-Control": "no-store"}
 
 
 async def require_login(request: Request) -> object:
-    """Airflow's authenticated user of this request, or HTTP 401/403."""
+    """Airflow's authenticated user of this request, or HTTP 401/403; 403 too for a user the
+    auth manager does not let see this view (a role without it, in FAB or Keycloak): a login
+    alone let any user read every client's reports."""
     # Imported here, not at module level: every Airflow component imports plugins, and
     # only the API server needs the API's security module.
+    from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 
     credentials = await bearer_scheme(request)
-    return await get_user(request, None, credentials)
+    user = await get_user(request, None, credentials)
+    if not get_auth_manager().is_authorized_custom_view(method="GET", resource_name=VIEW_NAME,
+                                                        user=user):
+        raise HTTPException(403, f"this user may not see {VIEW_NAME!r}; ask an admin for "
+                                 "access to that view")
+    return user
 
 
 def reports_root() -> Path:
@@ -149,7 +159,7 @@ class QualityReportsPlugin(AirflowPlugin):
     fastapi_apps: ClassVar[list[dict[str, Any]]] = [{"app": create_app(), "url_prefix": URL_PREFIX,
                      "name": "Clickstream quality reports"}]
     external_views: ClassVar[list[dict[str, Any]]] = [{
-        "name": "Quality reports",
+        "name": VIEW_NAME,
         "href": URL_PREFIX.lstrip("/") + "/",  # relative to the UI's base URL
         "destination": "nav",
         "url_route": "quality-reports",

@@ -98,8 +98,14 @@ def test_kafka_options_take_a_comma_inside_a_value_escaped() -> None:
         r"ssl.cipher.suites=A\,B, debug=broker\,topic,sasl.password=p\,w=1,")}).kafka_options
     assert options == {"ssl.cipher.suites": "A,B", "debug": "broker,topic",
                        "sasl.password": "p,w=1"}
-    with pytest.raises(ConfigError, match=r"'B' is not key=value .*inside a value as \\,"):
+    with pytest.raises(ConfigError, match=r"item 2 \(after 'ssl.cipher.suites'\) is not "
+                       r"key=value .*inside a value as \\,"):
         Config.from_env({"CLICKSTREAM_KAFKA_OPTIONS": "ssl.cipher.suites=A,B"})
+    # The rest of a password cut at a comma stays out of the message (task logs, the CLI).
+    with pytest.raises(ConfigError) as cut:
+        Config.from_env({"CLICKSTREAM_KAFKA_OPTIONS": "sasl.username=u,sasl.password=hunter,2sec"})
+    assert "2sec" not in str(cut.value) and "hunter" not in str(cut.value)
+    assert str(cut.value).startswith("CLICKSTREAM_KAFKA_OPTIONS: item 3 (after 'sasl.password') ")
 
 
 def test_trigger_interval_reads_bare_numbers_as_seconds_and_echoes_what_was_typed() -> None:

@@ -300,6 +300,10 @@ def test_a_setting_librdkafka_refuses_is_named_with_its_variable(config: Config)
     with pytest.raises(ConfigError, match=r"^CLICKSTREAM_KAFKA_OPTIONS: librdkafka refused "
                                           r"'foo\.bar' \(No such configuration property"):
         make_consumer(unknown)
+    java = config.replace(kafka_options={"sasl.jaas.config": "x"})  # the native source's name
+    with pytest.raises(ConfigError, match=r"the Java client's names, for Spark's native source, "
+                                          r"go in CLICKSTREAM_SPARK_KAFKA_OPTIONS\)$"):
+        make_consumer(java)
     malformed = config.replace(kafka_options={"linger.ms": "soon"})  # alias of another name
     with pytest.raises(ConfigError, match=r"refused one of 'linger\.ms' \(Invalid value"):
         make_producer(malformed)

@@ -36,6 +36,7 @@ from clickstream.io.kafka_source import (
     KafkaStreamReader,
     _rate_limit,
     group_ranges,
+    native_client_options,
     read_kafka_stream,
     read_range,
 )
@@ -508,6 +509,25 @@ def test_extra_kafka_options_reach_the_source_consumers(
     with pytest.raises(StreamingQueryException, match=r"no\.such\.librdkafka\.option"):
         run_once(spark, kafka_config.replace(kafka_options={"no.such.librdkafka.option": "1"}),
                  topic, tmp_path / "ck")
+
+
+def test_the_native_source_takes_the_java_clients_names_over_the_librdkafka_ones() -> None:
+    """One variable fed both clients, and each refuses or ignores the other's names for
+    credentials (librdkafka ``sasl.username``; Java ``sasl.jaas.config``): a secured Kafka was
+    unreachable for the native source. Its own variable is laid over the shared one."""
+    config = Config.from_env({
+        "CLICKSTREAM_KAFKA_OPTIONS": "security.protocol=SASL_SSL,sasl.mechanisms=PLAIN,"
+                                     "sasl.username=u,sasl.password=p\\,w",
+        "CLICKSTREAM_SPARK_KAFKA_OPTIONS": "sasl.mechanism=PLAIN,security.protocol=SASL_SSL,"
+                                           "ssl.truststore.location=/etc/ca.jks"})
+    assert native_client_options(config) == {
+        "kafka.security.protocol": "SASL_SSL", "kafka.sasl.mechanisms": "PLAIN",
+        "kafka.sasl.username": "u", "kafka.sasl.password": "p,w",
+        "kafka.sasl.mechanism": "PLAIN", "kafka.ssl.truststore.location": "/etc/ca.jks"}
+    assert native_client_options(config.replace(kafka_options={"security.protocol": "SSL"},
+                                                spark_kafka_options={})) == {
+        "kafka.security.protocol": "SSL"}  # shared settings reach the native source too
+    assert "ssl.truststore.location" not in config.kafka_options  # librdkafka never sees it
 
 
 def test_a_secret_in_the_kafka_options_stays_out_of_plans_progress_and_checkpoint(

@@ -65,6 +65,23 @@ def test_an_invalid_token_is_refused(client, reports: Path) -> None:
     assert client.get(f"{PREFIX}/", headers=bearer("not-a-jwt")).status_code == 403
 
 
+def test_refused_to_a_user_the_auth_manager_does_not_let_see_the_view(
+        client, reports: Path) -> None:
+    """A login alone let any user read every client's reports; SimpleAuthManager lets a
+    viewer see a plugin's view and a user without a role see nothing."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    def token_of(role: str | None) -> str:
+        return get_auth_manager().generate_jwt(SimpleAuthManagerUser(username="u", role=role))
+
+    refused = client.get(f"{PREFIX}/backfills/run-1.html", headers=bearer(token_of(None)))
+    assert refused.status_code == 403 and "backfill run-1" not in refused.text
+    assert "may not see 'Quality reports'" in refused.text
+    viewer = client.get(f"{PREFIX}/backfills/run-1.html", headers=bearer(token_of("viewer")))
+    assert viewer.status_code == 200 and "backfill run-1" in viewer.text
+
+
 def test_served_to_a_logged_in_user(client, token: str, reports: Path) -> None:
     index = client.get(f"{PREFIX}/", headers=bearer(token))
     assert index.status_code == 200 and "All quality reports" in index.text

@@ -301,8 +301,9 @@ def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
                    f"one of {', '.join(map(repr, config.kafka_options))}")
         raise ConfigError(
             f"{ENV_NAMES['kafka_options']}: librdkafka refused {culprit} ({text}); fix or remove "
-            "it (settings: https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
-        ) from None
+            "it (settings: https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md"
+            f"; the Java client's names, for Spark's native source, go in "
+            f"{ENV_NAMES['spark_kafka_options']})") from None
 
 
 def make_producer(config: Config, **extra: Any) -> TrackedProducer:

@@ -502,6 +502,14 @@ class KafkaDataSource(DataSource):
         return KafkaStreamReader(self.options)
 
 
+def native_client_options(config: Config) -> dict[str, str]:
+    """The Java client's settings, as Spark's native source takes them (``kafka.`` prefixed):
+    ``kafka_options`` with ``spark_kafka_options`` over them. A librdkafka-only name left in
+    (``sasl.username``) is logged by the Java client as unused, not refused."""
+    merged = {**config.kafka_options, **config.spark_kafka_options}
+    return {f"kafka.{key}": value for key, value in merged.items()}
+
+
 def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
                       share_reads: bool = False) -> DataFrame:
     """The events stream in Kafka layout, from the source the configuration selects.
@@ -520,9 +528,8 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
             .option("includeHeaders", "true")
             .option("maxOffsetsPerTrigger", str(config.max_events_per_trigger))
         )
-        for key, value in config.kafka_options.items():
-            reader = reader.option(f"kafka.{key}", value)
-        return reader.load().select(*KAFKA_SCHEMA.fieldNames())
+        return reader.options(**native_client_options(config)).load().select(
+            *KAFKA_SCHEMA.fieldNames())
     spark.dataSource.register(KafkaDataSource)
     return (
         spark.readStream.format(SOURCE_NAME)
