@@ -13,7 +13,7 @@ from pyspark.sql import DataFrame, SparkSession
 from clickstream import spark_session
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
-from clickstream.jobs import corrections
+from clickstream.jobs import backfill_steps, corrections, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.backfill_steps import locate_batch, merge_batch
 from clickstream.jobs.corrections import (
@@ -25,11 +25,23 @@ from clickstream.jobs.corrections import (
     apply,
     plan,
 )
+from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.quality.correction_report import correction_figures
+from clickstream.sessions.batch_adapter import user_bucket
 from clickstream.spark_session import release
 from clickstream.tables import ATTRIBUTIONS, ORDERS, SESSIONS
-from tests.jobs.test_backfill import START, ms, order_row, pv_row, write_rows
-from tests.jobs.test_sessionize import table_rows
+from tests.jobs.test_backfill import (
+    GAP_MS,
+    START,
+    all_events,
+    located,
+    ms,
+    order_row,
+    pv_row,
+    write_rows,
+)
+from tests.jobs.test_sessionize import order, pageview, produce, table_rows
+from tests.reference import reference_sessions
 from tests.test_spark_session import stored_rdds
 
 
@@ -303,3 +315,111 @@ def test_users_orders_moved_to_are_followed_along_a_chain_and_only_the_answer_st
     assert len(stored_rdds(spark) - before) == 1  # the answer's blocks, nothing else
     release(grown)
     assert stored_rdds(spark) == before
+
+
+REUSED_AT = 60  # minutes after START: a's and b's sessions, each with an order "o"
+
+
+def _order_id_reused_by_two_users(config: Config, spark: SparkSession) -> dict[str, dict]:
+    """(``sessionize`` Z12, README's Known limits) Users a and b of client-00, their session
+    state in different buckets, each send an order with id ``o`` inside their on-time session,
+    in two micro-batches: ``attributions`` holds a row for each. User w has a session that
+    day too, and a flush pageview hours later closes them all. Returns o's rows by user."""
+    users = spark.createDataFrame([("client-00", "a"), ("client-00", "b")],
+                                  "client_id string, user_id string")
+    buckets = users.select(user_bucket(sessionize.STATE_BUCKETS)).collect()
+    assert len({r[0] for r in buckets}) == 2, "a and b must be kept in different buckets"
+    base = START + timedelta(minutes=REUSED_AT)
+
+    def at(minutes: int) -> timedelta:
+        return timedelta(minutes=minutes)
+
+    produce(config, [pageview("a", base, "a1"), pageview("a", base + at(5), "a2"),
+                     order("a", base + at(6), "o", "10.00", event_id="oa")])
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+    produce(config, [pageview("b", base, "b1"), pageview("b", base + at(5), "b2"),
+                     order("b", base + at(6), "o", "3.00", event_id="ob"),
+                     pageview("w", base + at(60), "w1"), pageview("w", base + at(65), "w2"),
+                     pageview("flush", START + timedelta(hours=10), "flush")])
+    run_sessionizer(config, until_caught_up=True, spark=spark)
+
+    sessions = {r["session_id"]: r["user_id"] for r in table_rows(config, spark, "sessions")}
+    assert sorted(sessions.values()) == ["a", "b", "w"]
+    reused = [r for r in table_rows(config, spark, "attributions") if r["order_id"] == "o"]
+    assert sorted((r["user_id"], sessions[r["session_id"]], r["revision"]) for r in reused) == [
+        ("a", "a", 1), ("b", "b", 1)]  # the documented Z12 state: the table holds both
+    return {r["user_id"]: r for r in reused}
+
+
+def _stored_copies_of_o(config: Config, spark: SparkSession) -> list[dict]:
+    return sorted((r for r in table_rows(config, spark, "attributions") if r["order_id"] == "o"),
+                  key=lambda r: r["user_id"])
+
+
+def test_an_unrelated_correction_of_the_day_keeps_both_copies_of_a_reused_order_id(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(Z12) The stream stored o's attribution for a and for b. A backfill of another order
+    of that day (w's ``ow``) plans nothing of o, yet the DAG's check-applied step failed:
+    checking that the day's attributions hold one row per order_id, it took o's two copies
+    for a plan not applied ("... not what table 'attributions' holds (first: o)"), and every
+    later correction run of the client stopped on the unpublished plan."""
+    config = stream_config
+    before = _order_id_reused_by_two_users(config, spark)
+    _, run_id, step = located(config, spark, [order_row("ow", "w", REUSED_AT + 61)],
+                              kind="orders", name="ow")
+    for name in backfill_steps.STEPS:
+        step(name)
+
+    sessions = {r["session_id"]: r["user_id"] for r in table_rows(config, spark, "sessions")}
+    (ow,) = [r for r in table_rows(config, spark, "attributions") if r["order_id"] == "ow"]
+    assert (ow["user_id"], sessions.get(ow["session_id"]), ow["revision"]) == ("w", "w", 1)
+    assert _stored_copies_of_o(config, spark) == [before["a"], before["b"]]  # unchanged
+    assert backfill_steps.load_step_result(config, run_id, "check-applied") == {
+        "sessions": 1, "attributions": 1}
+
+
+@pytest.mark.parametrize("changed", [("a", "b"), ("a",)], ids=["both users", "user a only"])
+def test_a_correction_reaching_copies_of_a_reused_order_id_revises_each_once(
+        stream_config: Config, spark: SparkSession, changed: tuple[str, ...]) -> None:
+    """(Z12) o is attributed to a's session and to b's. Late pageviews before a's (and b's)
+    session start give the session a new id, so each affected copy of o moves to its user's
+    new session: one row per (o, user), the affected ones at revision 2, the other kept at
+    revision 1, one attribution correction per affected copy. The correction engine keyed
+    its diff, apply and check by order_id alone, so the two copies met as one order: a plan
+    reaching both stored each copy twice (four updates), and one reaching a's copy only
+    replaced both copies with a's row, losing b's attribution."""
+    config = stream_config
+    _order_id_reused_by_two_users(config, spark)
+    early = {"a": pv_row("a0", "a", REUSED_AT - 5), "b": pv_row("b0", "b", REUSED_AT - 10)}
+    summary = run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
+                           progress=quiet, path=write_rows(
+                               config, "early", [early[user] for user in changed], "parquet"))
+
+    sessions = table_rows(config, spark, "sessions")
+    owner = {r["session_id"]: (r["user_id"], ms(r["session_start"])) for r in sessions}
+    copies = _stored_copies_of_o(config, spark)
+    assert [(r["user_id"], owner[r["session_id"]][0], r["revision"]) for r in copies] == [
+        (user, user, 2 if user in changed else 1) for user in ("a", "b")]
+    for row in copies:  # each copy is in its user's session as it now starts
+        starts = ms(early[row["user_id"]]["ts"]) if row["user_id"] in changed else ms(
+            START + timedelta(minutes=REUSED_AT))
+        assert owner[row["session_id"]][1] == starts
+
+    # Sessions equal the from-scratch reference (the flush pageview's session is still open
+    # in the stream). The reference's order_id -> session map cannot hold two copies of o;
+    # its sessions count each copy in its own user's session, which the rows above check.
+    expected, _ = reference_sessions(all_events(config, spark), GAP_MS)
+    closed_before = ms(START + timedelta(hours=10)) - config.watermark_delay_ms
+    want = {sid: (s["user_id"], s["start_ms"], s["end_ms"], s["pageview_count"],
+                  s["order_count"], Decimal(s["revenue"]).quantize(Decimal("0.0001")))
+            for sid, s in expected.items() if s["end_ms"] + GAP_MS <= closed_before}
+    assert {r["session_id"]: (r["user_id"], ms(r["session_start"]), ms(r["session_end"]),
+                              r["pageview_count"], r["order_count"], r["revenue"])
+            for r in sessions} == want
+    assert {s[0]: s[4:] for s in want.values()} == {
+        "a": (1, Decimal("10.0000")), "b": (1, Decimal("3.0000")), "w": (0, Decimal("0.0000"))}
+
+    attribution_corrections = [
+        r for r in table_rows(config, spark, "corrections")
+        if r["run_id"] == f"backfill-{summary.run_id}" and r["entity"] == "attribution"]
+    assert len(attribution_corrections) == len(changed)

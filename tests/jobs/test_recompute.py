@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from itertools import count
 
@@ -40,7 +40,7 @@ from tests.jobs.test_backfill import (
     write_rows,
 )
 from tests.jobs.test_sessionize import order, pageview, produce, table_rows
-from tests.reference import reference_changelog_value
+from tests.reference import reference_changelog_value, valid_events
 
 _steps = count(1)
 
@@ -494,6 +494,67 @@ def test_a_session_open_longer_than_the_stream_is_followed_back_holds_all_its_us
     assert users_with_sessions(stream_config, spark) == {("c1", "u")}
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert_topic_equals_table(stream_config, spark)
+
+
+def sessions_of(config: Config, spark: SparkSession, user: str
+                ) -> list[tuple[int, int, int, int, int]]:
+    """``user``'s stored sessions as (start, end in minutes after 10:00 of START, pageviews,
+    orders, revision)."""
+    ten = START + timedelta(hours=10)
+    return sorted(((r["session_start"] - ten) // timedelta(minutes=1),
+                   (r["session_end"] - ten) // timedelta(minutes=1), r["pageview_count"],
+                   r["order_count"], r["revision"])
+                  for r in table_rows(config, spark, "sessions") if r["user_id"] == user)
+
+
+def test_the_real_sessionizers_open_tail_defers_a_user_until_it_lets_the_session_go(
+        stream_config: Config, spark: SparkSession) -> None:
+    """The deferral tests above build the sessionizer's checkpoint by hand; this one drives
+    the real sessionizer. A late pageview (10:24) bridges u's closed session (10:00-10:20) and
+    the one the stream has open (10:52, 32 minutes after 10:20, 28 after 10:24): over all
+    events they are one session. The window the recompute would correct (10:00-10:25) ends
+    more than a gap before the watermark (11:00), so only the open tail defers u: folded in
+    then, the stream would later emit 10:52 as a session of its own, and the queue would be
+    empty. Once the watermark reaches 10:52 + gap exactly, the stream has let u go and the
+    recompute folds u in."""
+    def at(minute: int) -> datetime:  # minutes after 10:00
+        return START + timedelta(hours=10, minutes=minute)
+
+    def stream(records: list[tuple[str, str]]) -> None:
+        sent.extend(records)
+        produce(stream_config, records)
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+
+    sent: list[tuple[str, str]] = []
+    stream([pageview("u", at(0), "u0"), pageview("u", at(20), "u20"),
+            pageview("a", at(45), "a45")])  # the watermark: 10:35
+    stream([pageview("u", at(24), "u24"), order("u", at(25), "o25")])  # late: stored, queued
+    stream([pageview("u", at(52), "u52"), pageview("b", at(70), "b70")])  # watermark 11:00
+    queued = sorted(r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue"))
+    assert queued == ["o25", "u24"]
+    assert sessions_of(stream_config, spark, "u") == [(0, 20, 2, 0, 1)]  # 10:52: in the state
+    sessions = table_rows(stream_config, spark, "sessions")
+    attributions = table_rows(stream_config, spark, "attributions")
+
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)
+    assert summary.corrections["client-00"].deferred_users == 1
+    assert "1 users deferred to the stream" in summary.describe()
+    assert summary.changed_tables() == []
+    assert table_rows(stream_config, spark, "sessions") == sessions
+    assert table_rows(stream_config, spark, "attributions") == attributions
+    assert "o25" not in {r["order_id"] for r in attributions}
+    assert sorted(r["record_id"] for r in table_rows(
+        stream_config, spark, "recompute_queue")) == queued
+    assert_topic_equals_table(stream_config, spark)
+
+    stream([pageview("c", at(92), "c92")])  # the watermark: 11:22, 10:52 + gap
+    assert sessions_of(stream_config, spark, "u") == [(0, 20, 2, 0, 1), (52, 52, 1, 0, 1)]
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)
+    assert summary.corrections["client-00"].deferred_users == 0
+    assert table_rows(stream_config, spark, "recompute_queue") == []
+    assert sessions_of(stream_config, spark, "u") == [(0, 52, 4, 1, 2)]
+    assert_tables_equal_from_scratch(stream_config, spark, closed_before_ms=ms(at(82)),
+                                     inputs=valid_events(sent))
 
 
 def test_a_full_recompute_retracts_merged_sessions_and_leaves_open_ones_to_the_stream(

@@ -279,7 +279,7 @@ def test_data_loss_is_detected_instead_of_skipped(
     # A retry would fail the same way: the command's status says so (errors.NOT_RETRYABLE),
     # and the sessionizer DAG's task then fails without retrying.
     for name, variable in ENV_NAMES.items():
-        if name != "kafka_options":
+        if name not in ("kafka_options", "spark_kafka_options"):
             monkeypatch.setenv(variable, str(getattr(config, name)))
     assert main(["sessionize", "--until-caught-up"]) == EXIT_NOT_RETRYABLE
     assert "records 10..14 were dropped" in capsys.readouterr().err
@@ -299,7 +299,7 @@ def test_an_unforeseen_error_in_the_sink_is_named_and_its_traceback_kept(
 
     monkeypatch.setattr(sessionize, "gate_raw_events", no_write_access)
     for name, variable in ENV_NAMES.items():
-        if name != "kafka_options":
+        if name not in ("kafka_options", "spark_kafka_options"):
             monkeypatch.setenv(variable, str(getattr(stream_config, name)))
     assert main(["sessionize", "--until-caught-up"]) == 1
     error = capsys.readouterr().err

@@ -39,7 +39,7 @@ def cli_env(config: Config) -> dict[str, str]:
     env = dict(os.environ)
     for name, var in ENV_NAMES.items():
         value = getattr(config, name)
-        if name == "kafka_options":
+        if name in ("kafka_options", "spark_kafka_options"):
             continue
         env[var] = str(value)
     env["CLICKSTREAM_TRIGGER_INTERVAL"] = "0.5s"

@@ -113,7 +113,7 @@ def test_a_refused_batch_is_one_line_and_exit_3_on_the_command_line(
     capsys: pytest.CaptureFixture,
 ) -> None:
     for name, variable in ENV_NAMES.items():
-        if name != "kafka_options":
+        if name not in ("kafka_options", "spark_kafka_options"):
             monkeypatch.setenv(variable, str(getattr(stream_config, name)))
     rows = [{**order_row(f"o{i}", "u", i), "currency": "XXX"} for i in range(3)]
     path = write_rows(stream_config, "cli", rows, "jsonl")

@@ -110,6 +110,15 @@ Known edge cases, cited inline as (C1)..(C13):
       a plan creating attributions reads the client's attributions, and only one that finds
       such an order plans twice. A place ``orders`` still holds is not one: an id two users'
       copies share (``sessionize`` Z12) is attributed at each.
+  C14. Those copies (an order id reused for two users, Z12) are two attributions of one key.
+      Paired by key alone, the diff met each stored copy with each new one: a plan reaching
+      both users recorded four updates and apply stored each copy twice, one reaching a user
+      whose copy only the table kept (one micro-batch) stored that user's new row twice, and
+      the applied check failed any plan of that day, about that order or not, on the key
+      "held twice". An order id with one copy on each side still pairs by key (a later batch
+      may move the order to another user, C7); with more, copies pair by user. Apply removes
+      the stored copies of the users the plan writes (all of the key's copies when none is
+      one of them: the move), and the applied check matches and counts copies by user.
 """
 
 from __future__ import annotations
@@ -122,7 +131,7 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, date, datetime, timedelta
 from functools import reduce
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
@@ -167,6 +176,9 @@ SESSION_CONTENT = ("session_start", "session_end", "pageview_count", "landing_ur
                    "order_count", "revenue")
 # user_id too: a later batch may move an order to another user (C7).
 ATTRIBUTION_CONTENT = ("user_id", "order_ts", "session_id")
+# What tells apart an entity's copies of one key: an order id reused for two users, or sent
+# again under another time (C14).
+COPIES_BY: dict[str, tuple[str, ...]] = {"session": (), "attribution": ("user_id", "order_ts")}
 
 
 @dataclass
@@ -535,25 +547,40 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
         attributions=attributions, retract=False, held=(joined, *held))
 
 
+_COPIES = "_copies_of_key"
+
+
+def _same(columns: tuple[str, ...], left: str, right: str) -> Column:
+    return F.expr(" AND ".join(f"({left}.{c} = {right}.{c})" for c in columns))
+
+
 def _differs(columns: tuple[str, ...]) -> Column:
     return ~F.expr(" AND ".join(f"(o.{c} <=> n.{c})" for c in columns))
 
 
 def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
          date_column: str, entity: str, run: Run, run_seq: int,
-         retract: bool = True) -> DataFrame:
+         retract: bool = True, copies_by: tuple[str, ...] = ()) -> DataFrame:
     """Correction rows (CORRECTIONS layout) for every key whose content changed; a row's
-    ``new_value`` is its changelog value, published as is."""
+    ``new_value`` is its changelog value, published as is. ``copies_by``: the columns that
+    tell a key's copies apart, paired by them where a side holds more than one (C14)."""
     key = spec.key[0]
-    joined = old.alias("o").join(new.alias("n"), F.col(f"o.{key}") == F.col(f"n.{key}"),
-                                 "full_outer")
+    new_columns = new.columns
+    on = F.col(f"o.{key}") == F.col(f"n.{key}")
+    if copies_by:
+        # Partitioned by the key as the join is: the join needs no shuffle of its own.
+        copies = F.count(F.lit(1)).over(Window.partitionBy(key))
+        old, new = old.withColumn(_COPIES, copies), new.withColumn(_COPIES, copies)
+        on = on & (_same(copies_by, "o", "n")
+                   | ((F.col(f"o.{_COPIES}") == 1) & (F.col(f"n.{_COPIES}") == 1)))
+    joined = old.alias("o").join(new.alias("n"), on, "full_outer")
     change = (F.when(F.col(f"o.{key}").isNull(), F.lit("created"))
               .when(F.col(f"n.{key}").isNull(), F.lit("retracted") if retract else F.lit(None))
               .when(_differs(content), F.lit("updated")))
     new_revision = F.when(F.col(f"o.{key}").isNull(), F.lit(1)).when(
         F.col(f"n.{key}").isNotNull(), F.col("o.revision") + 1)
     new_value = F.when(F.col(f"n.{key}").isNotNull(), spark_row_value(
-        {**{c: F.col(f"n.{c}") for c in new.columns}, "revision": new_revision}, spec.schema))
+        {**{c: F.col(f"n.{c}") for c in new_columns}, "revision": new_revision}, spec.schema))
     return joined.select(
         F.lit(run.run_id).alias("run_id"), F.lit(run_seq).cast("long").alias("run_seq"),
         F.lit(run.client_id).alias("client_id"), F.lit(entity).alias("entity"),
@@ -887,7 +914,8 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
         changes = keep(diff(new.before, new.after, SESSIONS, SESSION_CONTENT, "session_date",
                             "session", run, run_seq, retract=new.retract).unionByName(
             diff(old_attributions, new.attributions, ATTRIBUTIONS, ATTRIBUTION_CONTENT,
-                 "order_date", "attribution", run, run_seq, retract=False)
+                 "order_date", "attribution", run, run_seq, retract=False,
+                 copies_by=COPIES_BY["attribution"])
         ))  # computed once; every later use plans a scan, not its lineage
         # The changes by kind and the orders by outcome, in one job (not one each).
         outcome = F.when(F.col("session_id").isNotNull(), "attributed").otherwise(
@@ -1104,8 +1132,10 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
     # A year of orders changes ~0.5M sessions of 2.57M: shuffling the affected partitions'
     # rows to meet the keys took about a quarter of apply.
     keys = broadcast_up_to_cap(mine.select(F.col("key").alias(spec.key[0])), planned)
+    copies_by = COPIES_BY[entity]
     fresh = mine.where(F.col("new_value").isNotNull()).select(
         F.from_json("new_value", spec.schema).alias("v")).select("v.*")
+    written = broadcast_up_to_cap(fresh.select(spec.key[0], *copies_by), planned)
     for attempt in range(1, APPLY_ATTEMPTS + 1):
         snapshot = run.snapshots.get(spec.name)
         held = snapshot is not None and snapshot.covers(dates)  # (C5)
@@ -1115,8 +1145,8 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
         current = (snapshot.rows.where(F.col(date_column).isin(dates)) if held
                    else _read_days(run, spec, date_column, dates,
                                    None if read_version == TABLE_MISSING else read_version))
-        replacement = current.join(keys, spec.key[0], "left_anti").unionByName(
-            fresh.select(*spec.schema.fieldNames()))
+        replacement = _kept_rows(current, keys, written, spec.key[0], copies_by,
+                                 planned).unionByName(fresh.select(*spec.schema.fieldNames()))
         try:
             run.tables.replace_partitions(
                 spec.name, replacement,
@@ -1134,6 +1164,17 @@ def _apply_table(run: Run, changes: DataFrame, entity: str, spec, date_column: s
                 release(run.snapshots.pop(spec.name).rows)
             run.progress(f"  apply: {spec.name} changed under the run (attempt {attempt}); "
                          "reading its days again")
+
+
+def _kept_rows(current: DataFrame, keys: DataFrame, written: DataFrame, key: str,
+               copies_by: tuple[str, ...], planned: int) -> DataFrame:
+    """The stored rows the plan leaves: none of its keys'; where a key has copies (C14), the
+    copies it does not write, unless no stored copy is one it writes (the order moved: C7)."""
+    if not copies_by:
+        return current.join(keys, key, "left_anti")
+    matched = current.join(written, [key, *copies_by], "left_semi").select(key).distinct()
+    moved = broadcast_up_to_cap(keys.join(matched, key, "left_anti"), planned)
+    return current.join(written, [key, *copies_by], "left_anti").join(moved, key, "left_anti")
 
 
 def apply(run: Run, changes: DataFrame) -> None:
@@ -1175,20 +1216,30 @@ def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity
     if not dates:
         return 0, 0, []
     key = spec.key[0]
-    current = tables.read(spec.name, [key, "revision"], {"client_id": client_id,
-                                                          date_column: dates},
-                          schema=spec.schema).select(F.col(key).alias("key"),
-                                                     F.col("revision").alias("stored"))
-    joined = mine.select("key", "old_revision", "new_revision",
-                         F.col("new_value").isNull().alias("retracted")).join(
-        current, "key", "left")
+    copies_by = COPIES_BY[entity]  # a key's copies are matched and counted by these (C14)
+    current = tables.read(spec.name, [key, "revision", *copies_by],
+                          {"client_id": client_id, date_column: dates},
+                          schema=spec.schema).select(
+        F.col(key).alias("key"), F.col("revision").alias("stored"), *copies_by)
+    planned_rows = mine.select(
+        "key", "old_revision", "new_revision", F.col("new_value").isNull().alias("retracted"),
+        F.from_json("new_value", spec.schema).alias("v")).select(
+        "key", "old_revision", "new_revision", "retracted", *(f"v.{c}" for c in copies_by))
+    on = F.col("p.key") == F.col("c.key")
+    if copies_by:  # a key held once is matched by key alone: a later run may have moved it
+        current = current.withColumn(_COPIES, F.count(F.lit(1)).over(Window.partitionBy("key")))
+        on = on & (_same(copies_by, "p", "c") | (F.col(f"c.{_COPIES}") == 1))
+    joined = planned_rows.alias("p").join(current.alias("c"), on, "left").select(
+        "p.*", "c.stored")
     # A later run may have moved a row further on: only an older revision is a miss.
     missing = joined.where(
         (~F.col("retracted") & (F.col("stored").isNull()
                                 | (F.col("stored") < F.col("new_revision"))))
         | (F.col("retracted") & F.col("stored").isNotNull()
            & (F.col("stored") <= F.col("old_revision"))))
-    duplicated = current.groupBy("key").count().where(F.col("count") > 1).select("key")
+    # Only the plan's keys: copies another run left (C14) are not this plan's to answer for.
+    duplicated = current.join(planned_rows.select("key").distinct(), "key", "left_semi").groupBy(
+        "key", *copies_by).count().where(F.col("count") > 1).select("key")
     bad = missing.select("key").unionByName(duplicated).distinct()
     first = sorted(r.key for r in bad.limit(3).collect())
     return planned, bad.count(), first
@@ -1198,7 +1249,8 @@ def check_plan_applied(run: Run, changes: DataFrame) -> dict[str, int]:
     """The gate between apply and publish: the tables hold the plan (S4 of backfill_steps).
 
     Every planned session and attribution must be stored at (at least) its new revision,
-    retracted sessions must be gone, and keys must be unique in the affected partitions.
+    retracted sessions must be gone, and the plan's keys must be stored once in the affected
+    partitions (an attribution: once per copy of its order id, C14).
 
     Returns:
         ``{"sessions": planned session rows, "attributions": planned attribution rows}``.
