@@ -19,7 +19,7 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C13):
+Known edge cases, cited inline as (C1)..(C14):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
       A session is stored under the day it starts, so one that began days before the range
@@ -116,9 +116,10 @@ Known edge cases, cited inline as (C1)..(C13):
       whose copy only the table kept (one micro-batch) stored that user's new row twice, and
       the applied check failed any plan of that day, about that order or not, on the key
       "held twice". An order id with one copy on each side still pairs by key (a later batch
-      may move the order to another user, C7); with more, copies pair by user. Apply removes
-      the stored copies of the users the plan writes (all of the key's copies when none is
-      one of them: the move), and the applied check matches and counts copies by user.
+      may move the order to another user, C7); with more, copies pair by user and time (a
+      user's copy sent again under another time is one too). Apply removes the stored copies
+      the plan writes (all of the key's copies when none is one of them: the move), and the
+      applied check matches and counts copies by user and time, among the plan's keys only.
 """
 
 from __future__ import annotations
