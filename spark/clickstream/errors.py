@@ -23,6 +23,11 @@ class BrokerUnavailableError(ClickstreamError):
     """Raised when Kafka cannot be reached after the configured retries."""
 
 
+class KafkaRefusedError(ClickstreamError):
+    """Raised when Kafka answers with an error no retry gets past (authorization,
+    authentication, TLS, a batch the client cannot decode): the cause must be fixed first."""
+
+
 class DataLossError(ClickstreamError):
     """Raised when records the product has not consumed yet are gone from the broker."""
 
@@ -66,7 +71,8 @@ class PlanNotAppliedError(QualityGateFailedError):
 
 
 NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
-    BatchRefusedError, ConfigError, DataLossError, QualityGateFailedError, VersionVacuumedError)
+    BatchRefusedError, ConfigError, DataLossError, KafkaRefusedError, QualityGateFailedError,
+    VersionVacuumedError)
 """Failures a retry cannot fix: the same input gives the same refusal (records the broker
 dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""

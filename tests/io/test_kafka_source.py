@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -17,7 +19,11 @@ from pyspark.sql.datasource import CaseInsensitiveDict
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from clickstream.config import Config
-from clickstream.errors import BrokerUnavailableError, ClickstreamError, DataLossError
+from clickstream.errors import (
+    BrokerUnavailableError,
+    DataLossError,
+    KafkaRefusedError,
+)
 from clickstream.events.contract import LOST_OFFSETS_HEADER
 from clickstream.io import kafka_source
 from clickstream.io.kafka_broker import EmbeddedBroker
@@ -348,7 +354,7 @@ def test_ranges_of_many_partitions_are_read_with_one_consumer_exactly(
         list(read_offset_ranges(kafka_config, topic, ranges))
 
 
-REQUEST_TIMED_OUT, TOPIC_AUTHORIZATION_FAILED = 7, 29  # Kafka protocol error codes
+NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT, TOPIC_AUTHORIZATION_FAILED = 6, 7, 29  # Kafka's codes
 
 
 def test_fetch_errors_the_client_gets_past_are_waited_out_and_permanent_ones_stop_the_read(
@@ -371,7 +377,7 @@ def test_fetch_errors_the_client_gets_past_are_waited_out_and_permanent_ones_sto
 
         own.fail_fetches(TOPIC_AUTHORIZATION_FAILED, 1)
         started = time.monotonic()
-        with pytest.raises(ClickstreamError, match=r"reading topic t partition \d at offset 0 "
+        with pytest.raises(KafkaRefusedError, match=r"reading topic t partition \d at offset 0 "
                            r"from .*Topic authorization failed \(TOPIC_AUTHORIZATION_FAILED\)"):
             list(read_offset_ranges(own_config, "t", ranges, idle_timeout_s=60))
         assert time.monotonic() - started < 30  # at once, not after the idle time limit
@@ -391,7 +397,7 @@ def test_a_batch_the_client_cannot_decode_stops_the_read(config: Config, code: i
     """librdkafka reports a batch it cannot decode, then skips it: taken for an error it gets
     past, the read went on and the gap passed for transaction markers (no embedded broker
     can send a corrupt batch, so the client's error is made here)."""
-    with pytest.raises(ClickstreamError, match=r"reading topic t partition 3 at offset 7 .* "
+    with pytest.raises(KafkaRefusedError, match=r"reading topic t partition 3 at offset 7 .* "
                        r"fix the cause"):
         ReadErrors(config, "t").handle(KafkaError(code), 3, 7)
 
@@ -462,6 +468,27 @@ def test_offsets_of_transaction_markers_are_no_loss_and_a_range_may_end_with_the
     assert read(0, 4) == every_record[:2]  # ends on a marker, a record after it
     assert read(1, 2) == []
     assert read(0, 6, fail_on_gaps=False) == every_record
+
+
+def test_a_log_start_lookup_the_broker_fails_for_a_while_is_asked_again(config: Config) -> None:
+    """A range ending on a transaction's marker asks the log's start (K2): one lookup failed
+    by a leader moving failed the micro-batch, where planning and fetches get past it."""
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:
+        own_config = config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        producer = Producer({"bootstrap.servers": own.bootstrap_servers,
+                             "transactional.id": "lookups"})
+        producer.init_transactions(30)
+        for i in range(2):
+            producer.begin_transaction()
+            producer.produce("t", value=f"t{i}".encode(), partition=0)
+            producer.commit_transaction(30)
+        own.fail_offset_lookups(NOT_LEADER_OR_FOLLOWER, 3)
+        read = [m.offset() for batch in read_offset_range(own_config, "t", 0, 0, 4,
+                                                           idle_timeout_s=30) for m in batch]
+        assert read == [0, 2]
+        own.fail_offset_lookups(TOPIC_AUTHORIZATION_FAILED, 1)
+        with pytest.raises(KafkaRefusedError, match="Topic authorization failed"):
+            list(read_offset_range(own_config, "t", 0, 0, 4, idle_timeout_s=30))
 
 
 def test_accepting_data_loss_planning_goes_on_and_the_read_marks_the_lost_run(
@@ -624,7 +651,7 @@ def test_a_read_that_cannot_be_kept_still_reads_everything(
     """Keeping a read is only a saving: where its file cannot be written (here the folder
     is a file), the first read returns every record and the second reads Kafka again."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    (tmp_path / "clickstream-kafka-reads").write_text("not a folder")
+    (tmp_path / f"clickstream-kafka-reads-{os.geteuid()}").write_text("not a folder")
     topic = make_topic(partitions=2)
     produce(kafka_config, topic, 8)
     ranges = {p: (0, high) for p, (_low, high) in topic_watermarks(kafka_config, topic).items()}
@@ -635,7 +662,57 @@ def test_a_read_that_cannot_be_kept_still_reads_everything(
     with pytest.raises(BrokerUnavailableError):  # nothing was kept: the second goes to Kafka
         list(read_range(unreachable(kafka_config, topic, "run-1"), task))
     assert pa.Table.from_batches(list(read_range(options, task))).equals(first)
-    assert [p.name for p in tmp_path.iterdir()] == ["clickstream-kafka-reads"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"clickstream-kafka-reads-{os.geteuid()}"]
+
+
+@pytest.mark.parametrize("folder", ["missing", "open to others", "a link"])
+def test_kept_reads_sit_in_a_folder_of_the_users_alone(
+    kafka_config: Config, make_topic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    folder: str
+) -> None:
+    """Another local user must neither read the events a first read keeps nor plant a file
+    the second read takes: only a folder this user made for itself is used (K6)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    reads = tmp_path / f"clickstream-kafka-reads-{os.geteuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if folder == "open to others":
+        reads.mkdir()
+        reads.chmod(0o777)
+    elif folder == "a link":
+        reads.symlink_to(elsewhere, target_is_directory=True)
+    topic = make_topic(partitions=2)
+    produce(kafka_config, topic, 8)
+    ranges = {p: (0, high) for p, (_low, high) in topic_watermarks(kafka_config, topic).items()}
+    task = KafkaRange(topic, ranges)
+    first = pa.Table.from_batches(list(read_range(
+        _source_options(kafka_config, topic, shareReads="run-1"), task)))
+    assert first.num_rows == 8
+    if folder == "missing":
+        assert stat.S_IMODE(reads.lstat().st_mode) == 0o700
+        second = read_range(unreachable(kafka_config, topic, "run-1"), task)
+        assert pa.Table.from_batches(list(second)).equals(first)
+    else:  # nothing kept where it is not the user's alone: the second read goes to Kafka
+        assert not any(reads.iterdir()) and not any(elsewhere.iterdir())
+        with pytest.raises(BrokerUnavailableError):
+            list(read_range(unreachable(kafka_config, topic, "run-1"), task))
+
+
+def test_a_producer_time_past_sparks_range_is_read_as_no_time(
+    kafka_config: Config, make_topic
+) -> None:
+    """A producer sets CreateTime to any int64 of milliseconds; one past Spark's microsecond
+    range failed the read (and every replay). Read as Kafka's -1, the parser judges the
+    record by the micro-batch's time, as any record without a timestamp."""
+    topic = make_topic(partitions=1)
+    producer = make_producer(kafka_config)
+    for stamp in (CREATED_MS, 2**62, -(2**62), 9_223_372_036_854_775):
+        producer.produce(topic, value=b"v", timestamp=stamp)
+    flush_or_raise(producer, 30)
+    read = pa.Table.from_batches(list(read_range(
+        _source_options(kafka_config, topic), KafkaRange(topic, {0: (0, 4)}))))
+    micros = read.column("timestamp").cast(pa.int64()).to_pylist()  # the last: past datetime's
+    assert micros == [CREATED_MS * 1000, -1000, -1000, 9_223_372_036_854_775_000]
 
 
 def _native_kafka_available(spark: SparkSession) -> bool:

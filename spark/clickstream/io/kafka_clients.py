@@ -54,6 +54,7 @@ from clickstream.errors import (
     ConfigError,
     DataLossError,
     DeliveryError,
+    KafkaRefusedError,
 )
 from clickstream.events.contract import LOST_OFFSETS_HEADER
 from clickstream.retry import wait_before_retry
@@ -512,6 +513,7 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
 
     Raises:
         BrokerUnavailableError: No answer after ``attempts`` tries.
+        KafkaRefusedError: The broker refuses the client for good (authorization, TLS).
         ClickstreamError: The broker answers but does not know the topic.
     """
     last_error = "no answer"
@@ -526,7 +528,7 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
             cause = exc.args[0] if exc.args else None
             if isinstance(cause, KafkaError) and (
                     cause.fatal() or cause.code() in _PERMANENT_METADATA_ERRORS):
-                raise ClickstreamError(  # no retry brings an answer; not "did not answer"
+                raise KafkaRefusedError(  # no retry brings an answer; not "did not answer"
                     f"asking {config.kafka_bootstrap_servers} about topic {topic!r} failed: "
                     f"{cause.str()} ({cause.name()}); {_PERMANENT_FIX}") from exc
             last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
@@ -568,6 +570,7 @@ def topic_watermarks(config: Config, topic: str, *, attempts: int = 5, timeout_s
 
     Raises:
         BrokerUnavailableError: No answer after ``attempts`` tries.
+        KafkaRefusedError: The broker refuses the client for good (authorization, TLS).
         ClickstreamError: The broker answers but does not know the topic.
     """
     owned = consumer is None
@@ -603,6 +606,7 @@ def topic_id(config: Config, topic: str, *, attempts: int = 5, timeout_s: float 
 
     Raises:
         BrokerUnavailableError: No answer after ``attempts`` tries.
+        KafkaRefusedError: The broker refuses the client for good (authorization, TLS).
         ClickstreamError: The broker answers but does not know the topic.
     """
     admin = _created(AdminClient, _merge(config, {}, {}), config)
@@ -697,7 +701,7 @@ class ReadErrors:
 
         Raises:
             DataLossError: The broker truncated the log under the reader.
-            ClickstreamError: A permanent or fatal error.
+            KafkaRefusedError: A permanent or fatal error.
         """
         where = (f"topic {self._topic} partition {partition}" if partition is not None
                  and partition >= 0 else f"topic {self._topic}")
@@ -709,7 +713,7 @@ class ReadErrors:
                 f"{_OTHER_LOG_ADVICE}"
             )
         if error.fatal() or error.code() in _PERMANENT_READ_ERRORS:
-            raise ClickstreamError(
+            raise KafkaRefusedError(
                 f"reading {where}{at} from {self._config.kafka_bootstrap_servers} failed: "
                 f"{error.str()} ({error.name()}); {_PERMANENT_FIX}: the read starts again "
                 "from the same offsets"
@@ -925,6 +929,14 @@ def read_offset_ranges(
                     "anyone read them; it reads on from offset %d", topic, partition,
                     expected[partition], upto - 1, upto)
 
+    def watermarks(partition: int) -> tuple[int, int]:
+        """The partition's log start and end, asked again while the broker cannot answer (a
+        leader moving): a transaction's commit marker ends almost every range, and one
+        failed lookup failed the micro-batch."""
+        return _asked(config, topic, lambda: consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=10, cached=False), attempts=5,
+            timeout_s=10)
+
     def done(partition: int) -> None:
         del expected[partition]
         consumer.pause([TopicPartition(topic, partition)])  # fetch no more
@@ -933,8 +945,7 @@ def read_offset_ranges(
         """Offsets ``expected..upto - 1`` hold no records. Lost if the log now starts after
         ``expected`` (DataLossError, or a marker when accepted); otherwise control records
         of transactions, or records compaction removed: nothing is missing."""
-        low, _high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
-                                                    timeout=10, cached=False)
+        low, _high = watermarks(partition)
         lost_until = min(low, upto)
         if lost_until <= expected[partition]:
             return None
@@ -949,8 +960,7 @@ def read_offset_ranges(
         """The log ended before the range: waiting for records (a transaction still open,
         a read behind the log's end) unless the log now ends below the range's end, which
         no wait brings back (a log truncated, another log under the same name)."""
-        _low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
-                                                    timeout=10, cached=False)
+        _low, high = watermarks(partition)
         if high < ends[partition]:
             raise DataLossError(
                 f"topic {topic} partition {partition}: offsets {high}..{ends[partition] - 1} "
@@ -995,8 +1005,7 @@ def read_offset_ranges(
                             short_of_the_range(partition)
                         continue
                     if error.code() == KafkaError._AUTO_OFFSET_RESET:
-                        low, high = consumer.get_watermark_offsets(
-                            TopicPartition(topic, partition), timeout=10, cached=False)
+                        low, high = watermarks(partition)
                         at = expected.get(partition, low)
                         moved = unread.get(partition) == at and at < low  # (K10)
                         if moved:

@@ -57,7 +57,11 @@ Known edge cases, cited inline as (K1)..(K10):
       offsets never change, and the token is new for every query run, so a file can only serve
       the ranges it was read for. When the second read runs on another host, or a file is
       missing, it reads Kafka as usual; files nobody took (a failed task) are deleted once
-      older than ``SHARED_READ_MAX_AGE_S``.
+      older than ``SHARED_READ_MAX_AGE_S``. The files sit in a folder of the user's own
+      (``$TMPDIR/clickstream-kafka-reads-<uid>``, mode 0700): in a shared folder another
+      local user could read the events, or plant a file the second read would take. Where
+      that folder is not the user's alone (made by someone else, a link, open to others),
+      nothing is shared: both reads fetch from Kafka.
   K7. Offsets alone cannot tell a log that was replaced and grew back past the checkpoint's
       offsets while no query ran (K1): every offset the source plans carries the topic's id
       (KIP-516; new when a topic is created again, and at every start of the embedded
@@ -106,6 +110,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 import uuid
@@ -364,7 +369,28 @@ def _shared_read_path(options: Mapping[str, str], kafka_range: KafkaRange) -> Pa
         return None
     ranges = sorted(kafka_range.ranges.items())
     name = hashlib.sha256(f"{token}|{kafka_range.topic}|{ranges}".encode()).hexdigest()
-    return Path(tempfile.gettempdir()) / "clickstream-kafka-reads" / f"{name}.arrow"
+    folder = _shared_reads_folder()
+    return None if folder is None else folder / f"{name}.arrow"
+
+
+def _shared_reads_folder() -> Path | None:
+    """This user's folder of kept reads (K6), or None when it is not private to the user:
+    another local user must neither read the events kept there nor plant a read."""
+    uid = os.geteuid()
+    folder = Path(tempfile.gettempdir()) / f"clickstream-kafka-reads-{uid}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        found = folder.lstat()
+    except OSError as exc:
+        log.warning("not sharing Kafka reads between the two scans (%s): %s", folder, exc)
+        return None
+    if (not stat.S_ISDIR(found.st_mode) or found.st_uid != uid
+            or stat.S_IMODE(found.st_mode) & 0o077):
+        log.warning("not sharing Kafka reads between the two scans: %s is not a folder of "
+                    "user %d's alone (mode %o, owner %d); remove it, or let this user "
+                    "create it", folder, uid, stat.S_IMODE(found.st_mode), found.st_uid)
+        return None
+    return folder
 
 
 def _take_shared_read(path: Path) -> list[pa.RecordBatch] | None:
@@ -470,10 +496,18 @@ def _sweep_shared_reads(folder: Path) -> None:
             continue
 
 
+# Spark's timestamps are microseconds in an int64: a producer's CreateTime may be any int64
+# of milliseconds, and one past this range is no time Spark can hold.
+_MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
+
+
 def _to_arrow(topic: str, messages: list[Message]) -> pa.RecordBatch:
     """Kafka's column layout, built column by column (~4x faster than row by row)."""
     stamps = [message.timestamp() for message in messages]
-    millis = pa.array([ms for _kind, ms in stamps], pa.int64())
+    # A time out of Spark's range is read as Kafka's "none" (-1): the parser then judges the
+    # record by the micro-batch's time, as any record without a timestamp.
+    millis = pa.array([ms if abs(ms) <= _MAX_TIMESTAMP_MS else -1 for _kind, ms in stamps],
+                      pa.int64())
     return pa.RecordBatch.from_arrays([
         pa.array([message.key() for message in messages], pa.binary()),
         pa.array([message.value() for message in messages], pa.binary()),
