@@ -946,6 +946,11 @@ def read_offset_ranges(
         ``expected`` (DataLossError, or a marker when accepted); otherwise control records
         of transactions, or records compaction removed: nothing is missing."""
         low, _high = watermarks(partition)
+        if low > expected[partition]:
+            # Lost, unless the answer is wrong: after a failed lookup, librdkafka may answer
+            # the log's end for its start (seen with a broker failing lookups). A log's start
+            # only grows, so the least of a few answers is the true one.
+            low = min(low, *(watermarks(partition)[0] for _ in range(2)))
         lost_until = min(low, upto)
         if lost_until <= expected[partition]:
             return None
