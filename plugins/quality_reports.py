@@ -8,15 +8,20 @@ The "Quality reports" entry in the UI navigation shows it inside the Airflow UI.
 Only logged-in users see it: every request goes through Airflow's own user check (the JWT in
 the ``Authorization: Bearer`` header, or the UI's ``_token`` session cookie). Without it, an
 API client gets 401 (403 for an invalid token) and a browser is sent to the login page. A
-logged-in user also needs the auth manager's leave to see the "Quality reports" view (403).
+logged-in user also needs the auth manager's leave to see the "Quality reports" view: without
+it, 403 (a short page saying so for a browser: the login page would only lead back here).
 
-Known edge cases, cited inline as (Q1)..(Q3):
+Known edge cases, cited inline as (Q1)..(Q4):
   Q1. The folder is resolved per request from ``CLICKSTREAM_HOME`` (never at import), and a
       missing or empty folder gives a friendly page, not an error.
   Q2. Paths are resolved (``..``, symlinks) and must stay inside the reports folder; anything
       else is a 404, so the app never serves other files of the machine.
   Q3. A folder without ``index.html`` is listed; folder URLs end with ``/`` so the relative
       links of reports (Data Docs use them) resolve inside the folder.
+  Q4. No script runs on a served page (``script-src 'none'``): GX Data Docs pages load ~9
+      scripts from public CDNs, three of them unpinned (``vega@5``...), which would run on
+      Airflow's origin as the logged-in user. The pages keep their styles and every result;
+      only their JavaScript (sortable and filterable tables, charts) is off.
 """
 
 from __future__ import annotations
@@ -39,8 +44,15 @@ from fastapi.responses import (
 URL_PREFIX = "/clickstream-reports"
 VIEW_NAME = "Quality reports"  # the nav entry, and the resource auth managers grant
 HEADERS = {"X-Content-Type-Options": "nosniff",
-           "Content-Security-Policy": "frame-ancestors 'self'",
+           # (Q4) Styles (inline and from CDNs) stay allowed: our pages and GX's need them.
+           "Content-Security-Policy": "frame-ancestors 'self'; script-src 'none'; "
+                                      "object-src 'none'",
            "Cache-Control": "no-store"}
+
+
+class NotPermitted(HTTPException):
+    """A logged-in user the auth manager does not let see the view: 403 for a browser too,
+    where a login failure sends it to the login page."""
 
 
 async def require_login(request: Request) -> object:
@@ -56,8 +68,8 @@ async def require_login(request: Request) -> object:
     user = await get_user(request, None, credentials)
     if not get_auth_manager().is_authorized_custom_view(method="GET", resource_name=VIEW_NAME,
                                                         user=user):
-        raise HTTPException(403, f"this user may not see {VIEW_NAME!r}; ask an admin for "
-                                 "access to that view")
+        raise NotPermitted(403, f"this user may not see {VIEW_NAME!r}; ask an Airflow admin "
+                                "to grant that view to the user's role")
     return user
 
 
@@ -122,6 +134,10 @@ def create_app() -> FastAPI:
     @app.exception_handler(HTTPException)
     async def login_first(request: Request, error: HTTPException) -> Response:
         wants_page = "text/html" in request.headers.get("accept", "")
+        if wants_page and isinstance(error, NotPermitted):
+            reason = html.escape(error.detail, quote=False)
+            return _page("Not allowed", f"<p>{reason[:1].upper()}{reason[1:]}.</p>", 403)
+        # No login, an expired or an invalid token (401/403): log in, then come back.
         if error.status_code in (401, 403) and wants_page:
             from airflow.api_fastapi.app import get_auth_manager
 

@@ -82,6 +82,39 @@ def test_refused_to_a_user_the_auth_manager_does_not_let_see_the_view(
     assert viewer.status_code == 200 and "backfill run-1" in viewer.text
 
 
+def test_a_logged_in_browser_user_without_the_view_gets_403_not_the_login_page(
+        client, reports: Path) -> None:
+    """A browser (Accept: text/html, the UI's cookie) of a logged-in user without the view was
+    sent to the login page (303), where logging in again led back to the same refusal."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    client.cookies.set("_token", get_auth_manager().generate_jwt(
+        SimpleAuthManagerUser(username="u", role=None)))
+    response = client.get(f"{PREFIX}/backfills/run-1.html", headers={"Accept": "text/html"})
+    assert response.status_code == 403, response.headers.get("location")
+    assert "may not see 'Quality reports'" in response.text
+    assert "backfill run-1" not in response.text
+    client.cookies.set("_token", "not-a-jwt")  # not logged in after all: the login page
+    assert client.get(f"{PREFIX}/", headers={"Accept": "text/html"}).status_code == 303
+
+
+def test_no_script_runs_on_a_served_gx_page(client, token: str, tmp_path: Path) -> None:
+    """GX Data Docs pages load ~9 scripts from public CDNs (vega@5, vega-lite@5 and
+    vega-embed@6 unpinned); served with only ``frame-ancestors 'self'``, they ran on Airflow's
+    origin as the logged-in user."""
+    from clickstream.config import Config
+    from clickstream.quality.reports import write_suite_page
+
+    write_suite_page(Config.from_env(), "historical_batch")
+    response = client.get(f"{PREFIX}/expectations/historical_batch.html", headers=bearer(token))
+    assert response.status_code == 200 and "https://cdn.jsdelivr.net/npm/vega@5" in response.text
+    policy = [d.strip() for d in response.headers["content-security-policy"].split(";")]
+    assert "script-src 'none'" in policy and "object-src 'none'" in policy
+    assert "frame-ancestors 'self'" in policy
+    assert not any(d.startswith(("style-src", "default-src")) for d in policy)  # styles stay
+
+
 def test_served_to_a_logged_in_user(client, token: str, reports: Path) -> None:
     index = client.get(f"{PREFIX}/", headers=bearer(token))
     assert index.status_code == 200 and "All quality reports" in index.text

@@ -23,6 +23,8 @@ Known edge cases, cited inline as (R1)..(R4):
       favicon link is one level short of that depth and is corrected here.
   R3. GX pages load Bootstrap and jQuery from public CDNs; offline they still show every
       result (GX inlines its own styles), only less styled. Our pages are self-contained.
+      Airflow's Quality reports view runs none of these scripts (``script-src 'none'``,
+      ``plugins/quality_reports.py`` Q4): same results and styles, no sorting or filtering.
   R4. Values on a page are text, never markup: they come from data (a batch's client_id) and
       from the backfill form (the client, in the run id), and the Airflow UI serves these
       pages on its own origin, so a ``<script>`` among them would run as the logged-in user.
