@@ -6,7 +6,7 @@ task (never at parse time) and call one library function. This module keeps the 
 glue they have in common in one place. ``airflow.sdk`` is imported lazily, so the
 library itself does not need Airflow to run.
 
-Known edge cases, cited inline as (O1)..(O3):
+Known edge cases, cited inline as (O1)..(O4):
   O1. A refused batch, a bad setting or a failed quality gate gives the same result on every
       retry, so the task fails at once (no retries) with the product's one-line reason;
       transient failures (broker unavailable, commit conflicts, delivery) keep Airflow's
@@ -25,6 +25,10 @@ Known edge cases, cited inline as (O1)..(O3):
       DAG file is parsed (the scheduler's environment is not the worker's): settings a
       submitted job needs before its JVM starts (the driver's memory) are added to the
       spark-submit command just before it runs.
+  O4. spark-submit runs with ``LC_ALL=C.UTF-8``: Java's launcher decodes and re-encodes argv
+      in the locale's charset, so on a worker without a UTF-8 locale (``LANG`` unset, as under
+      systemd, cron or ``env -i``) a client ``café`` reached the job as ``caf??`` and its
+      whole batch was quarantined as another client's.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ ASSET_URI_PREFIX = "clickstream://warehouse/"
 ERROR_LINE_MARKER = ": error: "
 # A job that exits with one of these failed as it would on every retry (O1).
 NOT_RETRYABLE_EXITS = (EXIT_NOT_RETRYABLE, EXIT_USAGE)
+# spark-submit's environment on top of the worker's: argv survives the JVM intact (O4).
+SPARK_SUBMIT_ENV = {"LC_ALL": "C.UTF-8"}
 
 
 def table_asset(table: str) -> Asset:
@@ -111,7 +117,8 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
         args: the entry point's arguments (Jinja-templated), or one template rendering a list.
         long_running: a service's driver (the sessionizer): its whole heap is taken at start
             (``spark_session.driver_launch_conf``).
-        operator_args: more ``SparkSubmitOperator`` arguments (``outlets``, ``retries``...).
+        operator_args: more ``SparkSubmitOperator`` arguments (``outlets``, ``retries``...);
+            ``env_vars`` are added to ``SPARK_SUBMIT_ENV`` (O4), and win over it.
     """
     def size_the_driver(context: Any) -> None:
         from clickstream.config import Config
@@ -128,6 +135,7 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
         task_id=task_id, application=str(ENTRYPOINTS / f"{entrypoint}.py"),
         conn_id="spark_default", name=f"clickstream-{task_id.replace('_', '-')}",
         application_args=args if isinstance(args, str) else list(args),
+        env_vars={**SPARK_SUBMIT_ENV, **(operator_args.pop("env_vars", None) or {})},
         pre_execute=size_the_driver, **operator_args)
 
 

@@ -146,6 +146,8 @@ def test_spark_jobs_are_submitted_through_spark_default(dagbag, dag_id: str,
     task = dagbag.dags[dag_id].get_task(task_id)
     assert isinstance(task, SparkSubmitOperator)
     assert task._conn_id == "spark_default"
+    # A worker without a UTF-8 locale mangled a non-ASCII --client in spark-submit (O4).
+    assert (task.env_vars or {}).get("LC_ALL") == "C.UTF-8"
     assert Path(task.application).is_file()
     assert Path(task.application).name == SPARK_TASKS[dag_id, task_id]
     if dag_id == "sessionizer":

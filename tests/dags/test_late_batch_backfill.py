@@ -193,3 +193,27 @@ def test_a_batch_the_gate_refuses_fails_the_spark_task_at_once_with_its_reason(
     assert "<th>validate</th>" in page and "3 rows, 0 valid" in page
     assert "merge: failed" in page and "QualityGateFailedError: quality gate " \
         "historical_batch failed" in page and "bad_currency_fraction = 1" in page
+
+
+def test_a_non_ascii_client_reaches_the_spark_steps_intact_on_a_worker_without_a_utf8_locale(
+        backfill_dag, env_config: Config, spark, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Java's launcher decodes and re-encodes argv in the locale's charset: with LANG unset (a
+    systemd unit, cron, ``env -i``) ``--client=café`` reached the job as ``caf??``, and a dry
+    run went green with every row of the batch to quarantine as another client's (O4)."""
+    for name in ("LANG", "LC_ALL", "LC_CTYPE", "LANGUAGE"):
+        monkeypatch.delenv(name, raising=False)
+    config, client = env_config, "caf\u00e9"
+    rows = [{"order_id": f"o{i}", "client_id": client, "user_id": "u",
+             "ts": f"2026-03-01T10:0{i}:00Z", "amount": "5.00", "currency": "EUR"}
+            for i in range(3)]
+    (config.landing / "b").mkdir()
+    (config.landing / "b" / "orders.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows))
+
+    dagrun, states = run(backfill_dag, client=client, kind="orders", path="b", dry_run=True)
+
+    assert str(dagrun.state) == "success", states
+    (check,) = [json.loads(p.read_text()) for p in
+                (config.home / "runs" / "backfill").glob("*/check.json")]
+    assert (check["client_id"], check["valid_rows"], check["quarantined"]) == (client, 3, 0), \
+        check.get("first_reasons")
