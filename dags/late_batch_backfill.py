@@ -41,7 +41,8 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
 4. `merge` — `historical_batch` gate (a failure quarantines the implicated rows, refuses
    the batch and fails the task without retries), bad rows to `quarantine`, the rest into
    `pageviews` / `orders` exactly once, then the `tables_after_merge` gate.
-   `announce_merge` emits the Asset events of the tables it wrote.
+   `announce_merge` emits the Asset events of the tables it wrote (`quarantine` too when
+   the gate refused the batch and the task failed).
 5. `recompute` — re-sessionizes the affected users' windows (`recomputed_sessions` gate),
    stores the plan in `corrections`, applies it (one commit per table).
 6. `validate_corrections` — the tables hold the plan at its revisions, keys unique;
@@ -59,7 +60,8 @@ or rerunning the whole DAG, resumes instead of doubling. The same batch run thro
 results to the next through `$CLICKSTREAM_HOME/runs/backfill/<run id>/`.
 
 Outlets: `announce_merge` emits events for the tables `merge` wrote (through the
-`clickstream-backfill-merge` alias, with row counts); `announce_recompute` for those of
+`clickstream-backfill-merge` alias, with row counts; `quarantine` also when `merge` failed
+after quarantining a refused batch's rows); `announce_recompute` for those of
 `sessions`, `attributions`, `corrections` the `recompute` step changed (through the
 `clickstream-backfill-recompute` alias; none when it changed nothing).
 """
@@ -125,19 +127,30 @@ def late_batch_backfill():
     def writes_enabled(params=None) -> bool:
         return not params["dry_run"]
 
-    @task(outlets=[MERGED])
-    def announce_merge(located: dict, params=None, outlet_events=None) -> None:
-        from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import load_step_result
+    # Runs when merge failed too: a refused batch's merge quarantines its rows, then fails.
+    # Skipped with merge in a dry run (none_skipped); `located` is pulled here, not passed:
+    # a failed locate_batch leaves no XCom to pass, and nothing changed.
+    @task(outlets=[MERGED], trigger_rule="none_skipped")
+    def announce_merge(params=None, ti=None, outlet_events=None) -> None:
+        from airflow.sdk.exceptions import AirflowSkipException
 
-        merged = load_step_result(Config.from_env(), located["run_id"], "merge") or {}
+        from clickstream.config import Config
+        from clickstream.jobs.backfill_steps import load_step_result, quarantined_by_run
+
+        located = ti.xcom_pull(task_ids="locate_batch")
+        if not located:
+            raise AirflowSkipException("locate_batch found no batch: no table changed")
+        config = Config.from_env()
+        merged = load_step_result(config, located["run_id"], "merge")
+        quarantined = (merged.get("quarantined", 0) if merged is not None  # else merge failed
+                       else quarantined_by_run(config, located["run_id"]))
         extra = {"run_id": located["run_id"], "client_id": params["client"]}
-        if merged.get("rows_merged"):
+        if merged and merged.get("rows_merged"):
             outlet_events[MERGED].add(table_asset(params["kind"]),
                                       extra={**extra, "rows": merged["rows_merged"]})
-        if merged.get("quarantined"):
+        if quarantined:
             outlet_events[MERGED].add(table_asset("quarantine"),
-                                      extra={**extra, "rows": merged["quarantined"]})
+                                      extra={**extra, "rows": quarantined})
 
     @task(outlets=[RECOMPUTED])
     def announce_recompute(located: dict, params=None, outlet_events=None) -> list[str]:
@@ -165,7 +178,7 @@ def late_batch_backfill():
 
     located >> validate >> writes_enabled() >> merge >> recompute >> validate_corrections
     validate_corrections >> publish >> report
-    merge >> announce_merge(located)
+    merge >> announce_merge()
     recompute >> announce_recompute(located)
     validate >> report
 

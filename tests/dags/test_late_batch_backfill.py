@@ -65,6 +65,20 @@ def changed_assets(dagrun) -> set[str]:
         return {uri.removeprefix("clickstream://warehouse/") for uri in uris}
 
 
+def asset_rows(dagrun) -> dict[str, int]:
+    """The row count each Asset event of the run carries, by table."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        events = session.execute(select(AssetModel.uri, AssetEvent.extra).join(
+            AssetEvent, AssetEvent.asset_id == AssetModel.id).where(
+            AssetEvent.source_run_id == dagrun.run_id))
+        return {uri.removeprefix("clickstream://warehouse/"): extra.get("rows")
+                for uri, extra in events}
+
+
 def assert_topic_equals_table(config: Config, spark, topic: str, table: str, key: str) -> None:
     rows = open_tables(config, spark).read_arrow(table).to_pylist()
     assert read_compacted(config, topic) == {r[key]: reference_changelog_value(r) for r in rows}
@@ -135,8 +149,9 @@ def test_a_path_outside_the_landing_folder_fails_the_run_with_a_clear_message(
     assert str(dagrun.state) == "failed"
     assert states["locate_batch"] == "failed"
     assert all(states[t] == "upstream_failed" for t in
-               ("validate_batch", "writes_enabled", "merge", "announce_merge", "recompute",
+               ("validate_batch", "writes_enabled", "merge", "recompute",
                 "validate_corrections", "publish", "report")), states
+    assert states["announce_merge"] == "skipped", states  # it runs after a failed merge too
     output = capfd.readouterr().out + caplog.text
     assert "outside the landing folder" in output
     assert str(config.landing) in output
@@ -166,7 +181,9 @@ def test_a_conf_key_the_dag_has_no_param_for_fails_the_run_before_it_reads_anyth
 def test_a_batch_the_gate_refuses_fails_the_spark_task_at_once_with_its_reason(
         backfill_dag, env_config: Config, spark, caplog: pytest.LogCaptureFixture,
         capfd: pytest.CaptureFixture) -> None:
-    """merge runs through spark-submit with retries; a refusal must not be retried (O1)."""
+    """merge runs through spark-submit with retries; a refusal must not be retried (O1). The
+    refused rows go to quarantine, and no Asset event said so: announce_merge ran only after a
+    merge that succeeded (S7)."""
     config = env_config
     rows = [{"order_id": f"o{i}", "client_id": "client-00", "user_id": "u",
              "ts": f"2026-03-01T10:0{i}:00Z", "amount": "5.00", "currency": "XXX"}
@@ -193,6 +210,12 @@ def test_a_batch_the_gate_refuses_fails_the_spark_task_at_once_with_its_reason(
     assert "<th>validate</th>" in page and "3 rows, 0 valid" in page
     assert "merge: failed" in page and "QualityGateFailedError: quality gate " \
         "historical_batch failed" in page and "bad_currency_fraction = 1" in page
+
+    # The refused batch's rows are in quarantine: that change is announced (S7).
+    assert open_tables(config, spark).read_arrow("quarantine").num_rows == 3
+    assert states["announce_merge"] == "success", states
+    assert changed_assets(dagrun) == {"quarantine"}, "quarantine changed, no Asset event"
+    assert asset_rows(dagrun) == {"quarantine": 3}
 
 
 def test_a_non_ascii_client_reaches_the_spark_steps_intact_on_a_worker_without_a_utf8_locale(

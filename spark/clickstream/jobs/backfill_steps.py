@@ -12,7 +12,7 @@ would change. Results are small JSON-serialisable dicts (Airflow XComs), never D
 Delivery guarantee: the same as ``run_backfill`` — exactly once into the tables, corrections
 to Kafka at least once, idempotent by key and revision.
 
-Known edge cases, cited inline as (S1)..(S6):
+Known edge cases, cited inline as (S1)..(S7):
   S1. Every step re-reads the batch from the landing folder (the path check included) and
       refuses to continue if its fingerprint is no longer the one ``check_batch`` saw: no step
       ever works on files that changed since they were validated (after the merge, S5).
@@ -40,6 +40,9 @@ Known edge cases, cited inline as (S1)..(S6):
       ``publish`` after a failed ``check-applied`` published a plan the tables did not hold
       and marked it published, so the client's later runs no longer stopped on it;
       ``recompute`` before ``merge`` planned nothing and the run reported success.
+  S7. A batch the ``historical_batch`` gate refuses changes ``quarantine`` (its rows with
+      problems) although ``merge`` fails: ``quarantined_by_run`` counts them from the table,
+      so the DAG announces that change too (it announced nothing: the merge saved no result).
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ from clickstream.jobs.corrections import (
 )
 from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
 from clickstream.quality import reports
+from clickstream.quality.checks import backfill_app_id
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_historical_batch, warm_up
 from clickstream.quality.run_summary import (
@@ -635,6 +639,21 @@ def load_step_result(config: Config, run_id: str, step: str, dry_run: bool = Fal
     run: real, or dry)."""
     path = step_result_path(config, run_id, step, dry_run)
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def quarantined_by_run(config: Config, run_id: str) -> int:
+    """Rows the run's merge step put in ``quarantine`` (S7), counted from the table: a refused
+    batch's ``merge`` quarantines its rows, then fails and saves no result. Read with delta-rs
+    whichever engine wrote the table: the Airflow task that asks starts no Spark."""
+    import pyarrow.compute as pc
+
+    from clickstream.io.delta_rs_engine import DeltaRsTables
+
+    tables = DeltaRsTables(config)
+    if tables.app_version(QUARANTINE.name, backfill_app_id(run_id)) is None:
+        return 0  # no table, or nothing of this run's in it
+    sources = tables.read_arrow(QUARANTINE.name, columns=["source"]).column("source")
+    return int(pc.sum(pc.starts_with(sources, f"backfill:{run_id}:")).as_py() or 0)
 
 
 def recompute_result(config: Config, run_id: str) -> CorrectionSummary | None:
