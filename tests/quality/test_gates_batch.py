@@ -91,8 +91,8 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
             os.utime(file, (written, written))
     before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
-            r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [12] of "
-            rf"15 expectations failed: .*quality gate historical_batch: {message} .*the batch "
+            r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [1-3] of "
+            rf"16 expectations failed: .*quality gate historical_batch: {message} .*the batch "
             r"was refused as a whole: nothing was merged")) as refused:
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                      path=path, progress=lambda _: None)
@@ -124,6 +124,42 @@ def test_a_refused_batch_is_one_line_and_exit_3_on_the_command_line(
     assert error[0].startswith("clickstream backfill: error: quality gate historical_batch "
                                "failed for backfill orders-client-00-")
     assert "bad_currency_fraction = 1, expected at most 0.5" in error[0]
+
+
+def test_a_batch_whose_every_row_is_bad_for_two_reasons_is_refused_with_exit_3(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Two pageviews, one with ts "never", one without a url: each problem is half the batch,
+    at most half, so before suite v3 the gate passed with a warning, the run merged nothing
+    and exited 0 ("2 rows read, 0 merged, ... 2 quarantined"). A batch with rows and not one
+    good row is refused like any other: exit 3, nothing merged, both rows in quarantine with
+    the refusing expectation and then their own reason."""
+    for name, variable in ENV_NAMES.items():
+        if name not in ("kafka_options", "spark_kafka_options"):
+            monkeypatch.setenv(variable, str(getattr(stream_config, name)))
+    good_ts = (START + timedelta(minutes=1)).isoformat()
+    rows = [{**pv_row("q1", "u1", 0), "ts": "never"},
+            {**pv_row("q2", "u1", 1), "ts": good_ts, "url": None}]
+    folder = stream_config.landing / "all-bad"
+    folder.mkdir(parents=True)
+    (folder / "part.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    before = versions(stream_config, spark)
+    command = ["backfill", "--kind", "pageviews", "--client", "client-00", "--path", "all-bad"]
+    assert main(command) == EXIT_NOT_RETRYABLE
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1, error
+    assert error[0].startswith("clickstream backfill: error: quality gate historical_batch "
+                               "failed for backfill pageviews-client-00-")
+    assert "every_row_refused = True, expected one of [False]" in error[0]
+    assert "its 2 rows with problems are in quarantine; fix the batch and send it again" in (
+        error[0])
+    after = versions(stream_config, spark)
+    unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
+    bad = quarantined(stream_config, spark, "historical_batch")
+    assert sorted(json.loads(r["raw"])["event_id"] for r in bad) == ["q1", "q2"]
+    assert all(r["reason"].startswith("quality gate historical_batch: every_row_refused = True")
+               and r["reason"].count("; ") >= 1 for r in bad), [r["reason"] for r in bad]
 
 
 def test_tables_after_merge_stops_before_any_correction(

@@ -12,8 +12,8 @@ from clickstream.quality import checks, suites
 from clickstream.quality.gates import run_gate
 
 # recomputed_sessions v2: sessions without an id or bounds; historical_batch v2: rows
-# refused for a reason no other fraction counts
-VERSIONS = {"recomputed_sessions": "2", "historical_batch": "2"}
+# refused for a reason no other fraction counts; v3: a batch of bad rows only
+VERSIONS = {"recomputed_sessions": "2", "historical_batch": "3"}
 
 
 def test_every_suite_file_is_a_gx_suite_over_documented_check_columns() -> None:
@@ -42,7 +42,8 @@ GOOD = {
     "raw_events": {"records": 10, "malformed_records": 1, "malformed_fraction": 0.1,
                    "accepted_records": 9, **dict.fromkeys(checks.RAW_EVENTS_ROW_CHECKS, 0)},
     "historical_batch": {"rows_read": 100, "rows_accepted": 98, "rows_quarantined": 2,
-                         "quarantined_fraction": 0.02, "ts_column_type": "string",
+                         "quarantined_fraction": 0.02, "every_row_refused": False,
+                         "ts_column_type": "string",
                          "amount_column_type": "decimal", "main_client_id": "client-00",
                          "blank_key_fraction": 0.01, "blank_user_id_fraction": 0.0,
                          "bad_ts_fraction": 0.01, "other_client_fraction": 0.0,

@@ -216,6 +216,8 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
                                if kind == "orders" else None),
         "main_client_id": client_id,
     }
+    # Every row bad, each fraction at most half (half blank ts, half no url): each passed.
+    values["every_row_refused"] = rows_read > 0 and values["rows_accepted"] == 0
     values["main_client_fraction"] = _fraction(rows_read - row["other_client_fraction"],
                                                rows_read)
     if row["other_client_fraction"] * 2 > rows_read:  # the declared client is not the main one
@@ -229,7 +231,8 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
         values[name] = _fraction(row[name], rows_read) if name in row else None
     rows = {name: (batch, F.coalesce(p, F.lit(False))) for name, p in predicates.items()}
     rows.update({"ts_column_type": (batch, everyone), "amount_column_type": (batch, everyone),
-                 "main_client_id": (batch, predicates["other_client_fraction"])})
+                 "main_client_id": (batch, predicates["other_client_fraction"]),
+                 "every_row_refused": (batch, F.col("error").isNotNull())})
     return Checks(values, rows, {id(batch): "source"})
 
 
