@@ -115,13 +115,16 @@ def test_apply_reads_again_only_the_days_another_writer_changed_after_the_plan(
 
 def test_a_resumed_recompute_counts_the_users_it_leaves_to_the_stream_once() -> None:
     """The resumed plan's users deferred (read back from its commit) are still queued, and the
-    pass planning after it finds them again: summed, they were counted twice."""
-    resumed = CorrectionSummary(sessions_created=2, orders_attributed=3, deferred_users=4,
-                                resumed=True, totals_recorded=True)
-    later = CorrectionSummary(sessions_updated=1, orders_attributed=1, deferred_users=4)
+    pass planning after it finds them again: summed, they were counted twice. So are its
+    orders: that pass tallies every order of the same queue rows' windows (here one more the
+    stream stored meanwhile), changed or not, and the sum counted them twice too."""
+    resumed = CorrectionSummary(sessions_created=2, orders_attributed=3, orders_unattributed=1,
+                                deferred_users=4, resumed=True, totals_recorded=True)
+    later = CorrectionSummary(sessions_updated=1, orders_attributed=4, orders_unattributed=1,
+                              deferred_users=4)
     both = resumed.and_then(later)
     assert (both.sessions_created, both.sessions_updated, both.orders_attributed,
-            both.deferred_users, both.resumed) == (2, 1, 4, 4, True)
+            both.orders_unattributed, both.deferred_users, both.resumed) == (2, 1, 4, 1, 4, True)
 
 
 @pytest.mark.parametrize("entity", ["session", "attribution"])

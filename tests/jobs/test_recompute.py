@@ -30,7 +30,7 @@ from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.quality.reports import read_entries, reports_dir
 from clickstream.sessions.semantics import session_id
-from clickstream.tables import CORRECTIONS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
+from clickstream.tables import CORRECTIONS, ORDERS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
 from tests.jobs.test_backfill import (
     START,
     assert_tables_equal_from_scratch,
@@ -291,6 +291,48 @@ def test_a_resumed_recompute_keeps_the_report_and_counts_of_the_plan_it_publishe
     assert report.summary.startswith("2 created, 0 updated"), report.summary
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert_topic_equals_table(stream_config, spark)
+
+
+def late_order(config: Config, spark: SparkSession, order_id: str, client: str, user: str,
+               minutes: int) -> None:
+    """An order as the sessionizer stores and queues it when its session is already closed."""
+    at = START + timedelta(minutes=minutes)
+    tables = open_tables(config, spark)
+    tables.append_once(ORDERS.name, spark.createDataFrame([{
+        "order_id": order_id, "client_id": client, "user_id": user, "ts": at,
+        "amount": Decimal("10.0000"), "currency": "EUR", "event_id": f"ev-{order_id}",
+        "source": "events/0/9", "event_date": at.date()}], ORDERS.schema),
+        app_id="test-stream-orders", version=next(_steps), partition_by=ORDERS.partition_by,
+        metadata={"run_id": "test", "cause": "test"})
+    tables.append_once(RECOMPUTE_QUEUE.name, spark.createDataFrame([{
+        "client_id": client, "user_id": user, "kind": "order", "record_id": order_id,
+        "ts": at, "queued_by": "sessionize batch 7", "event_date": at.date()}],
+        RECOMPUTE_QUEUE.schema), app_id="test-stream-queue", version=next(_steps),
+        partition_by=RECOMPUTE_QUEUE.partition_by, metadata={"run_id": "test", "cause": "test"})
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["uninterrupted", "resumed"])
+def test_a_resumed_recompute_counts_the_orders_of_its_windows_once(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+        killed: bool) -> None:
+    """Two late pageviews 90 minutes apart (two sessions) and one order in the first. Killed
+    between apply and publish, the rerun finished the plan (its recorded totals: 1 order
+    attributed), then planned again over the same queue rows, tallied the same order again,
+    and the two passes' tallies were summed: "orders attributed 2" where the run's correction
+    report said 1."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("p2", "c1", "u1", 90)])
+    late_order(stream_config, spark, "o1", "c1", "u1", 5)
+    if killed:
+        killed_at(monkeypatch, corrections, "publish_changes",
+                  lambda: run_recompute(stream_config, spark=spark, progress=quiet))
+
+    summary = run_recompute(stream_config, spark=spark, progress=quiet)
+    result = summary.corrections["c1"]
+    assert result.resumed == killed
+    assert (result.sessions_created, result.orders_attributed, result.orders_unattributed,
+            result.deferred_users) == (2, 1, 0, 0), summary.describe()
+    assert "orders attributed 1, unattributed 0" in summary.describe()
+    assert table_rows(stream_config, spark, "recompute_queue") == []
 
 
 def test_a_plan_another_run_finishes_gets_its_correction_report(

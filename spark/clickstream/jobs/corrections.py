@@ -245,9 +245,11 @@ class CorrectionSummary:
             steps[step] = steps.get(step, 0) + seconds
         counts = {f.name: getattr(self, f.name) + getattr(later, f.name) for f in fields(self)
                   if f.type == "int"}
-        # The later pass decides who stays with the stream: the resumed plan's users deferred
-        # (PLAN_TOTALS) are still queued, and that pass finds them again.
-        counts["deferred_users"] = later.deferred_users
+        # The later pass plans the same queue rows again (the run id is the queue version's):
+        # it tallies the same windows' orders and finds the resumed plan's users deferred
+        # (PLAN_TOTALS, still queued) again, so these totals are its own, not a sum.
+        for name in PLAN_TOTALS:
+            counts[name] = getattr(later, name)
         return CorrectionSummary(**counts, resumed=self.resumed or later.resumed,
                                  totals_recorded=self.totals_recorded or later.totals_recorded,
                                  published_earlier=self.published_earlier
