@@ -474,10 +474,13 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
         return args.handler(args, config)
     except ClickstreamError as error:
         # One line, always: a message carrying an engine's text (several lines) is cut to
-        # its first, and kept whole in the traceback file.
+        # its first, and kept whole in the traceback file; so is one raised from a bug (a
+        # recompute's clients, R12).
         first, *rest = str(error).strip().splitlines() or [""]
+        unforeseen = error.__cause__ is not None and not isinstance(error.__cause__,
+                                                                    ClickstreamError)
         kept = (f"; {_keep_traceback(config, args.command)}"
-                if isinstance(error, QueryFailedError) or rest else "")
+                if isinstance(error, QueryFailedError) or rest or unforeseen else "")
         print(f"clickstream {args.command}: error: {first}{kept}", file=sys.stderr)
         return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
     except KeyboardInterrupt:

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from decimal import Decimal
 from itertools import count
+from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from clickstream.config import Config
+from clickstream.cli import main
+from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import (
     NOT_RETRYABLE,
     ClickstreamError,
@@ -333,6 +335,34 @@ def test_a_resumed_recompute_counts_the_orders_of_its_windows_once(
             result.deferred_users) == (2, 1, 0, 0), summary.describe()
     assert "orders attributed 1, unattributed 0" in summary.describe()
     assert table_rows(stream_config, spark, "recompute_queue") == []
+
+
+def test_a_failure_the_product_did_not_foresee_in_one_client_is_named_with_its_traceback(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """A damaged table (a data file of c1's pageviews gone) fails c1's recompute in Spark. The
+    error for the failed clients (R10) carried only the failure's first line, without its
+    type, and no traceback was kept (the CLI keeps one for an unexpected error only); c2,
+    folded in, had no summary line (the CLI prints the summary of a run that succeeded)."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("q1", "c2", "v1", 0)])
+    for file in (stream_config.warehouse / "pageviews" / "client_id=c1").rglob("*.parquet"):
+        file.unlink()
+    for name, variable in ENV_NAMES.items():
+        if name not in ("kafka_options", "spark_kafka_options"):
+            monkeypatch.setenv(variable, str(getattr(stream_config, name)))
+
+    assert main(["recompute"]) == 1
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("recompute c2: 1 queued "
+                                                                 "records; sessions created 1")]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("clickstream recompute: error: recompute failed for 1 of 2 clients, "
+                           "whose rows stay queued (c1: "), line
+    unforeseen = line.split("(c1: ", 1)[1].split(":", 1)[0]
+    assert unforeseen.isidentifier() and unforeseen[0].isupper(), line  # its type's name
+    kept = line.rsplit("; traceback in ", 1)[1]
+    assert unforeseen in Path(kept).read_text()
+    assert {r["client_id"] for r in table_rows(stream_config, spark, "recompute_queue")} == {"c1"}
 
 
 def test_a_plan_another_run_finishes_gets_its_correction_report(

@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R11):
+Known edge cases, cited inline as (R1)..(R12):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
@@ -74,6 +74,10 @@ Known edge cases, cited inline as (R1)..(R11):
       it rewrites, before it records, rewrites or publishes anything, and ``publish`` on its
       plan once published (failing, the plan stays unpublished for the next correction run
       to finish, C6). It ran none: the largest rewrite the product makes went unchecked.
+  R12. The error standing for the failed clients (R10) names an unforeseen failure's type
+      (``KeyError: 'x'``, not ``'x'``) and is raised from the first one, so the CLI keeps its
+      traceback as for any unexpected error; the clients that succeeded are described before
+      it is raised (the CLI prints a summary only for a run that succeeded).
 """
 
 from __future__ import annotations
@@ -162,7 +166,8 @@ class RecomputeSummary:
         if not self.queued:
             return "recompute: the queue is empty"
         return "\n".join(f"recompute {client}: {self.queued[client]} queued records; "
-                         f"{self.corrections[client].describe()}" for client in self.queued)
+                         f"{self.corrections[client].describe()}" for client in self.queued
+                         if client in self.corrections)  # a failed client has none (R10)
 
 
 @releases_cache
@@ -233,12 +238,27 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
         finally:
             release(mine, left)
     if failed:
+        if summary.corrections:  # what the others did: the CLI prints no summary now
+            progress(summary.describe())
+        # (R12) a bug's type and traceback: the CLI keeps the cause's traceback
+        unforeseen = next((e for e in failed.values() if not isinstance(e, ClickstreamError)),
+                          None)
         raise one_error_for(
             list(failed.values()),
             f"recompute failed for {len(failed)} of {len(clients)} clients, whose rows stay "
-            f"queued ({'; '.join(f'{c}: {error_line(str(e))}' for c, e in failed.items())}); "
-            "the others were folded in")
+            f"queued ({'; '.join(f'{c}: {_named(e)}' for c, e in failed.items())}); "
+            "the others were folded in") from unforeseen
     return summary
+
+
+def _named(error: BaseException) -> str:
+    """A client's failure in one line; an unforeseen one (not the product's) with its type,
+    unless the line is the Python error a Spark error carries, typed already (R12)."""
+    text = str(error)
+    line = error_line(text)
+    if isinstance(error, ClickstreamError) or line != (text.strip().splitlines() or [""])[0]:
+        return line
+    return f"{type(error).__name__}: {line}"
 
 
 def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables,
