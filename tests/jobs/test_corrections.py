@@ -13,6 +13,7 @@ from pyspark.sql import DataFrame, SparkSession
 from clickstream import spark_session
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs import backfill_steps, corrections, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.backfill_steps import locate_batch, merge_batch
@@ -379,6 +380,33 @@ def test_an_unrelated_correction_of_the_day_keeps_both_copies_of_a_reused_order_
     assert _stored_copies_of_o(config, spark) == [before["a"], before["b"]]  # unchanged
     assert backfill_steps.load_step_result(config, run_id, "check-applied") == {
         "sessions": 1, "attributions": 1}
+
+
+def test_a_correction_reaching_copies_of_a_reused_order_id_at_different_revisions_publishes(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(Z12, C14) A first correction reaches a's copy of o only (a at revision 2, b at 1); a
+    second reaches both (a 2 -> 3, b 1 -> 2). The publish gate expected each planned (o,
+    revision) to be the last record of o on the topic, which keeps one record per key: one
+    of the two always failed, so the plan never became published and every later
+    correction of the client (its rerun included) stopped on it."""
+    config = stream_config
+    _order_id_reused_by_two_users(config, spark)
+    run_backfill(config, kind="pageviews", client_id="client-00", spark=spark, progress=quiet,
+                 path=write_rows(config, "early1", [pv_row("a0", "a", REUSED_AT - 5)],
+                                 "parquet"))
+    assert [(r["user_id"], r["revision"]) for r in _stored_copies_of_o(config, spark)] == [
+        ("a", 2), ("b", 1)]
+
+    summary = run_backfill(
+        config, kind="pageviews", client_id="client-00", spark=spark, progress=quiet,
+        path=write_rows(config, "early2", [pv_row("a00", "a", REUSED_AT - 8),
+                                           pv_row("b0", "b", REUSED_AT - 10)], "parquet"))
+
+    assert [(r["user_id"], r["revision"]) for r in _stored_copies_of_o(config, spark)] == [
+        ("a", 3), ("b", 2)]
+    assert sorted(r["new_revision"] for r in table_rows(config, spark, "corrections")
+                  if r["run_id"] == f"backfill-{summary.run_id}" and r["key"] == "o") == [2, 3]
+    assert read_compacted(config, config.attributions_topic)["o"]["revision"] in (2, 3)
 
 
 @pytest.mark.parametrize("changed", [("a", "b"), ("a",)], ids=["both users", "user a only"])

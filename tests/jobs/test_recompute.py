@@ -41,6 +41,7 @@ from tests.jobs.test_backfill import (
     pv_row,
     write_rows,
 )
+from tests.jobs.test_corrections import _order_id_reused_by_two_users, _stored_copies_of_o
 from tests.jobs.test_sessionize import order, pageview, produce, table_rows
 from tests.reference import reference_changelog_value, valid_events
 
@@ -825,6 +826,20 @@ def test_a_full_recompute_leaves_an_order_the_stream_holds_to_the_stream(
     assert [r["order_id"] for r in table_rows(stream_config, spark, "attributions")] == ["o1"]
     assert_tables_equal_from_scratch(stream_config, spark,
                                      closed_before_ms=ms(START + timedelta(hours=4)))
+
+
+def test_a_full_recompute_keeps_each_copy_of_a_reused_order_id_once_run_after_run(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(Z12, C14) a and b of client-00 each hold a copy of order o. The rewrite paired stored
+    and recomputed attributions by order_id alone: two copies on each side met 2x2, the
+    table held o four times (then eight at the next --full), and the publish gate failed the
+    plan, stopping every later correction of the client. Each copy now pairs with its own."""
+    config = stream_config
+    _order_id_reused_by_two_users(config, spark)
+    for _ in range(2):  # a second --full changes nothing either
+        run_full_recompute(config, client_id="client-00", spark=spark, progress=quiet)
+        assert [(r["user_id"], r["revision"]) for r in _stored_copies_of_o(config, spark)] == [
+            ("a", 1), ("b", 1)]
 
 
 def test_a_full_recompute_after_the_streams_first_micro_batch_leaves_every_user_to_it(

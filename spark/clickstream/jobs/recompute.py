@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R12):
+Known edge cases, cited inline as (R1)..(R13):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
@@ -78,6 +78,12 @@ Known edge cases, cited inline as (R1)..(R12):
       (``KeyError: 'x'``, not ``'x'``) and is raised from the first one, so the CLI keeps its
       traceback as for any unexpected error; the clients that succeeded are described before
       it is raised (the CLI prints a summary only for a run that succeeded).
+  R13. ``--full`` pairs a key's stored and rewritten copies (an order id two users hold,
+      ``sessionize`` Z12) as the diff does (``corrections`` C14): by key where each side
+      holds one, else by user and order time. Paired by order_id alone, two copies on each
+      side met 2x2: the table held the order four times, eight after the next ``--full``,
+      and the publish gate failed the plan. Tombstones and kept rows stay by key: a key
+      is retracted only when the rewrite has no copy of it.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
     BUCKETS,
+    COPIES_BY,
     CorrectionSummary,
     Run,
     ScopeReader,
@@ -118,6 +125,7 @@ from clickstream.jobs.corrections import (
     mark_published,
     next_plan_seq,
     one_run_at_a_time,
+    pair_copies,
     record_plan,
     resume,
     unfinished_plan,
@@ -506,7 +514,11 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         old = stored.join(kept.select(key), key, "left_anti")
         content = [c for c in rows.columns if c not in (key, "revision")]
         same = ~_differs(tuple(content))  # the comparison diff() makes
-        fresh = rows.alias("n").join(old.alias("o"), key, "left").select(
+        # A key's copies (an order id two users hold, C14) pair as the diff pairs them (R13): by
+        # key alone, each stored copy met each new one and the rewrite multiplied them.
+        copies_by = COPIES_BY[entity]
+        old_side, new_side, on = pair_copies(old, rows, key, copies_by)
+        fresh = new_side.alias("n").join(old_side.alias("o"), on, "left").select(
             *[F.col(f"n.{c}").alias(c) for c in rows.columns],
             F.when(F.col("o.revision").isNull(), F.lit(1))
             .when(same, F.col("o.revision"))
@@ -516,7 +528,8 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
             F.col(key).alias("key")).persist()
         # The same changes as corrections rows: the audit trail of every run (R3).
         # Retracted attributions too, as their tombstones below are (R8).
-        changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq))
+        changes.append(diff(old, rows, spec, tuple(content), date_column, entity, run, run_seq,
+                            copies_by=copies_by))
         rewrites.append(_Rewrite(spec, topic, stored, kept, fresh, retracted, read_version))
     plan = keep(reduce(DataFrame.unionByName, changes))
     planned = not plan.isEmpty()
