@@ -438,8 +438,7 @@ class _KeptRead:
     @classmethod
     def open(cls, path: Path) -> _KeptRead | None:
         partial = path.with_suffix(f".{uuid.uuid4().hex}.partial")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # the folder is _shared_reads_folder's, made and checked private just before
             _sweep_shared_reads(path.parent)
             sink = pa.OSFile(str(partial), "wb")
         except OSError as exc:  # nothing was created
