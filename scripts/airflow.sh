@@ -5,7 +5,8 @@
 #
 # Starts the embedded Kafka-protocol broker (unless one already answers on its port) and
 # Airflow's components -- api-server, scheduler, dag-processor, triggerer -- bound to
-# 127.0.0.1, on SQLite with the LocalExecutor and low parallelism. AIRFLOW_HOME is var/airflow;
+# 127.0.0.1, on SQLite with the LocalExecutor and low parallelism. AIRFLOW_HOME is var/airflow
+# unless already set (it holds the database, the logs and the passwords file);
 # the DAGs and plugins are this repository's. The UI user is "admin" with a generated password
 # (SimpleAuthManager's passwords file, mode 600), printed once, on the first start; there is
 # no fixed default. The DAGs' SparkSubmitOperators get the spark_default connection
@@ -14,7 +15,7 @@
 # Sourced (as scripts/demo.sh does), it only defines airflow_start / airflow_stop.
 #
 # Environment: AIRFLOW_PORT (8080), CLICKSTREAM_BROKER_PORT (9092), and every CLICKSTREAM_*
-# variable, passed on to the jobs. Logs: var/airflow/logs/<component>.log.
+# variable, passed on to the jobs. Logs: $AIRFLOW_HOME/logs/<component>.log.
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 

@@ -275,6 +275,25 @@ def test_a_retried_merge_gate_finds_its_commit_behind_a_busy_stream(
         (0, 0, 3)  # not the table compared with itself
 
 
+def test_an_empty_pageview_batch_is_reconciled_without_reading_the_clients_pageviews(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """An empty pageview batch has no day, so its merge touches no partition. The gate
+    scoped it by client alone: it read every stored pageview of the client (``rows_before``
+    counted them all) to reconcile nothing."""
+    path = write_rows(stream_config, "p", [pv_row(f"p{i}", "u", i) for i in range(3)],
+                      "parquet")
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path=path, progress=lambda _: None)
+    empty = spark.createDataFrame([], "event_id string, ts timestamp")
+    result = gates.gate_tables_after_merge(
+        open_tables(stream_config, spark), stream_config, kind="pageviews",
+        client_id="client-00", run_id="an-empty-batch", valid=empty, dates=[])
+    assert result is not None and result.success, result
+    assert (result.checks["rows_before"], result.checks["rows_after"],
+            result.checks["expected_rows_after"]) == (0, 0, 0)
+
+
 def test_recomputed_sessions_records_applies_and_publishes_nothing_then_a_rerun_succeeds(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

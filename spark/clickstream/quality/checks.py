@@ -278,7 +278,8 @@ def run_commit_version(tables: DeltaTables, table: str, run_id: str, *,
 
 def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: str,
                               client_id: str, batch_keys: DataFrame,
-                              scope: PartitionFilter, stored: Snapshot | None = None) -> Checks:
+                              scope: PartitionFilter | None,
+                              stored: Snapshot | None = None) -> Checks:
     """Row-count reconciliation and key uniqueness of ``spec``'s table around the merge.
 
     One scan of the merged range counts its rows and duplicated keys; the batch's keys are
@@ -290,7 +291,8 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
         run_id: the backfill's run id (the merge commit carries it in its metadata).
         client_id: the batch's client.
         batch_keys: one column, the key, one row per key: the batch's accepted keys.
-        scope: the partitions the merge may touch (client, and for pageviews the batch's days).
+        scope: the partitions the merge may touch (client, and for pageviews the batch's days);
+            None when it could touch none (a pageview batch without a row).
         stored: the table's rows in ``scope`` at the merge commit, already read (a
             ``corrections.Snapshot``, kept for the recompute), or None to read them here.
     """
@@ -298,7 +300,7 @@ def tables_after_merge_checks(tables: DeltaTables, spec: TableSpec, *, run_id: s
     values = {"rows_before": 0, "batch_keys": batch_keys.count(), "keys_already_stored": 0,
               "copies_replaced": 0, "rows_after": 0, "duplicate_keys": 0}
     checks = Checks(values)
-    if not tables.exists(spec.name):
+    if scope is None or not tables.exists(spec.name):
         values["expected_rows_after"] = values["batch_keys"]
         values["table"] = spec.name
         return checks

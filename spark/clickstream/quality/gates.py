@@ -448,9 +448,11 @@ def gate_tables_after_merge(tables: DeltaTables, config: Config, *, kind: str, c
         return None
     started = time.monotonic()
     spec = PAGEVIEWS if kind == "pageviews" else ORDERS
-    scope: dict[str, Any] = {"client_id": client_id}
-    if kind == "pageviews" and dates:
-        scope["event_date"] = list(dates)
+    scope: dict[str, Any] | None = {"client_id": client_id}
+    if kind == "pageviews" and dates is not None:
+        # No day: an empty batch, whose merge touched no partition. Scoped to the client
+        # alone, the gate read every pageview the client has, to reconcile nothing.
+        scope = {"client_id": client_id, "event_date": list(dates)} if dates else None
     checks = C.tables_after_merge_checks(
         tables, spec, run_id=run_id, client_id=client_id,
         batch_keys=valid.select(spec.key[0]), scope=scope, stored=stored)
