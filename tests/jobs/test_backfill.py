@@ -763,7 +763,8 @@ def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_store
                          stream_config, "p", [pv_row("a1", "ua", 0), pv_row("b1", "ub", 0)],
                          "parquet"))
     row = pv_row if kind == "pageviews" else order_row
-    path, run_id, step = located(stream_config, spark, [row("x1", "ua", 5)], kind)
+    bad = {**row("x2", "ua", 6), "user_id": None}  # quarantined by the merge, counted again
+    path, run_id, step = located(stream_config, spark, [row("x1", "ua", 5), bad], kind)
     for name in ("check", "merge"):
         step(name)
     # Killed after its commit, before it saved its result: the merge step is retried.
@@ -771,7 +772,9 @@ def test_a_batch_changed_after_its_merge_is_recomputed_from_what_the_merge_store
     shutil.rmtree(stream_config.landing / path)
     write_rows(stream_config, "late", [row("y1", "ub", 5)], "parquet")
     said: list[str] = []
-    assert step("merge", said.append)["rows_merged"] == 1  # from the commit: was stuck
+    retried = step("merge", said.append)
+    assert (retried["rows_merged"], retried["quarantined"], retried["rows_read"]) == (1, 1, 2)
+    # (rows_merged from the commit: was stuck; quarantined from the table)
     # Its gate is run again, with the keys the merge wrote (it was not: they were unknown).
     (gate,) = [line for line in said if "tables_after_merge" in line]
     assert re.fullmatch(r"  quality gate tables_after_merge \(suite v1\): passed, 2 of 2 "

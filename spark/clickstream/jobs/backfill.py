@@ -48,7 +48,12 @@ from clickstream.jobs.corrections import (
     where_attributed,
 )
 from clickstream.jobs.sessionize import check_stream_settings, records_lock, stream_watermark_ms
-from clickstream.quality.checks import backfill_app_id, merged_source, run_commit_version
+from clickstream.quality.checks import (
+    backfill_app_id,
+    merged_source,
+    quarantined_source_prefix,
+    run_commit_version,
+)
 from clickstream.quality.gates import (
     GateResult,
     gate_historical_batch,
@@ -247,7 +252,7 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
     quarantined = bad.count()
     if quarantined:
         tables.append_once(QUARANTINE.name, bad.select(
-            "raw", F.concat(F.lit(f"backfill:{run_id}:"), "source").alias("source"),
+            "raw", F.concat(F.lit(quarantined_source_prefix(run_id)), "source").alias("source"),
             F.col("error").alias("reason"), "client_id",
             F.current_timestamp().alias("quarantined_at"),
             F.current_date().alias("quarantine_date")),

@@ -101,7 +101,7 @@ from clickstream.jobs.corrections import (
 )
 from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
 from clickstream.quality import reports
-from clickstream.quality.checks import backfill_app_id
+from clickstream.quality.checks import backfill_app_id, quarantined_source_prefix
 from clickstream.quality.correction_report import write_correction_report
 from clickstream.quality.gates import gate_historical_batch, warm_up
 from clickstream.quality.run_summary import (
@@ -328,7 +328,7 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
     except BatchRefusedError as refused:  # changed or gone since the merge committed (S5)
         _, tables, merged = _committed_merge(config, kind, run_id, spark, refused, progress)
         gate_committed_merge(tables, config, kind, client_id, run_id, progress)
-        result = _merged_earlier_result(tables, run_id, merged)
+        result = _merged_earlier_result(config, run_id, merged)
         progress(result.describe())
         return result
     try:
@@ -363,13 +363,10 @@ def _committed_merge(config: Config, kind: BatchKind, run_id: str,
     return spark, tables, merged
 
 
-def _merged_earlier_result(tables: DeltaTables, run_id: str, merged: int) -> MergeResult:
+def _merged_earlier_result(config: Config, run_id: str, merged: int) -> MergeResult:
     """What the run's committed merge did (S5): its ``merged`` rows, from the merge commit,
     and its rows quarantined, from ``quarantine``; the rest of what it read were duplicates."""
-    quarantined = 0
-    if tables.exists(QUARANTINE.name):
-        quarantined = tables.read(QUARANTINE.name, ["source"]).where(
-            F.col("source").startswith(f"backfill:{run_id}:")).count()
+    quarantined = quarantined_by_run(config, run_id)
     return MergeResult(run_id, rows_read=merged + quarantined, rows_merged=merged,
                        duplicates_skipped=0, quarantined=quarantined)
 
@@ -653,7 +650,7 @@ def quarantined_by_run(config: Config, run_id: str) -> int:
     if tables.app_version(QUARANTINE.name, backfill_app_id(run_id)) is None:
         return 0  # no table, or nothing of this run's in it
     sources = tables.read_arrow(QUARANTINE.name, columns=["source"]).column("source")
-    return int(pc.sum(pc.starts_with(sources, f"backfill:{run_id}:")).as_py() or 0)
+    return int(pc.sum(pc.starts_with(sources, quarantined_source_prefix(run_id))).as_py() or 0)
 
 
 def recompute_result(config: Config, run_id: str) -> CorrectionSummary | None:

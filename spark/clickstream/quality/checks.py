@@ -249,6 +249,12 @@ def merged_source(run_id: str) -> str:
     return f"backfill:{run_id}"
 
 
+def quarantined_source_prefix(run_id: str) -> str:
+    """How ``source`` begins in the ``quarantine`` rows of the run's batch (the batch file's
+    name follows): what counts them again when the step that wrote them saved no result."""
+    return f"{merged_source(run_id)}:"
+
+
 def run_commit_version(tables: DeltaTables, table: str, run_id: str, *,
                        app_id: str | None = None) -> int | None:
     """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3); None
