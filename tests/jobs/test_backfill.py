@@ -27,6 +27,7 @@ from clickstream.errors import (
     BatchRefusedError,
     ClickstreamError,
     ConfigError,
+    DeliveryError,
     PlanNotAppliedError,
     QualityGateFailedError,
 )
@@ -309,6 +310,60 @@ def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
         run_backfill(missing, kind="pageviews", client_id="client-00", path=bad,
                      spark=spark, progress=lambda _: None)
     assert len(table_rows(stream_config, spark, "quarantine")) == 1
+
+
+@pytest.mark.parametrize(("planner", "finisher"), [
+    ("cli", "backfill"), ("cli", "recompute"), ("dag", "backfill")])
+def test_a_backfill_whose_publish_failed_turns_green_once_another_run_publishes_its_plan(
+        stream_config: Config, spark: SparkSession, planner: str, finisher: str) -> None:
+    """(C6) Its broker refused the records it published (the CLI's run, or the DAG's publish
+    step): its summary page said it failed. The client's next correction run finished its
+    plan as that run (its gates join that run's row of the quality index), but the failed
+    summary still stood there, so the run stayed red although all it planned was in the
+    tables and on the topics."""
+    topics = {stream_config.sessions_topic: 4, stream_config.attributions_topic: 4}
+    with EmbeddedBroker(port=0, topics=topics) as own:  # its own: it refuses what is produced
+        refusing = stream_config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        if planner == "cli":
+            def progress(line: str) -> None:
+                if line == "  publish to Kafka ...":  # applied: the plan waits on its publish
+                    own.fail_produces(29, 100)  # TOPIC_AUTHORIZATION_FAILED
+
+            with pytest.raises(DeliveryError, match="kafka delivery failed"):
+                run_backfill(refusing, kind="pageviews", client_id="client-00", spark=spark,
+                             progress=progress, path=write_rows(
+                                 stream_config, "p", [pv_row("a", "u", 0)], "parquet"))
+        else:
+            path, run_id, step = located(stream_config, spark, [pv_row("a", "u", 0)], name="p")
+            for name in backfill_steps.STEPS[:4]:
+                step(name)
+            own.fail_produces(29, 100)
+            with pytest.raises(DeliveryError, match="kafka delivery failed"):
+                backfill_steps.run_step(refusing, "publish", kind="pageviews",
+                                        client_id="client-00", path=path, run_id=run_id,
+                                        spark=spark, progress=lambda _: None)
+    ((failed, page),) = run_summaries(stream_config)
+    assert failed.status == "failed" and "publish: failed" in page
+
+    quiet = {"spark": spark, "progress": lambda _: None}
+    if finisher == "backfill":
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
+                     path=write_rows(stream_config, "p2", [pv_row("b", "v", 0)], "parquet"))
+    else:
+        run_recompute(stream_config, **quiet)
+    topic = read_compacted(stream_config, stream_config.sessions_topic)
+    assert set(topic) == {r["session_id"] for r in table_rows(stream_config, spark, "sessions")}
+
+    items = [e for e in reports.read_entries(reports.reports_dir(stream_config))
+             if (e.job, e.run_id) == ("backfill", failed.run_id)]
+    standing = reports.current_entries(items)
+    assert reports.run_status(items, standing) == "passed", items
+    (earlier,) = [e for e in items if e.href == failed.href]
+    assert earlier.status == "failed" and id(earlier) not in standing  # linked, superseded
+    (summary,) = [e for e in items if e.title == reports.RUN_SUMMARY and id(e) in standing]
+    assert summary.status == "info" and summary.href != failed.href
+    assert re.search(rf"1 session and 0 attribution changes applied and published by "
+                     rf"{finisher}-", summary.summary), summary.summary
 
 
 def test_a_correction_run_with_another_home_or_topics_than_the_sessionizers_is_refused(

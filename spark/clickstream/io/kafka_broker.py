@@ -102,7 +102,8 @@ DEFAULT_TOPICS: Mapping[str, int] = dict.fromkeys(("events", "sessions", "attrib
 
 _RD_KAFKA_PRODUCER = 0
 _RESP_ERR_TOPIC_ALREADY_EXISTS = 36
-_API_KEY_FETCH = 1  # the Kafka protocol's request type numbers of Fetch, ListOffsets, Metadata
+_API_KEY_PRODUCE = 0  # the Kafka protocol's request type numbers of Produce, Fetch,
+_API_KEY_FETCH = 1  # ListOffsets and Metadata
 _API_KEY_LIST_OFFSETS = 2
 _API_KEY_METADATA = 3
 _BUFFER_LIMIT = 1 << 20  # bytes buffered per direction before reading from that side pauses
@@ -582,6 +583,11 @@ class EmbeddedBroker:
         """Answer the next ``count`` ListOffsets requests (a log's start or end) with
         ``error_code``, as :meth:`fail_fetches` does Fetch requests."""
         self._fail_requests(_API_KEY_LIST_OFFSETS, error_code, count)
+
+    def fail_produces(self, error_code: int, count: int) -> None:
+        """Answer the next ``count`` Produce requests with ``error_code``, as
+        :meth:`fail_fetches` does Fetch requests (to test how a publish takes them)."""
+        self._fail_requests(_API_KEY_PRODUCE, error_code, count)
 
     def _fail_requests(self, api_key: int, error_code: int, count: int) -> None:
         if count < 1:

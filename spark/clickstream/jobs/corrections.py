@@ -52,7 +52,10 @@ Known edge cases, cited inline as (C1)..(C14):
       or another run's. A rerun of a finished run plans again (usually: nothing changes).
       A run reads its scope only after that (``ScopeReader``): read before, it missed where
       the plan it finished first had moved an order (C7), and that session kept the order
-      in its totals.
+      in its totals. Finished as the run that planned it, a backfill's plan also gets that
+      run's summary page saying who finished it (``run_summary.write_plan_finished``): the
+      failed summary it wrote when its publish failed kept its row red in the quality index
+      once all it planned was on the topics.
   C7. A later batch may move an order to another user or day (same ``order_id``). Its old
       attribution is in the plan's windows (``backfill.scope_of`` adds where it was), the
       user is part of the compared content, and a plan row's ``partition_date`` is the stored
@@ -156,9 +159,11 @@ from clickstream.quality.gates import (
     gate_publish,
     gate_recomputed_sessions,
     publish_started,
+    split_run_id,
 )
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.quality.reports import safe_name
+from clickstream.quality.run_summary import write_plan_finished
 from clickstream.sessions.batch_adapter import (
     amount_from_e4,
     reattribute_frames,
@@ -1308,7 +1313,7 @@ def one_run_at_a_time(config: Config, client_id: str,
 def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | None:
     """Before planning: this run's own plan if it was interrupted (resumed from here, C3);
     another run's interrupted plan is applied and published first, with that run's correction
-    report, then forgotten (C6)."""
+    report and, for a backfill, a run summary saying so, then forgotten (C6)."""
     run.next_seq = next_plan_seq(run)  # finishing another plan records no new step
     changes = unfinished_plan(run)
     if changes is None:
@@ -1323,8 +1328,9 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
                  "them: finishing them first ...")
     finished = CorrectionSummary()  # the plan's counts: this summary's, and its report's
     count_plan(changes, finished)
-    summary.finished_sessions += (finished.sessions_created + finished.sessions_updated
-                                  + finished.sessions_retracted)
+    sessions = (finished.sessions_created + finished.sessions_updated
+                + finished.sessions_retracted)
+    summary.finished_sessions += sessions
     summary.finished_attributions += finished.attributions_changed
     # As that run: its commits, its gates' index entries (a publish gate that failed it
     # before is superseded there) and the run id a failure names are the plan's.
@@ -1333,10 +1339,21 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
     # And its correction report, which it would have written once published: that run may
     # never run again (a recompute's retry is another run once the queue moved on). Of this
     # plan, over any page an earlier plan of the run id left; `--full` writes none.
+    report = None
     if not planned_by.startswith(f"{FULL_RECOMPUTE_JOB}-") and gates_enabled(run.config):
         with timer.step("finish an interrupted run: correction report"):
-            write_correction_report(planned, finished, correction_figures(planned, changes))
+            report = write_correction_report(planned, finished,
+                                             correction_figures(planned, changes))
     release(changes)
+    job, backfill_id = split_run_id(planned_by)
+    if job == "backfill":  # its summary page says it failed (or it has none: killed)
+        lines = [("recompute and publish", f"{sessions} session and "
+                  f"{finished.attributions_changed} attribution changes applied and published "
+                  f"by {run.run_id}")]
+        if report is not None:
+            lines.append(("corrections", f"report {report}"))
+        write_plan_finished(run.config, run_id=backfill_id, client_id=run.client_id,
+                            finished_by=run.run_id, lines=lines)
     return None
 
 

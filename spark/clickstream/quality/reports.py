@@ -12,6 +12,7 @@ serve the folder as it is, and a browser can open ``index.html`` from disk)::
       validations/<gate>/<job>-<run>/<time>/result.json   the GX validation result
       corrections/<job>-<run>.html                 what a backfill / recompute changed
       backfills/<run>.html                         a backfill run's summary (or why it failed)
+      backfills/<run>.finished.html                who published its plan, if another run did
       static/images/favicon.ico
 
 Known edge cases, cited inline as (R1)..(R4):

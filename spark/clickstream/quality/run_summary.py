@@ -3,7 +3,9 @@
 One page per run, whatever its outcome and however it ran (``clickstream backfill`` or the
 ``late_batch_backfill`` DAG's steps, which share run ids): what each step did and, when one
 failed, its reason. The index keeps the latest entry per page, so a run that ends well after
-a failure (a retry, a cleared task, the CLI finishing it) replaces the red page.
+a failure (a retry, a cleared task, the CLI finishing it) replaces the red page. A run whose
+plan another correction run of the client finished (``corrections`` C6) gets a second page,
+``backfills/<run>.finished.html`` (``write_plan_finished``), which supersedes the red one.
 """
 
 from __future__ import annotations
@@ -38,24 +40,53 @@ def write_run_summary(config: Config, *, run_id: str, client_id: str, kind: str,
     Returns:
         (the summary in one paragraph, the page's path).
     """
-    status = "failed" if failed else "info"
-    title = f"Backfill {run_id}" + (" (dry run)" if dry_run else "")
-    href = f"backfills/{reports.safe_name(run_id)}{'.dry-run' if dry_run else ''}.html"
-    target = reports.reports_dir(config) / href
-    rows = "".join(f"<tr><th>{html.escape(step)}</th><td>{html.escape(text)}</td></tr>"
-                   for step, text in lines)
     shown = "" if details is None else (
         "<details><summary>validation details</summary><pre>"
         f"{html.escape(json.dumps(dict(details), indent=1, default=str))}</pre></details>")
+    return _write(
+        config, run_id=run_id, client_id=client_id, lines=lines, failed=failed,
+        title=f"Backfill {run_id}" + (" (dry run)" if dry_run else ""),
+        name=f"{reports.safe_name(run_id)}{'.dry-run' if dry_run else ''}",
+        entry_title=reports.DRY_RUN if dry_run else reports.RUN_SUMMARY,
+        about=(f"client <code>{html.escape(client_id)}</code>, {html.escape(kind)} from "
+               f"<code>{html.escape(root)}</code>"), details=shown)
+
+
+def write_plan_finished(config: Config, *, run_id: str, client_id: str, finished_by: str,
+                        lines: Lines) -> tuple[str, Path]:
+    """The page of a backfill run whose plan the client's next correction run
+    (``finished_by``) applied and published as the run's (``corrections`` C6): a run summary
+    of its own (status ``info``), which supersedes the failed one in the index (the latest
+    per title stands) while that page, with the reason it failed, stays linked. Without it
+    the run stayed red once all it planned was on the topics. Written with ``info`` as a
+    run's own success is: its gates say whether the plan passed."""
+    return _write(
+        config, run_id=run_id, client_id=client_id, lines=lines, failed=False,
+        title=f"Backfill {run_id}: plan finished by {finished_by}",
+        name=f"{reports.safe_name(run_id)}.finished", entry_title=reports.RUN_SUMMARY,
+        about=(f"client <code>{html.escape(client_id)}</code>: the run recorded its "
+               "corrections and stopped before publishing them; the client's next correction "
+               f"run, <code>{html.escape(finished_by)}</code>, applied and published them as "
+               "this run's. A summary the run wrote when it stopped (with its reason) stays "
+               "linked in the index, marked superseded."))
+
+
+def _write(config: Config, *, run_id: str, client_id: str, lines: Lines, failed: bool,
+           title: str, name: str, entry_title: str, about: str, details: str = ""
+           ) -> tuple[str, Path]:
+    status = "failed" if failed else "info"
+    href = f"backfills/{name}.html"
+    target = reports.reports_dir(config) / href
+    rows = "".join(f"<tr><th>{html.escape(step)}</th><td>{html.escape(text)}</td></tr>"
+                   for step, text in lines)
     outcome = f"<p>{reports.status_badge(status)}</p>" if failed else ""
-    reports.write_atomically(target, reports.page(title, (
-        f"{outcome}<p>client <code>{html.escape(client_id)}</code>, {html.escape(kind)} from "
-        f"<code>{html.escape(root)}</code></p><table>{rows}</table>{shown}"), depth=1))
+    reports.write_atomically(target, reports.page(
+        title, f"{outcome}<p>{about}</p><table>{rows}</table>{details}", depth=1))
     summary = " | ".join(f"{step}: {text}" for step, text in lines)
     reports.record(config, reports.ReportEntry(
         time=reports.now_utc().isoformat(), job="backfill", run_id=run_id, kind="report",
-        title=reports.DRY_RUN if dry_run else reports.RUN_SUMMARY, status=status, href=href,
-        summary=summary[:SUMMARY_MAX_CHARS], client_id=client_id))
+        title=entry_title, status=status, href=href, summary=summary[:SUMMARY_MAX_CHARS],
+        client_id=client_id))
     return summary, target
 
 
