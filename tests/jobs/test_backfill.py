@@ -312,8 +312,7 @@ def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
     assert len(table_rows(stream_config, spark, "quarantine")) == 1
 
 
-@pytest.mark.parametrize(("planner", "finisher"), [
-    ("cli", "backfill"), ("cli", "recompute"), ("dag", "backfill")])
+@pytest.mark.parametrize(("planner", "finisher"), [("cli", "recompute"), ("dag", "backfill")])
 def test_a_backfill_whose_publish_failed_turns_green_once_another_run_publishes_its_plan(
         stream_config: Config, spark: SparkSession, planner: str, finisher: str) -> None:
     """(C6) Its broker refused the records it published (the CLI's run, or the DAG's publish
