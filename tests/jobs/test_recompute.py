@@ -41,7 +41,11 @@ from tests.jobs.test_backfill import (
     pv_row,
     write_rows,
 )
-from tests.jobs.test_corrections import _order_id_reused_by_two_users, _stored_copies_of_o
+from tests.jobs.test_corrections import (
+    REUSED_AT,
+    _order_id_reused_by_two_users,
+    _stored_copies_of_o,
+)
 from tests.jobs.test_sessionize import order, pageview, produce, table_rows
 from tests.reference import reference_changelog_value, valid_events
 
@@ -840,6 +844,59 @@ def test_a_full_recompute_keeps_each_copy_of_a_reused_order_id_once_run_after_ru
         run_full_recompute(config, client_id="client-00", spark=spark, progress=quiet)
         assert [(r["user_id"], r["revision"]) for r in _stored_copies_of_o(config, spark)] == [
             ("a", 1), ("b", 1)]
+
+
+def assert_copies_of_o_agree(config: Config, spark: SparkSession,
+                             expected: list[tuple[str, int]]) -> None:
+    """o's copies (user, revision) as ``expected``; no (key, revision) recorded twice with
+    different values; the attributions topic equals the table, o being one of its copies
+    (the topic keeps one record per key, C14)."""
+    copies = _stored_copies_of_o(config, spark)
+    assert [(r["user_id"], r["revision"]) for r in copies] == expected
+    values: dict[tuple[str, str, int], set[str]] = {}
+    for r in table_rows(config, spark, "corrections"):
+        if r["new_revision"] is not None:
+            values.setdefault((r["entity"], r["key"], r["new_revision"]), set()).add(
+                r["new_value"])
+    assert {k: v for k, v in values.items() if len(v) > 1} == {}
+    topic = read_compacted(config, config.attributions_topic)
+    assert topic.pop("o") in [reference_changelog_value(r) for r in copies]
+    assert topic == {r["order_id"]: reference_changelog_value(r)
+                     for r in table_rows(config, spark, "attributions") if r["order_id"] != "o"}
+
+
+def test_a_full_recompute_keeps_the_copy_of_a_reused_order_id_a_held_user_holds(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(R14; Z12, C14, R2, R9) a and b each hold a copy of order o; a is back in the stream
+    (held, R2), b is rewritten. The rewrite took a's stored copy for an order moved away from
+    a (R9: the rewrite writes o, b's copy): the table lost a's copy though a still holds o,
+    the plan retracted it with no tombstone (o's other copy stays), and the publish gate
+    failed the plan, stopping every later correction of the client. a's copy is kept; the
+    recompute that folds a in once the stream lets it go revises it as any other."""
+    config = stream_config
+    _order_id_reused_by_two_users(config, spark)
+    produce(config, [pageview("a", START + timedelta(hours=10, minutes=1), "a3")])
+    run_sessionizer(config, until_caught_up=True, spark=spark)  # a's new session: open
+    for _ in range(2):  # a second --full changes nothing either
+        summary = run_full_recompute(config, client_id="client-00", spark=spark,
+                                     progress=quiet)
+        assert summary.users_left_to_the_stream == 2  # a and flush
+        assert_copies_of_o_agree(config, spark, [("a", 1), ("b", 1)])
+    assert [r["key"] for r in table_rows(config, spark, "corrections")
+            if r["entity"] == "attribution"] == []
+
+    produce(config, [pageview("flush", START + timedelta(hours=20), "flush2")])
+    run_sessionizer(config, until_caught_up=True, spark=spark)  # a's session closed
+    late(config, spark, [("a0", "client-00", "a", REUSED_AT - 5)])  # a's session: new id
+    run_recompute(config, spark=spark, progress=quiet)
+    assert table_rows(config, spark, "recompute_queue") == []
+    assert_copies_of_o_agree(config, spark, [("a", 2), ("b", 1)])
+    sessions = {r["session_id"]: r for r in table_rows(config, spark, "sessions")}
+    for copy in _stored_copies_of_o(config, spark):  # each copy in its user's session
+        assert (sessions[copy["session_id"]]["user_id"],
+                sessions[copy["session_id"]]["order_count"]) == (copy["user_id"], 1)
+    run_full_recompute(config, client_id="client-00", spark=spark, progress=quiet)
+    assert_copies_of_o_agree(config, spark, [("a", 2), ("b", 1)])
 
 
 def test_a_full_recompute_after_the_streams_first_micro_batch_leaves_every_user_to_it(

@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R13):
+Known edge cases, cited inline as (R1)..(R14):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
@@ -84,6 +84,13 @@ Known edge cases, cited inline as (R1)..(R13):
       side met 2x2: the table held the order four times, eight after the next ``--full``,
       and the publish gate failed the plan. Tombstones and kept rows stay by key: a key
       is retracted only when the rewrite has no copy of it.
+  R14. A held user's (R2) stored copy of an order id a rewritten user holds too (Z12, C14) is
+      kept when the held user still holds that order: only a copy whose order moved away is
+      the rewrite's (R9). Taken for a moved order by key alone, the held user's copy was
+      dropped from the table and retracted in the plan with no tombstone (the key's other
+      copy stays), so the publish gate failed the plan and every later correction of the
+      client. The rewrite's stored side leaves out the kept copies by copy, not by key, so
+      the other copy still pairs with its own.
 """
 
 from __future__ import annotations
@@ -466,7 +473,7 @@ class _Rewrite:
     spec: TableSpec
     topic: str
     stored: DataFrame
-    kept: DataFrame  # the stored rows left to the stream (R2, R9)
+    kept: DataFrame  # the stored rows left to the stream (R2, R9, R14)
     fresh: DataFrame  # the client's rows as rewritten, with their revisions
     retracted: DataFrame  # keys of ``stored`` that ``fresh`` no longer has
     read_version: int
@@ -490,8 +497,11 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
               if watermark is not None
               else spark.createDataFrame([], "client_id string, user_id string"))
     rewritten_orders = orders.join(active, users, "left_anti")
+    held_orders = orders.join(active, users, "left_semi")
     # Keys kept whoever's they are stored as: an order a held user has now (R8).
-    held_keys = {ATTRIBUTIONS.name: orders.join(active, users, "left_semi").select("order_id")}
+    held_keys = {ATTRIBUTIONS.name: held_orders.select("order_id")}
+    # A held user's own copy of an order id a rewritten user holds too (C14) stays (R14).
+    own_copies = {ATTRIBUTIONS.name: held_orders.select("order_id", *users)}
     emitted = keep(sessionize_frames(pageviews.join(active, users, "left_anti"),
                                      rewritten_orders, config.session_gap_ms, BUCKETS))
     session_rows, attribution_rows = _session_rows(emitted), _attribution_rows(emitted)
@@ -509,14 +519,18 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         held = stored.join(active, users, "left_semi").select(key)
         if spec.name in held_keys:  # (R8)
             held = held.unionByName(held_keys[spec.name]).distinct()
-        # A held user's row of a key the rewrite writes is an order moved away from it (R9).
+        # A held user's row of a key the rewrite writes is an order moved away from it (R9),
+        # unless the user still holds that order: then it is the user's copy of it (R14).
         kept = stored.join(held, key, "left_semi").join(rows.select(key), key, "left_anti")
-        old = stored.join(kept.select(key), key, "left_anti")
-        content = [c for c in rows.columns if c not in (key, "revision")]
-        same = ~_differs(tuple(content))  # the comparison diff() makes
+        if spec.name in own_copies:
+            kept = kept.unionByName(stored.join(own_copies[spec.name], [key, *users], "left_semi")
+                                    .join(rows.select(key), key, "left_semi"))
         # A key's copies (an order id two users hold, C14) pair as the diff pairs them (R13): by
         # key alone, each stored copy met each new one and the rewrite multiplied them.
         copies_by = COPIES_BY[entity]
+        old = stored.join(kept.select(key, *copies_by), [key, *copies_by], "left_anti")
+        content = [c for c in rows.columns if c not in (key, "revision")]
+        same = ~_differs(tuple(content))  # the comparison diff() makes
         old_side, new_side, on = pair_copies(old, rows, key, copies_by)
         fresh = new_side.alias("n").join(old_side.alias("o"), on, "left").select(
             *[F.col(f"n.{c}").alias(c) for c in rows.columns],
