@@ -901,12 +901,13 @@ def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never
     session gone from the table), then fails its applied check (a hand deleted the joined
     session meanwhile), and ``recompute --full`` supersedes it, as the error says to. The
     rewrite found nothing of the later session left to retract: its row stayed on the topic
-    for good, while the table no longer held it."""
+    for good, while the table no longer held it. And the backfill's row in the quality index
+    stayed red, though the error's own remedy had been run."""
     backfill_rows(stream_config, spark, "pageviews", "p",
                   [pv_row("a", "u", 0), pv_row("b", "u", 40)])
     later = {r["session_start"]: r["session_id"] for r in table_rows(
         stream_config, spark, "sessions")}[START + timedelta(minutes=40)]
-    _, _, step = located(stream_config, spark, [pv_row("c", "u", 20)])
+    _, run_id, step = located(stream_config, spark, [pv_row("c", "u", 20)])
     for name in ("check", "merge", "recompute"):
         step(name)
     tables = open_tables(stream_config, spark)
@@ -916,12 +917,23 @@ def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never
     with pytest.raises(PlanNotAppliedError):
         step("check-applied")
     assert later in read_compacted(stream_config, stream_config.sessions_topic)
+    ((failed, _),) = run_summaries(stream_config, run_id)
+    assert failed.status == "failed"
 
     from clickstream.jobs.recompute import run_full_recompute
     run_full_recompute(stream_config, client_id="client-00", spark=spark)
     assert [r["pageview_count"] for r in table_rows(stream_config, spark, "sessions")] == [3]
     assert later not in read_compacted(stream_config, stream_config.sessions_topic)
     assert_tables_equal_from_scratch(stream_config, spark)
+    # The run's row in the quality index: no longer red, its failed page linked, superseded.
+    items = [e for e in reports.read_entries(reports.reports_dir(stream_config))
+             if (e.job, e.run_id) == ("backfill", run_id)]
+    standing = reports.current_entries(items)
+    assert reports.run_status(items, standing) != "failed", items
+    (summary,) = [e for e in items if e.title == reports.RUN_SUMMARY and id(e) in standing]
+    assert summary.status == "info" and summary.href == f"backfills/{run_id}.superseded.html"
+    assert "plan superseded" in summary.summary and "full-recompute-client-00" in summary.summary
+    assert id(next(e for e in items if e.href == failed.href)) not in standing
 
 
 def test_a_dry_run_of_a_batch_leaves_the_real_runs_step_results_alone(

@@ -50,7 +50,8 @@ Known edge cases, cited inline as (R1)..(R14):
       superseded plan's own retractions of keys the tables no longer hold are sent first: a
       plan whose check failed was applied all the same (``finish`` applies, then checks), so
       its retracted rows are gone from the table and no rewrite finds them to retract; their
-      rows stayed on the topic for good.
+      rows stayed on the topic for good. A backfill's superseded plan gets a page saying so
+      (``run_summary.write_plan_superseded``), or its run stayed red in the quality index.
   R8. ``--full`` keeps the stored attribution of an order moved (C7) to a user left to the
       stream (R2), as targeted corrections do (C8): the recompute that folds the order in
       once the stream lets the user go updates it at the next revision. It retracted it
@@ -145,8 +146,10 @@ from clickstream.quality.gates import (
     gate_publish,
     gate_recomputed_sessions,
     publish_started,
+    split_run_id,
     warm_up,
 )
+from clickstream.quality.run_summary import write_plan_superseded
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
@@ -430,8 +433,20 @@ def run_full_recompute(
             if superseded is not None:
                 _retract_what_the_tables_lost(run, superseded)  # killed after: sent again
                 mark_published(run, superseded)
+                _note_superseded(run, superseded.select("run_id").first()[0])
                 superseded.unpersist()
         return _rewrite_client(run, started)
+
+
+def _note_superseded(run: Run, planned_by: str) -> None:
+    """(R7) A backfill's superseded plan: the run's page says so, over its failed summary."""
+    job, backfill_id = split_run_id(planned_by)
+    if job == "backfill":
+        write_plan_superseded(run.config, run_id=backfill_id, client_id=run.client_id,
+                              superseded_by=run.run_id, lines=[(
+                                  "recompute and publish", "plan superseded (its applied "
+                                  f"check failed): {run.run_id} rewrote and published the "
+                                  "client's sessions and attributions")])
 
 
 def _retract_what_the_tables_lost(run: Run, superseded: DataFrame) -> None:

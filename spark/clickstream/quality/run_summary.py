@@ -71,6 +71,26 @@ def write_plan_finished(config: Config, *, run_id: str, client_id: str, finished
                "linked in the index, marked superseded."))
 
 
+def write_plan_superseded(config: Config, *, run_id: str, client_id: str, superseded_by: str,
+                          lines: Lines) -> tuple[str, Path]:
+    """The page of a backfill run whose plan failed its applied check and was superseded by a
+    full recompute of the client (``superseded_by``, ``recompute`` R7), which rewrote and
+    published every session and attribution the plan could change, the batch's merged rows
+    included. Like :func:`write_plan_finished`, it stands for the run in the index (status
+    ``info``) while the failed summary stays linked: the error told the operator to run that
+    recompute, and the run stayed red once it had."""
+    return _write(
+        config, run_id=run_id, client_id=client_id, lines=lines, failed=False,
+        title=f"Backfill {run_id}: plan superseded by {superseded_by}",
+        name=f"{reports.safe_name(run_id)}.superseded", entry_title=reports.RUN_SUMMARY,
+        about=(f"client <code>{html.escape(client_id)}</code>: the run's recorded corrections "
+               "failed their applied check and were never published; "
+               f"<code>{html.escape(superseded_by)}</code> rewrote the client's sessions and "
+               "attributions from its pageviews and orders (the batch's merged rows among "
+               "them) and published them instead. A summary the run wrote when it stopped "
+               "(with its reason) stays linked in the index, marked superseded."))
+
+
 def _write(config: Config, *, run_id: str, client_id: str, lines: Lines, failed: bool,
            title: str, name: str, entry_title: str, about: str, details: str = ""
            ) -> tuple[str, Path]:
