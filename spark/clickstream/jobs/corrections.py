@@ -53,7 +53,7 @@ Known edge cases, cited inline as (C1)..(C14):
       A run reads its scope only after that (``ScopeReader``): read before, it missed where
       the plan it finished first had moved an order (C7), and that session kept the order
       in its totals. Finished as the run that planned it, a backfill's plan also gets that
-      run's summary page saying who finished it (``run_summary.write_plan_finished``): the
+      run's summary page saying who finished it (``run_summary.write_plan_taken_over``): the
       failed summary it wrote when its publish failed kept its row red in the quality index
       once all it planned was on the topics.
   C7. A later batch may move an order to another user or day (same ``order_id``). Its old
@@ -163,7 +163,7 @@ from clickstream.quality.gates import (
 )
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.quality.reports import safe_name
-from clickstream.quality.run_summary import write_plan_finished
+from clickstream.quality.run_summary import write_plan_taken_over
 from clickstream.sessions.batch_adapter import (
     amount_from_e4,
     reattribute_frames,
@@ -1352,8 +1352,8 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
                   f"by {run.run_id}")]
         if report is not None:
             lines.append(("corrections", f"report {report}"))
-        write_plan_finished(run.config, run_id=backfill_id, client_id=run.client_id,
-                            finished_by=run.run_id, lines=lines)
+        write_plan_taken_over(run.config, run_id=backfill_id, client_id=run.client_id,
+                              how="finished", by=run.run_id, lines=lines)
     return None
 
 

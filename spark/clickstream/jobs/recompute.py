@@ -51,7 +51,7 @@ Known edge cases, cited inline as (R1)..(R14):
       plan whose check failed was applied all the same (``finish`` applies, then checks), so
       its retracted rows are gone from the table and no rewrite finds them to retract; their
       rows stayed on the topic for good. A backfill's superseded plan gets a page saying so
-      (``run_summary.write_plan_superseded``), or its run stayed red in the quality index.
+      (``run_summary.write_plan_taken_over``), or its run stayed red in the quality index.
   R8. ``--full`` keeps the stored attribution of an order moved (C7) to a user left to the
       stream (R2), as targeted corrections do (C8): the recompute that folds the order in
       once the stream lets the user go updates it at the next revision. It retracted it
@@ -149,7 +149,7 @@ from clickstream.quality.gates import (
     split_run_id,
     warm_up,
 )
-from clickstream.quality.run_summary import write_plan_superseded
+from clickstream.quality.run_summary import write_plan_taken_over
 from clickstream.sessions.batch_adapter import sessionize_frames
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
@@ -442,8 +442,8 @@ def _note_superseded(run: Run, planned_by: str) -> None:
     """(R7) A backfill's superseded plan: the run's page says so, over its failed summary."""
     job, backfill_id = split_run_id(planned_by)
     if job == "backfill":
-        write_plan_superseded(run.config, run_id=backfill_id, client_id=run.client_id,
-                              superseded_by=run.run_id, lines=[(
+        write_plan_taken_over(run.config, run_id=backfill_id, client_id=run.client_id,
+                              how="superseded", by=run.run_id, lines=[(
                                   "recompute and publish", "plan superseded (its applied "
                                   f"check failed): {run.run_id} rewrote and published the "
                                   "client's sessions and attributions")])

@@ -4,8 +4,9 @@ One page per run, whatever its outcome and however it ran (``clickstream backfil
 ``late_batch_backfill`` DAG's steps, which share run ids): what each step did and, when one
 failed, its reason. The index keeps the latest entry per page, so a run that ends well after
 a failure (a retry, a cleared task, the CLI finishing it) replaces the red page. A run whose
-plan another correction run of the client finished (``corrections`` C6) gets a second page,
-``backfills/<run>.finished.html`` (``write_plan_finished``), which supersedes the red one.
+plan another correction run of the client finished (``corrections`` C6), or a full recompute
+superseded (``recompute`` R7), gets a second page, ``backfills/<run>.finished.html`` or
+``.superseded.html`` (``write_plan_taken_over``), which supersedes the red one.
 """
 
 from __future__ import annotations
@@ -52,43 +53,37 @@ def write_run_summary(config: Config, *, run_id: str, client_id: str, kind: str,
                f"<code>{html.escape(root)}</code>"), details=shown)
 
 
-def write_plan_finished(config: Config, *, run_id: str, client_id: str, finished_by: str,
-                        lines: Lines) -> tuple[str, Path]:
-    """The page of a backfill run whose plan the client's next correction run
-    (``finished_by``) applied and published as the run's (``corrections`` C6): a run summary
-    of its own (status ``info``), which supersedes the failed one in the index (the latest
-    per title stands) while that page, with the reason it failed, stays linked. Without it
-    the run stayed red once all it planned was on the topics. Written with ``info`` as a
-    run's own success is: its gates say whether the plan passed."""
-    return _write(
-        config, run_id=run_id, client_id=client_id, lines=lines, failed=False,
-        title=f"Backfill {run_id}: plan finished by {finished_by}",
-        name=f"{reports.safe_name(run_id)}.finished", entry_title=reports.RUN_SUMMARY,
-        about=(f"client <code>{html.escape(client_id)}</code>: the run recorded its "
-               "corrections and stopped before publishing them; the client's next correction "
-               f"run, <code>{html.escape(finished_by)}</code>, applied and published them as "
-               "this run's. A summary the run wrote when it stopped (with its reason) stays "
-               "linked in the index, marked superseded."))
+# What became of a backfill run's plan that another run took over: the page's name and title
+# word, and what it says happened (``by``: that run's id, as HTML).
+_TAKEN_OVER = {
+    "finished": ("the run recorded its corrections and stopped before publishing them; the "
+                 "client's next correction run, {by}, applied and published them as this "
+                 "run's"),
+    "superseded": ("the run's recorded corrections failed their applied check and were never "
+                   "published; {by} rewrote the client's sessions and attributions from its "
+                   "pageviews and orders (the batch's merged rows among them) and published "
+                   "them instead"),
+}
 
 
-def write_plan_superseded(config: Config, *, run_id: str, client_id: str, superseded_by: str,
+def write_plan_taken_over(config: Config, *, run_id: str, client_id: str, how: str, by: str,
                           lines: Lines) -> tuple[str, Path]:
-    """The page of a backfill run whose plan failed its applied check and was superseded by a
-    full recompute of the client (``superseded_by``, ``recompute`` R7), which rewrote and
-    published every session and attribution the plan could change, the batch's merged rows
-    included. Like :func:`write_plan_finished`, it stands for the run in the index (status
-    ``info``) while the failed summary stays linked: the error told the operator to run that
-    recompute, and the run stayed red once it had."""
+    """The page of a backfill run whose plan another run took over (``by``): ``finished``,
+    the client's next correction run applied and published it as the run's (``corrections``
+    C6); ``superseded``, it failed its applied check and a full recompute of the client
+    rewrote and published all it could change instead (``recompute`` R7, the remedy the
+    check's error names). A run summary of its own (status ``info``), which supersedes the
+    failed one in the index (the latest per title stands) while that page, with the reason
+    it failed, stays linked. Without it the run stayed red once the client's tables and topics
+    held its batch. ``info`` as a run's own success is: its gates say whether a plan passed."""
     return _write(
         config, run_id=run_id, client_id=client_id, lines=lines, failed=False,
-        title=f"Backfill {run_id}: plan superseded by {superseded_by}",
-        name=f"{reports.safe_name(run_id)}.superseded", entry_title=reports.RUN_SUMMARY,
-        about=(f"client <code>{html.escape(client_id)}</code>: the run's recorded corrections "
-               "failed their applied check and were never published; "
-               f"<code>{html.escape(superseded_by)}</code> rewrote the client's sessions and "
-               "attributions from its pageviews and orders (the batch's merged rows among "
-               "them) and published them instead. A summary the run wrote when it stopped "
-               "(with its reason) stays linked in the index, marked superseded."))
+        title=f"Backfill {run_id}: plan {how} by {by}",
+        name=f"{reports.safe_name(run_id)}.{how}", entry_title=reports.RUN_SUMMARY,
+        about=(f"client <code>{html.escape(client_id)}</code>: "
+               + _TAKEN_OVER[how].format(by=f"<code>{html.escape(by)}</code>")
+               + ". A summary the run wrote when it stopped (with its reason) stays linked in "
+               "the index, marked superseded."))
 
 
 def _write(config: Config, *, run_id: str, client_id: str, lines: Lines, failed: bool,
