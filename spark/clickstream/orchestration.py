@@ -6,7 +6,7 @@ task (never at parse time) and call one library function. This module keeps the 
 glue they have in common in one place. ``airflow.sdk`` is imported lazily, so the
 library itself does not need Airflow to run.
 
-Known edge cases, cited inline as (O1)..(O4):
+Known edge cases, cited inline as (O1)..(O5):
   O1. A refused batch, a bad setting or a failed quality gate gives the same result on every
       retry, so the task fails at once (no retries) with the product's one-line reason;
       transient failures (broker unavailable, commit conflicts, delivery) keep Airflow's
@@ -29,6 +29,11 @@ Known edge cases, cited inline as (O1)..(O4):
       in the locale's charset, so on a worker without a UTF-8 locale (``LANG`` unset, as under
       systemd, cron or ``env -i``) a client ``café`` reached the job as ``caf??`` and its
       whole batch was quarantined as another client's.
+  O5. A deployment may bound every task's time (``[core] default_task_execution_timeout``,
+      ``AIRFLOW__CORE__DEFAULT_TASK_EXECUTION_TIMEOUT``), which suits the batch steps (a hung
+      job is killed, then retried: every step resumes). A service's task never ends, so it is
+      exempt: timed out, the sessionizer would be killed and counted as failed at every
+      interval, and after its retries six such runs would pause its DAG.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
         entrypoint: file name under ``spark/entrypoints`` without ``.py``.
         args: the entry point's arguments (Jinja-templated), or one template rendering a list.
         long_running: a service's driver (the sessionizer): its whole heap is taken at start
-            (``spark_session.driver_launch_conf``).
+            (``spark_session.driver_launch_conf``), and it has no execution timeout (O5).
         operator_args: more ``SparkSubmitOperator`` arguments (``outlets``, ``retries``...);
             ``env_vars`` are added to ``SPARK_SUBMIT_ENV`` (O4), and win over it.
     """
@@ -131,6 +136,8 @@ def spark_job(task_id: str, entrypoint: str, args: Sequence[str] | str = (), *,
         operator.conf = {**driver_launch_conf(config, long_running=long_running),
                          **(operator.conf or {})}
 
+    if long_running:  # (O5)
+        operator_args.setdefault("execution_timeout", None)
     return _spark_job_operator()(
         task_id=task_id, application=str(ENTRYPOINTS / f"{entrypoint}.py"),
         conn_id="spark_default", name=f"clickstream-{task_id.replace('_', '-')}",

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,6 +156,28 @@ def test_spark_jobs_are_submitted_through_spark_default(dagbag, dag_id: str,
     assert Path(task.application).name == SPARK_TASKS[dag_id, task_id]
     if dag_id == "sessionizer":
         assert task.retries >= 1  # a retry resumes from the checkpoint
+
+
+def test_a_deployments_default_task_timeout_bounds_the_batch_steps_not_the_sessionizer(
+) -> None:
+    """(O5 of ``orchestration``) Parsed where Airflow bounds every task's time by default: the
+    never-ending sessionizer would be killed at each interval and counted as failed."""
+    script = ("import json, sys\n"
+              "from airflow.dag_processing.dagbag import DagBag\n"
+              "bag = DagBag(dag_folder=sys.argv[1])\n"
+              "assert not bag.import_errors, bag.import_errors\n"
+              "print(json.dumps({f'{d}.{t.task_id}': t.execution_timeout and\n"
+              "                  t.execution_timeout.total_seconds()\n"
+              "                  for d, dag in bag.dags.items() for t in dag.tasks}))\n")
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(DAGS)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "AIRFLOW__CORE__DEFAULT_TASK_EXECUTION_TIMEOUT": "3600"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    timeouts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert timeouts.pop("sessionizer.sessionize") is None
+    assert set(timeouts) == {f"{dag}.{task}" for dag, tasks in EXPECTED.items()
+                             for task in tasks} - {"sessionizer.sessionize"}
+    assert set(timeouts.values()) == {3600.0}
 
 
 def test_parsing_uses_no_connection_variable_spark_kafka_or_files(
