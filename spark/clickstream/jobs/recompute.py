@@ -432,8 +432,8 @@ def run_full_recompute(
             superseded = unfinished_plan(run)
             if superseded is not None:
                 _retract_what_the_tables_lost(run, superseded)  # killed after: sent again
+                _note_superseded(run, superseded.select("run_id").first()[0])  # (idem)
                 mark_published(run, superseded)
-                _note_superseded(run, superseded.select("run_id").first()[0])
                 superseded.unpersist()
         return _rewrite_client(run, started)
 

@@ -15,7 +15,7 @@ import html
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from clickstream.config import Config
 from clickstream.quality import reports
@@ -66,8 +66,9 @@ _TAKEN_OVER = {
 }
 
 
-def write_plan_taken_over(config: Config, *, run_id: str, client_id: str, how: str, by: str,
-                          lines: Lines) -> tuple[str, Path]:
+def write_plan_taken_over(config: Config, *, run_id: str, client_id: str,
+                          how: Literal["finished", "superseded"], by: str, lines: Lines
+                          ) -> tuple[str, Path]:
     """The page of a backfill run whose plan another run took over (``by``): ``finished``,
     the client's next correction run applied and published it as the run's (``corrections``
     C6); ``superseded``, it failed its applied check and a full recompute of the client
