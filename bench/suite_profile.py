@@ -12,7 +12,9 @@ run A/B pairs alternately (``--rounds``).
         --variant base: --variant noaqe:spark.sql.adaptive.enabled=false
 
 A variant is ``name:key=value,key=value``: Spark settings applied to the tests' session
-(``CLICKSTREAM_TEST_SPARK_CONF``, read by ``tests/conftest.py``), never to the product's; an
+(``CLICKSTREAM_TEST_SPARK_CONF``, read by ``tests/conftest.py``), never to the product's,
+after the session's own (``INTERPRETED`` there: no generated code; the product's way back is
+``codegen:spark.sql.codegen.wholeStage=true,spark.sql.codegen.factoryMode=FALLBACK``); an
 entry ``java=-XX:...`` is a JVM option instead, for every JVM the tests start
 (``JAVA_TOOL_OPTIONS``), e.g. ``--variant c1:java=-XX:TieredStopAtLevel=1``; an entry
 ``launch=key=value`` is a Spark setting read only when the JVM starts (a static one, which

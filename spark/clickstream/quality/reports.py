@@ -286,18 +286,26 @@ def _gx_static(root: Path) -> None:
 
 def write_suite_page(config: Config, gate: str) -> Path:
     """Render ``gate``'s expectation suite with GX at ``expectations/<gate>.html``."""
-    from great_expectations.render.renderer import ExpectationSuitePageRenderer
-    from great_expectations.render.view import DefaultJinjaPageView
-
     root = reports_dir(config)
     target = root / "expectations" / f"{gate}.html"
     key = (str(root), gate)
     if key not in _suite_pages_written or not target.exists():
         _gx_static(root)
-        document = ExpectationSuitePageRenderer().render(suites.gx_suite(gate))
-        write_atomically(target, DefaultJinjaPageView().render(document))
+        write_atomically(target, _suite_page_html(gate))
         _suite_pages_written.add(key)
     return target
+
+
+@functools.cache
+def _suite_page_html(gate: str) -> str:
+    """GX's page of ``gate``'s suite, rendered once per process: the suites are the process's
+    (``suites.engine``), and rendering all five took ~0.4 s, paid again by every new reports
+    folder (each test's warehouse)."""
+    from great_expectations.render.renderer import ExpectationSuitePageRenderer
+    from great_expectations.render.view import DefaultJinjaPageView
+
+    document = ExpectationSuitePageRenderer().render(suites.gx_suite(gate))
+    return DefaultJinjaPageView().render(document)
 
 
 def _as_text(node: Any) -> Any:
