@@ -20,9 +20,9 @@ run once each on a few rows: compiling each query's generated Java (Janino), the
 those classes, cost more CPU than running them. Four backfill tests took 14-27% less CPU, in
 four alternated pairs (``bench/suite_profile.py``, session 64; ``wholeStage`` off alone: no
 difference). Spark's interpreted path gives the same results (its own suites run both ways;
-``factoryMode`` is the setting they use for it). The product keeps code
-generation, and so do the JVMs the tests start in child processes (the DAGs' spark-submit
-steps, the crash tests' CLI runs), so the suite runs both paths."""
+``factoryMode`` is the setting they use for it). The product keeps code generation, and so
+do the JVMs the tests start in child processes (the DAGs' spark-submit steps, the crash tests'
+CLI runs), so the suite runs both paths."""
 
 
 @pytest.fixture(scope="session")
