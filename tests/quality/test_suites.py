@@ -81,6 +81,10 @@ def test_gate_passes_good_check_results_and_fails_bad_ones(gate: str, config: Co
     good = run_gate(gate, GOOD[gate], config=config, job="test", run_id="good",
                     parameters=PARAMETERS.get(gate), report=False)
     assert good.success and good.status == "passed", good.describe()
+    # Each verdict carries its expectation's note from the suite file (GX validates a copy
+    # without notes, suites G6).
+    assert len(good.outcomes) == len(suites.suite_json(gate)["expectations"])
+    assert all(outcome.note.strip() for outcome in good.outcomes), good.outcomes
 
     change, message = BAD[gate]
     bad = run_gate(gate, {**GOOD[gate], **change}, config=config, job="test", run_id="bad",

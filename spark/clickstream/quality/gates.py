@@ -186,12 +186,12 @@ def _outcome(gate: str, result: Any, values: Mapping[str, Any]) -> Outcome:
     config = result.expectation_config
     kwargs = dict(config.kwargs)
     column = kwargs.get("column") or kwargs.get("column_A") or ""
-    notes = (config.meta or {}).get("notes", {}).get("content") or [""]
+    note = suites.expectation_note(gate, config.type, kwargs)
     severity = getattr(config.severity, "value", config.severity) or "critical"
     return Outcome(gate=gate, expectation=config.type, column=column, severity=str(severity),
                    success=bool(result.success), observed=values.get(column),
                    expected=_expected(kwargs, values),
-                   note=" ".join(notes).replace("`", "").replace("**", ""))
+                   note=note.replace("`", "").replace("**", ""))
 
 
 def run_gate(
