@@ -12,7 +12,7 @@ backfill's 15%. The same suites on one pandas row take ~50-90 ms, and several of
 (row-count reconciliation, overlapping sessions, what Kafka received) are cross-row or
 cross-table anyway, which GX has no built-in expectations for.
 
-Known edge cases, cited inline as (G1)..(G4):
+Known edge cases, cited inline as (G1)..(G6):
   G1. ``import great_expectations`` takes 8-12 s here (pandas, scipy, altair, sqlalchemy):
       it is imported lazily, once per process, and :func:`warm_up` can start it in a
       background thread while Spark starts.
@@ -30,8 +30,8 @@ Known edge cases, cited inline as (G1)..(G4):
       it plans one validation, and its ``SUMMARY`` format adds metrics that say nothing more
       about one row (the counts of each unexpected value, their row numbers). So a gate
       validates a copy of its suite without the expectations' notes, in ``BASIC`` format:
-      the five gates took 391 ms instead of 773 ms (raw_events, once per micro-batch: 136
-      instead of 276 ms; BENCHMARKS.md, session 65). The validation pages read the same
+      the five gates took 361 ms instead of 646 ms (raw_events, once per micro-batch: 97
+      instead of 168 ms; ``bench/gx_validation_bench.py``, BENCHMARKS.md session 65). The validation pages read the same
       (one row's unexpected value is listed either way; they never showed the notes); the
       notes stay in the suite pages and in the gates' messages (:func:`expectation_note`).
 """
