@@ -31,9 +31,10 @@ Known edge cases, cited inline as (G1)..(G6):
       about one row (the counts of each unexpected value, their row numbers). So a gate
       validates a copy of its suite without the expectations' notes, in ``BASIC`` format:
       the five gates took 361 ms instead of 646 ms (raw_events, once per micro-batch: 97
-      instead of 168 ms; ``bench/gx_validation_bench.py``, BENCHMARKS.md session 65). The validation pages read the same
-      (one row's unexpected value is listed either way; they never showed the notes); the
-      notes stay in the suite pages and in the gates' messages (:func:`expectation_note`).
+      instead of 168 ms; ``bench/gx_validation_bench.py``, BENCHMARKS.md session 65). The
+      validation pages read the same (one row's unexpected value is listed either way; they
+      never showed the notes); the notes stay in the suite pages and in the gates' messages
+      (:func:`expectation_note`).
 """
 
 from __future__ import annotations
