@@ -302,6 +302,10 @@ def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(tmp_path
                              "not answer")
     assert "Traceback" not in result.stderr and "Exception" not in result.stderr
     assert not (tmp_path / "home" / "checkpoints").exists()  # nothing started
+    waits = [line.rpartition(" (attempt ")[2] for line in result.stderr.splitlines()
+             if line.startswith(f"kafka at 127.0.0.1:{port}, topic 'events': ")]
+    assert waits == [f"{n} of 5); asking again in {s} s"  # not ~30 s without a word
+                     for n, s in ((1, "0.5"), (2, "1"), (3, "2"), (4, "4"))], result.stderr
 
 
 def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(

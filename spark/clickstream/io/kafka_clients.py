@@ -57,7 +57,7 @@ from clickstream.errors import (
     KafkaRefusedError,
 )
 from clickstream.events.contract import LOST_OFFSETS_HEADER
-from clickstream.retry import wait_before_retry
+from clickstream.retry import retry_delay
 
 KafkaConfig = dict[str, Any]
 ClientT = TypeVar("ClientT")
@@ -532,8 +532,12 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
                     f"asking {config.kafka_bootstrap_servers} about topic {topic!r} failed: "
                     f"{cause.str()} ({cause.name()}); {_PERMANENT_FIX}") from exc
             last_error = cause.str() if isinstance(cause, KafkaError) else str(exc)
-        if attempt < attempts:
-            wait_before_retry(attempt, 0.5, jitter=False)
+        if attempt < attempts:  # ~30 s in all: say what is being waited for meanwhile
+            delay_s = retry_delay(attempt, 0.5, jitter=False)
+            log.warning("kafka at %s, topic %r: %s (attempt %d of %d); asking again in %g s",
+                        config.kafka_bootstrap_servers, topic, last_error, attempt, attempts,
+                        delay_s)
+            time.sleep(delay_s)
     if unknown_topic:
         names = {name: getattr(config, name)
                  for name in ("events_topic", "sessions_topic", "attributions_topic")}
