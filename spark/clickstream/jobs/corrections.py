@@ -159,7 +159,6 @@ from clickstream.quality.gates import (
     gate_publish,
     gate_recomputed_sessions,
     publish_started,
-    split_run_id,
 )
 from clickstream.quality.gates import enabled as gates_enabled
 from clickstream.quality.reports import safe_name
@@ -1345,15 +1344,14 @@ def resume(run: Run, summary: CorrectionSummary, timer: Timer) -> DataFrame | No
             report = write_correction_report(planned, finished,
                                              correction_figures(planned, changes))
     release(changes)
-    job, backfill_id = split_run_id(planned_by)
-    if job == "backfill":  # its summary page says it failed (or it has none: killed)
-        lines = [("recompute and publish", f"{sessions} session and "
-                  f"{finished.attributions_changed} attribution changes applied and published "
-                  f"by {run.run_id}")]
-        if report is not None:
-            lines.append(("corrections", f"report {report}"))
-        write_plan_taken_over(run.config, run_id=backfill_id, client_id=run.client_id,
-                              how="finished", by=run.run_id, lines=lines)
+    lines = [("recompute and publish", f"{sessions} session and "
+              f"{finished.attributions_changed} attribution changes applied and published by "
+              f"{run.run_id}")]
+    if report is not None:
+        lines.append(("corrections", f"report {report}"))
+    # A backfill's summary page says it failed (or it has none: killed).
+    write_plan_taken_over(run.config, planned_by=planned_by, client_id=run.client_id,
+                          how="finished", by=run.run_id, lines=lines)
     return None
 
 

@@ -146,7 +146,6 @@ from clickstream.quality.gates import (
     gate_publish,
     gate_recomputed_sessions,
     publish_started,
-    split_run_id,
     warm_up,
 )
 from clickstream.quality.run_summary import write_plan_taken_over
@@ -440,13 +439,11 @@ def run_full_recompute(
 
 def _note_superseded(run: Run, planned_by: str) -> None:
     """(R7) A backfill's superseded plan: the run's page says so, over its failed summary."""
-    job, backfill_id = split_run_id(planned_by)
-    if job == "backfill":
-        write_plan_taken_over(run.config, run_id=backfill_id, client_id=run.client_id,
-                              how="superseded", by=run.run_id, lines=[(
-                                  "recompute and publish", "plan superseded (its applied "
-                                  f"check failed): {run.run_id} rewrote and published the "
-                                  "client's sessions and attributions")])
+    write_plan_taken_over(run.config, planned_by=planned_by, client_id=run.client_id,
+                          how="superseded", by=run.run_id, lines=[(
+                              "recompute and publish", "plan superseded (its applied check "
+                              f"failed): {run.run_id} rewrote and published the client's "
+                              "sessions and attributions")])
 
 
 def _retract_what_the_tables_lost(run: Run, superseded: DataFrame) -> None:

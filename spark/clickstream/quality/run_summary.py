@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from clickstream.config import Config
 from clickstream.quality import reports
+from clickstream.quality.gates import split_run_id
 
 T = TypeVar("T")
 SUMMARY_MAX_CHARS = 500
@@ -66,10 +67,12 @@ _TAKEN_OVER = {
 }
 
 
-def write_plan_taken_over(config: Config, *, run_id: str, client_id: str,
+def write_plan_taken_over(config: Config, *, planned_by: str, client_id: str,
                           how: Literal["finished", "superseded"], by: str, lines: Lines
-                          ) -> tuple[str, Path]:
-    """The page of a backfill run whose plan another run took over (``by``): ``finished``,
+                          ) -> tuple[str, Path] | None:
+    """The page of the backfill run whose plan (``planned_by``, its corrections run id)
+    another run took over (``by``); None, and no page, for a plan of another job (a
+    recompute's run has no summary page). ``finished``,
     the client's next correction run applied and published it as the run's (``corrections``
     C6); ``superseded``, it failed its applied check and a full recompute of the client
     rewrote and published all it could change instead (``recompute`` R7, the remedy the
@@ -77,6 +80,9 @@ def write_plan_taken_over(config: Config, *, run_id: str, client_id: str,
     failed one in the index (the latest per title stands) while that page, with the reason
     it failed, stays linked. Without it the run stayed red once the client's tables and topics
     held its batch. ``info`` as a run's own success is: its gates say whether a plan passed."""
+    job, run_id = split_run_id(planned_by)
+    if job != "backfill":
+        return None
     return _write(
         config, run_id=run_id, client_id=client_id, lines=lines, failed=False,
         title=f"Backfill {run_id}: plan {how} by {by}",
