@@ -256,12 +256,33 @@ def test_apply_rewrites_only_the_changed_keys_whether_broadcast_or_shuffled(
         applied.append((first, last_sql_execution(spark)))
 
     monkeypatch.setattr(corrections, "apply", apply_seen)
+    kept: list[DataFrame] = []  # the stored rows each apply keeps, as planned
+    real_kept_rows = corrections._kept_rows
+
+    def kept_rows_seen(*args, **kwargs) -> DataFrame:
+        kept.append(real_kept_rows(*args, **kwargs))
+        return kept[-1]
+
+    monkeypatch.setattr(corrections, "_kept_rows", kept_rows_seen)
     sessions = _three_backfills_of_two_users(stream_config, spark)
     assert sessions == [("u", 5, 1, 2), ("v", 1, 0, 1)]
     assert len(applied) == 3
     joins = set().union(*(joins_planned(spark, after, through) for after, through in applied))
     assert ("BroadcastHashJoin" in joins) == (broadcast_max > 0)  # the path the cap chose
     assert broadcast_max > 0 or "SortMergeJoin" in joins
+    # Sessions' rows in each apply, attributions' (by their copies, C14) in the two after the
+    # order; no hint Spark drops, with a warning on the console, for naming the side of a
+    # join it cannot send.
+    assert len(kept) == 5
+    assert not [hint for frame in kept for hint in hints_spark_drops(frame)]
+
+
+def hints_spark_drops(frame: DataFrame) -> list[str]:
+    """The joins of ``frame``'s plan hinted to send the side Spark cannot build (the left of
+    a left outer, semi or anti join, the right of a right outer join)."""
+    plan = frame._jdf.queryExecution().optimizedPlan().toString()
+    return re.findall(r"Join (?:LeftOuter|LeftSemi|LeftAnti), .*leftHint=\(strategy=broadcast\)"
+                      r"|Join RightOuter, .*rightHint=\(strategy=broadcast\)", plan)
 
 
 def _sql_executions(spark: SparkSession) -> list:
