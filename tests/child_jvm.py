@@ -34,12 +34,13 @@ print("collectors:", ",".join(sorted(bean.getName() for bean in beans)))
 """
 
 
-def submit_driver(tmp_path: Path, config: Config, *conf: str) -> tuple[str, list[str]]:
-    """spark-submit a small job with the driver options the product passes for ``config``
-    (and ``conf``, more ``key=value`` settings); (its output, the JVM's class-load log
-    lines)."""
+def submit_driver(tmp_path: Path, config: Config, *conf: str, job: str = DRIVER_JOB
+                  ) -> tuple[str, list[str]]:
+    """spark-submit a small job (``job``, a script) with the driver options the product
+    passes for ``config`` (and ``conf``, more ``key=value`` settings); (its output, the
+    JVM's class-load log lines)."""
     script = tmp_path / "job.py"
-    script.write_text(DRIVER_JOB)
+    script.write_text(job)
     log = tmp_path / "classes.log"
     options = driver_launch_conf(config)["spark.driver.extraJavaOptions"]
     finished = subprocess.run(

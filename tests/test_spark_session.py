@@ -11,6 +11,7 @@ from pyspark.sql import SparkSession
 
 from clickstream.config import Config
 from clickstream.spark_session import (
+    MAX_PLAN_STRING_CHARS,
     build_spark,
     collector_options,
     driver_heap_mib,
@@ -71,6 +72,29 @@ def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(
     spark.range(1).select(F.col("id") + 1).collect()
     assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
     assert is_debugging_enabled() is False
+
+
+LONG_PLAN_JOB = """
+from functools import reduce
+from pyspark.sql import DataFrame, functions as F
+from clickstream.config import Config
+from clickstream.spark_session import build_spark
+spark = build_spark(Config.from_env())
+parts = [spark.range(2).select((F.col("id") + i).alias("id")) for i in range(200)]
+union = reduce(DataFrame.unionByName, parts)
+assert union.count() == 400
+print("plan chars:", len(union._jdf.queryExecution().toString()))
+"""
+
+
+def test_plans_cut_to_the_products_length_are_not_warned_about(tmp_path: Path,
+                                                                 config: Config) -> None:
+    """Spark warned of every plan it cut to ``spark.sql.maxPlanStringLength`` (~39 lines of
+    a year's orders backfill), asking to raise the setting the product chose."""
+    output, _ = submit_driver(tmp_path, config, job=LONG_PLAN_JOB)
+    chars = int(output.split("plan chars: ")[1].split()[0])
+    assert chars <= MAX_PLAN_STRING_CHARS, output  # the plan was cut: Spark had a warning
+    assert "Truncated the string representation" not in output, output
 
 
 def stored_rdds(spark: SparkSession) -> set[int]:

@@ -22,6 +22,9 @@ R = TypeVar("R")
 # How much of a query plan Spark spells out in explain output and listener events (see
 # build_spark): enough to read the top of a plan, far below what nested cached plans reach.
 MAX_PLAN_STRING_CHARS = 20_000
+# Where Spark warns of each plan it cut to that length, asking to raise the setting: ~39
+# lines of a year's orders backfill on the console, about a limit the product chose.
+PLAN_CUT_LOGGER = "org.apache.spark.sql.catalyst.util.StringUtils"
 
 
 def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = False,
@@ -83,6 +86,8 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
             "spark.driver.host", "127.0.0.1")
     spark = builder.getOrCreate()
     interrupts.note_sigint()  # pyspark put its own SIGINT handler in place: noted too
+    log4j = spark._jvm.org.apache.logging.log4j
+    log4j.core.config.Configurator.setLevel(PLAN_CUT_LOGGER, log4j.Level.ERROR)
     heap_mib = driver_heap_mib(spark)
     if heap_mib < 0.9 * config.driver_memory_mib:
         print(f"warning: {ENV_NAMES['driver_memory']}={config.driver_memory}, but this "
