@@ -1192,8 +1192,8 @@ def _kept_rows(current: DataFrame, keys: DataFrame, new_rows: DataFrame, spec,
 
     Copies are looked up only for the plan's keys these days hold: a year of orders writes
     525k new attributions where the days hold the live orders' few, and parsing every
-    written row's copy columns again, to meet them in two joins, took ~5 s of apply
-    (session 61)."""
+    written row's copy columns again, to meet them in two joins, added ~5.6 s to apply
+    (BENCHMARKS.md, sessions 61 and 68)."""
     key = spec.key[0]
     if not copies_by:
         return current.join(keys, key, "left_anti")
