@@ -1198,6 +1198,8 @@ def _kept_rows(current: DataFrame, keys: DataFrame, new_rows: DataFrame, spec,
     if not copies_by:
         return current.join(keys, key, "left_anti")
     held_keys = current.join(keys, key, "left_semi").select(key).distinct()
+    # Met on the plan's own key column before parsing (not taken from the parsed rows, whose
+    # key comes out of the parse): only the held rows' values are parsed.
     written = new_rows.join(held_keys.withColumnRenamed(key, "key"), "key", "left_semi").select(
         F.from_json("new_value", spec.schema).alias("v")).select(f"v.{key}",
                                                                 *(f"v.{c}" for c in copies_by))
