@@ -1239,6 +1239,55 @@ def test_another_clients_row_with_the_same_id_is_no_copy_of_the_batch_clients_ro
         ("client-01", "1001", "client_id 'client-01' is not the batch's client 'client-00'")]
 
 
+def rows_by_task(frame) -> list[int]:
+    """How many of ``frame``'s rows each of its tasks holds."""
+    return frame.rdd.glom().map(len).collect()
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "csv", "jsonl"])
+def test_a_batch_its_reader_would_read_in_one_task_is_spread_over_the_cores(
+    config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch, file_format: str
+) -> None:
+    """A year of orders in one Parquet row group (or one CSV file, read whole) was validated
+    and merged in one task. Spread by key, each row is validated as before and keeps the file
+    it came from; JSON Lines, which Spark splits by bytes itself, is left alone."""
+    rows = [order_row(f"o{i}", f"u{i % 7}", i, amount="-1.00" if i == 5 else "10.00")
+            for i in range(60)]
+    path = write_rows(config, "one-task", [*rows, rows[3]], file_format)
+    monkeypatch.setattr(batch_input, "SPREAD_MIN_BYTES", 0)
+    read = batch_input.read_batch(spark, batch_input.list_batch_files(config, path), "orders")
+    cores = spark.sparkContext.defaultParallelism
+    assert sum(1 for n in rows_by_task(read) if n) == (1 if file_format == "jsonl" else cores)
+    checked = validated(config, spark, path)
+    assert len(checked) == 60 and "negative" in checked["o5"]["error"]
+    assert (checked["o3"]["copies"], checked["o3"]["error"]) == (2, None)
+    assert {Path(r["source"]).name for r in checked.values()} == {
+        f"part-00000.{file_format}"}
+
+
+def test_a_small_batch_or_one_of_a_row_group_per_core_is_read_as_it_is(
+    config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spreading costs a shuffle: not for a batch below ``SPREAD_MIN_BYTES`` (every other
+    test's batch), nor for one with a row group per core, which Spark's reader splits
+    between them once its file is large."""
+    import pyarrow.parquet as pq
+    rows = pa.Table.from_pylist([order_row(f"o{i}", "u", i) for i in range(40)])
+    (config.landing / "groups").mkdir(parents=True)
+    pq.write_table(rows, config.landing / "groups" / "a.parquet", row_group_size=20)
+    path = write_rows(config, "one-group", rows.to_pylist(), "parquet")
+    partitions = {name: batch_input.read_batch(
+        spark, batch_input.list_batch_files(config, name), "orders").rdd.getNumPartitions()
+        for name in ("groups", path)}
+    monkeypatch.setattr(batch_input, "SPREAD_MIN_BYTES", 0)
+    partitions_spread = {name: batch_input.read_batch(
+        spark, batch_input.list_batch_files(config, name), "orders").rdd.getNumPartitions()
+        for name in ("groups", path)}
+    cores = spark.sparkContext.defaultParallelism
+    assert (partitions, partitions_spread) == ({"groups": 1, path: 1},
+                                               {"groups": 1, path: cores})
+
+
 def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own(
     config: Config, spark: SparkSession
 ) -> None:
