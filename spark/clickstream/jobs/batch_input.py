@@ -445,9 +445,10 @@ def _spread_over_cores(spark: SparkSession, batch: BatchFiles, frame: DataFrame,
                        ) -> DataFrame:
     """``frame`` hashed by its key over the session's cores when the reader would leave some
     idle: a year of orders in one Parquet row group (525k rows) was validated, cached and
-    merged in one task. On 2 cores, validating it in a warm JVM took ~27% less (6.2 s, not
-    8.5 s); in a new process no less, its compilers busy on the other core (BENCHMARKS.md,
-    session 69)."""
+    merged in one task, every other core of an executor idle. On 2 cores it does not
+    shorten a backfill: validating that batch took ~27% less in a warm JVM (6.2 s, not
+    8.5 s), but no less in a new process, its compilers busy on the other core
+    (BENCHMARKS.md, session 69)."""
     cores = spark.sparkContext.defaultParallelism
     if len(batch.files) >= cores or sum(p.stat().st_size for p in batch.files) < SPREAD_MIN_BYTES:
         return frame
