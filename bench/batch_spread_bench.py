@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from proc_cpu import process_cpu_s
 from pyspark.sql import functions as F
 from results_file import git_dirty, git_head, write_result
 
@@ -55,11 +56,6 @@ def _write_batch(root: Path, rows: int) -> None:
         rows_per_file=rows)
 
 
-def _jvm_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100
-
-
 def _readings(root: Path, labels: list[str]) -> list[dict[str, Any]]:
     """Each of ``labels`` read and validated once, in this process, in order."""
     config = _config(root)
@@ -70,7 +66,7 @@ def _readings(root: Path, labels: list[str]) -> list[dict[str, Any]]:
     try:
         for label in labels:
             batch_input.SPREAD_MIN_BYTES = READINGS[label]
-            started, cpu = time.monotonic(), _jvm_cpu_seconds(jvm)
+            started, cpu = time.monotonic(), process_cpu_s(jvm)
             raw = batch_input.read_batch(spark, files, "orders")
             batch = batch_input.validate_batch(raw, "orders", "client-00",
                                                config.max_ts_ahead_ms).persist()
@@ -78,7 +74,7 @@ def _readings(root: Path, labels: list[str]) -> list[dict[str, Any]]:
             validated = time.monotonic()
             historical_batch_checks(batch, raw.schema, "orders", "order_id", "client-00")
             valid = batch_input.valid_rows(batch, "orders").count()
-            finished, cpu_used = time.monotonic(), _jvm_cpu_seconds(jvm) - cpu
+            finished, cpu_used = time.monotonic(), process_cpu_s(jvm) - cpu
             tasks = [r["count"] for r in batch.groupBy(F.spark_partition_id().alias("task"))
                      .count().orderBy("task").collect()]
             batch.unpersist(blocking=True)

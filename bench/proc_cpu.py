@@ -24,6 +24,14 @@ def _cpu_s(fields: list[str]) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of one live process, all its threads (not its children's)."""
+    stat = _stat(Path(f"/proc/{pid}/stat"))
+    if stat is None:
+        raise ProcessLookupError(f"process {pid} has exited")
+    return _cpu_s(stat[1])
+
+
 def process_tree(root: int) -> dict[tuple[int, int], tuple[str, float]]:
     """(command name, CPU seconds) of ``root`` and each live descendant, by (pid, start time):
     per process and without ``cutime``, so nothing is counted twice, and a reused pid is

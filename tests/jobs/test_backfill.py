@@ -1276,15 +1276,17 @@ def test_a_small_batch_or_one_of_a_row_group_per_core_is_read_as_it_is(
     (config.landing / "groups").mkdir(parents=True)
     pq.write_table(rows, config.landing / "groups" / "a.parquet", row_group_size=20)
     path = write_rows(config, "one-group", rows.to_pylist(), "parquet")
-    partitions = {name: batch_input.read_batch(
-        spark, batch_input.list_batch_files(config, name), "orders").rdd.getNumPartitions()
-        for name in ("groups", path)}
+
+    def partitions() -> dict[str, int]:
+        return {name: batch_input.read_batch(
+            spark, batch_input.list_batch_files(config, name), "orders").rdd.getNumPartitions()
+            for name in ("groups", path)}
+
+    as_read = partitions()
     monkeypatch.setattr(batch_input, "SPREAD_MIN_BYTES", 0)
-    partitions_spread = {name: batch_input.read_batch(
-        spark, batch_input.list_batch_files(config, name), "orders").rdd.getNumPartitions()
-        for name in ("groups", path)}
+    partitions_spread = partitions()
     cores = spark.sparkContext.defaultParallelism
-    assert (partitions, partitions_spread) == ({"groups": 1, path: 1},
+    assert (as_read, partitions_spread) == ({"groups": 1, path: 1},
                                                {"groups": 1, path: cores})
 
 
