@@ -36,6 +36,18 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
     assert "usage: clickstream" in capsys.readouterr().out
 
 
+def test_duration_flags_show_a_duration_not_their_settings_unit(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """They take 45s or 1h as well as minutes; the setting's name showed SESSION_GAP_MINUTES."""
+    with pytest.raises(SystemExit):
+        main(["sessionize", "--help"])
+    shown = capsys.readouterr().out
+    for flag in ("--session-gap", "--watermark-delay", "--max-ts-ahead"):
+        assert f"[{flag} DURATION]" in shown, flag
+    assert "MINUTES" not in shown
+
+
 def _subcommands(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
     for name in names:
         (choices,) = [action.choices for action in parser._actions

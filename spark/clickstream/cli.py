@@ -38,7 +38,8 @@ DRY_RUN_STEPS = ("check", "report")  # the backfill steps that write nothing
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configuration (flags override environment variables)")
     for name, help_text in FLAG_HELP.items():
-        group.add_argument(cli_flag(name), dest=name, default=None,
+        metavar = "DURATION" if name.endswith("_minutes") else None  # not its dest's unit
+        group.add_argument(cli_flag(name), dest=name, default=None, metavar=metavar,
                            help=f"{help_text} [env {ENV_NAMES[name]}]")
 
 
@@ -287,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker = commands.add_parser(
         "broker", help="run the embedded Kafka-protocol broker in the foreground",
         description="Run the embedded Kafka-protocol broker (librdkafka's mock cluster) until "
-        "SIGTERM, with the configured topics (CLICKSTREAM_EVENTS_TOPIC, "
+        "Ctrl-C or SIGTERM, with the configured topics (CLICKSTREAM_EVENTS_TOPIC, "
         "CLICKSTREAM_SESSIONS_TOPIC, CLICKSTREAM_ATTRIBUTIONS_TOPIC), 16 partitions each. "
         "Memory only: its data is gone when it stops.")
     broker.add_argument("--port", type=port_number, default=9092,
