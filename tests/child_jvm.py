@@ -24,6 +24,15 @@ JAVA_TOOL_OPTIONS = "-XX:TieredStopAtLevel=1"
 stderr: ``Picked up JAVA_TOOL_OPTIONS: ...``)."""
 
 
+def temp_folders_in(folder: Path) -> dict[str, str]:
+    """A child's environment that keeps its JVM's temporary folders (the block manager's,
+    Spark's scratch, spark-submit's) in ``folder`` rather than ``/tmp``: a JVM the crash tests
+    kill -9 never runs the shutdown hook that deletes them, and each run left them behind."""
+    folder.mkdir(parents=True, exist_ok=True)  # native libraries are unpacked there at once
+    return {"SPARK_LOCAL_DIRS": str(folder),
+            "JAVA_TOOL_OPTIONS": f"{JAVA_TOOL_OPTIONS} -Djava.io.tmpdir={folder}"}
+
+
 DRIVER_JOB = """
 from clickstream.config import Config
 from clickstream.spark_session import build_spark

@@ -43,8 +43,7 @@ def cli_env(config: Config) -> dict[str, str]:
             continue
         env[var] = str(value)
     env["CLICKSTREAM_TRIGGER_INTERVAL"] = "0.5s"
-    env["JAVA_TOOL_OPTIONS"] = child_jvm.JAVA_TOOL_OPTIONS
-    return env
+    return {**env, **child_jvm.temp_folders_in(config.home / "jvm-temp")}
 
 
 def start_sessionizer(config: Config, log: Path) -> subprocess.Popen:
