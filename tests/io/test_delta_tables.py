@@ -263,6 +263,22 @@ def test_replace_partitions_with_sql_predicate_and_empty_df_deletes_the_range(ta
     assert ids(tables.read("orders")) == ["o1"]
 
 
+def test_a_sql_predicate_replaces_the_partitions_of_a_client_id_with_a_backslash(tables, spark):
+    """The range is judged in one SQL dialect: delta-rs's own reads Spark's ``'a\\\\b'``
+    as two backslashes, so the deltalake engine removed the files of the client ``a\\\\b``
+    and kept ``a\\b``'s old rows beside its new ones."""
+    one, two = "a\\b", "a\\\\b"  # a\b and a\\b: both valid client ids
+    tables.append_once("orders", orders(spark, ("old", one, D1, "1"), ("other", two, D1, "2")),
+                       app_id="stream", version=1, partition_by=PARTS, metadata=META)
+    predicate = filter_to_sql({"client_id": one, "event_date": D1},
+                              {"client_id": "string", "event_date": "date"})
+    assert tables.replace_partitions("orders", orders(spark, ("new", one, D1, "3")),
+                                     predicate=predicate, app_id="r", version=1, metadata=META)
+    stored = {(row.order_id, row.client_id)
+              for row in tables.read("orders").select("order_id", "client_id").collect()}
+    assert stored == {("new", one), ("other", two)}
+
+
 def test_replace_partitions_refuses_rows_outside_the_range(tables, spark):
     tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="s", version=1,
                        partition_by=PARTS, metadata=META)

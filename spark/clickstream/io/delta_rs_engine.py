@@ -986,12 +986,13 @@ class DeltaRsTables(DeltaTables):
         """Active files inside a partition range (exact: the predicate is partition-only)."""
         files = self._active_files(table)
         if isinstance(predicate, str):
-            root = self.table_path(name)
-            chosen = {
-                os.path.relpath(uri.removeprefix("file://"), root)
-                for uri in table.file_uris(file_pruning_predicate=predicate)
-            }
-            return [f for f in files if f.path in chosen]
+            # Judged in Spark SQL, as _check_inside judges the new rows: delta-rs's own SQL
+            # reads a string literal's backslash as itself, so for a client id holding one
+            # ('a\\b' in Spark's literal) it chose no file, and the replace kept the old rows
+            # beside the new ones.
+            keys = {_partition_key(f.partition_values) for f in files}
+            outside = set(self._outside_sql(keys, predicate, table))
+            return [f for f in files if _partition_key(f.partition_values) not in outside]
         return _within(files, predicate)
 
     def _data_changed_in(self, name: str, predicate: ReplacePredicate, current: DeltaTable,
@@ -1006,7 +1007,7 @@ class DeltaRsTables(DeltaTables):
                 continue
             if change.get("partitionValues") is None:
                 return True
-            touched.add(tuple(sorted(change["partitionValues"].items())))
+            touched.add(_partition_key(change["partitionValues"]))
         return len(self._outside(touched, predicate, current)) < len(touched)
 
     def _outside(self, values: set[tuple], predicate: ReplacePredicate,
@@ -1025,7 +1026,7 @@ class DeltaRsTables(DeltaTables):
         table: DeltaTable,
     ) -> None:
         """Every new row must lie in the replaced range, or it would duplicate rows outside."""
-        outside = self._outside({tuple(sorted(f.partition_values.items())) for f in files},
+        outside = self._outside({_partition_key(f.partition_values) for f in files},
                                 predicate, table)
         if outside:
             raise ClickstreamError(
@@ -1038,19 +1039,20 @@ class DeltaRsTables(DeltaTables):
         if not values:
             return []
         from pyspark.sql import functions as F
-        from pyspark.sql.types import StringType, StructField, StructType
+        from pyspark.sql.types import IntegerType, StringType, StructField, StructType
 
         spark = self._need_spark("replace_partitions")
         parts = _partition_columns(table)
         types = StructType.fromJson(json.loads(table.schema().to_json()))
+        listed = list(values)
         raw = spark.createDataFrame(
-            [tuple(dict(v).get(c) for c in parts) for v in values],
-            StructType([StructField(c, StringType()) for c in parts]),
+            [(i, *(dict(v).get(c) for c in parts)) for i, v in enumerate(listed)],
+            StructType([StructField("_i", IntegerType()),
+                        *(StructField(c, StringType()) for c in parts)]),
         )
-        typed = raw.select(*(F.col(c).cast(types[c].dataType).alias(c) for c in parts))
-        matched = typed.withColumn("_in", F.coalesce(F.expr(predicate), F.lit(False)))
-        bad = [r for r in matched.collect() if not r["_in"]]
-        return [tuple(sorted((c, partition_string(r[c])) for c in parts)) for r in bad]
+        typed = raw.select("_i", *(F.col(c).cast(types[c].dataType).alias(c) for c in parts))
+        outside = typed.where(~F.coalesce(F.expr(predicate), F.lit(False))).select("_i")
+        return [listed[row["_i"]] for row in outside.collect()]  # the values as given
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1283,6 +1285,11 @@ def _file_schema(table: DeltaTable) -> pa.Schema:
     return pa.schema(
         [f.with_nullable(True) for f in pa.schema(table.schema().to_arrow()) if f.name not in parts]
     )
+
+
+def _partition_key(values: Mapping[str, str | None]) -> tuple[tuple[str, str | None], ...]:
+    """Partition values (Delta strings) as the sorted pairs the range checks compare."""
+    return tuple(sorted(values.items()))
 
 
 def _within(files: list[_ActiveFile], scope: PartitionFilter | None) -> list[_ActiveFile]:

@@ -82,7 +82,8 @@ def retention_properties(log_hours: int, file_hours: int) -> dict[str, str]:
 ReplacePredicate = PartitionFilter | Sequence[PartitionFilter] | str
 """Which partitions :meth:`DeltaTables.replace_partitions` replaces: a :data:`PartitionFilter`,
 a sequence of them (ORed), or a SQL predicate string over partition columns only
-(``"client_id = 'c1' AND event_date >= '2024-01-01'"``)."""
+(``"client_id = 'c1' AND event_date >= '2024-01-01'"``), read as Spark SQL by both engines:
+a backslash in a string literal escapes, as :func:`sql_literal` writes them."""
 
 
 @dataclass(frozen=True)
