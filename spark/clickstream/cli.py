@@ -30,6 +30,7 @@ from clickstream.errors import (
 )
 from clickstream.events.contract import EARLIEST_TS, client_id_problem
 from clickstream.io.kafka_broker import port_number
+from clickstream.progress import heartbeat
 
 Handler = Callable[[argparse.Namespace, Config], int]
 DRY_RUN_STEPS = ("check", "report")  # the backfill steps that write nothing
@@ -67,7 +68,9 @@ def _cmd_sessionize(args: argparse.Namespace, config: Config) -> int:
 def _cmd_backfill(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.backfill import run_backfill
 
-    summary = run_backfill(config, kind=args.kind, client_id=args.client, path=args.path)
+    with heartbeat(print, config.progress_interval_seconds) as progress:
+        summary = run_backfill(config, kind=args.kind, client_id=args.client, path=args.path,
+                               progress=progress)
     print(summary.describe())
     return 0
 
@@ -83,8 +86,10 @@ def _cmd_backfill_step(args: argparse.Namespace, config: Config) -> int:
                           "(a dry run of the DAG skips it)")
     run_id = args.run_id or locate_batch(config, kind=args.kind, client_id=args.client,
                                          path=args.path)["run_id"]
-    result = run_step(config, args.step, kind=args.kind, client_id=args.client,
-                      path=args.path, run_id=run_id, dry_run=args.dry_run)
+    with heartbeat(print, config.progress_interval_seconds) as progress:
+        result = run_step(config, args.step, kind=args.kind, client_id=args.client,
+                          path=args.path, run_id=run_id, dry_run=args.dry_run,
+                          progress=progress)
     print(json.dumps(result, default=str))
     return 0
 
@@ -104,10 +109,13 @@ def _cmd_recompute(args: argparse.Namespace, config: Config) -> int:
         if args.save_result_as:
             raise ConfigError("--save-result-as is the queue's recompute's (the "
                               "scheduled_recompute DAG's), not --full's")
-        print(run_full_recompute(config, client_id=args.client).describe())
-    else:
-        print(run_recompute(config, client_id=args.client,
-                            result_name=args.save_result_as).describe())
+    with heartbeat(print, config.progress_interval_seconds) as progress:
+        if args.full:
+            summary = run_full_recompute(config, client_id=args.client, progress=progress)
+        else:
+            summary = run_recompute(config, client_id=args.client,
+                                    result_name=args.save_result_as, progress=progress)
+    print(summary.describe())
     return 0
 
 

@@ -43,6 +43,7 @@ ENV_NAMES: dict[str, str] = {
     "shuffle_partitions": "CLICKSTREAM_SHUFFLE_PARTITIONS",
     "max_events_per_trigger": "CLICKSTREAM_MAX_EVENTS_PER_TRIGGER",
     "trigger_interval_seconds": "CLICKSTREAM_TRIGGER_INTERVAL",
+    "progress_interval_seconds": "CLICKSTREAM_PROGRESS_INTERVAL",
     "kafka_options": "CLICKSTREAM_KAFKA_OPTIONS",
     "spark_kafka_options": "CLICKSTREAM_SPARK_KAFKA_OPTIONS",
     "quality_gates": "CLICKSTREAM_QUALITY_GATES",
@@ -158,6 +159,9 @@ class Config:
     # jobs): a catch-up at 500k per batch ran ~30% faster than at 200k (BENCHMARKS.md).
     max_events_per_trigger: int = 500_000
     trigger_interval_seconds: float = 2.0
+    # backfill, backfill-step and recompute say they are still working after this long
+    # without a progress line, and what Spark is doing (clickstream.progress).
+    progress_interval_seconds: float = 30.0
     kafka_options: Mapping[str, str] = field(default_factory=dict)
     # Spark's native Kafka source is the Java client, which names some settings otherwise
     # (sasl.jaas.config, ssl.truststore.location) and librdkafka refuses those names: one
@@ -285,7 +289,7 @@ def _convert(name: str, raw: object, source: str) -> object:
         raise ConfigError(f"{source} is empty; give a value or leave it out for the default")
     if name.endswith("_minutes"):
         return parse_minutes(raw, source)
-    if name == "trigger_interval_seconds":
+    if name.endswith("_seconds"):
         return parse_minutes(raw, source, bare_unit="s") * 60
     if name in ("shuffle_partitions", "max_events_per_trigger"):
         try:

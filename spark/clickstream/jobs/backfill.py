@@ -386,11 +386,15 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     progress(f"backfill {run_id}: {len(files.files)} {files.file_format} files under "
              f"{files.root}")
 
+    def start(name: str) -> float:
+        progress(f"  {name} ...")  # a long step's liveness lines follow it (cli's heartbeat)
+        return time.monotonic()
+
     def step(name: str, started: float) -> None:
         summary.seconds_by_step[name] = time.monotonic() - started
         progress(f"  {name}: {summary.seconds_by_step[name]:.1f}s")
 
-    started = time.monotonic()
+    started = start("validate")
     raw = read_batch(spark, files, kind)
     # Batch-sized: persisted (see the comment above merge_pageviews).
     batch = validate_batch(raw, kind, client_id, config.max_ts_ahead_ms).persist()
@@ -407,7 +411,7 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     if valid_count:  # Kafka out of reach fails before the merge, not after it and the plan
         check_changelogs_answer(config)
 
-    started = time.monotonic()
+    started = start("merge")
     run = Run(spark, config, tables, client_id, f"backfill-{run_id}", f"backfill {run_id}",
               progress)
     summary.rows_merged = merge_valid_rows(tables, config, valid, kind, client_id, run_id,
@@ -415,7 +419,7 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     summary.duplicates_skipped = summary.rows_read - summary.quarantined - summary.rows_merged
     step("merge", started)
 
-    started = time.monotonic()
+    started = start("recompute and publish")
     scope = BatchScope(tables, valid, kind, client_id, run_id)
     summary.corrections = correct(run, scope.read, orders_only=kind == "orders",
                                   stream_watermark_ms=stream_watermark_ms(config, client_id),

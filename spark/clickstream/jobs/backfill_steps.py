@@ -51,7 +51,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,6 +100,7 @@ from clickstream.jobs.corrections import (
     unfinished_plan,
 )
 from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
+from clickstream.progress import Progress
 from clickstream.quality import reports
 from clickstream.quality.checks import backfill_app_id, quarantined_source_prefix
 from clickstream.quality.correction_report import write_correction_report
@@ -114,8 +115,6 @@ from clickstream.tables import ORDERS, PAGEVIEWS, QUARANTINE, SESSIONS
 
 if TYPE_CHECKING:
     from clickstream.quality.gates import GateResult
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,11 @@ from clickstream.io.delta_tables import (
     DeltaTables,
     open_tables,
 )
+from clickstream.progress import Progress
 from clickstream.tables import ALL_TABLES
 
 MIN_VACUUM_RETENTION_HOURS = 168
 MAX_VACUUM_RETENTION_HOURS = 87_600  # ten years; delta-rs panics on ~2.5e12 h
-Progress = Callable[[str], None]
 _T = TypeVar("_T")
 
 
