@@ -51,7 +51,7 @@ from clickstream.jobs.sessionize import (
 )
 from clickstream.quality import reports
 from clickstream.tables import PAGEVIEWS, SESSIONS
-from tests.jobs.test_sessionize import pageview, probe_records_lock, produce, table_rows
+from tests.jobs.test_sessionize import order, pageview, probe_records_lock, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
@@ -893,6 +893,46 @@ def test_a_step_runs_only_after_the_one_before_it_succeeded(
     with pytest.raises(ConfigError, match="step 'publish' comes after 'check-applied'"):
         step("publish")
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+
+
+def test_publish_applies_and_checks_a_plan_of_its_run_recorded_after_check_applied(
+        stream_config: Config, spark: SparkSession) -> None:
+    """(S8) check-applied checked plan 1 of the DAG's run; a CLI run of the same batch (the
+    same run, S2) published it, planned again once a late order had come in u's session,
+    and stopped before applying. The DAG's publish retry sent that plan as it found it and
+    marked it published: the topic held u's session with the order, the table without it,
+    for good."""
+    path, _, step = located(stream_config, spark, [pv_row("a", "u", 0)])
+    for name in ("check", "merge", "recompute", "check-applied"):
+        step(name)
+    quiet = {"spark": spark, "progress": lambda _: None}
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path, **quiet)
+    produce(stream_config, [pageview("w", START + timedelta(days=1))])  # the watermark moves
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [order("u", START + timedelta(minutes=5), "late")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert "late" in {r["record_id"] for r in table_rows(stream_config, spark,
+                                                         "recompute_queue")}
+
+    class Stopped(Exception):
+        pass
+
+    def stop_before_apply(line: str) -> None:
+        if line == "  apply to tables ...":
+            raise Stopped
+
+    with pytest.raises(Stopped):  # plan 2 of the run recorded, not applied
+        run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path,
+                     spark=spark, progress=stop_before_apply)
+    said: list[str] = []
+    assert step("publish", said.append) == {"published": 2}  # the session and the order
+    (session,) = [r for r in table_rows(stream_config, spark, "sessions") if r["user_id"] == "u"]
+    assert (session["order_count"], session["revision"]) == (1, 2)
+    assert read_compacted(stream_config, stream_config.sessions_topic) == {
+        r["session_id"]: reference_changelog_value(r)
+        for r in table_rows(stream_config, spark, "sessions")}
+    assert any("its plan 2 was recorded after check-applied checked plan 1" in line
+               for line in said), said
 
 
 def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never_published(

@@ -400,7 +400,7 @@ def test_an_unrelated_correction_of_the_day_keeps_both_copies_of_a_reused_order_
     assert (ow["user_id"], sessions.get(ow["session_id"]), ow["revision"]) == ("w", "w", 1)
     assert _stored_copies_of_o(config, spark) == [before["a"], before["b"]]  # unchanged
     assert backfill_steps.load_step_result(config, run_id, "check-applied") == {
-        "sessions": 1, "attributions": 1}
+        "sessions": 1, "attributions": 1, "run_seq": 1}
 
 
 def test_a_correction_reaching_copies_of_a_reused_order_id_at_different_revisions_publishes(

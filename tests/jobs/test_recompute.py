@@ -768,7 +768,7 @@ def test_a_dag_run_checked_after_another_run_published_and_changed_its_plan_pass
     run_recompute(stream_config, spark=spark, progress=quiet)
     assert len(table_rows(stream_config, spark, "sessions")) == 1
 
-    assert step("check-applied") == {"sessions": 2, "attributions": 0}
+    assert step("check-applied") == {"sessions": 2, "attributions": 0, "run_seq": 1}
     assert step("publish") == {"published": 2}  # its 2 records, by the recompute already
     assert_topic_equals_table(stream_config, spark)
 

@@ -43,6 +43,12 @@ Known edge cases, cited inline as (S1)..(S7):
   S7. A batch the ``historical_batch`` gate refuses changes ``quarantine`` (its rows with
       problems) although ``merge`` fails: ``quarantined_by_run`` counts them from the table,
       so the DAG announces that change too (it announced nothing: the merge saved no result).
+  S8. ``check_applied`` saves the step (``run_seq``) of the plan it checked, and ``publish``
+      applies and checks any other plan of the run before publishing it: a CLI run of the
+      same batch (S2) between the two could publish the checked plan, plan again (a late
+      pageview joined the window meanwhile) and stop before applying; ``publish`` then sent
+      that plan unapplied and marked it published, so the topic stayed ahead of the table
+      and no later run finished the plan.
 """
 
 from __future__ import annotations
@@ -430,7 +436,8 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
     retracted sessions must be gone, and keys must be unique in the affected partitions.
 
     Returns:
-        ``{"sessions": planned session rows, "attributions": planned attribution rows}``.
+        ``{"sessions": planned session rows, "attributions": planned attribution rows,
+        "run_seq": the plan's step, None without one}`` (S8).
 
     Raises:
         QualityGateFailedError: some planned rows are not reflected; nothing was published.
@@ -445,7 +452,7 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
         changes = stored_plan(run)
         if changes is None:
             progress(f"check {run_id}: no corrections planned, nothing to check")
-            return {"sessions": 0, "attributions": 0}
+            return {"sessions": 0, "attributions": 0, "run_seq": None}
         try:
             run_seq = changes.select("run_seq").first()[0]
             if run_seq <= published_through(run):  # (S4)
@@ -455,22 +462,24 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
                          f"{counts['attributions']} attribution corrections were applied and "
                          "published already (later runs of the client may have changed them "
                          "since), nothing to check")
-                return counts
+                return {**counts, "run_seq": run_seq}
             counts = check_plan_applied(run, changes)
         finally:
             release(changes)
     progress(f"check {run_id}: tables hold all {counts['sessions']} session and "
              f"{counts['attributions']} attribution corrections")
-    return counts
+    return {**counts, "run_seq": run_seq}
 
 
 @releases_cache
 def publish_corrections(config: Config, *, client_id: str, run_id: str,
-                        spark: SparkSession | None = None, progress: Progress = print) -> int:
+                        checked_seq: int | None = None, spark: SparkSession | None = None,
+                        progress: Progress = print) -> int:
     """Publish the run's stored corrections (new revisions and tombstones) to Kafka.
 
     Delivery guarantee: at least once, idempotent by key and revision: a retry republishes
-    the same records, and a compacted reader sees the same final state.
+    the same records, and a compacted reader sees the same final state. ``checked_seq``: the
+    plan ``check_applied`` checked; another plan of the run is applied and checked first (S8).
 
     Returns:
         Records sent to the sessions and attributions topics.
@@ -493,6 +502,15 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
                 "another correction run of the client that finished its plan)" if sent
                 else " (no corrections)"))
             return sent
+        run_seq = changes.select("run_seq").first()[0]
+        if run_seq != checked_seq:  # (S8)
+            checked = "none" if checked_seq is None else f"plan {checked_seq}"
+            progress(f"publish {run_id}: its plan {run_seq} was recorded after check-applied "
+                     f"checked {checked} (another process of the run planned again): "
+                     "applying and checking it first")
+            check_changelogs_answer(config)  # Kafka out of reach: the tables stay as announced
+            apply(run, changes)
+            check_plan_applied(run, changes)
         sent = publish_changes(run, changes)
         mark_published(run, changes)
         release(changes)
@@ -736,8 +754,10 @@ def _run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, pat
         result = check_applied(config, client_id=client_id, run_id=run_id, spark=spark,
                                progress=progress)
     elif step == "publish":
-        result = {"published": publish_corrections(config, client_id=client_id, run_id=run_id,
-                                                   spark=spark, progress=progress)}
+        checked = load_step_result(config, run_id, "check-applied") or {}  # run_step: saved
+        result = {"published": publish_corrections(
+            config, client_id=client_id, run_id=run_id, checked_seq=checked.get("run_seq"),
+            spark=spark, progress=progress)}
     else:
         check = load_step_result(config, run_id, "check", dry_run)
         assert check is not None  # run_step refused the run otherwise
