@@ -46,7 +46,7 @@ Known edge cases, cited inline as (S1)..(S7):
   S8. ``check_applied`` saves the step (``run_seq``) of the plan it checked, and ``publish``
       applies and checks any other plan of the run before publishing it: a CLI run of the
       same batch (S2) between the two could publish the checked plan, plan again (a late
-      pageview joined the window meanwhile) and stop before applying; ``publish`` then sent
+      record had come into the window meanwhile) and stop before applying; ``publish`` sent
       that plan unapplied and marked it published, so the topic stayed ahead of the table
       and no later run finished the plan.
 """
