@@ -27,15 +27,14 @@ def heartbeat(progress: Progress, every_s: float) -> Iterator[Progress]:
     the command is still working. The command's lines and these go through one lock, so no
     two are interleaved."""
     lock = threading.Lock()
-    last_line = [time.monotonic()]  # or the start
+    started = time.monotonic()
+    last_line = [started]  # the time of the command's last line, or its start
     stop = threading.Event()
 
     def report(line: str) -> None:
         with lock:
             progress(line)
             last_line[0] = time.monotonic()
-
-    started = last_line[0]
 
     def beat() -> None:
         quiet_since, beats = last_line[0], 0
