@@ -9,6 +9,7 @@ from decimal import Decimal
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 from clickstream import spark_session
 from clickstream.config import Config
@@ -27,10 +28,11 @@ from clickstream.jobs.corrections import (
     plan,
 )
 from clickstream.jobs.sessionize import run_sessionizer
+from clickstream.quality import reports
 from clickstream.quality.correction_report import correction_figures
 from clickstream.sessions.batch_adapter import user_bucket
 from clickstream.spark_session import release
-from clickstream.tables import ATTRIBUTIONS, ORDERS, SESSIONS
+from clickstream.tables import ATTRIBUTIONS, CORRECTIONS, ORDERS, SESSIONS
 from tests.jobs.test_backfill import (
     GAP_MS,
     START,
@@ -475,3 +477,15 @@ def test_a_correction_reaching_copies_of_a_reused_order_id_revises_each_once(
         r for r in table_rows(config, spark, "corrections")
         if r["run_id"] == f"backfill-{summary.run_id}" and r["entity"] == "attribution"]
     assert len(attribution_corrections) == len(changed)
+
+    # The correction report pairs o's copies as the plan did: each affected copy moved once,
+    # in the page written from the run's snapshot and in figures read back by time travel.
+    # By order_id alone, each new copy met both old ones: 4 moves for two, 2 for one.
+    (entry,) = [e for e in reports.read_entries(reports.reports_dir(config))
+                if e.kind == "corrections" and e.run_id == summary.run_id]
+    assert f"; {len(changed)} orders re-attributed;" in entry.summary
+    run = Run(spark, config, open_tables(config, spark), "client-00",
+              f"backfill-{summary.run_id}", "test", quiet)
+    planned = open_tables(config, spark).read(CORRECTIONS.name).where(
+        F.col("run_id") == run.run_id)
+    assert correction_figures(run, planned).moved == {"moved to another session": len(changed)}

@@ -88,14 +88,19 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
 
 def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool,
                    stored: Mapping[str, DataFrame] | None) -> tuple[dict[str, int], bool]:
-    """How the run's attribution changes moved orders between sessions."""
-    new = attributions.select("key", "change", F.get_json_object("new_value", "$.session_id")
-                              .alias("new_session"))
+    """How the run's attribution changes moved orders between sessions. An order id's copies
+    (another user's order with the same id, ``corrections`` C14) are paired as the plan's
+    diff paired them: by key alone, each new copy met every old one."""
+    from clickstream.jobs.corrections import COPIES_BY, pair_copies  # which imports this module
+
+    new = attributions.select(F.from_json("new_value", ATTRIBUTIONS.schema).alias("v")).select(
+        "v.order_id", "v.user_id", "v.order_ts", F.col("v.session_id").alias("new_session"))
     old = _old_rows(run, ATTRIBUTIONS, "order_date", attributions, dates,
-                    ["order_id", "session_id"], stored) if updates else None
+                    ["order_id", "user_id", "order_ts", "session_id"], stored) if updates else None
     if old is not None:
-        new = new.join(old.select(F.col("order_id").alias("key"),
-                                  F.col("session_id").alias("old_session")), "key", "left")
+        old, new, on = pair_copies(old, new, "order_id", COPIES_BY["attribution"])
+        new = new.alias("n").join(old.alias("o"), on, "left").select(
+            "n.new_session", F.col("o.session_id").alias("old_session"))
     else:
         new = new.withColumn("old_session", F.lit(None).cast("string"))
     kind = (F.when(F.col("old_session").isNull() & F.col("new_session").isNotNull(),
