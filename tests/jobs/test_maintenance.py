@@ -53,6 +53,34 @@ def test_a_failed_compaction_still_compacts_every_other_table_then_fails(config:
     assert lines[1] == "compact quarantine: 3 files into 1"
 
 
+def test_a_compaction_names_the_partitions_it_left_out(config: Config):
+    """A client's files in folders named with a raw '~' (deltalake's own writer): their
+    compaction failed the whole table every week; now they are left out, and said so."""
+    path = config.table_path("pageviews")
+    for client_id in ("c1", "c1", "x~y", "x~y"):
+        write_deltalake(str(path), pa.table({"client_id": [client_id], "n": [1]}),
+                        partition_by=["client_id"], mode="append")
+    lines: list[str] = []
+
+    assert compact_tables(config, progress=lines.append) == {"pageviews": {
+        "files_added": 1, "files_removed": 2, "partitions_skipped": ["client_id=x~y"]}}
+    assert lines == ["compact pageviews: 2 files into 1; left as they are: client_id=x~y "
+                     "(their folders are named with a raw '~', which deltalake's compaction "
+                     "cannot find; rows rewritten there since sit in escaped folders and are "
+                     "compacted)"]
+    assert DeltaTable(str(path)).to_pyarrow_table().num_rows == 4
+
+
+def test_maintenance_of_a_warehouse_without_tables_says_so(config: Config):
+    """A misspelled CLICKSTREAM_WAREHOUSE in a worker gave green weekly runs without a word."""
+    lines: list[str] = []
+
+    assert compact_tables(config, progress=lines.append) == {}
+    assert checkpoint_tables(config, progress=lines.append) == {}
+    assert lines == [f"{step}: no table under {config.warehouse} (CLICKSTREAM_WAREHOUSE) yet: "
+                     "nothing to do" for step in ("compact", "checkpoint")]
+
+
 def test_vacuum_keeps_the_commits_as_long_as_the_files(config: Config):
     """M3: the log is kept as long as vacuum keeps files. A retention above Delta's 30 days of
     log kept the files of versions whose commits were gone, so time travel failed anyway."""

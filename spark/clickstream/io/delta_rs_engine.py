@@ -97,6 +97,12 @@ Known edge cases (cited inline as "edge case N"):
     and a commit gone from ``history`` looked like one never made (``quality.checks``
     ``run_commit_version``). ``table_maintenance`` keeps the log as long as its vacuum
     keeps files (``set_retention``), so a retention above 30 days extends both.
+19. deltalake 1.6.6 writes a ``~`` raw in a partition folder's name, but its compaction looks
+    for the file under ``%7E`` and fails for the whole table ("File selection contains N
+    missing files"), every run. This engine's writer escapes ``~``, which Spark reads back;
+    partitions another writer (or this one before session 71) put in a folder named with a
+    raw ``~`` are left out of a compaction and named in its result (``skippedPartitions``),
+    so the table's other partitions are still compacted. Reads and writes of them work.
 """
 
 from __future__ import annotations
@@ -164,8 +170,9 @@ _SKIPPED = object()  # an attempt's result when the (app_id, version) step was a
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 _PARTITION_TYPES = {"string", "integer", "long", "short", "byte", "boolean", "date"}
 _MAX_STAT_STRING = 64
-# Spark's ExternalCatalogUtils.escapePathName set, plus '}' so no folder looks like a glob.
-_ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^")
+# Spark's ExternalCatalogUtils.escapePathName set, plus '}' so no folder looks like a glob,
+# and '~', which deltalake's compaction cannot find raw (edge case 19).
+_ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^~")
 _FILE_ROWS = "path string, size long, partition_values string, modification_time long, stats string"
 ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
 ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
@@ -697,19 +704,36 @@ class DeltaRsTables(DeltaTables):
                 [(c, "in", ["" if v is None else v for v in values]) for c, values in alt.items()]
                 for alt in filter_alternatives(partition_filter)
             ]
-        metrics: dict[str, Any] = {}
+        raw_tildes = self._raw_tilde_partitions(table)  # edge case 19
+        left_out = [(column, "not in", values) for column, values in raw_tildes.items()]
+        metrics: dict[str, Any] = {"numFilesAdded": 0, "numFilesRemoved": 0,
+                                   "skippedPartitions": [f"{column}={value}" for column, values
+                                                         in raw_tildes.items() for value in values]}
         try:
             for conjunction in alternatives:
-                metrics = table.optimize.compact(
-                    partition_filters=conjunction, commit_properties=properties
+                done = table.optimize.compact(
+                    partition_filters=[*(conjunction or []), *left_out] or None,
+                    commit_properties=properties,
                 )
                 table.update_incremental()
+                for counter in ("numFilesAdded", "numFilesRemoved"):  # of every alternative
+                    metrics[counter] += done[counter]
         except CommitFailedError as exc:
             raise CommitConflictError(
                 f"optimize on table {name!r} conflicted with a concurrent commit ({exc}); data "
                 "is unchanged. Compaction is idempotent: run it again later."
             ) from exc
         return metrics
+
+    def _raw_tilde_partitions(self, table: DeltaTable) -> dict[str, list[str]]:
+        """Partition values whose files sit in a folder named with a raw ``~`` (19)."""
+        found: dict[str, set[str]] = {}
+        for file in self._active_files(table):
+            if "~" in file.path.rpartition("/")[0]:
+                for column, value in file.partition_values.items():
+                    if value is not None and "~" in value:
+                        found.setdefault(column, set()).add(value)
+        return {column: sorted(values) for column, values in found.items()}
 
     def vacuum(
         self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True

@@ -405,8 +405,9 @@ class DeltaSparkTables(DeltaTables):
         builder = self._delta(name).optimize()
         if partition_filter:
             builder = builder.where(filter_to_sql(partition_filter, self._table_types(name)))
-        rows = builder.executeCompaction().collect()
-        return rows[0].asDict(recursive=True) if rows else {}
+        rows = builder.executeCompaction().collect()  # one row: the table's path and metrics
+        metrics = rows[0]["metrics"].asDict(recursive=True) if rows else {}
+        return {**metrics, "skippedPartitions": []}
 
     def vacuum(
         self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True

@@ -399,7 +399,9 @@ class DeltaTables(ABC):
     def optimize(
         self, name: str, partition_filter: PartitionFilter | None = None
     ) -> dict[str, Any]:
-        """Compact small files (data unchanged, ``dataChange=false``); returns the metrics."""
+        """Compact small files (data unchanged, ``dataChange=false``); returns the metrics,
+        with ``numFilesAdded`` and ``numFilesRemoved`` over the whole call and
+        ``skippedPartitions`` (``column=value``) the engine had to leave as they are."""
 
     @abstractmethod
     def vacuum(

@@ -37,6 +37,7 @@ Known edge cases, cited inline as (M1)..(M4):
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from clickstream.config import Config
@@ -82,7 +83,11 @@ def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
     """
     done: dict[str, _T] = {}
     failed: dict[str, Exception] = {}
-    for name in existing_tables(tables):
+    names = existing_tables(tables)
+    if not names:  # a new warehouse, or CLICKSTREAM_WAREHOUSE naming another folder here
+        progress(f"{step}: no table under {Path(tables.table_path(next(iter(ALL_TABLES)))).parent} "
+                 "(CLICKSTREAM_WAREHOUSE) yet: nothing to do")
+    for name in names:
         try:
             done[name] = work(name)
         except Exception as exc:  # raised below, together with every other table's failure
@@ -110,9 +115,15 @@ def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, d
 
     def compact(name: str) -> dict[str, Any]:
         metrics = tables.optimize(name)
-        done = {"files_added": int(metrics.get("numFilesAdded", 0) or 0),
-                "files_removed": int(metrics.get("numFilesRemoved", 0) or 0)}
-        progress(f"compact {name}: {done['files_removed']} files into {done['files_added']}")
+        done = {"files_added": int(metrics["numFilesAdded"]),
+                "files_removed": int(metrics["numFilesRemoved"]),
+                "partitions_skipped": metrics["skippedPartitions"]}
+        line = f"compact {name}: {done['files_removed']} files into {done['files_added']}"
+        if done["partitions_skipped"]:
+            line += (f"; left as they are: {', '.join(done['partitions_skipped'])} (their "
+                     "folders are named with a raw '~', which deltalake's compaction cannot "
+                     "find; rows rewritten there since sit in escaped folders and are compacted)")
+        progress(line)
         return done
 
     return each_table(tables, "compact", compact, progress)
