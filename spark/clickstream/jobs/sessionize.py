@@ -87,9 +87,10 @@ Known edge cases, cited inline as (Z1)..(Z18):
       (semantics E6: first by time, user, then url or amount and currency), not whichever
       Spark's dedupe met first. Copies of different users in different state buckets are each
       counted by their own bucket; the table keeps one, and a recompute of those users corrects
-      the sessions. An on-time copy comes before a late one, whose time is always earlier: the
-      state counts only on-time rows (Z1), so a late copy is stored (and queued) only when no
-      on-time copy of its id is in the batch.
+      the sessions (they are not queued: a correction reaching them, or ``recompute --full``).
+      An on-time copy comes before a late one, whose time is always earlier: the state counts
+      only on-time rows (Z1), so a late copy is stored (and queued) only when no on-time copy
+      of its id is in the batch.
   Z13. A stop (SIGTERM, SIGINT) lets the micro-batches already planned (in the checkpoint's
       offsets log) finish and commit, and starts no other: the writer refuses a later batch
       before writing anything (``StopBeforeMicroBatch``; the next start replays it). Spark's
