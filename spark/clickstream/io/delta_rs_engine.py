@@ -35,6 +35,9 @@ Known edge cases (cited inline as "edge case N"):
    ``minValues``/``maxValues`` only for integers, dates, timestamps (microseconds, UTC) and
    strings up to 64 characters. Wrong statistics would make readers skip files that hold
    matching rows, so anything ambiguous (decimals, floats with NaN, long strings) is left out.
+   A file deltalake's compaction writes has its own statistics, timestamps cut to the
+   millisecond (a maximum may then be below a row's time): nothing here prunes by time
+   statistics, and ``largest_by_partition``'s callers read whole milliseconds.
 8. Non-nullable columns are enforced from the written files' null counts: a violation deletes
    the files and commits nothing.
 9. Tables written by other engines with deletion vectors or column mapping are refused by
