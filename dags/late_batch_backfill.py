@@ -128,29 +128,24 @@ def late_batch_backfill():
         return not params["dry_run"]
 
     # Runs when merge failed too: a refused batch's merge quarantines its rows, then fails.
-    # Skipped with merge in a dry run (none_skipped); `located` is pulled here, not passed:
-    # a failed locate_batch leaves no XCom to pass, and nothing changed.
+    # Skipped with merge in a dry run that validated (none_skipped), and announces nothing in
+    # one that did not; `located` is pulled here, not passed: a failed locate_batch leaves no
+    # XCom to pass, and nothing changed.
     @task(outlets=[MERGED], trigger_rule="none_skipped")
     def announce_merge(params=None, ti=None, outlet_events=None) -> None:
         from airflow.sdk.exceptions import AirflowSkipException
 
         from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import load_step_result, quarantined_by_run
+        from clickstream.jobs.backfill_steps import merged_tables
 
         located = ti.xcom_pull(task_ids="locate_batch")
         if not located:
             raise AirflowSkipException("locate_batch found no batch: no table changed")
-        config = Config.from_env()
-        merged = load_step_result(config, located["run_id"], "merge")
-        quarantined = (merged.get("quarantined", 0) if merged is not None  # else merge failed
-                       else quarantined_by_run(config, located["run_id"]))
         extra = {"run_id": located["run_id"], "client_id": params["client"]}
-        if merged and merged.get("rows_merged"):
-            outlet_events[MERGED].add(table_asset(params["kind"]),
-                                      extra={**extra, "rows": merged["rows_merged"]})
-        if quarantined:
-            outlet_events[MERGED].add(table_asset("quarantine"),
-                                      extra={**extra, "rows": quarantined})
+        for table, rows in merged_tables(Config.from_env(), kind=params["kind"],
+                                         run_id=located["run_id"],
+                                         dry_run=params["dry_run"]).items():
+            outlet_events[MERGED].add(table_asset(table), extra={**extra, "rows": rows})
 
     @task(outlets=[RECOMPUTED])
     def announce_recompute(located: dict, params=None, outlet_events=None) -> list[str]:

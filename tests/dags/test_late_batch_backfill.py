@@ -13,6 +13,7 @@ from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.backfill_steps import locate_batch, run_step
 from clickstream.jobs.generate import Scale, simulate, write_table
 from tests.jobs.test_backfill import run_summaries
 from tests.reference import reference_changelog_value
@@ -134,6 +135,28 @@ def test_dry_run_reports_and_writes_nothing(backfill_dag, env_config: Config, sp
     report = next((config.home / "reports" / "backfills").glob("*.dry-run.html")).read_text()
     assert f"{n_pageviews} pageviews new or changed" in report
     assert "nothing was written" in report
+
+
+def test_a_failed_dry_run_announces_none_of_the_tables_a_real_run_of_its_batch_merged(
+        backfill_dag, env_config: Config, spark, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real run of the batch merged it (the same run id, S2). A dry run of the batch whose
+    validate_batch then failed (here spark-submit cannot reach its master; in the field a
+    lost JVM) announced that merge's tables as its own Asset events: announce_merge runs
+    after a failed upstream (none_skipped), and it read the real run's saved result."""
+    config = env_config
+    history(config, "late/again")
+    batch = {"kind": "orders", "client_id": "client-00", "path": "late/again/orders"}
+    run_id = locate_batch(config, **batch)["run_id"]
+    for step in ("check", "merge"):
+        run_step(config, step, run_id=run_id, spark=spark, progress=lambda _: None, **batch)
+    monkeypatch.setattr(backfill_dag.task_dict["validate_batch"], "retries", 0)
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", "spark://nowhere%5Bx%5D")
+
+    dagrun, states = run(backfill_dag, kind="orders", path=batch["path"], dry_run=True)
+
+    assert str(dagrun.state) == "failed"
+    assert (states["validate_batch"], states["merge"]) == ("failed", "upstream_failed"), states
+    assert changed_assets(dagrun) == set()
 
 
 def test_a_path_outside_the_landing_folder_fails_the_run_with_a_clear_message(

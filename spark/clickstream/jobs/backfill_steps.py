@@ -670,6 +670,21 @@ def quarantined_by_run(config: Config, run_id: str) -> int:
     return int(pc.sum(pc.starts_with(sources, quarantined_source_prefix(run_id))).as_py() or 0)
 
 
+def merged_tables(config: Config, *, kind: BatchKind, run_id: str, dry_run: bool
+                  ) -> dict[str, int]:
+    """The tables the run's merge changed, with its rows in each: what the DAG announces as
+    Asset events. From the merge's saved result, else (a refused batch's merge quarantines,
+    then fails) from ``quarantine``. A dry run changed none, whatever a real run of its batch
+    (the same run id, S2) merged before: its own steps can fail before they reach merge."""
+    if dry_run:
+        return {}
+    merged = load_step_result(config, run_id, "merge")
+    quarantined = (merged.get("quarantined", 0) if merged is not None
+                   else quarantined_by_run(config, run_id))
+    changed = {kind: merged["rows_merged"]} if merged and merged.get("rows_merged") else {}
+    return {**changed, "quarantine": quarantined} if quarantined else changed
+
+
 def recompute_result(config: Config, run_id: str) -> CorrectionSummary | None:
     """The ``recompute`` step's saved summary; None if it has not run for this batch."""
     saved = load_step_result(config, run_id, "recompute")
