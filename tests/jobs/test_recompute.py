@@ -746,6 +746,32 @@ def test_a_plan_that_fails_its_applied_check_stops_the_client_until_a_full_recom
     assert_topic_equals_table(stream_config, spark)
 
 
+def test_a_full_recompute_superseding_a_plan_publishes_what_it_applied_for_a_held_user(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R7) The superseded plan applied u1's and u2's sessions and was killed before it
+    published; u2's row was deleted outside the product, so the plan fails its applied check.
+    By the full recompute u1 is back on the stream (held, R2): its stored row is kept, and was
+    never sent, so the topic missed u1's session for good (later runs find it unchanged)."""
+    config = stream_config
+    late(config, spark, [("p1", "c1", "u1", 0), ("p2", "c1", "u2", 0)])
+    killed_at(monkeypatch, corrections, "publish_changes",  # after apply
+              lambda: run_recompute(config, spark=spark, progress=quiet))
+    tables = open_tables(config, spark)
+    tables.replace_partitions(
+        SESSIONS.name, tables.read(SESSIONS.name, schema=SESSIONS.schema).where(
+            F.col("user_id") != "u2"), predicate={"client_id": "c1"},
+        partition_by=SESSIONS.partition_by, app_id="someone", version=1,
+        metadata={"run_id": "t", "cause": "manual delete"})
+    stored_by_the_stream(config, spark, [("back", "c1", "u1", 200)])
+    stream_committed_a_batch_at(config, 215)  # u1's session at 200 is open
+
+    summary = run_full_recompute(config, client_id="c1", spark=spark, progress=quiet)
+
+    assert summary.users_left_to_the_stream == 1
+    assert sorted(r["user_id"] for r in table_rows(config, spark, "sessions")) == ["u1", "u2"]
+    assert_topic_equals_table(config, spark)
+
+
 def test_a_dag_run_checked_after_another_run_published_and_changed_its_plan_passes(
         stream_config: Config, spark: SparkSession) -> None:
     """(backfill_steps S4) The DAG's tasks apply a plan creating u's sessions at 0 and 50;

@@ -405,7 +405,8 @@ def run_full_recompute(
     the client's rows meanwhile, the rewrite of that table is refused, the rows its
     tombstones had retracted are sent again, and the error says to rerun. It runs as one of
     the client's correction runs (C6): an unpublished plan goes first, or, if that plan fails
-    its applied check, is superseded (this rewrite republishes every row it could change).
+    its applied check, is superseded (this rewrite republishes every row it writes, those
+    of users the stream holds too, which that plan may have applied).
     Tombstones are sent before the rows they retract are replaced: a rerun after a crash
     finds those rows gone and could not tell them any more.
     """
@@ -588,7 +589,11 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
                 "changes are recorded as the client's unpublished plan: the next correction "
                 "run of the client (a rerun of this one too) applies and publishes them"
             ) from exc
-        publish_rows(config, topic, fresh, spec)  # each table's view once it is committed
+        # Each table's view once it is committed; with the rows it left to the stream too: a
+        # superseded plan (R7) may have applied some unpublished. A key fresh also has (an
+        # order id's other copy, R14) goes out with fresh's revision, as planned.
+        publish_rows(config, topic, fresh.unionByName(
+            rewrite.kept.join(fresh.select(key), key, "left_anti")), spec)
     if planned:
         gate_publish(run, plan, since)  # (R11) failing, the plan stays to be finished (C6)
         mark_published(run, plan)
