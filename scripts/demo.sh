@@ -59,7 +59,10 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 echo "== starting the embedded broker on 127.0.0.1:$PORT (log: $LOG)"
-"$CLI" broker --port "$PORT" >"$LOG" 2>&1 &
+# In a session of its own: Ctrl-C in the terminal reaches the foreground command (a
+# sessionizer then finishes its micro-batch against a live broker), and cleanup stops the
+# broker after it.
+setsid "$CLI" broker --port "$PORT" >"$LOG" 2>&1 < /dev/null &
 BROKER=$!
 BACKGROUND+=("$BROKER")
 for _ in $(seq 1 100); do

@@ -62,7 +62,9 @@ def _cmd_sessionize(args: argparse.Namespace, config: Config) -> int:
         overrides["max_events_per_trigger"] = args.max_events_per_trigger
     summary = run_sessionizer(config.replace(**overrides), until_caught_up=args.until_caught_up)
     print(summary.describe())
-    return 0
+    # A stop by Ctrl-C is a clean one, yet says it was interrupted (128 + SIGINT), as a shell
+    # expects: a script running the sessionizer then stops too, instead of going on.
+    return 128 + signal.SIGINT if summary.stopped_by == signal.SIGINT else 0
 
 
 def _cmd_backfill(args: argparse.Namespace, config: Config) -> int:

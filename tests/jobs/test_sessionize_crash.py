@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from tests.jobs.test_sessionize import (
     SCALE,
     assert_sessions_match_reference,
     assert_topic_equals_table,
+    pageview,
     produce,
     table_rows,
 )
@@ -179,3 +181,31 @@ def test_kill_9_at_random_points_loses_and_doubles_nothing(
     assert table_rows(config, spark, "recompute_queue") == []
     assert_topic_equals_table(config, assert_sessions_match_reference(config, spark, events,
                                                                       revised=True))
+
+
+def test_ctrl_c_stops_the_sessionizer_cleanly_and_says_it_was_interrupted(
+    kafka_config: Config, broker: EmbeddedBroker, spark: SparkSession, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) stops as SIGTERM does, after the
+    micro-batch, and exits 130: a script running the sessionizer (the demo) went on to its
+    next step after a Ctrl-C, as bash goes on after a command that exits 0."""
+    suffix = uuid.uuid4().hex[:8]
+    config = kafka_config.replace(
+        events_topic=f"events-{suffix}", sessions_topic=f"sessions-{suffix}",
+        attributions_topic=f"attributions-{suffix}", driver_memory="1g")
+    for topic in (config.events_topic, config.sessions_topic, config.attributions_topic):
+        broker.create_topic(topic, 4)
+    produce(config, [pageview("u", datetime(2026, 11, 1, tzinfo=UTC), "p1")])
+    log = tmp_path / "sessionize.log"
+    process = start_sessionizer(config, log)
+    try:
+        wait_for_batches(log, 1)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=120) == 128 + signal.SIGINT, log.read_text()[-3000:]
+        assert re.search(r"^sessionize: stopped; micro-batches up to \d+ are committed$",
+                         log.read_text(), re.MULTILINE), log.read_text()[-3000:]
+        assert [r["event_id"] for r in table_rows(config, spark, "pageviews")] == ["p1"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

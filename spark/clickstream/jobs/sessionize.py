@@ -243,6 +243,7 @@ class SessionizeSummary:
     batches: int = 0
     totals: BatchCounts = field(default_factory=BatchCounts)
     seconds: float = 0.0
+    stopped_by: int | None = None  # the signal that asked for the stop, if one did
 
     def describe(self) -> str:
         return (f"sessionize: {self.batches} micro-batches in {self.seconds:.1f}s: "
@@ -974,6 +975,7 @@ class StopBeforeMicroBatch(RuntimeError):
 class _Stop:
     asked: threading.Event = field(default_factory=threading.Event)
     now: threading.Event = field(default_factory=threading.Event)
+    signal: int | None = None  # the first one
 
 
 @contextmanager
@@ -983,6 +985,7 @@ def _stop_on_signal(stop: _Stop) -> Iterator[None]:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: object) -> None:
+        stop.signal = stop.signal or signum
         (stop.now if stop.asked.is_set() else stop.asked).set()
 
     if threading.current_thread() is threading.main_thread():
@@ -1082,6 +1085,7 @@ def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession 
             _reraise_product_error(error)
     finally:
         summary.seconds = time.monotonic() - started
+        summary.stopped_by = stop.signal
     return summary
 
 
@@ -1106,5 +1110,7 @@ def _stop_after_planned_micro_batches(query: StreamingQuery, writer: MicroBatchW
            and _last_logged_batch(checkpoint, "commits") < last):
         now.wait(0.2)
     query.stop()
-    print(f"sessionize: stopped; micro-batches up to {_last_logged_batch(checkpoint, 'commits')}"
-          " are committed", flush=True)
+    committed = _last_logged_batch(checkpoint, "commits")
+    print("sessionize: stopped; " + (f"micro-batches up to {committed} are committed"
+                                     if committed >= 0 else "no micro-batch committed yet"),
+          flush=True)
