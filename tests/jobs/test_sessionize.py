@@ -281,8 +281,10 @@ def test_data_loss_is_detected_instead_of_skipped(
     run_sessionizer(config, until_caught_up=True, spark=spark)
     produce(config, [("c/u", json.dumps({**event, "event_id": f"f{i}"})) for i in range(10)])
     broker.delete_records(topic, 0, 15)  # the broker drops 10..14 before we read them
-    with pytest.raises(DataLossError, match=r"records 10\.\.14 were dropped"):
+    with pytest.raises(DataLossError, match=r"records 10\.\.14 were dropped") as lost:
         run_sessionizer(config, until_caught_up=True, spark=spark)
+    assert str(lost.value).endswith(
+        f" (the sessionizer's checkpoint: {config.checkpoint_path('sessionize')})")
     # A retry would fail the same way: the command's status says so (errors.NOT_RETRYABLE),
     # and the sessionizer DAG's task then fails without retrying.
     for name, variable in ENV_NAMES.items():

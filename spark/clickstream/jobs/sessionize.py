@@ -953,14 +953,18 @@ def _outputs_present(records: DataFrame, emitted: DataFrame, is_late: Column) ->
 
 
 _ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
-def _reraise_product_error(error: Exception) -> None:
+def _reraise_product_error(error: Exception, checkpoint: Path) -> None:
     """Surface our own error (raised in the source or a task) instead of Spark's wrapper, or
-    the Python error under Spark's wrapper."""
+    the Python error under Spark's wrapper. A data loss names the checkpoint: its remedies
+    (start on a new checkpoint, or skip) are about that folder."""
     text = str(error)
     match = _ERROR_IN_TRACE.search(text)
     if match:
         kind = getattr(errors, match.group(1), errors.ClickstreamError)
-        raise kind(match.group(2).strip()) from None
+        message = match.group(2).strip()
+        if issubclass(kind, errors.DataLossError):
+            message += f" (the sessionizer's checkpoint: {checkpoint})"
+        raise kind(message) from None
     cause = errors.error_line(text)
     raise errors.QueryFailedError(
         f"the sessionizer query failed: {cause}; it resumes from its checkpoint when restarted"
@@ -1082,7 +1086,7 @@ def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession 
         print(f"sessionize: stopped: {stopped}", flush=True)
     except StreamingQueryException as error:
         if not (stop.asked.is_set() and StopBeforeMicroBatch.__name__ in str(error)):
-            _reraise_product_error(error)
+            _reraise_product_error(error, checkpoint)
     finally:
         summary.seconds = time.monotonic() - started
         summary.stopped_by = stop.signal
