@@ -104,32 +104,42 @@ def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int
         time.sleep(3)
     print(f"run {run_id}: {state}")
     if dag_id == BACKFILL_DAG:
-        print_run_summary(conf.get("client"), since, state)
+        print_run_summary(conf, since, state)
     return 0 if state == "success" else 1
 
 
-def print_run_summary(client_id: str | None, since: str, state: str) -> None:
-    """The backfill's run summary (its page in the quality reports, written by the DAG's
-    last step, or in red by the step that failed), read from the reports index under this
-    machine's ``$CLICKSTREAM_HOME``, which is Airflow's only when Airflow runs here with it."""
+def print_run_summary(conf: dict, since: str, state: str) -> None:
+    """What each step of the backfill did, in full, from the results its steps saved, and
+    where its page in the quality reports is; read under this machine's
+    ``$CLICKSTREAM_HOME``, which is Airflow's only when Airflow runs here with it."""
     from clickstream.config import Config
-    from clickstream.quality import reports, run_summary
+    from clickstream.errors import ClickstreamError
+    from clickstream.jobs.backfill_steps import locate_batch, saved_summary_lines
+    from clickstream.quality import reports
 
-    root = reports.reports_dir(Config.from_env())
+    config = Config.from_env()
+    root = reports.reports_dir(config)
     pages = [e for e in reports.read_entries(root)
              if e.job == "backfill" and e.title == "run summary" and e.time >= since
-             and (client_id is None or e.client_id == client_id)]
-    if not pages:
+             and e.client_id == conf.get("client")]
+    try:  # the DAG's run id (backfill_steps S2)
+        run_id = locate_batch(config, kind=conf["kind"], client_id=conf["client"],
+                              path=conf["path"])["run_id"]
+    except ClickstreamError:  # no batch there (the run failed at locate_batch)
+        lines = []
+    else:
+        lines = saved_summary_lines(config, run_id, dry_run=bool(conf.get("dry_run")))
+    if not pages and not lines:
         why = ("the run may have stopped before a step could write one; " if state != "success"
                else "")
         print(f"  no run summary of this run in {root} ({why}summaries are read from this "
               "machine's $CLICKSTREAM_HOME: for an Airflow elsewhere, see its Quality reports "
               "page)")
         return
-    page = max(pages, key=lambda e: e.time)
-    cut = len(page.summary) >= run_summary.SUMMARY_MAX_CHARS  # the index keeps the start
-    print(f"  summary ({'its start; all of it on ' if cut else ''}{root / page.href}):")
-    print("  " + page.summary.replace(" | ", "\n  ") + (" ..." if cut else ""))
+    page = f" ({root / max(pages, key=lambda e: e.time).href})" if pages else ""
+    print(f"  summary{page}:")
+    for step, text in lines:
+        print(f"  {step}: {text}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.password_file:
         parser.error("--password-file (or AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE)")
-    with client(args.url, args.password_file) as api:
-        return trigger(api, args.dag_id, json.loads(args.conf), args.timeout)
+    try:
+        with client(args.url, args.password_file) as api:
+            return trigger(api, args.dag_id, json.loads(args.conf), args.timeout)
+    except OSError as exc:  # the passwords file, or a connection: one line, not a traceback
+        raise SystemExit(f"airflow_demo: {exc}") from None
+    except httpx.TransportError as exc:
+        raise SystemExit(f"airflow_demo: the Airflow API at {args.url} does not answer "
+                         f"({exc}): start it (`bash scripts/airflow.sh`), or pass --url") from None
 
 
 if __name__ == "__main__":

@@ -4,13 +4,19 @@ a run the API refuses, or a DAG it does not know, ends with the API's reason."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import socket
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from clickstream.config import Config
+from clickstream.jobs import backfill_steps
 from tests.dags.airflow_env import DAGS, REPO, admin_token, api_server_app
+from tests.dags.test_late_batch_backfill import history
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +61,48 @@ def test_a_dag_id_airflow_does_not_know_is_named_with_the_ones_it_knows(trigger_
     message = str(unknown.value)
     assert message.startswith("no DAG 'late_batch_backfil' after 0 s: Airflow knows ")
     assert "late_batch_backfill, scheduled_recompute, sessionizer, table_maintenance" in message
+
+
+def test_an_api_that_does_not_answer_or_a_missing_passwords_file_is_one_line(
+        trigger_script, tmp_path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    passwords = tmp_path / "passwords.json"
+    passwords.write_text(json.dumps({"admin": "x"}))
+    with pytest.raises(SystemExit) as down:
+        trigger_script.main(["trigger", "late_batch_backfill", "--url", url,
+                             "--password-file", str(passwords)])
+    assert str(down.value).startswith(f"airflow_demo: the Airflow API at {url} does not answer")
+    with pytest.raises(SystemExit) as missing:
+        trigger_script.main(["trigger", "late_batch_backfill", "--url", url,
+                             "--password-file", str(tmp_path / "none.json")])
+    assert str(missing.value) == (f"airflow_demo: [Errno 2] No such file or directory: "
+                                  f"'{tmp_path / 'none.json'}'")
+
+
+def test_a_backfill_runs_summary_is_printed_in_full(trigger_script, env_config: Config,
+                                                   spark, capsys) -> None:
+    """The reports index keeps only a summary's first 500 characters: the demo printed its
+    recompute line cut in the middle ('sessions created 187, updated 7, retracte ...')."""
+    config = env_config
+    history(config, "late")
+    conf = {"client": "client-00", "kind": "pageviews", "path": "late/pageviews",
+            "dry_run": False}
+    batch = {"kind": "pageviews", "client_id": "client-00", "path": conf["path"]}
+    run_id = backfill_steps.locate_batch(config, **batch)["run_id"]
+    since = datetime.now(UTC).isoformat()
+    for step in backfill_steps.STEPS:
+        backfill_steps.run_step(config, step, run_id=run_id, spark=spark,
+                                progress=lambda _: None, **batch)
+    capsys.readouterr()
+
+    trigger_script.print_run_summary(conf, since, "success")
+
+    lines = capsys.readouterr().out.splitlines()
+    recompute = backfill_steps.recompute_result(config, run_id)
+    assert lines[0].startswith("  summary (") and lines[0].endswith(".html):")
+    assert [line.split(":")[0] for line in lines[1:]] == [
+        "  validate", "  merge", "  recompute", "  check", "  publish"]
+    assert lines[3].startswith(f"  recompute: {recompute.describe()} (")
+    assert recompute.sessions_created > 0

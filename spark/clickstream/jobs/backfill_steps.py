@@ -57,7 +57,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -564,22 +564,30 @@ def write_failure_report(config: Config, *, failed_step: str, error: BaseExcepti
         The page's path.
     """
     ran = STEPS[:STEPS.index(failed_step)]  # before it, so this attempt's (a dry run: check)
-    earlier = {name: load_step_result(config, run_id, name, dry_run)
-               for name in ran if not dry_run or name == "check"}
-    check = earlier.get("check")
-    lines: list[tuple[str, str]] = []
-    if check is not None:
-        published = earlier.get("publish")
-        lines, _ = _summary_lines(
-            config, check=check, dry_run=dry_run, merged=earlier.get("merge"),
-            corrections=earlier.get("recompute"), applied=earlier.get("check-applied"),
-            published=None if published is None else published["published"])
+    check = load_step_result(config, run_id, "check", dry_run) if ran else None
+    lines = saved_summary_lines(config, run_id, dry_run=dry_run, steps=ran)
     lines.append(failure_line(failed_step, error))
     _, target = write_run_summary(
         config, run_id=run_id, client_id=client_id, kind=kind,
         root=str(check["root"]) if check else path, lines=lines, details=check,
         dry_run=dry_run, failed=True)
     return target
+
+
+def saved_summary_lines(config: Config, run_id: str, *, dry_run: bool = False,
+                        steps: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """(step, what it did) for each of ``steps`` (all) the run saved a result of, in full:
+    the reports index keeps only a summary's start. None before its check."""
+    saved = {name: load_step_result(config, run_id, name, dry_run)
+             for name in (STEPS if steps is None else steps) if not dry_run or name == "check"}
+    if saved.get("check") is None:
+        return []
+    published = saved.get("publish")
+    lines, _ = _summary_lines(
+        config, check=saved["check"], dry_run=dry_run, merged=saved.get("merge"),
+        corrections=saved.get("recompute"), applied=saved.get("check-applied"),
+        published=None if published is None else published["published"])
+    return lines
 
 
 def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
