@@ -719,6 +719,19 @@ def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retr
     assert len(table) == 2 and topic == table  # u's two sessions, not rewritten, still live
 
 
+def test_a_client_with_nothing_queued_is_said_so(stream_config: Config,
+                                                  spark: SparkSession) -> None:
+    """A mistyped --client printed every count as 0 and a dangling '; ' after them."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+
+    summary = run_recompute(stream_config, client_id="c9", spark=spark, progress=quiet)
+
+    assert summary.describe() == "recompute c9: nothing queued for this client"
+    assert len(table_rows(stream_config, spark, "recompute_queue")) == 1  # c1's, untouched
+    assert corrections.CorrectionSummary().describe().endswith(
+        "users deferred to the stream; no step ran")
+
+
 def test_a_plan_that_fails_its_applied_check_stops_the_client_until_a_full_recompute(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     # Killed after apply, before publish; then something outside the product deletes the

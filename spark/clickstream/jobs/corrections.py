@@ -219,7 +219,9 @@ class CorrectionSummary:
         steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds_by_step.items())
         if self.finished_sessions or self.finished_attributions:
             steps = (f"finished another run's interrupted plan first ({self.finished_sessions} "
-                     f"session and {self.finished_attributions} attribution changes); {steps}")
+                     f"session and {self.finished_attributions} attribution changes)"
+                     + (f"; {steps}" if steps else ""))
+        steps = steps or "no step ran"  # (nothing to do)
         changed = (f"sessions created {self.sessions_created}, updated "
                    f"{self.sessions_updated}, retracted {self.sessions_retracted}; ")
         if self.published_earlier:  # as below: the counts are the stored plan's

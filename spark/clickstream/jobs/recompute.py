@@ -182,9 +182,13 @@ class RecomputeSummary:
     def describe(self) -> str:
         if not self.queued:
             return "recompute: the queue is empty"
-        return "\n".join(f"recompute {client}: {self.queued[client]} queued records; "
-                         f"{self.corrections[client].describe()}" for client in self.queued
-                         if client in self.corrections)  # a failed client has none (R10)
+        return "\n".join(
+            f"recompute {client}: " + (f"{self.queued[client]} queued records; "
+                                       f"{self.corrections[client].describe()}"
+                                       if self.queued[client] or client in self.dequeued
+                                       else "nothing queued for this client")
+            for client in self.queued
+            if client in self.corrections)  # a failed client has none (R10)
 
 
 @releases_cache
