@@ -91,14 +91,17 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
             os.utime(file, (written, written))
     before = versions(stream_config, spark)
     with pytest.raises(QualityGateFailedError, match=(
-            r"^quality gate historical_batch failed for backfill orders-client-00-\w+: [1-3] of "
+            r"^(most of the batch's rows \(100%\) are of client 'client-01': .*?\. )?"
+            r"quality gate historical_batch failed for backfill orders-client-00-\w+: [1-3] of "
             rf"16 expectations failed: .*quality gate historical_batch: {message} .*the batch "
             r"was refused as a whole: nothing was merged")) as refused:
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                      path=path, progress=lambda _: None)
-    # The likely fix: the batch is another client's, sent under the wrong --client.
-    assert ("most of its rows are of client 'client-01': if the batch is that client's, run it "
-            "with --client client-01 " in str(refused.value)) == (case == "another client")
+    # The likely fix first: the batch is another client's, sent under the wrong --client.
+    assert str(refused.value).startswith(
+        "most of the batch's rows (100%) are of client 'client-01': if the batch is that "
+        "client's, run it with --client client-01 (the form's Client). quality gate "
+    ) == (case == "another client")
     after = versions(stream_config, spark)
     unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
     assert after["quarantine"] > before["quarantine"]

@@ -262,14 +262,16 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
         progress(f"  {gate.describe()}")
         main_client = gate.checks.get("main_client_id")
         share = gate.checks.get("main_client_fraction") or 0
-        fix = (f"most of its rows are of client {main_client!r}: if the batch is that "
-               f"client's, run it with --client {shlex.quote(main_client)} (the form's "
-               "Client); otherwise fix the batch and send it again"
-               if main_client and main_client != client_id and share > 0.5
-               and contract.client_id_problem(main_client) is None
-               else "fix the batch and send it again")
+        other_client = bool(main_client and main_client != client_id and share > 0.5
+                            and contract.client_id_problem(main_client) is None)
+        # The likely fix first: a batch sent under the wrong --client fails many checks.
+        lead = (f"most of the batch's rows ({share:.0%}) are of client {main_client!r}: if "
+                f"the batch is that client's, run it with --client {shlex.quote(main_client)} "
+                "(the form's Client). " if other_client else "")
         gate.raise_if_failed(f"the batch was refused as a whole: nothing was merged, its "
-                             f"{quarantined} rows with problems are in quarantine; {fix}")
+                             f"{quarantined} rows with problems are in quarantine; "
+                             f"{'otherwise ' if other_client else ''}fix the batch and send it "
+                             "again", lead=lead)
     return quarantined
 
 

@@ -146,21 +146,22 @@ class GateResult:
             text += "; " + "; ".join(o.reason for o in (*self.failures, *self.warnings))
         return text
 
-    def message(self, consequence: str) -> str:
-        """The one-line error message: gate, run, expectations, counts, consequence, report."""
+    def message(self, consequence: str, lead: str = "") -> str:
+        """The one-line error message: ``lead`` (the likely fix, if known), gate, run,
+        expectations, counts, consequence, report."""
         first = "; ".join(o.reason for o in self.failures[:3])
         more = f" (and {len(self.failures) - 3} more)" if len(self.failures) > 3 else ""
         quarantined = (f"{self.quarantined} rows quarantined with the expectation as the "
                        "reason; " if self.quarantined else "")
         report = f"; report: {self.report}" if self.report else ""
-        return (f"quality gate {self.gate} failed for {self.job} {self.run_id}: "
+        return (f"{lead}quality gate {self.gate} failed for {self.job} {self.run_id}: "
                 f"{len(self.failures)} of {len(self.outcomes)} expectations failed: {first}{more}"
                 f"; {quarantined}{consequence}{report}")
 
-    def raise_if_failed(self, consequence: str) -> None:
+    def raise_if_failed(self, consequence: str, lead: str = "") -> None:
         """Raise :class:`QualityGateFailedError` when a critical expectation failed."""
         if self.failures:
-            raise QualityGateFailedError(self.message(consequence))
+            raise QualityGateFailedError(self.message(consequence, lead))
 
 
 def _show(value: Any) -> str:
