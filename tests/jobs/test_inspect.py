@@ -160,3 +160,24 @@ def test_lag_before_the_first_commit_counts_from_where_the_first_micro_batch_sta
     lines = describe_lag(stream_config)
     assert any(f"partition {partition}: records 0..1 were dropped" in line for line in lines), \
         lines
+
+
+def test_a_changelog_topic_is_shown_with_its_tombstoned_keys(config):
+    """A retraction's tombstone showed only as a key fewer: a user checking that a backfill
+    retracted a session had to read the topic with a consumer of their own."""
+    with EmbeddedBroker(port=0, topics={config.sessions_topic: 1}) as broker:
+        here = config.replace(kafka_bootstrap_servers=broker.bootstrap_servers)
+        produce_records(here, config.sessions_topic, [
+            ("s1", '{"revision": 1}'), ("s2", '{"revision": 1}'), ("s2", None), ("s3", None),
+            ("s3", '{"revision": 1}')])
+        lines = describe_topic(here, config.sessions_topic, sample=5)
+    assert lines == [f"topic {config.sessions_topic} at {broker.bootstrap_servers}: 2 live keys "
+                     "(last value per key), 1 tombstoned (their last record is a tombstone: "
+                     "retracted)", '  s1: {"revision": 1}', '  s3: {"revision": 1}']
+
+
+def test_a_warehouse_that_does_not_exist_is_said_so(config, tmp_path):
+    """``inspect --warehouse`` with a mistyped folder showed every table as not created yet."""
+    lines = describe_tables(config.replace(warehouse=tmp_path / "nowhere"))
+    assert lines[0] == (f"warehouse {tmp_path / 'nowhere'} (no such folder: nothing was written "
+                        "there yet, or the setting names another one)")

@@ -772,7 +772,7 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
 
 def read_compacted(config: Config, topic: str, *,
                    value_decoder: Callable[[bytes], Any] = json.loads,
-                   timeout_s: float = 60.0) -> dict[str, Any]:
+                   timeout_s: float = 60.0, keep_tombstones: bool = False) -> dict[str, Any]:
     """Read a changelog topic as Kafka compaction would keep it: last value per key.
 
     Reads every partition from offset 0 to the high watermarks seen at the start (records
@@ -788,9 +788,11 @@ def read_compacted(config: Config, topic: str, *,
         topic: Topic to read, e.g. ``config.sessions_topic``.
         value_decoder: Turns a value's bytes into the returned value (default JSON).
         timeout_s: Give up if the snapshot is not complete within this time.
+        keep_tombstones: Keep a key whose last record is a tombstone, with the value None.
 
     Returns:
-        ``{key: decoded value}`` for every live key.
+        ``{key: decoded value}`` for every live key (and ``{key: None}`` for each tombstoned
+        one, with ``keep_tombstones``).
 
     Raises:
         DataLossError: Some partition no longer starts at offset 0, so the view would miss keys.
@@ -844,7 +846,9 @@ def read_compacted(config: Config, topic: str, *,
                     key = (raw_key.decode("utf-8", "backslashreplace")
                            if isinstance(raw_key, bytes) else str(raw_key))
                     value = msg.value()
-                    if value is None:
+                    if value is None and keep_tombstones:
+                        result[key] = None
+                    elif value is None:
                         result.pop(key, None)
                     else:
                         result[key] = value_decoder(value)

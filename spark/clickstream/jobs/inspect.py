@@ -26,7 +26,9 @@ def describe_tables(config: Config, sample: int = 0) -> list[str]:
     are of one version, so a writer committing meanwhile cannot make them disagree."""
     # Reading needs no Spark on either engine: the delta-rs reader reads delta-spark's tables.
     tables = open_tables(config.replace(delta_engine="deltalake"))
-    lines = [f"warehouse {config.warehouse}"]
+    lines = [f"warehouse {config.warehouse}" + ("" if config.warehouse.is_dir() else
+                                                 " (no such folder: nothing was written there "
+                                                 "yet, or the setting names another one)")]
     for name in ALL_TABLES:
         version = tables.version(name)
         if version < 0:
@@ -42,10 +44,14 @@ def describe_tables(config: Config, sample: int = 0) -> list[str]:
 
 
 def describe_topic(config: Config, topic: str, sample: int = 0) -> list[str]:
-    """The topic's compacted view: live keys, and optionally a few values."""
-    view: dict[str, Any] = read_compacted(config, topic, value_decoder=_json_or_text)
+    """The topic's compacted view: live keys, tombstoned ones (a retraction's), and
+    optionally a few values."""
+    last: dict[str, Any] = read_compacted(config, topic, value_decoder=_json_or_text,
+                                          keep_tombstones=True)
+    view = {key: value for key, value in last.items() if value is not None}
     lines = [f"topic {topic} at {config.kafka_bootstrap_servers}: {len(view)} live keys "
-             "(last value per key, tombstoned keys absent)"]
+             f"(last value per key), {len(last) - len(view)} tombstoned (their last record "
+             "is a tombstone: retracted)"]
     for key in sorted(view)[:sample]:
         lines.append(f"  {key}: {json.dumps(view[key])}")
     return lines
