@@ -493,7 +493,8 @@ def flush_or_raise(producer: Producer, timeout_s: float = 60.0) -> None:
             f"kafka delivery failed: {failed + remaining} of {total} records were not "
             f"acknowledged by {producer.bootstrap_servers} ({failed} failed, {remaining} still "
             f"queued after {timeout_s:g} s); first error: {first or 'timed out'}; check that "
-            "the broker is up and the topic exists, then rerun the step (it resends them)"
+            "the broker is up and the topic exists, then run the command (or step) again: it "
+            "sends them again"
         )
 
 
@@ -552,7 +553,8 @@ def _asked(config: Config, topic: str, ask: Callable[[], T], attempts: int, time
     raise BrokerUnavailableError(
         f"kafka at {config.kafka_bootstrap_servers} did not answer for topic {topic!r} after "
         f"{attempts} attempts ({timeout_s:g} s each): {last_error}; start the broker "
-        f"(`clickstream broker`) or fix KAFKA_BOOTSTRAP_SERVERS, then rerun"
+        f"(`clickstream broker`) or fix {ENV_NAMES['kafka_bootstrap_servers']} (or the "
+        "command's --kafka-bootstrap-servers), then rerun"
     )
 
 
