@@ -489,3 +489,19 @@ def test_a_correction_reaching_copies_of_a_reused_order_id_revises_each_once(
     planned = open_tables(config, spark).read(CORRECTIONS.name).where(
         F.col("run_id") == run.run_id)
     assert correction_figures(run, planned).moved == {"moved to another session": len(changed)}
+
+
+def test_report_figures_count_a_retracted_attribution_by_its_key(spark: SparkSession) -> None:
+    """``recompute --full`` retracts attributions (R8): such a plan row has no new value, so
+    its order id comes from the row's key, not from the value."""
+    day = START.date()
+    plan = spark.createDataFrame(
+        [("attribution", "o1", "retracted", 1, None, None, day)],
+        "entity string, key string, change string, old_revision int, new_revision int, "
+        "new_value string, partition_date date")
+    stored = spark.createDataFrame([("o1", "client-00", "u", START, "s1", 1, day)],
+                                   ATTRIBUTIONS.schema)
+
+    figures = correction_figures(None, plan, {ATTRIBUTIONS.name: stored})
+
+    assert figures.moved == {"no longer attributed (kept, unattributed)": 1}

@@ -85,8 +85,9 @@ def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
     failed: dict[str, Exception] = {}
     names = existing_tables(tables)
     if not names:  # a new warehouse, or CLICKSTREAM_WAREHOUSE naming another folder here
-        progress(f"{step}: no table under {Path(tables.table_path(next(iter(ALL_TABLES)))).parent} "
-                 "(CLICKSTREAM_WAREHOUSE) yet: nothing to do")
+        warehouse = Path(tables.table_path(next(iter(ALL_TABLES)))).parent
+        progress(f"{step}: no table under {warehouse} (CLICKSTREAM_WAREHOUSE) yet: nothing "
+                 "to do")
     for name in names:
         try:
             done[name] = work(name)

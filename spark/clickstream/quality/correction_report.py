@@ -93,8 +93,10 @@ def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
     diff paired them: by key alone, each new copy met every old one."""
     from clickstream.jobs.corrections import COPIES_BY, pair_copies  # which imports this module
 
-    new = attributions.select(F.from_json("new_value", ATTRIBUTIONS.schema).alias("v")).select(
-        "v.order_id", "v.user_id", "v.order_ts", F.col("v.session_id").alias("new_session"))
+    # The key from the plan's row: a retraction (``recompute --full``, R8) has no new value.
+    new = attributions.select(F.col("key").alias("order_id"), F.from_json(
+        "new_value", ATTRIBUTIONS.schema).alias("v")).select(
+        "order_id", "v.user_id", "v.order_ts", F.col("v.session_id").alias("new_session"))
     old = _old_rows(run, ATTRIBUTIONS, "order_date", attributions, dates,
                     ["order_id", "user_id", "order_ts", "session_id"], stored) if updates else None
     if old is not None:
