@@ -126,7 +126,8 @@ cat <<EOF
              each task's log), scheduled_recompute, table_maintenance; Assets -> the tables
              the backfill changed; late_batch_backfill -> Trigger -> the form (try a dry run,
              or path ../elsewhere to see it refused).
- Reports:    'Quality reports' in the navigation: gates, Data Docs, correction reports.
+ Reports:    'Quality reports' in the navigation: gates, Data Docs, correction reports
+             (on disk: $CLICKSTREAM_HOME/reports/index.html).
  Data:       $CLICKSTREAM_WAREHOUSE  (landing folder: $CLICKSTREAM_LANDING)
 Running until Ctrl-C.
 EOF
