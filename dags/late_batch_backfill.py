@@ -127,11 +127,11 @@ def late_batch_backfill():
     def writes_enabled(params=None) -> bool:
         return not params["dry_run"]
 
-    # Runs when merge failed too: a refused batch's merge quarantines its rows, then fails.
-    # Skipped with merge in a dry run that validated (none_skipped), and announces nothing in
-    # one that did not; `located` is pulled here, not passed: a failed locate_batch leaves no
-    # XCom to pass, and nothing changed.
-    @task(outlets=[MERGED], trigger_rule="none_skipped")
+    # Runs when merge ran in this DAG run, and failed too (one_done): a refused batch's merge
+    # quarantines its rows, then fails. Skipped when merge was (a dry run) or never ran (its
+    # upstream failed: a saved result would be an earlier run's of the batch). `located` is
+    # pulled here, not passed: a failed locate_batch leaves no XCom to pass.
+    @task(outlets=[MERGED], trigger_rule="one_done")
     def announce_merge(params=None, ti=None, outlet_events=None) -> None:
         from airflow.sdk.exceptions import AirflowSkipException
 

@@ -5,19 +5,23 @@
 Logs in as "admin" with the password from SimpleAuthManager's passwords file (a JWT from
 POST /auth/token), waits until the DAG is parsed, unpauses it, triggers a run with the conf
 (the same values the UI's trigger form sends), polls until the run ends, then prints each
-task's state and the backfill's run summary from the quality reports. Exit status 0 only if
-the run succeeded.
+task's state and what each step of the backfill did (from the results its steps saved) with
+the failed step's reason and the path of the run's page in the quality reports. Exit status 0
+only if the run succeeded.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 import httpx
 
@@ -108,10 +112,12 @@ def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int
     return 0 if state == "success" else 1
 
 
-def print_run_summary(conf: dict, since: str, state: str) -> None:
-    """What each step of the backfill did, in full, from the results its steps saved, and
-    where its page in the quality reports is; read under this machine's
-    ``$CLICKSTREAM_HOME``, which is Airflow's only when Airflow runs here with it."""
+def print_run_summary(conf: Mapping[str, Any], since: str, state: str) -> None:
+    """What each step of the backfill did, in full, from the results its steps saved, the
+    failed step's reason, and where its page in the quality reports is; read under this
+    machine's ``$CLICKSTREAM_HOME``, which is Airflow's only when Airflow runs here with it.
+    Only a run that wrote its page has its steps' results printed: before its check, the
+    saved results are an earlier run's of the same batch (``backfill_steps`` S2, S6)."""
     from clickstream.config import Config
     from clickstream.errors import ClickstreamError
     from clickstream.jobs.backfill_steps import locate_batch, saved_summary_lines
@@ -122,24 +128,28 @@ def print_run_summary(conf: dict, since: str, state: str) -> None:
     pages = [e for e in reports.read_entries(root)
              if e.job == "backfill" and e.title == "run summary" and e.time >= since
              and e.client_id == conf.get("client")]
-    try:  # the DAG's run id (backfill_steps S2)
-        run_id = locate_batch(config, kind=conf["kind"], client_id=conf["client"],
-                              path=conf["path"])["run_id"]
-    except ClickstreamError:  # no batch there (the run failed at locate_batch)
-        lines = []
-    else:
-        lines = saved_summary_lines(config, run_id, dry_run=bool(conf.get("dry_run")))
-    if not pages and not lines:
+    if not pages:
         why = ("the run may have stopped before a step could write one; " if state != "success"
                else "")
         print(f"  no run summary of this run in {root} ({why}summaries are read from this "
               "machine's $CLICKSTREAM_HOME: for an Airflow elsewhere, see its Quality reports "
               "page)")
         return
-    page = f" ({root / max(pages, key=lambda e: e.time).href})" if pages else ""
-    print(f"  summary{page}:")
+    page = root / max(pages, key=lambda e: e.time).href
+    try:  # the DAG's run id (backfill_steps S2); the kind's default is the form's
+        run_id = locate_batch(config, kind=conf.get("kind", "orders"),
+                              client_id=conf.get("client", ""),
+                              path=conf.get("path", ""))["run_id"]
+    except ClickstreamError:  # its files changed or went since the run
+        lines = []
+    else:
+        lines = saved_summary_lines(config, run_id, dry_run=bool(conf.get("dry_run")))
+    print(f"  summary ({page}):")
     for step, text in lines:
         print(f"  {step}: {text}")
+    failed = re.search(r"<tr><th>([^<]*: failed)</th><td>([^<]*)</td>", page.read_text())
+    if failed:  # the failing step's reason: on the page only (failure_line)
+        print(f"  {html.unescape(failed[1])}: {html.unescape(failed[2])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,11 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with client(args.url, args.password_file) as api:
             return trigger(api, args.dag_id, json.loads(args.conf), args.timeout)
-    except OSError as exc:  # the passwords file, or a connection: one line, not a traceback
-        raise SystemExit(f"airflow_demo: {exc}") from None
-    except httpx.TransportError as exc:
+    except OSError as exc:  # the passwords file: one line, not a traceback
+        raise SystemExit(f"airflow_demo: {exc} (--password-file)") from None
+    except httpx.ConnectError as exc:
         raise SystemExit(f"airflow_demo: the Airflow API at {args.url} does not answer "
                          f"({exc}): start it (`bash scripts/airflow.sh`), or pass --url") from None
+    except httpx.TransportError as exc:  # a timeout while following a run: it may go on
+        raise SystemExit(f"airflow_demo: lost contact with the Airflow API at {args.url} "
+                         f"({type(exc).__name__}: {exc}); a triggered run may still be going: "
+                         "see the UI") from None
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from clickstream.config import Config
+from clickstream.errors import QualityGateFailedError
 from clickstream.jobs import backfill_steps
 from tests.dags.airflow_env import DAGS, REPO, admin_token, api_server_app
 from tests.dags.test_late_batch_backfill import history
@@ -78,7 +79,7 @@ def test_an_api_that_does_not_answer_or_a_missing_passwords_file_is_one_line(
         trigger_script.main(["trigger", "late_batch_backfill", "--url", url,
                              "--password-file", str(tmp_path / "none.json")])
     assert str(missing.value) == (f"airflow_demo: [Errno 2] No such file or directory: "
-                                  f"'{tmp_path / 'none.json'}'")
+                                  f"'{tmp_path / 'none.json'}' (--password-file)")
 
 
 def test_a_backfill_runs_summary_is_printed_in_full(trigger_script, env_config: Config,
@@ -106,3 +107,27 @@ def test_a_backfill_runs_summary_is_printed_in_full(trigger_script, env_config: 
         "  validate", "  merge", "  recompute", "  check", "  publish"]
     assert lines[3].startswith(f"  recompute: {recompute.describe()} (")
     assert recompute.sessions_created > 0
+
+
+def test_a_failed_backfill_runs_summary_ends_with_the_failed_steps_reason(
+        trigger_script, env_config: Config, spark, capsys) -> None:
+    config = env_config
+    history(config, "late")
+    conf = {"client": "client-01", "kind": "orders", "path": "late/orders", "dry_run": False}
+    batch = {"kind": "orders", "client_id": "client-01", "path": conf["path"]}  # client-00's
+    run_id = backfill_steps.locate_batch(config, **batch)["run_id"]
+    since = datetime.now(UTC).isoformat()
+    backfill_steps.run_step(config, "check", run_id=run_id, spark=spark,
+                            progress=lambda _: None, **batch)
+    with pytest.raises(QualityGateFailedError):
+        backfill_steps.run_step(config, "merge", run_id=run_id, spark=spark,
+                                progress=lambda _: None, **batch)
+    capsys.readouterr()
+
+    trigger_script.print_run_summary(conf, since, "failed")
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("  summary (") and lines[1].startswith("  validate: ")
+    assert len(lines) == 3
+    assert lines[-1].startswith("  merge: failed: QualityGateFailedError: most of the batch's "
+                                "rows (100%) are of client 'client-00'")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from datetime import timedelta
@@ -505,3 +506,28 @@ def test_report_figures_count_a_retracted_attribution_by_its_key(spark: SparkSes
     figures = correction_figures(None, plan, {ATTRIBUTIONS.name: stored})
 
     assert figures.moved == {"no longer attributed (kept, unattributed)": 1}
+
+
+def test_report_figures_count_a_created_copy_of_a_stored_order_id_as_attributed(
+        spark: SparkSession) -> None:
+    """(C14) The plan creates a's copy of o beside b's stored one: it had no old row, so it
+    is attributed now; paired with b's copy by key, it looked moved."""
+    day = START.date()
+
+    def value(order_id: str, user_id: str, session_id: str, revision: int) -> str:
+        return json.dumps({"order_id": order_id, "client_id": "client-00", "user_id": user_id,
+                           "order_ts": START.isoformat(), "session_id": session_id,
+                           "revision": revision, "order_date": str(day)})
+
+    plan = spark.createDataFrame(  # with an update: the old rows are read (p moves)
+        [("attribution", "o", "created", None, 1, value("o", "a", "sa", 1), day),
+         ("attribution", "p", "updated", 1, 2, value("p", "c", "sc2", 2), day)],
+        "entity string, key string, change string, old_revision int, new_revision int, "
+        "new_value string, partition_date date")
+    stored = spark.createDataFrame([("o", "client-00", "b", START, "sb", 1, day),
+                                    ("p", "client-00", "c", START, "sc", 1, day)],
+                                   ATTRIBUTIONS.schema)
+
+    figures = correction_figures(None, plan, {ATTRIBUTIONS.name: stored})
+
+    assert figures.moved == {"attributed to a session": 1, "moved to another session": 1}

@@ -64,10 +64,10 @@ def test_a_compaction_names_the_partitions_it_left_out(config: Config):
 
     assert compact_tables(config, progress=lines.append) == {"pageviews": {
         "files_added": 1, "files_removed": 2, "partitions_skipped": ["client_id=x~y"]}}
-    assert lines == ["compact pageviews: 2 files into 1; left as they are: client_id=x~y "
-                     "(their folders are named with a raw '~', which deltalake's compaction "
-                     "cannot find; rows rewritten there since sit in escaped folders and are "
-                     "compacted)"]
+    assert lines == ["compact pageviews: 2 files into 1; left as they are: every partition of "
+                     "client_id=x~y (some of its folders are named with a raw '~', which "
+                     "deltalake's compaction cannot find; compacted again once no such folder "
+                     "holds an active file)"]
     assert DeltaTable(str(path)).to_pyarrow_table().num_rows == 4
 
 

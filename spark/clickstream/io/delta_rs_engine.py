@@ -102,10 +102,11 @@ Known edge cases (cited inline as "edge case N"):
     keeps files (``set_retention``), so a retention above 30 days extends both.
 19. deltalake 1.6.6 writes a ``~`` raw in a partition folder's name, but its compaction looks
     for the file under ``%7E`` and fails for the whole table ("File selection contains N
-    missing files"), every run. This engine's writer escapes ``~``, which Spark reads back;
-    partitions another writer (or this one before session 71) put in a folder named with a
-    raw ``~`` are left out of a compaction and named in its result (``skippedPartitions``),
-    so the table's other partitions are still compacted. Reads and writes of them work.
+    missing files"), every run. This engine's writer escapes ``~``, which Spark reads back.
+    A partition value (a client) with a file in a folder named with a raw ``~`` (another
+    writer's, or this one's before session 71) has all its partitions left out of a
+    compaction, named in its result (``skippedPartitions``), until no such file is active;
+    the table's other partitions are still compacted. Reads and writes of them work.
 """
 
 from __future__ import annotations

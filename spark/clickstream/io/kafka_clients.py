@@ -772,6 +772,9 @@ def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_water
         )
 
 
+TOMBSTONE = object()  # read_compacted's value of a tombstoned key, with keep_tombstones
+
+
 def read_compacted(config: Config, topic: str, *,
                    value_decoder: Callable[[bytes], Any] = json.loads,
                    timeout_s: float = 60.0, keep_tombstones: bool = False) -> dict[str, Any]:
@@ -790,11 +793,12 @@ def read_compacted(config: Config, topic: str, *,
         topic: Topic to read, e.g. ``config.sessions_topic``.
         value_decoder: Turns a value's bytes into the returned value (default JSON).
         timeout_s: Give up if the snapshot is not complete within this time.
-        keep_tombstones: Keep a key whose last record is a tombstone, with the value None.
+        keep_tombstones: Keep a key whose last record is a tombstone, with the value
+            ``TOMBSTONE`` (a JSON ``null`` value decodes to None).
 
     Returns:
-        ``{key: decoded value}`` for every live key (and ``{key: None}`` for each tombstoned
-        one, with ``keep_tombstones``).
+        ``{key: decoded value}`` for every live key (and ``{key: TOMBSTONE}`` for each
+        tombstoned one, with ``keep_tombstones``).
 
     Raises:
         DataLossError: Some partition no longer starts at offset 0, so the view would miss keys.
@@ -849,7 +853,7 @@ def read_compacted(config: Config, topic: str, *,
                            if isinstance(raw_key, bytes) else str(raw_key))
                     value = msg.value()
                     if value is None and keep_tombstones:
-                        result[key] = None
+                        result[key] = TOMBSTONE
                     elif value is None:
                         result.pop(key, None)
                     else:

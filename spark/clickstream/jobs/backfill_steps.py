@@ -577,7 +577,7 @@ def write_failure_report(config: Config, *, failed_step: str, error: BaseExcepti
 def saved_summary_lines(config: Config, run_id: str, *, dry_run: bool = False,
                         steps: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """(step, what it did) for each of ``steps`` (all) the run saved a result of, in full:
-    the reports index keeps only a summary's start. None before its check."""
+    the reports index keeps only a summary's start. Nothing before its check."""
     saved = {name: load_step_result(config, run_id, name, dry_run)
              for name in (STEPS if steps is None else steps) if not dry_run or name == "check"}
     if saved.get("check") is None:

@@ -11,6 +11,7 @@ from clickstream.config import Config
 from clickstream.errors import DataLossError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_clients import (
+    TOMBSTONE,
     check_no_data_loss,
     check_same_log,
     read_compacted,
@@ -48,7 +49,7 @@ def describe_topic(config: Config, topic: str, sample: int = 0) -> list[str]:
     optionally a few values."""
     last: dict[str, Any] = read_compacted(config, topic, value_decoder=_json_or_text,
                                           keep_tombstones=True)
-    view = {key: value for key, value in last.items() if value is not None}
+    view = {key: value for key, value in last.items() if value is not TOMBSTONE}
     lines = [f"topic {topic} at {config.kafka_bootstrap_servers}: {len(view)} live keys "
              f"(last value per key), {len(last) - len(view)} tombstoned (their last record "
              "is a tombstone: retracted)"]

@@ -107,7 +107,8 @@ def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
 
 
 def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, dict[str, Any]]:
-    """Compact small files of every existing table; per table, files added and removed.
+    """Compact small files of every existing table; per table, files added and removed and
+    the partitions left as they are (``delta_rs_engine`` edge case 19).
 
     Raises:
         ClickstreamError: compaction failed on some tables; the others were compacted (M2).
@@ -121,9 +122,10 @@ def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, d
                 "partitions_skipped": metrics["skippedPartitions"]}
         line = f"compact {name}: {done['files_removed']} files into {done['files_added']}"
         if done["partitions_skipped"]:
-            line += (f"; left as they are: {', '.join(done['partitions_skipped'])} (their "
+            skipped = ", ".join(done["partitions_skipped"])
+            line += (f"; left as they are: every partition of {skipped} (some of its "
                      "folders are named with a raw '~', which deltalake's compaction cannot "
-                     "find; rows rewritten there since sit in escaped folders and are compacted)")
+                     "find; compacted again once no such folder holds an active file)")
         progress(line)
         return done
 

@@ -94,13 +94,17 @@ def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
     from clickstream.jobs.corrections import COPIES_BY, pair_copies  # which imports this module
 
     # The key from the plan's row: a retraction (``recompute --full``, R8) has no new value.
-    new = attributions.select(F.col("key").alias("order_id"), F.from_json(
+    new = attributions.select(F.col("key").alias("order_id"), "change", F.from_json(
         "new_value", ATTRIBUTIONS.schema).alias("v")).select(
-        "order_id", "v.user_id", "v.order_ts", F.col("v.session_id").alias("new_session"))
+        "order_id", "change", "v.user_id", "v.order_ts",
+        F.col("v.session_id").alias("new_session"))
     old = _old_rows(run, ATTRIBUTIONS, "order_date", attributions, dates,
                     ["order_id", "user_id", "order_ts", "session_id"], stored) if updates else None
     if old is not None:
         old, new, on = pair_copies(old, new, "order_id", COPIES_BY["attribution"])
+        # A created copy had no old row (the diff counted copies over all new rows, not only
+        # the plan's): paired by key alone here, it would look moved.
+        on = on & (F.col("n.change") != "created")
         new = new.alias("n").join(old.alias("o"), on, "left").select(
             "n.new_session", F.col("o.session_id").alias("old_session"))
     else:
