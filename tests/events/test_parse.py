@@ -116,6 +116,15 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
        f"{field} is {ID_MAX_BYTES + 1} bytes long, more than the {ID_MAX_BYTES} an id may have "
        "(ids are keys and values of the changelog topics, whose records must fit one Kafka "
        "message); send a shorter id") for field in ("event_id", "order_id", "user_id")),
+    # Read as text, a JSON object, array or boolean came out as its JSON text, stored as a
+    # valid event: a client '{"name":"acme"}', a url '{"path":"/b"}'.
+    *((json.dumps({**ORDER, field: value}), f"{field} is a JSON {kind}, not a string: send it "
+       "as a JSON string")
+      for field, value, kind in (
+          ("client_id", {"name": "acme"}, "object"), ("user_id", ["u", 1], "array"),
+          ("event_id", True, "boolean"), ("event_type", {"t": 1}, "object"),
+          ("url", {"path": "/b"}, "object"), ("referrer", False, "boolean"),
+          ("order_id", [], "array"), ("currency", {}, "object"))),
     # A JSON number is judged by its own digits: 5 decimals are still too many.
     (json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', "0.00005"),
      "amount '0.00005' is not a decimal string with at most 4 decimals"),
@@ -145,13 +154,14 @@ def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
     spark: SparkSession
 ) -> None:
     epoch_ms = int(T0.timestamp() * 1000) + 1
-    pageview, order, numeric, nested = parse(
+    pageview, order, numeric, extra = parse(
         spark,
         (KEY, json.dumps(PAGEVIEW)),
         (KEY, json.dumps({**ORDER, "ts": "2026-11-01T10:30:00.250+01:30"})),
-        # JSON numbers and other non-strings come out as their JSON text
+        # A JSON number comes out as its text (an object, array or boolean is refused)
         (KEY, json.dumps({**ORDER, "ts": epoch_ms, "amount": 12.5, "order_id": 7})),
-        (KEY, json.dumps({**PAGEVIEW, "url": {"path": "/b"}, "referrer": True, "extra": [1]})),
+        # Texts that only look like JSON are texts; fields outside the contract are not read
+        (KEY, json.dumps({**PAGEVIEW, "url": "{x}", "referrer": "true", "extra": [1]})),
     )
     assert pageview["error"] is None and pageview["event_type"] == "pageview"
     assert (pageview["event_id"], pageview["url"], pageview["referrer"]) == ("e1", "/a", "")
@@ -165,7 +175,7 @@ def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
     assert numeric["error"] is None
     assert numeric["ts"].astimezone(UTC) == datetime(2026, 11, 1, 9, 0, 0, 1000, tzinfo=UTC)
     assert (numeric["order_id"], numeric["amount"]) == ("7", Decimal("12.5000"))
-    assert (nested["error"], nested["url"], nested["referrer"]) == (None, '{"path":"/b"}', "true")
+    assert (extra["error"], extra["url"], extra["referrer"]) == (None, "{x}", "true")
     assert pageview["amount"] is None and pageview["order_id"] is None
 
 

@@ -290,6 +290,27 @@ def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
     assert page.read_text() == written
 
 
+def test_a_rerun_of_a_batch_that_merged_nothing_does_not_undo_a_later_update(
+        stream_config: Config, spark: SparkSession) -> None:
+    """A run whose orders were all stored already committed nothing, so a rerun after a
+    later batch updated them merged them again: the order and its session went back."""
+    backfill_rows(stream_config, spark, "pageviews", "p", [pv_row("a", "u", 0)])
+    backfill_rows(stream_config, spark, "orders", "o0", [order_row("o1", "u", 1, "10.00")])
+    same = write_rows(stream_config, "o1", [order_row("o1", "u", 1, "10.00")], "parquet")
+    first = run_backfill(stream_config, kind="orders", client_id="client-00", path=same,
+                         spark=spark)
+    assert (first.rows_merged, first.duplicates_skipped) == (0, 1)
+    backfill_rows(stream_config, spark, "orders", "o2", [order_row("o1", "u", 1, "20.00")])
+    rerun = run_backfill(stream_config, kind="orders", client_id="client-00", path=same,
+                         spark=spark)
+    assert rerun.rows_merged == 0
+    assert [r["amount"] for r in table_rows(stream_config, spark, "orders")] == [
+        Decimal("20.0000")]
+    ((revenue, revision),) = [(r["revenue"], r["revision"])
+                              for r in table_rows(stream_config, spark, "sessions")]
+    assert (revenue, revision) == (Decimal("20.0000"), 3)
+
+
 def test_a_backfill_whose_topics_do_not_answer_stops_before_it_merges(
         stream_config: Config, spark: SparkSession) -> None:
     """It merged and applied its corrections, then failed to publish them: the tables ahead
@@ -1395,6 +1416,33 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
     rows = validated(config, spark, "f")
     assert {key: (r["amount"], r["error"]) for key, r in rows.items()} == {
         "f1": (Decimal("19.99"), None), "f2": (Decimal("0.1"), None)}
+
+
+def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the_stream_does(
+    config: Config, spark: SparkSession
+) -> None:
+    """Read as text, a line's object, array or boolean came out as its JSON text and was
+    merged: a user '{"id":1}', a url '["/a"]'. A number is its text, as in the stream."""
+    line = {"client_id": "client-00", "user_id": "u", "ts": ms(START), "amount": "1.00",
+            "currency": "EUR"}
+    (config.landing / "o").mkdir(parents=True)
+    (config.landing / "o" / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {**line, "order_id": "o1", "user_id": {"id": 1}}, {**line, "order_id": "o2",
+                                                           "currency": True},
+        {**line, "order_id": "o3", "user_id": 7}, {**line, "order_id": "o4",
+                                                   "user_id": "{not json"})))
+    rows = validated(config, spark, "o")
+    assert {key: (r["user_id"], r["error"]) for key, r in rows.items()} == {
+        "o1": ('{"id":1}', "user_id is a JSON object, not a string: send it as a JSON string"),
+        "o2": ("u", "currency is a JSON boolean, not a string: send it as a JSON string"),
+        "o3": ("7", None), "o4": ("{not json", None)}
+    pageview = {"event_id": "v1", "client_id": "client-00", "user_id": "u", "ts": ms(START),
+                "url": ["/a"], "referrer": None}
+    (config.landing / "v").mkdir()
+    (config.landing / "v" / "a.jsonl").write_text(json.dumps(pageview) + "\n")
+    rows = validated(config, spark, "v", "pageviews")
+    assert rows["v1"]["error"] == (
+        "url is a JSON array, not a string: send it as a JSON string")
 
 
 def test_a_json_lines_batch_without_one_object_is_read_as_its_lines(

@@ -30,9 +30,9 @@ NOT_UTF8_PREFIX = "base64:"  # a quarantined value that is not UTF-8 is kept as 
 # reads the SQL conf per row and field; ``try_parse_json`` stays as the validity check, since
 # it rejects what ``from_json`` tolerates, such as a repeated key.) An order's ``amount`` is
 # the exception (``amount_text``): ``from_json`` writes a number back through a double.
-_FIELDS_AS_TEXT = ", ".join(f"{name} string" for name in (
-    *contract.REQUIRED_EVENT_FIELDS, "url", "referrer",
-    *(name for name in contract.ORDER_FIELDS if name != "amount")))
+_READ_AS_TEXT = (*contract.REQUIRED_EVENT_FIELDS, "url", "referrer",
+                 *(name for name in contract.ORDER_FIELDS if name != "amount"))
+_FIELDS_AS_TEXT = ", ".join(f"{name} string" for name in _READ_AS_TEXT)
 
 
 def _sent_text(value: Column, field: str, text: Column) -> Column:
@@ -82,6 +82,29 @@ def plain_decimal_text(decimal: Column) -> Column:
     """A decimal's text without trailing zeros (12.500000 as 12.5, 3.000 as 3)."""
     return F.regexp_replace(F.regexp_replace(decimal.cast("string"), r"(\.\d*?)0+$", "$1"),
                             r"\.$", "")
+
+
+# The fields read as text; ``ts`` and ``amount`` have rules of their own for a JSON number.
+TEXT_FIELDS = tuple(name for name in _READ_AS_TEXT if name != "ts")
+_NOT_TEXT_KINDS = r"^(OBJECT|ARRAY|BOOLEAN)\b"
+
+
+def not_text_error(value: Column, texts: dict[str, Column]) -> Column:
+    """Reason one of a parsed JSON record's text fields (``texts``: name -> its text) holds a
+    JSON object, array or boolean, or null. Read as text, such a value came out as its JSON
+    text and was stored as valid: a client ``{"name":"acme"}``, a user ``["u",1]``. A JSON
+    number is taken as its text (an integer id as sent). Only a text that could be one (it
+    starts with ``{`` or ``[``, or is ``true``/``false``) is looked up in ``value`` (a
+    variant), so a valid record pays a comparison per field, not a variant lookup."""
+    reasons = []
+    for name, text in texts.items():
+        kind = F.schema_of_variant(F.try_variant_get(value, f"$.{name}", "variant"))
+        could_be = F.substring(text, 1, 1).isin("{", "[") | text.isin("true", "false")
+        # Nested, not one conjunction, so the lookup stays in the branch only such texts reach.
+        reasons.append(F.when(could_be, F.when(kind.rlike(_NOT_TEXT_KINDS), F.format_string(
+            "%s is a JSON %s, not a string: send it as a JSON string", F.lit(name),
+            F.lower(F.regexp_extract(kind, r"^[A-Z]+", 0))))))
+    return F.coalesce(*reasons)
 
 
 def _blank(column: Column) -> Column:
@@ -371,6 +394,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
                F.lit("value is not valid JSON: text follows its first value")),
         F.when(~_starts_an_object(F.col("raw")), F.lit("value is not a JSON object")),
         missing,
+        not_text_error(v, {name: F.col(name) for name in TEXT_FIELDS}),
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),
         id_error(F.col("event_id"), "event_id"),

@@ -154,7 +154,12 @@ def merge_pageviews(tables: DeltaTables, valid: DataFrame, client_id: str, run_i
 
 
 def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: str) -> int:
-    """Upsert orders that are new or differ from the stored version; returns how many."""
+    """Upsert orders that are new or differ from the stored version; returns how many.
+
+    A merge of no row is committed too (no files, the run's transaction), when the table
+    exists: a run is merged once (``merged_earlier``), and one that found all its orders
+    stored, rerun after a later batch updated them, took those updates back. (Pageviews are
+    only ever inserted: a rerun cannot undo anything there.)"""
     rows = valid.select("order_id", "client_id", "user_id", "ts", "amount", "currency",
                         F.lit(None).cast("string").alias("event_id"),
                         F.lit(merged_source(run_id)).alias("source"),
@@ -165,7 +170,7 @@ def merge_orders(tables: DeltaTables, valid: DataFrame, client_id: str, run_id: 
         rows = rows.join(stored.select(*same), same, "left_anti")
     rows = rows.persist()  # batch-sized: persisted, see above
     count = rows.count()
-    if count:
+    if count or tables.exists(ORDERS.name):
         tables.upsert(ORDERS.name, rows, keys=["order_id"], partition_by=ORDERS.partition_by,
                       partition_filter={"client_id": client_id},
                       app_id=backfill_app_id(run_id), version=1,

@@ -135,6 +135,7 @@ from pyspark.sql.types import (
 from clickstream.config import Config, unreadable_path_reason
 from clickstream.errors import BatchRefusedError
 from clickstream.events.parse import (
+    TEXT_FIELDS,
     amount_error,
     amount_text,
     amount_value,
@@ -143,6 +144,7 @@ from clickstream.events.parse import (
     exact_decimal_text,
     id_error,
     is_one_json_object,
+    not_text_error,
     not_utf8_reason,
     to_milliseconds,
     ts_ahead_error,
@@ -583,7 +585,10 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
         F.when(~is_one_json_object(line), F.lit(
             "line is not one JSON object: JSON Lines holds one record per line (two records "
             "joined on one line, or an array, are quarantined as they are); split the line "
-            "and load it again")))
+            "and load it again")),
+        not_text_error(F.col("_value"), {  # as the stream judges it
+            name: F.try_variant_get("_value", f"$.{name}", "string")
+            for name in REQUIRED[kind] if name in TEXT_FIELDS}))
     parsed = lines.select(F.from_json(line, fields).alias("_record"),
                           F.try_parse_json(line).alias("_value"), text, "_metadata")
     # A required field is read from the parsed value as its own JSON text (B15): ``from_json``

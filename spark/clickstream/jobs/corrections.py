@@ -140,7 +140,7 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, date, datetime, timedelta
 from functools import reduce
 
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
@@ -148,6 +148,7 @@ from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotApp
 from clickstream.events import contract
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables
 from clickstream.io.kafka_changelog import check_changelogs_answer, publish_pairs, spark_row_value
+from clickstream.key_copies import COPIES_BY, COPY_COUNT, count_copies, pair_copies, same_columns
 from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.quality.correction_report import (
     CorrectionFigures,
@@ -186,9 +187,6 @@ SESSION_CONTENT = ("session_start", "session_end", "pageview_count", "landing_ur
                    "order_count", "revenue")
 # user_id too: a later batch may move an order to another user (C7).
 ATTRIBUTION_CONTENT = ("user_id", "order_ts", "session_id")
-# What tells apart an entity's copies of one key: an order id reused for two users, or sent
-# again under another time (C14).
-COPIES_BY: dict[str, tuple[str, ...]] = {"session": (), "attribution": ("user_id", "order_ts")}
 
 
 @dataclass
@@ -561,29 +559,8 @@ def _reattributed(changed: DataFrame, old_sessions: DataFrame, attributions: Dat
         attributions=attributions, retract=False, held=(joined, *held))
 
 
-_COPIES = "_copies_of_key"
-
-
-def _same(columns: tuple[str, ...], left: str, right: str) -> Column:
-    return F.expr(" AND ".join(f"({left}.{c} = {right}.{c})" for c in columns))
-
-
 def _differs(columns: tuple[str, ...]) -> Column:
     return ~F.expr(" AND ".join(f"(o.{c} <=> n.{c})" for c in columns))
-
-
-def pair_copies(old: DataFrame, new: DataFrame, key: str, copies_by: tuple[str, ...]
-                ) -> tuple[DataFrame, DataFrame, Column]:
-    """``old`` and ``new`` (to be aliased "o" and "n") and the condition pairing their rows:
-    by key, and where a side holds a key more than once, by ``copies_by`` too (C14)."""
-    on = F.col(f"o.{key}") == F.col(f"n.{key}")
-    if not copies_by:
-        return old, new, on
-    # Partitioned by the key as the join is: the join needs no shuffle of its own.
-    copies = F.count(F.lit(1)).over(Window.partitionBy(key))
-    old, new = old.withColumn(_COPIES, copies), new.withColumn(_COPIES, copies)
-    return old, new, on & (_same(copies_by, "o", "n")
-                           | ((F.col(f"o.{_COPIES}") == 1) & (F.col(f"n.{_COPIES}") == 1)))
 
 
 def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
@@ -1260,8 +1237,8 @@ def _not_applied(tables: DeltaTables, changes: DataFrame, client_id: str, entity
         "key", "old_revision", "new_revision", "retracted", *(f"v.{c}" for c in copies_by))
     on = F.col("p.key") == F.col("c.key")
     if copies_by:  # a key held once is matched by key alone: a later run may have moved it
-        current = current.withColumn(_COPIES, F.count(F.lit(1)).over(Window.partitionBy("key")))
-        on = on & (_same(copies_by, "p", "c") | (F.col(f"c.{_COPIES}") == 1))
+        current = count_copies(current, "key")
+        on = on & (same_columns(copies_by, "p", "c") | (F.col(f"c.{COPY_COUNT}") == 1))
     joined = planned_rows.alias("p").join(current.alias("c"), on, "left").select(
         "p.*", "c.stored")
     # A later run may have moved a row further on: only an older revision is a miss.

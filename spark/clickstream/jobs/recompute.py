@@ -118,7 +118,6 @@ from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
     BUCKETS,
-    COPIES_BY,
     CorrectionSummary,
     Run,
     ScopeReader,
@@ -133,13 +132,13 @@ from clickstream.jobs.corrections import (
     mark_published,
     next_plan_seq,
     one_run_at_a_time,
-    pair_copies,
     record_plan,
     resume,
     unfinished_plan,
     unfinished_plan_seq,
 )
 from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
+from clickstream.key_copies import COPIES_BY, pair_copies
 from clickstream.quality import reports
 from clickstream.quality.gates import (
     FULL_RECOMPUTE_JOB,
@@ -542,6 +541,8 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         if spec.name in own_copies:
             kept = kept.unionByName(stored.join(own_copies[spec.name], [key, *users], "left_semi")
                                     .join(rows.select(key), key, "left_semi"))
+        # Read by the diff, the replace and the publish: once, not a scan of the client each.
+        kept = kept.persist()
         # A key's copies (an order id two users hold, C14) pair as the diff pairs them (R13): by
         # key alone, each stored copy met each new one and the rewrite multiplied them.
         copies_by = COPIES_BY[entity]
@@ -604,6 +605,7 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     counts = {r.spec.name: r.fresh.count() for r in rewrites}
     gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)
     held = active.count()
-    release(emitted, plan, active, *(f for r in rewrites for f in (r.fresh, r.retracted)))
+    release(emitted, plan, active,
+            *(f for r in rewrites for f in (r.fresh, r.retracted, r.kept)))
     return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
                                 time.monotonic() - started, gone, held)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from clickstream.key_copies import COPIES_BY, pair_copies
 from clickstream.quality import reports
 from clickstream.quality.checks import run_commit_version
 from clickstream.quality.gates import enabled, split_run_id
@@ -91,8 +92,6 @@ def reattributions(run: Run, attributions: DataFrame, dates: list, updates: bool
     """How the run's attribution changes moved orders between sessions. An order id's copies
     (another user's order with the same id, ``corrections`` C14) are paired as the plan's
     diff paired them: by key alone, each new copy met every old one."""
-    from clickstream.jobs.corrections import COPIES_BY, pair_copies  # which imports this module
-
     # The key from the plan's row: a retraction (``recompute --full``, R8) has no new value.
     new = attributions.select(F.col("key").alias("order_id"), "change", F.from_json(
         "new_value", ATTRIBUTIONS.schema).alias("v")).select(
