@@ -100,8 +100,22 @@ def test_durations_accept_units_and_reject_nonsense() -> None:
         Config.from_env({"CLICKSTREAM_SESSION_GAP": "soon"})
     with pytest.raises(ConfigError, match=r"^--session-gap='soon' is not a duration"):
         Config.from_env({}, session_gap_minutes="soon")  # named as the flag the user typed
-    with pytest.raises(ConfigError, match=r"^--max-ts-ahead='-5m' is not a duration"):
+    with pytest.raises(ConfigError, match=r"^--max-ts-ahead='-5m' is negative; a duration is "
+                       r"at least 1ms$"):
         Config.from_env({}, max_ts_ahead_minutes="-5m")
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_SESSION_GAP='-5' is negative"):
+        Config.from_env({"CLICKSTREAM_SESSION_GAP": "-5"})
+    with pytest.raises(ConfigError, match=r"^--max-ts-ahead='-5x' is not a duration"):
+        Config.from_env({}, max_ts_ahead_minutes="-5x")
+
+
+def test_a_flag_wins_over_a_malformed_variable_it_overrides() -> None:
+    """The variable was converted first, so its error stopped the command the flag fixed."""
+    env = {"CLICKSTREAM_SESSION_GAP": "30x", "CLICKSTREAM_MAX_EVENTS_PER_TRIGGER": "abc"}
+    config = Config.from_env(env, session_gap_minutes="30", max_events_per_trigger=1000)
+    assert (config.session_gap_ms, config.max_events_per_trigger) == (1_800_000, 1000)
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_SESSION_GAP='30x' is not a duration"):
+        Config.from_env(env, max_events_per_trigger=1000)  # a variable no flag overrides
 
 
 def test_kafka_options_take_a_comma_inside_a_value_escaped() -> None:
@@ -403,14 +417,17 @@ def test_flag_values_that_mean_nothing_are_refused_before_anything_runs(
 
 
 def test_an_out_file_that_cannot_be_written_is_named_in_one_line(tmp_path, capsys) -> None:
-    """It was an unexpected error, its traceback in a file."""
+    """It was an unexpected error, its traceback in a file; then "File exists", with a
+    traceback kept as for a bug: the file in the way is named now."""
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "events.jsonl"
     code = main(["generate", "events", "--clients", "1", "--users", "2", "--minutes", "1",
                  "--out", str(out), "--home", str(tmp_path / "home")])
     assert code == EXIT_NOT_RETRYABLE
-    assert capsys.readouterr().err.strip().startswith(
-        f"clickstream generate: error: --out '{out}' cannot be written: ")
+    assert capsys.readouterr().err == (
+        f"clickstream generate: error: --out '{out}': {tmp_path / 'a-file'} is a file, not a "
+        "folder; name a file in a folder\n")
+    assert not (tmp_path / "home" / "logs").exists()
 
 
 def test_an_error_carrying_an_engines_text_is_one_line_its_text_kept(

@@ -131,25 +131,34 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
                         bad_fraction=args.bad_fraction)
     _span_end(scale.start, timedelta(minutes=scale.minutes), "--minutes")
     _check_not_before_earliest(scale.start, "the sessionizer would quarantine those events")
+    if not args.out:  # before the records are built, which takes a while at a large scale
+        _check_not_ahead_of_now(scale.start, timedelta(minutes=scale.minutes), config,
+                                "the sessionizer would quarantine those events")
     records = live_records(scale, delivery, args.seed)
     if args.out:
         import json
 
+        from clickstream.jobs.generate import file_in_the_way
+
         path = Path(args.out)
         if path.is_dir():
             raise ConfigError(f"--out {args.out!r} is a folder; name the JSON Lines file to write")
+        in_the_way = file_in_the_way(path.parent)
+        if in_the_way is not None:
+            raise ConfigError(f"--out {args.out!r}: {in_the_way} is a file, not a folder; name "
+                              "a file in a folder")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("w") as handle:
                 for key, value in records:
                     handle.write(json.dumps({"key": key, "value": value}) + "\n")
-        except OSError as error:
+        except BrokenPipeError:  # a reader of /dev/stdout that stopped (| head): main's
+            raise
+        except OSError as error:  # the user's to fix: no traceback kept (from None)
             raise ConfigError(f"--out {args.out!r} cannot be written: {error.strerror or error}"
-                              "; name a file in a folder this user can write") from error
+                              "; name a file in a folder this user can write") from None
         print(f"wrote {len(records)} records to {path}")
         return 0
-    _check_not_ahead_of_now(scale.start, timedelta(minutes=scale.minutes), config,
-                            "the sessionizer would quarantine those events")
     from clickstream.io.kafka_clients import produce_records
 
     sent = produce_records(config, config.events_topic, records, rate_per_second=args.rate)
@@ -202,7 +211,12 @@ def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
                   order_probability=args.order_probability)
     pageviews, orders = simulate(scale, args.seed, client=args.client)
     for name, table in (("pageviews", pageviews), ("orders", orders)):
-        files = write_table(table, target / name, args.format)
+        try:
+            files = write_table(table, target / name, args.format)
+        except OSError as error:  # the user's to fix: no traceback kept (from None)
+            raise ConfigError(f"--out {args.out!r}: {target / name} cannot be written: "
+                              f"{error.strerror or error}; choose a landing folder "
+                              "(CLICKSTREAM_LANDING, --landing) this user can write") from None
         print(f"wrote {table.num_rows} {name} of {args.client} to {target / name} "
               f"({len(files)} {args.format} files)")
     return 0
@@ -317,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     sessionize.add_argument("--until-caught-up", action="store_true",
                             help="process everything available now, commit, and stop")
     sessionize.add_argument("--max-events-per-trigger", type=_COUNT, default=None,
-                            help="rate limit per micro-batch")
+                            help="rate limit: at most this many records per micro-batch "
+                            f"(default {Config().max_events_per_trigger}) "
+                            f"[env {ENV_NAMES['max_events_per_trigger']}]")
     sessionize.add_argument(
         cli_flag("fail_on_data_loss"), dest="fail_on_data_loss", default=None,
         metavar="true|false",
@@ -497,6 +513,9 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
     except KeyboardInterrupt:
         print(f"clickstream {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # its reader stopped reading (| head): done, as a shell's tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141  # 128 + SIGPIPE, what a pipeline reports for a tool a closed pipe stopped
     except Exception as error:  # a bug or an engine's failure: one line, the traceback kept
         if isinstance(error, SystemError) and ctrl_c.is_set():  # the interrupt, lost
             print(f"clickstream {args.command}: interrupted", file=sys.stderr)

@@ -91,6 +91,8 @@ def parse_minutes(text: str, name: str, bare_unit: str = "m") -> float:
     """Parse ``"30"`` (``bare_unit``, minutes by default), ``"45s"``, ``"1.5h"``, ``"500ms"``."""
     match = _DURATION.match(str(text))
     bare_example = "minutes (30)" if bare_unit == "m" else "seconds (10)"
+    if not match and _DURATION.match(str(text).strip().removeprefix("-")):
+        raise ConfigError(f"{name}={text!r} is negative; a duration is at least 1ms")
     if not match:
         raise ConfigError(
             f"{name}={text!r} is not a duration; use {bare_example} or a unit: "
@@ -257,7 +259,8 @@ class Config:
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for name, var in ENV_NAMES.items():
-            if var in env and env[var] != "":
+            # A flag given wins unread: a malformed variable it overrides is no error.
+            if var in env and env[var] != "" and overrides.get(name) is None:
                 values[name] = _convert(name, env[var], var)
         for name, value in overrides.items():
             if name not in ENV_NAMES:

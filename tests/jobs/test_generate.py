@@ -75,6 +75,20 @@ def test_another_day_or_client_with_the_same_seed_has_other_ids() -> None:
         assert all(ids) and sum(map(len, ids)) == len(set().union(*ids)), key
 
 
+def test_a_clients_orders_have_its_currency_whichever_command_generates_them() -> None:
+    """``history`` generates one client at a scale of its own, where every client but the
+    first three got EUR: client-03's year of orders in EUR beside its live orders in JPY."""
+    scale = Scale(clients=5, users_per_client=30, minutes=24 * 60, start=START,
+                  order_probability=0.8)
+    live = simulate(scale, seed=2)[1]
+    currency_of = dict(zip(live["client_id"].to_pylist(), live["currency"].to_pylist(),
+                           strict=True))
+    assert len(set(currency_of.values())) == 5
+    for client in ("client-03", "client-04"):
+        history = simulate(Scale(**{**vars(scale), "clients": 1}), seed=2, client=client)[1]
+        assert set(history["currency"].to_pylist()) == {currency_of[client]}
+
+
 def test_every_record_falls_inside_the_span_start_is_checked_against() -> None:
     """An order follows its session's last pageview by up to 10 minutes: those of the last
     sessions fell after the span, so a --start the guard let through wrote orders ahead of
@@ -111,3 +125,32 @@ def test_history_refuses_to_mix_a_second_run_into_the_first_runs_batch(tmp_path:
     assert outside.returncode == EXIT_NOT_RETRYABLE
     assert "must name a folder inside the landing folder" in outside.stderr
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_landing_folder_that_is_a_file_fails_in_one_line_naming_it(tmp_path: Path) -> None:
+    """It failed as an unexpected error (NotADirectoryError), its traceback kept as for a bug
+    (``generate events --out`` under a file: ``tests/test_cli.py``)."""
+    a_file = tmp_path / "landing"
+    a_file.write_text("")
+    env = {**os.environ, "CLICKSTREAM_HOME": str(tmp_path), "CLICKSTREAM_LANDING": str(a_file)}
+    result = subprocess.run([sys.executable, "-m", "clickstream.cli", "generate", "history",
+                             "--client", "c1", "--days", "0.1", "--users", "2", "--out", "late"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_NOT_RETRYABLE
+    assert result.stderr == (f"clickstream generate: error: --out 'late': {a_file} is a file, "
+                             "not a folder; choose another landing folder (CLICKSTREAM_LANDING, "
+                             "--landing)\n")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``clickstream ... | head`` reported an unexpected error with a traceback kept."""
+    env = {**os.environ, "CLICKSTREAM_HOME": str(tmp_path)}
+    with subprocess.Popen([sys.executable, "-m", "clickstream.cli", "generate", "events",
+                           "--minutes", "600", "--users", "200", "--out", "/dev/stdout"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None and process.stdout.readline().startswith(b'{"key"')
+        process.stdout.close()  # as head does after its lines
+        assert process.wait(timeout=120) == 141
+        assert process.stderr is not None and process.stderr.read() == b""
+    assert not (tmp_path / "logs").exists()

@@ -14,6 +14,7 @@ late (beyond the watermark), some duplicates (retries) and some malformed record
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from dataclasses import dataclass, replace
@@ -61,6 +62,15 @@ class Delivery:
 
 def client_ids(count: int) -> list[str]:
     return [f"client-{i:02d}" for i in range(count)]
+
+
+def client_currency(client_id: str) -> str:
+    """A client's one currency, the same whichever command generates its data: ``history``
+    of one client (a scale of its own) gave every client but the first three EUR, so its
+    orders' revenue mixed with the live orders' JPY or CHF."""
+    numbered = re.fullmatch(r"client-(\d+)", client_id)
+    index = int(numbered[1]) if numbered else zlib.crc32(client_id.encode())
+    return CURRENCY_BY_CLIENT[index % len(CURRENCY_BY_CLIENT)]
 
 
 def _hex_ids(rng: np.random.Generator, count: int, prefix: str) -> np.ndarray:
@@ -152,11 +162,8 @@ def simulate(scale: Scale, seed: int, client: str | None = None) -> tuple[pa.Tab
     n_orders = len(order_session)
     order_ts = last_ts[order_session] + rng.integers(0, 10 * 60_000, n_orders)
     amounts = np.round(rng.lognormal(3.5, 0.8, n_orders), 2)
-    client_index = {c: i for i, c in enumerate(client_ids(max(scale.clients, 1)))}
     order_user = session_user[order_session]
-    currencies = np.array(
-        [CURRENCY_BY_CLIENT[client_index.get(c, 0) % len(CURRENCY_BY_CLIENT)]
-         for c in user_client[order_user]], dtype=object)
+    currencies = np.array([client_currency(c) for c in user_client[order_user]], dtype=object)
     orders = pa.table({
         "order_id": _hex_ids(rng, n_orders, "ord-"),
         "client_id": user_client[order_user],
@@ -230,6 +237,14 @@ def live_records(
     return out
 
 
+def file_in_the_way(folder: Path) -> Path | None:
+    """The first of ``folder``'s parents, or itself, that exists and is not a folder; None if
+    none is. Creating the folder fails there with "File exists" or "Not a directory", which
+    name neither the file nor the setting (the landing folder, ``--out``) to change."""
+    return next((p for p in (*reversed(folder.parents), folder)
+                 if p.exists() and not p.is_dir()), None)
+
+
 def history_folder(config: Config, out: str, overwrite: bool) -> Path:
     """The folder ``generate history`` writes, checked before anything is simulated.
 
@@ -257,11 +272,12 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
         raise ConfigError(f"--out {out!r} is or lies inside a batch folder ({inside_batch[0]}), "
                           "so a backfill of that batch would read both kinds written here; "
                           "choose a folder outside it")
-    not_a_folder = next((p for p in (target, *target.parents)
-                         if config.landing in p.parents and p.exists() and not p.is_dir()), None)
+    not_a_folder = file_in_the_way(target)
     if not_a_folder is not None:
+        landing = not_a_folder == config.landing or not_a_folder in config.landing.parents
         raise ConfigError(f"--out {out!r}: {not_a_folder} is a file, not a folder; choose "
-                          "another --out")
+                          + ("another landing folder (CLICKSTREAM_LANDING, --landing)"
+                             if landing else "another --out"))
     held = [target / kind for kind in ("pageviews", "orders") if (target / kind).exists()]
     if held and not overwrite:
         raise ConfigError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
