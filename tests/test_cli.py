@@ -132,6 +132,12 @@ def test_kafka_options_take_a_comma_inside_a_value_escaped() -> None:
         Config.from_env({"CLICKSTREAM_KAFKA_OPTIONS": "sasl.username=u,sasl.password=hunter,2sec"})
     assert "2sec" not in str(cut.value) and "hunter" not in str(cut.value)
     assert str(cut.value).startswith("CLICKSTREAM_KAFKA_OPTIONS: item 3 (after 'sasl.password') ")
+    # Applied over KAFKA_BOOTSTRAP_SERVERS, a stale address here was used silently, and a
+    # failure named the variable's address, which worked.
+    for variable in ("CLICKSTREAM_KAFKA_OPTIONS", "CLICKSTREAM_SPARK_KAFKA_OPTIONS"):
+        for key in ("bootstrap.servers", "metadata.broker.list"):
+            with pytest.raises(ConfigError, match=rf"^{variable}: {key} is KAFKA_BOOTSTRAP_"):
+                Config.from_env({variable: f"acks=all,{key}=127.0.0.1:1"})
 
 
 def test_trigger_interval_reads_bare_numbers_as_seconds_and_echoes_what_was_typed() -> None:

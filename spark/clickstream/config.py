@@ -130,8 +130,17 @@ def parse_options(text: str, name: str) -> dict[str, str]:
             raise ConfigError(f"{name}: item {number}{after} is not key=value (example: "
                               "linger.ms=5,acks=all; write a comma inside a value as \\,)")
         previous = key.strip()
+        if previous in _BOOTSTRAP_OPTIONS:
+            raise ConfigError(
+                f"{name}: {previous} is KAFKA_BOOTSTRAP_SERVERS' (--kafka-bootstrap-servers); "
+                "remove it here: the clients used it over that variable silently, and errors "
+                "named the address they did not use")
         options[previous] = value.strip()
     return options
+
+
+# Kafka's address under the names a client's settings take it.
+_BOOTSTRAP_OPTIONS = frozenset({"bootstrap.servers", "metadata.broker.list"})
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from clickstream.errors import (
     DeliveryError,
     KafkaRefusedError,
 )
-from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker, main
+from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker, _Forwarder, main
 from clickstream.io.kafka_clients import (
     BULK_LINGER_MS,
     LIBRDKAFKA_LOG,
@@ -216,6 +216,33 @@ def test_forwarder_advertise_mode_relays_all_traffic(kafka_config: Config) -> No
         flush_or_raise(producer, 10)
         assert embedded.open_connections >= 1  # the producer's connection stays relayed
         assert read_compacted(config, "t") == {f"k{k}": {"i": 490 + k} for k in range(10)}
+
+
+def test_clients_the_upstream_does_not_take_yet_hold_up_no_relayed_connection() -> None:
+    """The forwarder connected each new client upstream on its one thread, waiting: while the
+    mock's accept backlog (5) was full, every relayed connection stood still, ~1 s per connect
+    (a burst of 30: 4 s). Here the upstream takes one connection and never accepts again, so
+    the connects of the clients after it hang (up to 5 s each, before)."""
+    upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    upstream.bind(("127.0.0.1", 0))
+    upstream.listen(1)
+    forwarder = _Forwarder("127.0.0.1", 0)
+    forwarder.start(upstream.getsockname()[:2])
+    clients: list[socket.socket] = []
+    try:
+        clients.append(socket.create_connection(forwarder.address, timeout=10))
+        relayed, _ = upstream.accept()
+        relayed.settimeout(3)
+        clients += [socket.create_connection(forwarder.address, timeout=10) for _ in range(4)]
+        time.sleep(0.5)  # the forwarder accepts them, and connects each upstream
+        clients[0].sendall(b"ping")
+        assert relayed.recv(4) == b"ping"
+        relayed.close()
+    finally:
+        for client in clients:
+            client.close()
+        forwarder.stop()
+        upstream.close()
 
 
 @contextlib.contextmanager

@@ -1196,6 +1196,39 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
     assert batch_input.packed_file_reason(landing / "text" / "a.csv") is None
 
 
+def test_parquet_files_are_checked_as_spark_reads_them_and_an_empty_csv_file_is_no_header(
+    config: Config, spark: SparkSession
+) -> None:
+    """Spark matches Parquet columns whatever their case and takes a batch's columns from one
+    file: ``USER_ID`` as int64 beside ``user_id`` as text failed as an unexpected error,
+    retried in vain; a `generate history` folder (pageviews and orders) was refused for
+    columns it has, or read as rows of the other kind and quarantined. A 0-byte CSV file
+    beside good ones refused the batch: its header differed ("none")."""
+    import pyarrow.parquet as pq
+
+    landing = config.landing
+    orders = [order_row("o1", "u", 1)]
+    write_rows(config, "case/a", orders, "parquet")
+    (landing / "case" / "b").mkdir()
+    pq.write_table(pa.table({**{k: [v] for k, v in order_row("o3", "u", 3).items()
+                                if k != "user_id"}, "USER_ID": pa.array([7], pa.int64())}),
+                   landing / "case" / "b" / "part-00000.parquet")
+    write_rows(config, "mixed/orders", orders, "parquet")
+    write_rows(config, "mixed/pageviews", [pv_row("p1", "u", 0)], "parquet")
+    refusals = {
+        "case": r"column user_id / USER_ID \(one column to Spark\) is string in a/part-0+\."
+                r"parquet and int64 in b/part-0+\.parquet",
+        "mixed": r"pageviews/part-0+\.parquet lacks the columns order_id, amount, currency "
+                 r"\(found: .*\); every file of a batch holds its kind's columns",
+    }
+    for path, reason in refusals.items():
+        with pytest.raises(BatchRefusedError, match=reason):
+            validated(config, spark, path)
+    write_rows(config, "empty", orders, "csv")
+    (landing / "empty" / "zero.csv").write_bytes(b"")
+    assert validated(config, spark, "empty")["o1"]["error"] is None
+
+
 def test_a_batch_file_is_refused_as_a_link_out_or_a_fifo_before_it_is_opened(
     config: Config, tmp_path: Path
 ) -> None:

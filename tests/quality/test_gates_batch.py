@@ -65,6 +65,8 @@ def unchanged(before: dict, after: dict, *names: str) -> None:
     # (B12) each castable to a decimal, so only unparsable text used to count
     ("amounts the contract does not read", r"bad_amount_fraction = 0\.75, expected at most 0\.5"),
     ("another client", r"main_client_id = client-01, expected one of \[client-00\]"),
+    # (suite v4) rows without a client were counted as another client's
+    ("no client ids", r"blank_client_id_fraction = 0\.75, expected at most 0\.5"),
     ("dates as ts", r"ts_column_type = date, expected one of \[string, timestamp, integer\]"),
     # (suite v2) a reason no other fraction counts: every row bad, and it passed with a warning
     ("times ahead of the file's", r"other_problem_fraction = 1, expected at most 0\.5"),
@@ -82,6 +84,8 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
             row["amount"] = amount
     elif case == "another client":
         rows = [{**row, "client_id": "client-01"} for row in rows]
+    elif case == "no client ids":
+        rows = [rows[0], *({**row, "client_id": ""} for row in rows[1:])]
     elif case == "dates as ts":
         rows = [{**row, "ts": row["ts"].date()} for row in rows]
     path = write_rows(stream_config, "o", rows, "parquet")
@@ -93,7 +97,7 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     with pytest.raises(QualityGateFailedError, match=(
             r"^(most of the batch's rows \(100%\) are of client 'client-01': .*?\. )?"
             r"quality gate historical_batch failed for backfill orders-client-00-\w+: [1-3] of "
-            rf"16 expectations failed: .*quality gate historical_batch: {message} .*the batch "
+            rf"17 expectations failed: .*quality gate historical_batch: {message} .*the batch "
             r"was refused as a whole: nothing was merged")) as refused:
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                      path=path, progress=lambda _: None)
@@ -106,7 +110,8 @@ def test_historical_batch_refuses_a_bad_batch_and_merges_nothing(
     unchanged(before, after, "pageviews", "orders", "sessions", "attributions", "corrections")
     assert after["quarantine"] > before["quarantine"]
     bad = quarantined(stream_config, spark, "historical_batch")
-    expected = ({"o2", "o3", "o4"} if "amount" in case else {"o1", "o2", "o3", "o4"})
+    expected = ({"o2", "o3", "o4"} if "amount" in case or case == "no client ids"
+                else {"o1", "o2", "o3", "o4"})
     assert {json.loads(r["raw"])["order_id"] for r in bad} == expected
     assert all(message.split(",")[0].replace("\\", "") in r["reason"] for r in bad)
 

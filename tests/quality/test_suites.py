@@ -13,7 +13,7 @@ from clickstream.quality.gates import run_gate
 
 # recomputed_sessions v2: sessions without an id or bounds; historical_batch v2: rows
 # refused for a reason no other fraction counts; v3: a batch of bad rows only
-VERSIONS = {"recomputed_sessions": "2", "historical_batch": "3"}
+VERSIONS = {"recomputed_sessions": "2", "historical_batch": "4"}
 
 
 def test_every_suite_file_is_a_gx_suite_over_documented_check_columns() -> None:
@@ -46,6 +46,7 @@ GOOD = {
                          "ts_column_type": "string",
                          "amount_column_type": "decimal", "main_client_id": "client-00",
                          "blank_key_fraction": 0.01, "blank_user_id_fraction": 0.0,
+                         "blank_client_id_fraction": 0.0,
                          "bad_ts_fraction": 0.01, "other_client_fraction": 0.0,
                          "conflicting_duplicate_fraction": 0.0, "bad_amount_fraction": 0.0,
                          "negative_amount_fraction": 0.0, "bad_currency_fraction": 0.0,

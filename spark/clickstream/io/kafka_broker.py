@@ -318,9 +318,16 @@ class _Forwarder:
                 client, _ = self._listener.accept()
             except OSError:  # nothing pending, or EMFILE: leave it in the backlog for later
                 return
-            try:
-                upstream = socket.create_connection(self._upstream, timeout=5)
-            except OSError:
+            # Connect without waiting: on this one thread, a blocking connect stalled every
+            # relayed connection ~1 s whenever the mock's accept backlog (5) was full (a burst
+            # of clients, as a micro-batch's read tasks). The client's bytes wait in
+            # pending[upstream] until the connection is writable; a refused connect fails the
+            # first send and closes the pipe.
+            upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            upstream.setblocking(False)
+            code = upstream.connect_ex(self._upstream)
+            if code not in (0, errno.EINPROGRESS):
+                upstream.close()
                 client.close()
                 continue
             for sock in (client, upstream):

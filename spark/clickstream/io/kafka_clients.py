@@ -867,19 +867,17 @@ def read_compacted(config: Config, topic: str, *,
 
 def read_offset_range(
     config: Config, topic: str, partition: int, start: int, end: int, *,
-    fail_on_gaps: bool = True, fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
-    batch_size: int = 20_000,
+    fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0, batch_size: int = 20_000,
 ) -> Iterator[list[Message]]:
     """Yield the records of offsets ``[start, end)`` of one partition, in batches.
 
     Delivery guarantee: every record in the range exactly once, in order, or an exception:
-    records dropped by the broker (the range starts below the log start, or offsets vanish
-    while reading: the log now starts after them) raise
-    :class:`~clickstream.errors.DataLossError`. Offsets without a record that are still in the
-    log are not a loss: a transaction's commit or abort marker (a control record, which no
-    consumer sees) or a record compaction removed; the range may end with them.
-    ``fail_on_gaps=False`` skips the log-start check of such jumps (one metadata request
-    each). With ``fail_on_data_loss=False`` each run of dropped
+    records dropped by the broker before they were read (the range starts below the log
+    start, or the log start passes the read's position while it reads: the broker answers
+    the next fetch with OFFSET_OUT_OF_RANGE) raise :class:`~clickstream.errors.DataLossError`.
+    Offsets a fetch passes without a record are not a loss: a transaction's commit or abort
+    marker (a control record, which no consumer sees) or a record compaction removed; the
+    range may end with them. With ``fail_on_data_loss=False`` each run of dropped
     offsets comes out as one :func:`lost_offsets_marker` in its place, in offset order, and
     the read goes on (a range beyond the log end still fails: it names another log).
 
@@ -888,7 +886,7 @@ def read_offset_range(
         BrokerUnavailableError: No record arrived for ``idle_timeout_s``.
     """
     yield from read_offset_ranges(config, topic, {partition: (start, end)},
-                                  fail_on_gaps=fail_on_gaps, fail_on_data_loss=fail_on_data_loss,
+                                  fail_on_data_loss=fail_on_data_loss,
                                   idle_timeout_s=idle_timeout_s, batch_size=batch_size)
 
 
@@ -909,7 +907,7 @@ def lost_offsets_marker(topic: str, partition: int, first: int, last: int) -> Me
 
 def read_offset_ranges(
     config: Config, topic: str, ranges: Mapping[int, tuple[int, int]], *,
-    fail_on_gaps: bool = True, fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
+    fail_on_data_loss: bool = True, idle_timeout_s: float = 60.0,
     batch_size: int = 20_000, advice: str = _LOSS_ADVICE, start_may_move: bool = False,
 ) -> Iterator[list[Message]]:
     """:func:`read_offset_range` for several partitions of a topic with one consumer (a
@@ -955,26 +953,6 @@ def read_offset_ranges(
         del expected[partition]
         consumer.pause([TopicPartition(topic, partition)])  # fetch no more
 
-    def skipped(partition: int, upto: int) -> Message | None:
-        """Offsets ``expected..upto - 1`` hold no records. Lost if the log now starts after
-        ``expected`` (DataLossError, or a marker when accepted); otherwise control records
-        of transactions, or records compaction removed: nothing is missing."""
-        low, _high = watermarks(partition)
-        if low > expected[partition]:
-            # Lost, unless the answer is wrong: after a failed lookup, librdkafka may answer
-            # the log's end for its start (seen with a broker failing lookups). A log's start
-            # only grows, so the least of a few answers is the true one.
-            low = min(low, *(watermarks(partition)[0] for _ in range(2)))
-        lost_until = min(low, upto)
-        if lost_until <= expected[partition]:
-            return None
-        if unread.get(partition) == expected[partition]:  # (K10)
-            dropped_before_read(partition, lost_until)
-            return None
-        check_no_data_loss(topic, partition, expected[partition], lost_until,
-                           fail_on_data_loss=fail_on_data_loss, advice=advice)  # raises, or:
-        return lost_offsets_marker(topic, partition, expected[partition], lost_until - 1)
-
     def short_of_the_range(partition: int) -> None:
         """The log ended before the range: waiting for records (a transaction still open,
         a read behind the log's end) unless the log now ends below the range's end, which
@@ -1016,10 +994,7 @@ def read_offset_ranges(
                     if error.code() == KafkaError._PARTITION_EOF:
                         eof = message.offset()  # the log's end: nothing more to jump to
                         if partition in expected and eof >= ends[partition]:
-                            marker = skipped(partition, ends[partition]) if fail_on_gaps else None
-                            if marker is not None:
-                                batch.append(marker)
-                            done(partition)
+                            done(partition)  # the range ends with offsets holding no records
                         elif partition in expected:
                             short_of_the_range(partition)
                         continue
@@ -1054,10 +1029,10 @@ def read_offset_ranges(
                 offset = message.offset()
                 if offset < expected[partition]:
                     continue
-                if offset > expected[partition] and fail_on_gaps:  # also a jump past the end
-                    marker = skipped(partition, min(offset, ends[partition]))
-                    if marker is not None:
-                        batch.append(marker)
+                # A jump (also past the range's end) is never a loss: a fetch below the log's
+                # start fails (OFFSET_OUT_OF_RANGE, above), so the offsets it passed held control
+                # records or records compaction removed. Asked the log's start instead, a start
+                # that moved past a commit marker since the fetch read as the marker lost.
                 if offset >= ends[partition]:  # the range's last offsets hold no records
                     done(partition)
                     continue

@@ -28,14 +28,16 @@ Known edge cases, cited inline as (K1)..(K10):
       takes the whole lost run, one marker. A log that ends below the checkpoint's offset,
       and K7, still stop: those offsets name records of another log. Spark's native source,
       given ``failOnDataLoss=false``, skips the lost offsets with a log line, no marker.
-  K2. A gap inside a range being read (offsets jump, also past the range's end: its last
-      offsets hold no records) is a loss only if the log now starts after the missing
-      offsets: records vanished while we read; also DataLossError, or with
-      ``failOnDataLoss=false`` a marker for them (K1). Otherwise the offsets hold control
-      records (the commit or abort markers of transactional producers, one per transaction
-      and partition) or records compaction removed: nothing is missing, no error, no marker.
-      A range ending in control records ends at the partition's end of log, not at a record
-      after it. ``failOnGaps=false`` skips the log-start check (a metadata request per jump).
+  K2. Records the broker drops while a range is read (its log start passes the read's
+      position) are found by the next fetch, which the broker refuses (OFFSET_OUT_OF_RANGE):
+      DataLossError, or with ``failOnDataLoss=false`` a marker for them (K1). A gap a fetch
+      passes (offsets jump, also past the range's end: its last offsets hold no records) is
+      no loss: those offsets hold control records (the commit or abort markers of
+      transactional producers, one per transaction and partition) or records compaction
+      removed; no error, no marker. A range ending in control records ends at the
+      partition's end of log, not at a record after it. (Gaps were checked against the log's
+      start, asked after the jump: a start that moved past a commit marker since the fetch
+      read as that marker lost, a false DataLossError or quarantine row.)
   K3. Partitions added to a topic while the query runs are read from offset 0, like Spark's
       own source: one whose log no longer starts at 0 when first seen lost records before
       anyone read them, and stops with DataLossError (K1) instead of starting at its log start
@@ -214,7 +216,6 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.options = CaseInsensitiveDict(options)
         self.topic = options["topic"]
         self.max_rows = int(options.get("maxOffsetsPerTrigger", "0")) or None
-        self.fail_on_gaps = options.get("failOnGaps", "true").lower() == "true"
         self.fail_on_data_loss = options.get("failOnDataLoss", "true").lower() == "true"  # (K1)
         self.read_tasks = int(options.get("readTasks", "0"))  # (K5); 0: one per partition
         self._target: dict[str, int] | None = None
@@ -309,8 +310,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaRange)
-        yield from read_range(self.options, partition, self.fail_on_gaps,
-                              fail_on_data_loss=self.fail_on_data_loss)
+        yield from read_range(self.options, partition, fail_on_data_loss=self.fail_on_data_loss)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: offsets live in Spark's checkpoint, not in a consumer group."""
@@ -338,8 +338,7 @@ def _rate_limit(start: dict, latest: dict[str, int], max_rows: int) -> dict[str,
 
 
 def read_range(
-    options: Mapping[str, str], kafka_range: KafkaRange, fail_on_gaps: bool = True, *,
-    fail_on_data_loss: bool = True,
+    options: Mapping[str, str], kafka_range: KafkaRange, *, fail_on_data_loss: bool = True,
 ) -> Iterator[pa.RecordBatch]:
     """Read one task's offset ranges as Arrow batches; raises DataLossError on dropped records
     (K2), or with ``fail_on_data_loss=False`` puts a marker record in their place (K1). With
@@ -352,7 +351,7 @@ def read_range(
             return
     batches = (_to_arrow(kafka_range.topic, messages) for messages in read_offset_ranges(
         _kafka_config(options), kafka_range.topic, kafka_range.ranges,
-        fail_on_gaps=fail_on_gaps, fail_on_data_loss=fail_on_data_loss,
+        fail_on_data_loss=fail_on_data_loss,
         idle_timeout_s=float(options.get("readTimeoutSeconds", "60")),
         start_may_move=kafka_range.from_log_start,
     ))

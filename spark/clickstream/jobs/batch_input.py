@@ -112,6 +112,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -349,6 +350,8 @@ def csv_header(batch: BatchFiles) -> list[str]:
     """The one header of a CSV batch's files; refuses files whose headers differ (B6)."""
     headers: dict[tuple[str, ...], Path] = {}
     for path in batch.files:
+        if path.stat().st_size == 0 and len(batch.files) > 1:  # no header, no rows: as an
+            continue  # empty Parquet or JSON Lines file, it is no other header
         with path.open(newline="", encoding="utf-8-sig", errors="replace") as lines:
             header = tuple(name.strip() or f"_c{i}"  # Spark's name for a nameless column
                            for i, name in enumerate(next(csv.reader(lines), [])))
@@ -407,7 +410,8 @@ def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataF
     """Raw rows of the batch with their file of origin; refuses missing columns and files
     Spark cannot read."""
     frame = (_json_lines(spark, batch, kind) if batch.file_format == "json"
-             else _read(spark, batch))
+             else _read(spark, batch, required=[c for c in REQUIRED[kind]
+                                                 if c not in NULLABLE[kind]]))
     if batch.file_format == "json":  # (B16) a key left out is a null in JSON
         frame = frame.withColumns({name: F.lit(None).cast(StringType())
                                    for name in NULLABLE[kind] if name not in frame.columns})
@@ -460,13 +464,14 @@ def _spread_over_cores(spark: SparkSession, batch: BatchFiles, frame: DataFrame,
     return frame.repartition(cores, _column(key))
 
 
-def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
-          ) -> DataFrame:
-    """The batch through Spark's reader of its format (or ``file_format``)."""
+def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None,
+          required: Sequence[str] = ()) -> DataFrame:
+    """The batch through Spark's reader of its format (or ``file_format``); a Parquet file
+    without one of the ``required`` columns is refused."""
     reader = spark.read
     header: list[str] | None = None
     if (file_format or batch.file_format) == "parquet":
-        _check_parquet_types(batch)
+        _check_parquet_types(batch, required)
     if batch.file_format == "csv":  # (B6) one header, every field as text, bad rows marked
         header = csv_header(batch)
         check_csv_quoting(batch)  # (B18)
@@ -513,15 +518,19 @@ def _type_kind(kind: pa.DataType, int96: bool = False) -> str:
     return str(kind)
 
 
-def _check_parquet_types(batch: BatchFiles) -> None:
+def _check_parquet_types(batch: BatchFiles, required: Sequence[str] = ()) -> None:
     """Refuses a Parquet batch whose files give one column different types: Spark takes
     the types from one file and fails reading the others (``PARQUET_COLUMN_DATA_TYPE_
-    MISMATCH``) only once the batch is counted, as an unexpected error retried in vain. A
-    ``ts`` without a zone (pandas' default) is refused too: read as text, every row was
-    quarantined as "neither ISO-8601 with a time zone nor epoch milliseconds"."""
+    MISMATCH``) only once the batch is counted, as an unexpected error retried in vain.
+    Columns are one whatever their case, as Spark's reader matches them (``USER_ID`` and
+    ``user_id``). A ``ts`` without a zone (pandas' default) is refused too: read as text,
+    every row was quarantined as "neither ISO-8601 with a time zone nor epoch milliseconds".
+    So is a file without one of the ``required`` columns: Spark reads the batch with one
+    file's columns, so the pageviews and orders of a ``generate history`` folder were
+    refused for columns the batch has, or read as rows of the other kind and quarantined."""
     import pyarrow.parquet as pq
 
-    seen: dict[str, tuple[str, str]] = {}
+    seen: dict[str, tuple[str, str, str]] = {}  # lower-case name: (kind, file, name there)
     for path in batch.files:
         try:  # INT96 reads as nanoseconds by default, which Spark's reader does not take
             with pq.ParquetFile(path, coerce_int96_timestamp_unit="us") as parquet:
@@ -533,6 +542,13 @@ def _check_parquet_types(batch: BatchFiles) -> None:
             raise BatchRefusedError(
                 f"batch file {path} is not a readable Parquet file: {error}") from error
         name = path.relative_to(batch.root).as_posix() if path != batch.root else path.name
+        lacking = [c for c in required if c not in {n.lower() for n in schema.names}]
+        if lacking and len(batch.files) > 1:  # one file: read_batch names what it lacks
+            raise BatchRefusedError(
+                f"batch file {path} lacks the column{'s' if len(lacking) > 1 else ''} "
+                f"{', '.join(lacking)} (found: {', '.join(schema.names) or 'none'}); every "
+                "file of a batch holds its kind's columns (one kind per batch: a `generate "
+                "history` folder holds a pageviews and an orders batch)")
         for field in schema:
             if pa.types.is_timestamp(field.type) and field.type.unit == "ns":
                 raise BatchRefusedError(
@@ -541,16 +557,18 @@ def _check_parquet_types(batch: BatchFiles) -> None:
                     "to_parquet(..., coerce_timestamps='us'); pyarrow: "
                     "write_table(..., coerce_timestamps='us'))")
             kind = _type_kind(field.type, field.name in int96)
-            if field.name == "ts" and kind == "timestamp without zone":
+            if field.name.lower() == "ts" and kind == "timestamp without zone":
                 raise BatchRefusedError(
                     f"batch file {path}: column ts holds timestamps without a time zone (local "
                     "times in a zone the file does not name), and ts must be an instant; write "
                     "it with its zone (pandas: df['ts'].dt.tz_localize('UTC') or the zone it "
                     "was recorded in; pyarrow: pa.timestamp('us', tz='UTC'))")
-            first = seen.setdefault(field.name, (kind, name))
+            first = seen.setdefault(field.name.lower(), (kind, name, field.name))
             if first[0] != kind:
+                named = (field.name if first[2] == field.name
+                         else f"{first[2]} / {field.name} (one column to Spark)")
                 raise BatchRefusedError(
-                    f"batch {batch.root}: column {field.name} is {first[0]} in {first[1]} and "
+                    f"batch {batch.root}: column {named} is {first[0]} in {first[1]} and "
                     f"{kind} in {name}; write every file of a batch with the same column "
                     "types")
 

@@ -181,8 +181,10 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
     predicates = {
         "blank_key_fraction": _blank(key),
         "blank_user_id_fraction": _blank("user_id"),
+        "blank_client_id_fraction": _blank("client_id"),
         "bad_ts_fraction": F.col("ts").isNull() | _out_of_range(F.col("ts")),
-        "other_client_fraction": ~F.col("client_id").eqNullSafe(F.lit(client_id)),
+        # Not a blank one: rows without a client were reported as another client's.
+        "other_client_fraction": ~_blank("client_id") & (F.col("client_id") != client_id),
         "conflicting_duplicate_fraction": F.coalesce(F.col("error").rlike(
             r"appears \d+ times in the batch with different content$"), F.lit(False)),  # (K2)
     }
@@ -218,13 +220,14 @@ def historical_batch_checks(batch: DataFrame, raw_schema: StructType, kind: str,
     }
     # Every row bad, each fraction at most half (half blank ts, half no url): each passed.
     values["every_row_refused"] = rows_read > 0 and values["rows_accepted"] == 0
-    values["main_client_fraction"] = _fraction(rows_read - row["other_client_fraction"],
-                                               rows_read)
+    values["main_client_fraction"] = _fraction(
+        rows_read - row["other_client_fraction"] - row["blank_client_id_fraction"], rows_read)
     if row["other_client_fraction"] * 2 > rows_read:  # the declared client is not the main one
         main = batch.groupBy("client_id").count().orderBy(F.desc("count"), "client_id").first()
         values["main_client_id"] = main.client_id
         values["main_client_fraction"] = _fraction(main["count"], rows_read)
-    for name in ("blank_key_fraction", "blank_user_id_fraction", "bad_ts_fraction",
+    for name in ("blank_key_fraction", "blank_user_id_fraction", "blank_client_id_fraction",
+                 "bad_ts_fraction",
                  "other_client_fraction", "conflicting_duplicate_fraction",
                  "bad_amount_fraction", "negative_amount_fraction", "bad_currency_fraction",
                  "missing_url_fraction", "other_problem_fraction"):
