@@ -117,14 +117,16 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
        "(ids are keys and values of the changelog topics, whose records must fit one Kafka "
        "message); send a shorter id") for field in ("event_id", "order_id", "user_id")),
     # Read as text, a JSON object, array or boolean came out as its JSON text, stored as a
-    # valid event: a client '{"name":"acme"}', a url '{"path":"/b"}'.
+    # valid event: a client '{"name":"acme"}' (a url or referrer is free text: kept so).
     *((json.dumps({**ORDER, field: value}), f"{field} is a JSON {kind}, not a string: send it "
        "as a JSON string")
       for field, value, kind in (
           ("client_id", {"name": "acme"}, "object"), ("user_id", ["u", 1], "array"),
           ("event_id", True, "boolean"), ("event_type", {"t": 1}, "object"),
-          ("url", {"path": "/b"}, "object"), ("referrer", False, "boolean"),
-          ("order_id", [], "array"), ("currency", {}, "object"))),
+          ("order_id", [], "array"),
+          # its text is not what was sent (7.0 was 7 in a backfill), an id no longer
+          ("user_id", 7.0, "number with a fraction or an exponent"),
+          ("event_id", 1e300, "number with a fraction or an exponent"))),
     # A JSON number is judged by its own digits: 5 decimals are still too many.
     (json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', "0.00005"),
      "amount '0.00005' is not a decimal string with at most 4 decimals"),
@@ -160,8 +162,10 @@ def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
         (KEY, json.dumps({**ORDER, "ts": "2026-11-01T10:30:00.250+01:30"})),
         # A JSON number comes out as its text (an object, array or boolean is refused)
         (KEY, json.dumps({**ORDER, "ts": epoch_ms, "amount": 12.5, "order_id": 7})),
-        # Texts that only look like JSON are texts; fields outside the contract are not read
-        (KEY, json.dumps({**PAGEVIEW, "url": "{x}", "referrer": "true", "extra": [1]})),
+        # Texts that only look like JSON are texts; a url or referrer is free text; fields
+        # outside the contract are not read
+        (KEY, json.dumps({**PAGEVIEW, "event_id": "{x}.1", "url": {"path": "/b"},
+                          "referrer": "true", "extra": [1]})),
     )
     assert pageview["error"] is None and pageview["event_type"] == "pageview"
     assert (pageview["event_id"], pageview["url"], pageview["referrer"]) == ("e1", "/a", "")
@@ -175,7 +179,8 @@ def test_valid_events_keep_every_field_as_text_and_take_time_from_ts(
     assert numeric["error"] is None
     assert numeric["ts"].astimezone(UTC) == datetime(2026, 11, 1, 9, 0, 0, 1000, tzinfo=UTC)
     assert (numeric["order_id"], numeric["amount"]) == ("7", Decimal("12.5000"))
-    assert (extra["error"], extra["url"], extra["referrer"]) == (None, "{x}", "true")
+    assert (extra["error"], extra["event_id"], extra["url"], extra["referrer"]) == (
+        None, "{x}.1", '{"path":"/b"}', "true")
     assert pageview["amount"] is None and pageview["order_id"] is None
 
 

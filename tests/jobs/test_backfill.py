@@ -1402,7 +1402,10 @@ def test_json_lines_fields_are_each_lines_own_text_and_float32_amounts_their_own
     assert {key: (r["ts"], r["error"]) for key, r in rows.items()} == {
         "1234567890123456789": (naive, None),
         "1234567890123456788": (naive + timedelta(milliseconds=1), None),
-        "1.5": (naive, None)}
+        # as in the stream: a number with a fraction is no id (read from a variant, 7.0 was
+        # 7 here and 7.0 in the stream), nor is a ts sent as one epoch milliseconds
+        "1.5": (None, "order_id is a JSON number with a fraction or an exponent, not a "
+                      "string: send it as a JSON string")}
     pageview = {"event_id": "v1", "client_id": "client-00", "user_id": "u", "ts": ms(START),
                 "url": "/p"}  # (B16) no referrer key, as Spark's JSON writer leaves a null
     (config.landing / "v").mkdir()
@@ -1455,7 +1458,8 @@ def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the
     config: Config, spark: SparkSession
 ) -> None:
     """Read as text, a line's object, array or boolean came out as its JSON text and was
-    merged: a user '{"id":1}', a url '["/a"]'. A number is its text, as in the stream."""
+    merged: a user '{"id":1}', an event id '["v1"]'. An integer is its digits, as in the
+    stream."""
     line = {"client_id": "client-00", "user_id": "u", "ts": ms(START), "amount": "1.00",
             "currency": "EUR"}
     (config.landing / "o").mkdir(parents=True)
@@ -1463,19 +1467,26 @@ def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the
         {**line, "order_id": "o1", "user_id": {"id": 1}}, {**line, "order_id": "o2",
                                                            "currency": True},
         {**line, "order_id": "o3", "user_id": 7}, {**line, "order_id": "o4",
-                                                   "user_id": "{not json"})))
+                                                   "user_id": "{not json"},
+        {**line, "order_id": "o5", "user_id": 7.0},
+        {**line, "order_id": "o6", "user_id": 123456789012345678901234567890123456789012})))
     rows = validated(config, spark, "o")
     assert {key: (r["user_id"], r["error"]) for key, r in rows.items()} == {
         "o1": ('{"id":1}', "user_id is a JSON object, not a string: send it as a JSON string"),
-        "o2": ("u", "currency is a JSON boolean, not a string: send it as a JSON string"),
-        "o3": ("7", None), "o4": ("{not json", None)}
-    pageview = {"event_id": "v1", "client_id": "client-00", "user_id": "u", "ts": ms(START),
-                "url": ["/a"], "referrer": None}
+        "o2": ("u", "currency 'true' is not an ISO 4217 code"),
+        "o3": ("7", None), "o4": ("{not json", None),
+        # A variant normalised numbers: 7.0 as 7 (the stream's 7.0), 42 digits as a double
+        "o5": ("7.0", "user_id is a JSON number with a fraction or an exponent, not a string: "
+                      "send it as a JSON string"),
+        "o6": ("123456789012345678901234567890123456789012", None)}
+    pageview = {"event_id": ["v1"], "client_id": "client-00", "user_id": "u",
+                "ts": ms(START), "url": {"path": "/a"}, "referrer": None}
     (config.landing / "v").mkdir()
     (config.landing / "v" / "a.jsonl").write_text(json.dumps(pageview) + "\n")
-    rows = validated(config, spark, "v", "pageviews")
-    assert rows["v1"]["error"] == (
-        "url is a JSON array, not a string: send it as a JSON string")
+    ((url, error),) = [(r["url"], r["error"])
+                       for r in validated(config, spark, "v", "pageviews").values()]
+    assert (url, error) == ('{"path":"/a"}', "event_id is a JSON array, not a string: send it "
+                                             "as a JSON string")  # a url is free text
 
 
 def test_a_json_lines_batch_without_one_object_is_read_as_its_lines(

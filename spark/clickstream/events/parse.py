@@ -30,9 +30,9 @@ NOT_UTF8_PREFIX = "base64:"  # a quarantined value that is not UTF-8 is kept as 
 # reads the SQL conf per row and field; ``try_parse_json`` stays as the validity check, since
 # it rejects what ``from_json`` tolerates, such as a repeated key.) An order's ``amount`` is
 # the exception (``amount_text``): ``from_json`` writes a number back through a double.
-_READ_AS_TEXT = (*contract.REQUIRED_EVENT_FIELDS, "url", "referrer",
-                 *(name for name in contract.ORDER_FIELDS if name != "amount"))
-_FIELDS_AS_TEXT = ", ".join(f"{name} string" for name in _READ_AS_TEXT)
+_FIELDS_AS_TEXT = ", ".join(f"{name} string" for name in (
+    *contract.REQUIRED_EVENT_FIELDS, "url", "referrer",
+    *(name for name in contract.ORDER_FIELDS if name != "amount")))
 
 
 def _sent_text(value: Column, field: str, text: Column) -> Column:
@@ -85,25 +85,40 @@ def plain_decimal_text(decimal: Column) -> Column:
 
 
 # The fields read as text; ``ts`` and ``amount`` have rules of their own for a JSON number.
-TEXT_FIELDS = tuple(name for name in _READ_AS_TEXT if name != "ts")
-_NOT_TEXT_KINDS = r"^(OBJECT|ARRAY|BOOLEAN)\b"
+# The text fields whose JSON type is checked (``not_text_error``): the ids, which name folders,
+# keys and sessions, and the event type. A url or referrer is free text (an object there is
+# kept as its JSON text); a currency is one of a set, which refuses any other type.
+TEXT_FIELDS = ("event_id", "client_id", "user_id", "event_type", "order_id")
+# How a reason names the JSON types a text field may not hold (``schema_of_variant``'s names).
+_NOT_TEXT_KINDS = {"OBJECT": "object", "ARRAY": "array", "BOOLEAN": "boolean",
+                   **dict.fromkeys(("DECIMAL", "DOUBLE", "FLOAT"),
+                               "number with a fraction or an exponent")}
 
 
 def not_text_error(value: Column, texts: dict[str, Column]) -> Column:
-    """Reason one of a parsed JSON record's text fields (``texts``: name -> its text) holds a
-    JSON object, array or boolean, or null. Read as text, such a value came out as its JSON
-    text and was stored as valid: a client ``{"name":"acme"}``, a user ``["u",1]``. A JSON
-    number is taken as its text (an integer id as sent). Only a text that could be one (it
-    starts with ``{`` or ``[``, or is ``true``/``false``) is looked up in ``value`` (a
-    variant), so a valid record pays a comparison per field, not a variant lookup."""
+    """Reason one of a parsed JSON record's ``TEXT_FIELDS`` (``texts``: name -> its text as
+    ``from_json`` reads it) holds a JSON object, array, boolean or a number with a fraction
+    or an exponent, or null. Read as text, such a value came out as its JSON text and was
+    stored as valid: a client ``{"name":"acme"}``, a user ``["u",1]``; a number's text is
+    not what was sent (``7.0`` stayed ``7.0`` in the stream, ``7`` in a backfill: one user
+    twice). An integer is its digits, as sent, in both. Only a text that could be one (it
+    starts with ``{`` or ``[``, is ``true``/``false``, or has a ``.``, which the text of every
+    such number has) is looked up in ``value`` (a variant), so a valid record pays a few
+    comparisons per field: parsing took ~18% longer in three alternated pairs over 1M records
+    (``bench/parse_bench.py``; ~35% with a regular expression for numbers and these checks
+    on every text field)."""
+    names = F.create_map(*(F.lit(x) for pair in _NOT_TEXT_KINDS.items() for x in pair))
     reasons = []
     for name, text in texts.items():
-        kind = F.schema_of_variant(F.try_variant_get(value, f"$.{name}", "variant"))
-        could_be = F.substring(text, 1, 1).isin("{", "[") | text.isin("true", "false")
-        # Nested, not one conjunction, so the lookup stays in the branch only such texts reach.
-        reasons.append(F.when(could_be, F.when(kind.rlike(_NOT_TEXT_KINDS), F.format_string(
-            "%s is a JSON %s, not a string: send it as a JSON string", F.lit(name),
-            F.lower(F.regexp_extract(kind, r"^[A-Z]+", 0))))))
+        kind = F.regexp_extract(F.schema_of_variant(
+            F.try_variant_get(value, f"$.{name}", "variant")), r"^[A-Z]+", 0)
+        could_be = (text.startswith("{") | text.startswith("[") | text.isin("true", "false")
+                    | text.contains("."))
+        # Nested, so the lookup stays in the branch only such texts reach; a string's kind
+        # names no entry: null, no reason.
+        reasons.append(F.when(could_be, F.concat(
+            F.lit(f"{name} is a JSON "), F.try_element_at(names, kind),
+            F.lit(", not a string: send it as a JSON string"))))
     return F.coalesce(*reasons)
 
 

@@ -75,7 +75,9 @@ Known edge cases, cited inline as (B1)..(B21):
       spreads over as many tasks as it has files.
   B15. A JSON Lines batch's ids, ``client_id``, ``user_id``, ``ts``, ``url`` and ``referrer``
       are each line's own JSON text, whatever type Spark infers for the column across the
-      batch (``_json_lines``).
+      batch, read as the stream reads them; an id sent as a JSON object, array, boolean or
+      number with a fraction is refused as the stream refuses it (``_json_lines``,
+      ``parse.not_text_error``).
   B16. A JSON Lines batch may leave out a column whose every value is null (Spark's JSON
       writer drops null fields: a batch of pageviews without a referrer has no ``referrer``
       key), so such a nullable column (``NULLABLE``) is null, not missing.
@@ -593,6 +595,19 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
                          if f.name != "_corrupt_record"])  # Spark's reader: the inference
     if not fields:  # (B17) no object to infer from
         fields = StructType([StructField(name, StringType()) for name in REQUIRED[kind]])
+    # A required field is read as text, as the stream reads it (``parse``): whatever type
+    # Spark infers for its column across the batch (B15), one line's float made a column of
+    # ids or ``ts`` a double for every line (the ids 1234567890123456789 and ...788 both
+    # 1.23456789012345677E18, one dropped as the other's copy; every integer ``ts``
+    # quarantined). Read from a variant instead, numbers were normalised (7.0 as 7, more than
+    # 38 digits as a double) where the stream kept them as sent. An object, array, boolean or
+    # non-integer number in a text field is refused, in both (``parse.not_text_error``).
+    # ``amount`` is judged by its line's own JSON type (B9): a string as sent; a number by
+    # its exact decimal, not the double Spark infers (999999999999.0003 was stored as
+    # ...0002), and by its text where a decimal(38,18) cannot hold it exactly (1e25, -1e-20).
+    as_text = {name for names in REQUIRED.values() for name in names} - {"amount"}
+    record = StructType([StructField(f.name, StringType()) if f.name in as_text else f
+                         for f in fields])
     text = F.col("value")
     lines = _read(spark, batch, "text").where(~text.rlike(r"^[ \t\r\n]*$"))
     line = F.regexp_replace(text, "^\ufeff", "")  # a file's byte-order mark, files joined
@@ -604,24 +619,12 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
             "line is not one JSON object: JSON Lines holds one record per line (two records "
             "joined on one line, or an array, are quarantined as they are); split the line "
             "and load it again")),
-        not_text_error(F.col("_value"), {  # as the stream judges it
-            name: F.try_variant_get("_value", f"$.{name}", "string")
-            for name in REQUIRED[kind] if name in TEXT_FIELDS}))
-    parsed = lines.select(F.from_json(line, fields).alias("_record"),
+        not_text_error(F.col("_value"), {
+            name: F.col("_record")[name] for name in record.fieldNames() if name in TEXT_FIELDS}))
+    parsed = lines.select(F.from_json(line, record).alias("_record"),
                           F.try_parse_json(line).alias("_value"), text, "_metadata")
-    # A required field is read from the parsed value as its own JSON text (B15): ``from_json``
-    # writes a number in a text column back through a double (12345678.5 as 1.23456785E7),
-    # and one line's float made a column of ids or ``ts`` a double for every line (the ids
-    # 1234567890123456789 and ...788 both 1.23456789012345677E18, one dropped as the other's
-    # copy; every integer ``ts`` quarantined). ``amount`` is judged by its line's own JSON
-    # type (B9): a string as sent; a number by its exact decimal, not the double Spark infers
-    # (999999999999.0003 was stored as ...0002), and by its text where a decimal(38,18)
-    # cannot hold it exactly (1e25, -1e-20: refused).
-    as_text = {name for names in REQUIRED.values() for name in names} - {"amount"}
 
     def column(field: StructField) -> Column:
-        if field.name in as_text:
-            return F.try_variant_get("_value", f"$.{field.name}", "string")
         if field.name == "amount":  # each line's by its own JSON type, as the stream's
             return amount_text(F.col("_value"))
         return F.col("_record")[field.name]
