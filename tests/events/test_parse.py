@@ -43,7 +43,10 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     (None, "value is empty"),
     ("  ", "value is empty"),
     ("{not json", "value is not valid JSON"),
-    ('{"event_id": "e1", "event_id": "e2"}', "value is not valid JSON"),  # duplicate key
+    # Valid JSON the parser refuses: "not valid JSON" sent a producer after a syntax error
+    *((value, "value is JSON the parser refuses: a key repeated in one object, or an escaped "
+       "lone surrogate (such as \\ud800 alone); send each key once, and text as UTF-8")
+      for value in ('{"event_id": "e1", "event_id": "e2"}', '{"event_id": "\\ud800"}')),
     ("[1, 2, 3]", "value is not a JSON object"),
     # Two events in one record: the JSON readers took the first and ignored the rest.
     (json.dumps(PAGEVIEW) + json.dumps({**PAGEVIEW, "event_id": "e2"}),

@@ -178,6 +178,17 @@ def _one_json_value(text: Column) -> Column:
     return F.coalesce((wrapped("]") == 1) & (wrapped(",0]") == 2), F.lit(False))
 
 
+def unparsed_json_reason(text: Column, what: str) -> Column:
+    """Reason of a ``what`` (a value, a line) whose ``text`` ``try_parse_json`` refused. Some
+    such text is valid JSON all the same: a key repeated in one object, an escaped lone
+    surrogate (``"\\ud800"``), which JSON's grammar allows and Spark's variant refuses; "not
+    valid JSON" sent its producer looking for a syntax error its JSON validator never finds."""
+    return F.when(_one_json_value(text), F.lit(
+        f"{what} is JSON the parser refuses: a key repeated in one object, or an escaped lone "
+        "surrogate (such as \\ud800 alone); send each key once, and text as UTF-8")).otherwise(
+        F.lit(f"{what} is not valid JSON"))
+
+
 def _starts_an_object(text: Column) -> Column:
     # JSON's whitespace (space, tab, CR, LF) may precede the object: ``ltrim`` removed spaces
     # only, and a valid object after a newline was quarantined.
@@ -404,7 +415,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         F.col("_lost"),
         F.when(F.col("_raw_bytes").isNotNull(), F.lit(not_utf8_reason("value"))),
         F.when(_blank(F.col("raw")), F.lit("value is empty")),
-        F.when(v.isNull(), F.lit("value is not valid JSON")),
+        F.when(v.isNull(), unparsed_json_reason(F.col("raw"), "value")),
         F.when(~_one_json_value(F.col("raw")),
                F.lit("value is not valid JSON: text follows its first value")),
         F.when(~_starts_an_object(F.col("raw")), F.lit("value is not a JSON object")),

@@ -153,6 +153,7 @@ from clickstream.events.parse import (
     ts_ahead_error,
     ts_error,
     ts_from_text,
+    unparsed_json_reason,
     url_error,
     user_id_error,
 )
@@ -614,7 +615,7 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
     as_bytes = bytes_unless_utf8(text)
     error = F.coalesce(
         F.when(as_bytes.isNotNull(), F.lit(not_utf8_reason("line"))),
-        F.when(F.col("_value").isNull(), F.lit("line is not valid JSON")),
+        F.when(F.col("_value").isNull(), unparsed_json_reason(line, "line")),
         F.when(~is_one_json_object(line), F.lit(
             "line is not one JSON object: JSON Lines holds one record per line (two records "
             "joined on one line, or an array, are quarantined as they are); split the line "
