@@ -997,12 +997,13 @@ def test_maintenance_compacts_vacuums_and_checkpoints_without_changing_rows(tabl
     assert tables.app_version("orders", "a") == 3
 
 
-def test_a_client_id_with_a_tilde_is_compacted_and_raw_tilde_folders_are_left_out(
-        tables, spark):
+def test_a_client_id_with_a_tilde_is_compacted_week_after_week(tables, spark):
     """(Edge case 19) deltalake writes '~' raw in a folder's name, and its compaction then
     looks for the files under '%7E': one such client failed the compaction of the whole table,
-    every week. The product's writer escapes '~'; a partition in a raw '~' folder (another
-    writer's) is left out and named, and every other partition is still compacted."""
+    every week. Once the product's writer escaped '~', deltalake's compaction of the escaped
+    folder wrote its file under a raw '~' again, and the client was left out of every later
+    compaction (its small files piling up). This engine compacts those partitions itself,
+    raw folders (another writer's) included, into escaped ones."""
     for version in (1, 2):
         tables.append_once("orders", orders(spark, (f"o{version}", "a~b", D1, "1"),
                                             (f"c{version}", "c1", D1, "1")),
@@ -1014,13 +1015,41 @@ def test_a_client_id_with_a_tilde_is_compacted_and_raw_tilde_folders_are_left_ou
     assert folders == {"client_id=a%7Eb", "client_id=c1", "client_id=x~y"}
     before = sorted(tuple(r) for r in tables.read("orders").collect())
 
-    metrics = tables.optimize("orders")
-
-    assert (metrics["numFilesRemoved"], metrics["numFilesAdded"]) == (4, 2)
-    assert metrics["skippedPartitions"] == ["client_id=x~y"]
-    assert [len(files_of(tables, "orders", c)) for c in ("a~b", "c1", "x~y")] == [1, 1, 2]
+    assert tables.optimize("orders") == {"numFilesAdded": 3, "numFilesRemoved": 6}
+    assert [len(files_of(tables, "orders", c)) for c in ("a~b", "c1", "x~y")] == [1, 1, 1]
+    assert {Path(f).parts[0] for c in ("a~b", "x~y") for f in files_of(tables, "orders", c)} \
+        == {"client_id=a%7Eb", "client_id=x%7Ey"}
     assert sorted(tuple(r) for r in tables.read("orders").collect()) == before
-    assert ids(tables.read("orders", partition_filter={"client_id": "a~b"})) == ["o1", "o2"]
+
+    for version in (3, 4):  # the next week's micro-batches
+        tables.append_once("orders", orders(spark, (f"o{version}", "a~b", D1, "1")),
+                           app_id="a", version=version, partition_by=PARTS, metadata=META)
+    assert tables.optimize("orders") == {"numFilesAdded": 1, "numFilesRemoved": 3}
+    assert len(files_of(tables, "orders", "a~b")) == 1
+    assert ids(tables.read("orders", partition_filter={"client_id": "a~b"})) == [
+        "o1", "o2", "o3", "o4"]
+    assert tables.row_count("orders") == 8
+    last = DeltaTable(tables.table_path("orders")).history(1)[0]
+    assert (last["operation"], last.get("cause")) == ("WRITE", "maintenance: optimize")
+
+
+def test_a_compaction_filtered_to_a_null_partition_compacts_it(tables, spark):
+    """deltalake's filters cannot name a null partition: the compaction did nothing and
+    reported success. ``read_arrow`` reads '' as the null partition, as ``read`` does (it
+    read nothing)."""
+    for version in (1, 2, 3):
+        tables.append_once("probe", spark.createDataFrame(
+            [(f"k{version}", None, version), (f"j{version}", "x", version)],
+            "k string, c string, v long"), app_id="a", version=version, partition_by=["c"],
+            metadata=META)
+
+    metrics = tables.optimize("probe", partition_filter={"c": None})
+
+    assert (metrics["numFilesRemoved"], metrics["numFilesAdded"]) == (3, 1)
+    assert len(DeltaTable(tables.table_path("probe")).file_uris()) == 4  # x's three stay
+    assert sorted(tables.read_arrow("probe", {"c": ""}).column("k").to_pylist()) == sorted(
+        r.k for r in tables.read("probe", partition_filter={"c": ""}).collect()) == [
+        "k1", "k2", "k3"]
 
 
 def test_a_compaction_of_several_alternatives_counts_the_files_of_each(tables, spark):

@@ -102,11 +102,12 @@ Known edge cases (cited inline as "edge case N"):
     keeps files (``set_retention``), so a retention above 30 days extends both.
 19. deltalake 1.6.6 writes a ``~`` raw in a partition folder's name, but its compaction looks
     for the file under ``%7E`` and fails for the whole table ("File selection contains N
-    missing files"), every run. This engine's writer escapes ``~``, which Spark reads back.
-    A partition value (a client) with a file in a folder named with a raw ``~`` (another
-    writer's, or this one's before session 71) has all its partitions left out of a
-    compaction, named in its result (``skippedPartitions``), until no such file is active;
-    the table's other partitions are still compacted. Reads and writes of them work.
+    missing files"), every run. This engine's writer escapes ``~``, which Spark reads back;
+    deltalake's compaction of an escaped folder wrote its file under a raw ``~`` again, so a
+    client compacted once was left out of every later compaction. Partitions whose values
+    hold a ``~`` are compacted by this engine's own writer instead (``_compact_here``), as
+    are null partitions a filter names (deltalake's filters cannot name a null partition:
+    such a compaction did nothing and reported success).
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ _FILE_ROWS = "path string, size long, partition_values string, modification_time
 ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
 ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
 OPTIMIZE_LOCK = "_clickstream_optimize.lock"  # in the table folder: one compaction at a time (15)
+COMPACTED_HERE_BYTES = 128 * 2**20  # files the driver compacts per commit (edge case 19)
 
 
 _FILE = "__clickstream_file"  # a column of _read_files: which file a row came from
@@ -204,11 +206,11 @@ class _WrittenFile:
     def rows(self) -> int:
         return int(json.loads(self.stats)["numRecords"])
 
-    def add_action(self) -> AddAction:
+    def add_action(self, *, data_change: bool = True) -> AddAction:
         # delta-rs takes the path as named on disk and URI-encodes it into the log itself.
         return AddAction(
             self.path, self.size, self.partition_values,
-            self.modification_time, True, self.stats,
+            self.modification_time, data_change, self.stats,
         )
 
 
@@ -700,19 +702,23 @@ class DeltaRsTables(DeltaTables):
 
     def _optimize(self, name: str, partition_filter: PartitionFilter | None) -> dict[str, Any]:
         table = self._require(name)  # loaded under the lock: after any other compaction
-        properties = CommitProperties(custom_metadata={"cause": "maintenance: optimize"})
-        alternatives = [None]
+        alternatives: list[list[tuple[str, str, list[str]]] | None] = [None]
         if partition_filter:
             _check_filter_columns(partition_filter, _partition_columns(table), name)
-            alternatives = [
-                [(c, "in", ["" if v is None else v for v in values]) for c, values in alt.items()]
-                for alt in filter_alternatives(partition_filter)
-            ]
-        raw_tildes = self._raw_tilde_partitions(table)  # edge case 19
-        left_out = [(column, "not in", values) for column, values in raw_tildes.items()]
-        metrics: dict[str, Any] = {"numFilesAdded": 0, "numFilesRemoved": 0,
-                                   "skippedPartitions": [f"{column}={value}" for column, values
-                                                         in raw_tildes.items() for value in values]}
+            conjunctions = [  # null partitions are compacted here (edge case 19)
+                [(c, "in", [v for v in values if v is not None]) for c, values in alt.items()]
+                for alt in filter_alternatives(partition_filter)]
+            alternatives = [c for c in conjunctions if all(values for *_, values in c)]
+        here = [f for f in _within(self._active_files(table), partition_filter)
+                if _compacted_here(f.partition_values, partition_filter)]
+        metrics = self._compact_here(name, table, here)
+        tildes: dict[str, set[str]] = {}
+        for f in here:
+            for column, value in f.partition_values.items():
+                if value is not None and "~" in value:
+                    tildes.setdefault(column, set()).add(value)
+        left_out = [(column, "not in", sorted(values)) for column, values in tildes.items()]
+        properties = CommitProperties(custom_metadata={"cause": "maintenance: optimize"})
         try:
             for conjunction in alternatives:
                 done = table.optimize.compact(
@@ -729,15 +735,50 @@ class DeltaRsTables(DeltaTables):
             ) from exc
         return metrics
 
-    def _raw_tilde_partitions(self, table: DeltaTable) -> dict[str, list[str]]:
-        """Partition values whose files sit in a folder named with a raw ``~`` (19)."""
-        found: dict[str, set[str]] = {}
-        for file in self._active_files(table):
-            if "~" in file.path.rpartition("/")[0]:
-                for column, value in file.partition_values.items():
-                    if value is not None and "~" in value:
-                        found.setdefault(column, set()).add(value)
-        return {column: sorted(values) for column, values in found.items()}
+    def _compact_here(self, name: str, table: DeltaTable, files: list[_ActiveFile]
+                      ) -> dict[str, Any]:
+        """Each partition's files into one, written by this engine (edge case 19); a commit
+        per ``COMPACTED_HERE_BYTES`` of files, so the driver holds that much at a time."""
+        by_partition: dict[tuple[tuple[str, str | None], ...], list[_ActiveFile]] = {}
+        for f in files:
+            by_partition.setdefault(_partition_key(f.partition_values), []).append(f)
+        chunks: list[list[_ActiveFile]] = [[]]
+        for group in (g for g in by_partition.values() if len(g) > 1):
+            if chunks[-1] and sum(f.size for f in chunks[-1]) >= COMPACTED_HERE_BYTES:
+                chunks.append([])
+            chunks[-1].extend(group)
+        metrics = {"numFilesAdded": 0, "numFilesRemoved": 0}
+        properties = CommitProperties(custom_metadata={"cause": "maintenance: optimize"},
+                                      max_commit_retries=0)  # _commit_loop retries
+        for chunk in filter(None, chunks):
+            rows = self._read_files(name, table, chunk, None).drop_columns([_FILE])
+            written = self._write_arrow(name, _cast_to_table(rows, table), table)
+            compacted = {f.log_path for f in chunk}
+
+            def attempt(current: DeltaTable, chunk: list[_ActiveFile] = chunk,
+                        written: list[_WrittenFile] = written,
+                        compacted: set[str] = compacted) -> object:
+                gone = compacted - {f.log_path for f in self._active_files(current)}
+                if gone:
+                    raise CommitConflictError(
+                        f"optimize on table {name!r}: {len(gone)} file(s) it compacts were "
+                        f"rewritten by a concurrent commit, first {sorted(gone)[0]}; data is "
+                        "unchanged. Compaction is idempotent: run it again later.")
+                current.create_write_transaction(
+                    [*_removes(chunk, name, data_change=False),
+                     *(f.add_action(data_change=False) for f in written)], mode="append",
+                    schema=current.schema(), partition_by=_partition_columns(current),
+                    commit_properties=properties,
+                )
+                return None
+
+            self._commit_files(name, "optimize", written, attempt, since=table.version(),
+                               landed=None)
+            metrics["numFilesAdded"] += len(written)
+            metrics["numFilesRemoved"] += len(chunk)
+        if metrics["numFilesRemoved"]:
+            table.update_incremental()
+        return metrics
 
     def vacuum(
         self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True
@@ -1327,7 +1368,19 @@ def _within(files: list[_ActiveFile], scope: PartitionFilter | None) -> list[_Ac
     return [f for f in files if filter_matches(alternatives, f.partition_values)]
 
 
-def _removes(files: list[_ActiveFile], name: str) -> list[RemoveAction]:
+def _compacted_here(values: Mapping[str, str | None],
+                    partition_filter: PartitionFilter | None) -> bool:
+    """Whether this engine compacts a partition itself, not deltalake (edge case 19): a value
+    holding a ``~``, or null in a column the filter names."""
+    if any(value is not None and "~" in value for value in values.values()):
+        return True
+    named = {c for alt in filter_alternatives(partition_filter) for c in alt} \
+        if partition_filter else set()
+    return any(values.get(column) is None for column in named)
+
+
+def _removes(files: list[_ActiveFile], name: str, *, data_change: bool = True
+             ) -> list[RemoveAction]:
     """Remove actions for active files (decoded paths, edge case 12).
 
     Raises:
@@ -1344,7 +1397,8 @@ def _removes(files: list[_ActiveFile], name: str) -> list[RemoveAction]:
             "with the engine that wrote them, or use CLICKSTREAM_DELTA_ENGINE=delta-spark."
         )
     now = int(time.time() * 1000)
-    return [RemoveAction(f.path, True, now, f.size, f.partition_values) for f in files]
+    return [RemoveAction(f.path, data_change, now, f.size, f.partition_values)
+            for f in files]
 
 
 def _done(table: DeltaTable, app_id: str, version: int) -> bool:
@@ -1546,9 +1600,11 @@ def _check_readable(table: DeltaTable, name: str) -> None:
 def _arrow_filter(partition_filter: PartitionFilter) -> Any:
     import pyarrow.dataset as ds
 
+    filter_alternatives(partition_filter)  # its checks: a column listing no values, ...
     expression = None
     for column, values in partition_filter.items():
         items = list(values) if isinstance(values, list | tuple | set | frozenset) else [values]
+        items = [None if v == "" else v for v in items]  # the null partition, as read's (5)
         present = [v for v in items if v is not None]
         test = ds.field(column).isin(present) if present else None
         if len(present) < len(items):

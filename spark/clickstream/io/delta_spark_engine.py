@@ -407,7 +407,7 @@ class DeltaSparkTables(DeltaTables):
             builder = builder.where(filter_to_sql(partition_filter, self._table_types(name)))
         rows = builder.executeCompaction().collect()  # one row: the table's path and metrics
         metrics = rows[0]["metrics"].asDict(recursive=True) if rows else {}
-        return {"numFilesAdded": 0, "numFilesRemoved": 0, **metrics, "skippedPartitions": []}
+        return {"numFilesAdded": 0, "numFilesRemoved": 0, **metrics}
 
     def vacuum(
         self, name: str, retention_hours: int, *, enforce_retention_duration: bool = True

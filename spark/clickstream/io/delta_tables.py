@@ -400,8 +400,7 @@ class DeltaTables(ABC):
         self, name: str, partition_filter: PartitionFilter | None = None
     ) -> dict[str, Any]:
         """Compact small files (data unchanged, ``dataChange=false``); returns the metrics,
-        with ``numFilesAdded`` and ``numFilesRemoved`` over the whole call and
-        ``skippedPartitions`` (``column=value``) the engine had to leave as they are."""
+        with ``numFilesAdded`` and ``numFilesRemoved`` over the whole call."""
 
     @abstractmethod
     def vacuum(

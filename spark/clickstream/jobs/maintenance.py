@@ -107,8 +107,7 @@ def each_table(tables: DeltaTables, step: str, work: Callable[[str], _T],
 
 
 def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, dict[str, Any]]:
-    """Compact small files of every existing table; per table, files added and removed and
-    the partitions left as they are (``delta_rs_engine`` edge case 19).
+    """Compact small files of every existing table; per table, files added and removed.
 
     Raises:
         ClickstreamError: compaction failed on some tables; the others were compacted (M2).
@@ -118,14 +117,8 @@ def compact_tables(config: Config, *, progress: Progress = print) -> dict[str, d
     def compact(name: str) -> dict[str, Any]:
         metrics = tables.optimize(name)
         done = {"files_added": int(metrics["numFilesAdded"]),
-                "files_removed": int(metrics["numFilesRemoved"]),
-                "partitions_skipped": metrics["skippedPartitions"]}
+                "files_removed": int(metrics["numFilesRemoved"])}
         line = f"compact {name}: {done['files_removed']} files into {done['files_added']}"
-        if done["partitions_skipped"]:
-            skipped = ", ".join(done["partitions_skipped"])
-            line += (f"; left as they are: every partition of {skipped} (some of its "
-                     "folders are named with a raw '~', which deltalake's compaction cannot "
-                     "find; compacted again once no such folder holds an active file)")
         progress(line)
         return done
 
