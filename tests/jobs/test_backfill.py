@@ -615,7 +615,8 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
 ) -> None:
     """Spark's JSON reader takes a line's first value and ignores the rest: two orders
     joined on one line (files concatenated without a final newline) stored the first and
-    lost the second with no trace, and ``[]`` gave no row (B10). A line that is not UTF-8 is
+    lost the second with no trace, and ``[]`` gave no row (B10); a key repeated in one line
+    refused the whole batch (B22). A line that is not UTF-8 is
     kept as its bytes, as the stream keeps such a value. Read line by line, the batch still
     loads what Spark's reader loaded: blank lines (tabs too) are no rows, a byte-order mark
     where files were joined is not part of a line, and an amount written as a number in a
@@ -626,8 +627,10 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
     bad = {line("j1") + line("j2"): "line is not one JSON object",
            "[]": "line is not one JSON object", "5": "line is not one JSON object",
            '{"order_id": "cut", "client_id": "client-00"': "line is not valid JSON",
-           # valid JSON the parser refuses (its reason goes on after the colon)
-           '{"order_id": "r\\ud800"}': "line is JSON the parser refuses"}
+           # valid JSON the parser refuses (its reason goes on after the colon); a key
+           # repeated in one object refused the whole batch (B22: Spark's inference failed)
+           '{"order_id": "r\\ud800"}': "line is JSON the parser refuses",
+           '{"order_id": "k1", "order_id": "k2"}': "line is JSON the parser refuses"}
     folder = stream_config.landing / "lines"
     folder.mkdir(parents=True)
     latin1 = line("cafe").replace('"cafe"', '"caf\xe9"').encode("latin-1")  # was replaced
@@ -644,7 +647,7 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
                       "number": Decimal("12345678.5"), "end": Decimal("10.00")}
     reasons = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
     assert {raw: reason.split(":")[0] for raw, reason in reasons.items()} == bad
-    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (10, 6, 4)
+    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (11, 7, 4)
 
 
 def test_a_parquet_string_that_is_not_utf8_is_quarantined_and_the_rest_merged(

@@ -330,8 +330,8 @@ class _Forwarder:
                 upstream.close()
                 client.close()
                 continue
+            client.setblocking(False)
             for sock in (client, upstream):
-                sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             pipe = _Pipe(client, upstream)
             for sock in (client, upstream):

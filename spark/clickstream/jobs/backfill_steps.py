@@ -564,8 +564,9 @@ def write_failure_report(config: Config, *, failed_step: str, error: BaseExcepti
         The page's path.
     """
     ran = STEPS[:STEPS.index(failed_step)]  # before it, so this attempt's (a dry run: check)
-    check = load_step_result(config, run_id, "check", dry_run) if ran else None
-    lines = saved_summary_lines(config, run_id, dry_run=dry_run, steps=ran)
+    saved = _saved_results(config, run_id, dry_run, ran)
+    check = saved.get("check")
+    lines = _saved_lines(config, saved, dry_run)
     lines.append(failure_line(failed_step, error))
     _, target = write_run_summary(
         config, run_id=run_id, client_id=client_id, kind=kind,
@@ -578,8 +579,18 @@ def saved_summary_lines(config: Config, run_id: str, *, dry_run: bool = False,
                         steps: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """(step, what it did) for each of ``steps`` (all) the run saved a result of, in full:
     the reports index keeps only a summary's start. Nothing before its check."""
-    saved = {name: load_step_result(config, run_id, name, dry_run)
-             for name in (STEPS if steps is None else steps) if not dry_run or name == "check"}
+    return _saved_lines(config, _saved_results(config, run_id, dry_run,
+                                               STEPS if steps is None else steps), dry_run)
+
+
+def _saved_results(config: Config, run_id: str, dry_run: bool, steps: Sequence[str]
+                   ) -> dict[str, Any]:
+    return {name: load_step_result(config, run_id, name, dry_run)
+            for name in steps if not dry_run or name == "check"}
+
+
+def _saved_lines(config: Config, saved: Mapping[str, Any], dry_run: bool
+                 ) -> list[tuple[str, str]]:
     if saved.get("check") is None:
         return []
     published = saved.get("publish")

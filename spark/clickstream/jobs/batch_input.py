@@ -107,6 +107,10 @@ Known edge cases, cited inline as (B1)..(B21):
       opened each file first, so it read from a file a link pointed to outside the landing
       folder (its refusal told what kind of file that was), and a FIFO's open blocked the run
       (and every queued backfill behind it) for good.
+  B22. A JSON Lines line whose object repeats a key is quarantined ("line is JSON the parser
+      refuses"), as the stream quarantines such a value. Spark's schema inference failed on
+      it (``COLUMN_ALREADY_EXISTS``) and the whole batch was refused as unreadable; the
+      batch's columns are then every key its lines hold, read as text.
 """
 
 from __future__ import annotations
@@ -545,7 +549,8 @@ def _check_parquet_types(batch: BatchFiles, required: Sequence[str] = ()) -> Non
             raise BatchRefusedError(
                 f"batch file {path} is not a readable Parquet file: {error}") from error
         name = path.relative_to(batch.root).as_posix() if path != batch.root else path.name
-        lacking = [c for c in required if c not in {n.lower() for n in schema.names}]
+        names = {n.lower() for n in schema.names}
+        lacking = [c for c in required if c not in names]
         if lacking and len(batch.files) > 1:  # one file: read_batch names what it lacks
             raise BatchRefusedError(
                 f"batch file {path} lacks the column{'s' if len(lacking) > 1 else ''} "
@@ -592,8 +597,7 @@ def _column(name: str) -> Column:
 def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
     """Each non-blank line of a JSON Lines batch as a row of the columns Spark infers from the
     batch, with the line itself and, when it is not one JSON object, why (B10)."""
-    fields = StructType([f for f in _read(spark, batch).schema
-                         if f.name != "_corrupt_record"])  # Spark's reader: the inference
+    fields = _inferred_fields(spark, batch)
     if not fields:  # (B17) no object to infer from
         fields = StructType([StructField(name, StringType()) for name in REQUIRED[kind]])
     # A required field is read as text, as the stream reads it (``parse``): whatever type
@@ -633,6 +637,23 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
     return parsed.select(
         *(column(f).alias(f.name) for f in fields),
         F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
+
+
+def _inferred_fields(spark: SparkSession, batch: BatchFiles) -> StructType:
+    """The columns Spark's JSON reader infers from a JSON Lines batch (B22)."""
+    try:
+        schema = _read(spark, batch).schema
+    except BatchRefusedError as refused:
+        cause = refused.__cause__
+        if not (isinstance(cause, PySparkException)
+                and cause.getCondition() == "COLUMN_ALREADY_EXISTS"):
+            raise
+        # A key repeated in one line's object: Spark's inference fails for the whole batch.
+        # The line is quarantined (``unparsed_json_reason``); every key is read as text.
+        keys = _read(spark, batch, "text").select(F.explode(F.json_object_keys(
+            F.regexp_replace("value", "^\ufeff", ""))).alias("key")).distinct().collect()
+        schema = StructType([StructField(k, StringType()) for k in sorted(r.key for r in keys)])
+    return StructType([f for f in schema if f.name != "_corrupt_record"])
 
 
 def _text(frame: DataFrame, name: str) -> Column:
