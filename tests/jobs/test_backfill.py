@@ -1001,6 +1001,27 @@ def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never
     assert "plan superseded" in summary.summary and "full-recompute-client-00" in summary.summary
     assert id(next(e for e in items if e.href == failed.href)) not in standing
 
+    # (C15) The DAG's retried steps: they said the plan was checked and published, all its
+    # records, and the run's page went green over the one that said it was superseded.
+    said: list[str] = []
+    by = "full-recompute-client-00"
+    assert step("check-applied", progress=said.append)["superseded_by"] == by
+    assert step("publish", progress=said.append)["published"] == 0
+    step("report", progress=said.append)
+    assert said[:2] == [
+        f"check {run_id}: its plan 2 was superseded by {by} (it failed its applied check; {by} "
+        "rewrote and published the client's sessions and attributions), nothing to check",
+        f"publish {run_id}: nothing to publish: its plan was superseded by {by}, which "
+        "published the client's rewrite"]
+    items = [e for e in reports.read_entries(reports.reports_dir(stream_config))
+             if (e.job, e.run_id) == ("backfill", run_id)]
+    (summary,) = [e for e in items if e.title == reports.RUN_SUMMARY
+                  and id(e) in reports.current_entries(items)]
+    assert summary.href == f"backfills/{run_id}.html"
+    page = (reports.reports_dir(stream_config) / summary.href).read_text()
+    assert f"<th>check</th><td>plan superseded by {by}: it failed its applied check" in page
+    assert "<th>publish</th><td>0 records to " in page
+
 
 def test_a_dry_run_of_a_batch_leaves_the_real_runs_step_results_alone(
         stream_config: Config, spark: SparkSession) -> None:

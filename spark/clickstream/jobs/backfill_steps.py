@@ -103,6 +103,7 @@ from clickstream.jobs.corrections import (
     published_through,
     resume,
     stored_plan,
+    superseded_by,
     unfinished_plan,
 )
 from clickstream.jobs.sessionize import check_stream_settings, stream_watermark_ms
@@ -429,7 +430,7 @@ def _plan_batch(batch: _Batch, run: Run, summary: CorrectionSummary, timer: Time
 @releases_cache
 def check_applied(config: Config, *, client_id: str, run_id: str,
                   spark: SparkSession | None = None, progress: Progress = print
-                  ) -> dict[str, int]:
+                  ) -> dict[str, Any]:
     """The quality gate between apply and publish: the tables hold the run's plan (S4).
 
     Every planned session and attribution must be stored at (at least) its new revision,
@@ -437,7 +438,8 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
 
     Returns:
         ``{"sessions": planned session rows, "attributions": planned attribution rows,
-        "run_seq": the plan's step, None without one}`` (S8).
+        "run_seq": the plan's step, None without one}`` (S8); with ``"superseded_by"``, the
+        full recompute that superseded the plan, and no rows (C15).
 
     Raises:
         QualityGateFailedError: some planned rows are not reflected; nothing was published.
@@ -455,6 +457,13 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
             return {"sessions": 0, "attributions": 0, "run_seq": None}
         try:
             run_seq = changes.select("run_seq").first()[0]
+            by = superseded_by(run, run_seq) if run_seq <= published_through(run) else None
+            if by is not None:  # (C15)
+                progress(f"check {run_id}: its plan {run_seq} was superseded by {by} (it "
+                         f"failed its applied check; {by} rewrote and published the client's "
+                         "sessions and attributions), nothing to check")
+                return {"sessions": 0, "attributions": 0, "run_seq": run_seq,
+                        "superseded_by": by}
             if run_seq <= published_through(run):  # (S4)
                 counts = {entity: changes.where(F.col("entity") == entity[:-1]).count()
                           for entity in ("sessions", "attributions")}
@@ -495,8 +504,14 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
             changes = None
         if changes is None:
             earlier = stored_plan(run)  # not the client's unpublished plan: published (C6)
-            sent = 0 if earlier is None else earlier.count()
+            by = None if earlier is None else superseded_by(
+                run, earlier.select("run_seq").first()[0])
+            sent = 0 if earlier is None or by is not None else earlier.count()
             release(earlier)
+            if by is not None:  # (C15)
+                progress(f"publish {run_id}: nothing to publish: its plan was superseded by "
+                         f"{by}, which published the client's rewrite")
+                return 0
             progress(f"publish {run_id}: nothing left to publish" + (
                 f" (its {sent} records were published already: by an earlier attempt, or by "
                 "another correction run of the client that finished its plan)" if sent
@@ -522,7 +537,7 @@ def publish_corrections(config: Config, *, client_id: str, run_id: str,
 def write_report(config: Config, *, check: Mapping[str, Any], dry_run: bool,
                  merged: Mapping[str, Any] | None = None,
                  corrections: Mapping[str, Any] | None = None,
-                 applied: Mapping[str, int] | None = None, published: int | None = None,
+                 applied: Mapping[str, Any] | None = None, published: int | None = None,
                  spark: SparkSession | None = None, progress: Progress = print
                  ) -> dict[str, str]:
     """Summarise one backfill run as text and as a page in the quality reports.
@@ -603,7 +618,7 @@ def _saved_lines(config: Config, saved: Mapping[str, Any], dry_run: bool
 
 def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
                    merged: Mapping[str, Any] | None, corrections: Mapping[str, Any] | None,
-                   applied: Mapping[str, int] | None, published: int | None
+                   applied: Mapping[str, Any] | None, published: int | None
                    ) -> tuple[list[tuple[str, str]], CorrectionSummary | None]:
     """(step, what it did) per step that ran, and the recompute's summary if it ran; with
     each step's time when it ran as a step of its own (``run_step``)."""
@@ -623,7 +638,12 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
     if corrections:
         summary_of_corrections = _correction_summary(corrections)
         lines.append(("recompute", summary_of_corrections.describe() + took("recompute")))
-    if applied is not None:
+    if applied is not None and applied.get("superseded_by"):  # (C15)
+        by = applied["superseded_by"]
+        lines.append(("check", f"plan superseded by {by}: it failed its applied check, and "
+                               f"{by} rewrote and published the client's sessions and "
+                               "attributions" + took("check-applied")))
+    elif applied is not None:
         lines.append(("check", f"tables hold {applied.get('sessions', 0)} session and "
                                f"{applied.get('attributions', 0)} attribution corrections"
                                + took("check-applied")))

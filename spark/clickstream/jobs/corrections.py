@@ -128,6 +128,11 @@ Known edge cases, cited inline as (C1)..(C14):
       revision last, and a plan whose copies were at different revisions (a 2 -> 3, b 1 -> 2)
       failed for good, stopping every later correction of the client. The copies are sent in
       no set order: which one the topic keeps is not defined (README's Known limits).
+  C15. A plan a full recompute superseded (it failed its applied check, ``recompute`` R7) is
+      marked published so no run finishes it, with the superseding run in the mark's commit
+      (``superseded_by``). The plan's own steps, retried after it, said it was applied,
+      checked and published, each record of it, and the run's page went green over the page
+      that said it was superseded; they now say it was superseded, and publish nothing.
 """
 
 from __future__ import annotations
@@ -1079,13 +1084,27 @@ def published_through(run: Run) -> int:
     return run.tables.app_version(CORRECTIONS.name, run.published_app_id) or 0
 
 
-def mark_published(run: Run, changes: DataFrame) -> None:
-    """Record that the plan's changes are in the tables and on Kafka (C6)."""
+def mark_published(run: Run, changes: DataFrame, *, superseded: bool = False) -> None:
+    """Record that the plan's changes are in the tables and on Kafka (C6); ``superseded``:
+    the plan failed its applied check and ``run`` (a full recompute, R7) rewrote and
+    published the client instead, which the plan's own steps then say (C15)."""
     run_seq = changes.select("run_seq").first()[0]
+    metadata = {"run_id": run.run_id, "cause": f"published step {run_seq}"}
+    if superseded:
+        metadata = {**metadata, "cause": f"superseded step {run_seq}",
+                    "superseded_by": run.run_id}
     run.tables.append_once(
         CORRECTIONS.name, run.spark.createDataFrame([], CORRECTIONS.schema),
         app_id=run.published_app_id, version=run_seq, partition_by=CORRECTIONS.partition_by,
-        metadata={"run_id": run.run_id, "cause": f"published step {run_seq}"})
+        metadata=metadata)
+
+
+def superseded_by(run: Run, run_seq: int) -> str | None:
+    """The run that superseded the client's published plan ``run_seq`` (C15); None if the
+    plan was published as planned."""
+    marked = run.tables.newest_commit(CORRECTIONS.name, lambda commit: (
+        commit.get("app_id") == run.published_app_id and commit.get("app_version") == run_seq))
+    return None if marked is None else marked.get("superseded_by")
 
 
 APPLY_ATTEMPTS = 5

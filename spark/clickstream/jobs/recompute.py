@@ -436,7 +436,7 @@ def run_full_recompute(
             if superseded is not None:
                 _retract_what_the_tables_lost(run, superseded)  # killed after: sent again
                 _note_superseded(run, superseded.select("run_id").first()[0])  # (idem)
-                mark_published(run, superseded)
+                mark_published(run, superseded, superseded=True)
                 superseded.unpersist()
         return _rewrite_client(run, started)
 
