@@ -27,6 +27,7 @@ Known edge cases, cited inline as (Q1)..(Q4):
 from __future__ import annotations
 
 import html
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote
@@ -74,10 +75,13 @@ async def require_login(request: Request) -> object:
 
 
 def reports_root() -> Path:
-    """``$CLICKSTREAM_HOME/reports``, resolved now (Q1)."""
-    from clickstream.config import Config
+    """``$CLICKSTREAM_HOME/reports``, resolved now (Q1). Only that variable is read: a
+    malformed setting the pages do not use made every page an opaque 500."""
+    from clickstream.config import ENV_NAMES, Config
 
-    return (Config.from_env().home / "reports").resolve()
+    home = ENV_NAMES["home"]
+    return (Config.from_env({home: os.environ[home]} if home in os.environ else {}).home
+            / "reports").resolve()
 
 
 def _page(title: str, body: str, status_code: int = 200) -> HTMLResponse:

@@ -125,8 +125,9 @@ def print_run_summary(conf: Mapping[str, Any], since: str, state: str) -> None:
 
     config = Config.from_env()
     root = reports.reports_dir(config)
+    title = reports.DRY_RUN if conf.get("dry_run") else reports.RUN_SUMMARY
     pages = [e for e in reports.read_entries(root)
-             if e.job == "backfill" and e.title == "run summary" and e.time >= since
+             if e.job == "backfill" and e.title == title and e.time >= since
              and e.client_id == conf.get("client")]
     if not pages:
         why = ("the run may have stopped before a step could write one; " if state != "success"

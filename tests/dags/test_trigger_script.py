@@ -109,6 +109,27 @@ def test_a_backfill_runs_summary_is_printed_in_full(trigger_script, env_config: 
     assert recompute.sessions_created > 0
 
 
+def test_a_dry_runs_summary_is_printed(trigger_script, env_config: Config, spark,
+                                       capsys) -> None:
+    """It looked only for a real run's page: a dry run said it had no summary."""
+    config = env_config
+    history(config, "late")
+    conf = {"client": "client-00", "kind": "orders", "path": "late/orders", "dry_run": True}
+    batch = {"kind": "orders", "client_id": "client-00", "path": conf["path"]}
+    run_id = backfill_steps.locate_batch(config, **batch)["run_id"]
+    since = datetime.now(UTC).isoformat()
+    for step in ("check", "report"):  # the DAG's dry run: validate_batch, then report
+        backfill_steps.run_step(config, step, run_id=run_id, spark=spark, dry_run=True,
+                                progress=lambda _: None, **batch)
+    capsys.readouterr()
+
+    trigger_script.print_run_summary(conf, since, "success")
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("  summary (") and lines[0].endswith(".dry-run.html):")
+    assert [line.split(":")[0] for line in lines[1:]] == ["  validate", "  dry run"]
+
+
 def test_a_failed_backfill_runs_summary_ends_with_the_failed_steps_reason(
         trigger_script, env_config: Config, spark, capsys) -> None:
     config = env_config

@@ -125,6 +125,14 @@ def test_served_to_a_logged_in_user(client, token: str, reports: Path) -> None:
     assert client.get(f"{PREFIX}/backfills", headers=bearer(token)).status_code == 307
 
 
+def test_a_malformed_setting_the_pages_do_not_use_does_not_break_them(
+        client, token: str, reports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every page was a 500 (the whole configuration was read to find the home folder)."""
+    monkeypatch.setenv("CLICKSTREAM_SESSION_GAP", "thirty")
+    index = client.get(f"{PREFIX}/", headers=bearer(token))
+    assert index.status_code == 200 and "All quality reports" in index.text
+
+
 def test_a_listing_links_every_name_as_a_relative_path(client, token: str,
                                                        reports: Path) -> None:
     """A name is a path, never a scheme, an anchor or a query of the listing's link."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 import re
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import unquote, urlsplit
 
 from clickstream.config import Config
+from clickstream.jobs.corrections import CorrectionSummary
+from clickstream.quality.correction_report import CorrectionFigures, write_correction_report
 from clickstream.quality.gates import run_gate
 from clickstream.quality.reports import (
     DRY_RUN,
@@ -126,6 +129,15 @@ def test_a_rerun_that_passes_the_failed_gate_turns_its_run_green(config: Config)
         href = report.relative_to(root).as_posix()
         link = re.search(rf"<a class='([^']*)' href='{re.escape(href)}'", index)
         assert link is not None and ("superseded" in link.group(1).split()) is superseded
+    # The run's correction report says so too: it listed a red 'failed' beside the green.
+    run = SimpleNamespace(config=config, run_id="backfill-rerun", client_id="client-00",
+                          cause="backfill rerun", progress=lambda _: None)
+    page = write_correction_report(run, CorrectionSummary(sessions_updated=1),  # type: ignore[arg-type]
+                                   CorrectionFigures())
+    assert page is not None
+    gates = re.findall(r"<li>(.*?)</li>", page.read_text().split("Quality gates of this run")[1])
+    assert [("failed" in g, "superseded by a later attempt" in g) for g in gates] == [
+        (True, True), (False, False)]
 
 
 def test_a_real_run_supersedes_the_failed_dry_run_of_its_batch_not_the_converse(

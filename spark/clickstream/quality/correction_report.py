@@ -191,10 +191,12 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
     }
     days = [(str(day), float(new - old)) for day, old, new in by_day if new != old]
     gates = reports.validations_of(config, job, run_id)
+    standing = reports.current_entries(gates)  # a gate failed, then passed on a rerun
     gate_links = "".join(
         f"<li><a href='{html.escape(reports.relative(e.href, DEPTH))}'>{html.escape(e.title)}"
-        f"</a> {reports.status_badge(e.status)}</li>" for e in gates) or (
-        "<li class='muted'>none recorded</li>")
+        f"</a> {reports.status_badge(e.status)}"
+        f"{'' if id(e) in standing else ' <span class=muted>superseded by a later attempt</span>'}"
+        "</li>" for e in gates) or "<li class='muted'>none recorded</li>"
     day_rows = [[str(day), f"{old:,.4f}", f"{new:,.4f}", f"{new - old:+,.4f}"]
                 for day, old, new in by_day]
     day_table = reports.table(["day", "revenue before", "revenue after", "change"], day_rows,
