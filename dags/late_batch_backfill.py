@@ -42,7 +42,9 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
    the batch and fails the task without retries), bad rows to `quarantine`, the rest into
    `pageviews` / `orders` exactly once, then the `tables_after_merge` gate.
    `announce_merge` emits the Asset events of the tables it wrote (`quarantine` too when
-   the gate refused the batch and the task failed).
+   the gate refused the batch and the task failed; the merged table and `quarantine` when
+   `tables_after_merge` failed after the merge's commit; `recompute_queue` for rows it
+   queued ahead of a running stream).
 5. `recompute` — re-sessionizes the affected users' windows (`recomputed_sessions` gate),
    stores the plan in `corrections`, applies it (one commit per table).
 6. `validate_corrections` — the tables hold the plan at its revisions, keys unique;
@@ -61,9 +63,11 @@ results to the next through `$CLICKSTREAM_HOME/runs/backfill/<run id>/`.
 
 Outlets: `announce_merge` emits events for the tables `merge` wrote (through the
 `clickstream-backfill-merge` alias, with row counts; `quarantine` also when `merge` failed
-after quarantining a refused batch's rows); `announce_recompute` for those of
-`sessions`, `attributions`, `corrections` the `recompute` step changed (through the
-`clickstream-backfill-recompute` alias; none when it changed nothing).
+after quarantining a refused batch's rows, or after its commit; `recompute_queue` for rows
+queued ahead of a running stream); `announce_recompute` for those of `sessions`,
+`attributions`, `corrections` the `recompute` step changed, and `recompute_queue` for the
+rows of users the stream holds that it queued (through the `clickstream-backfill-recompute`
+alias; none when it changed nothing).
 """
 
 MERGED = AssetAlias("clickstream-backfill-merge")

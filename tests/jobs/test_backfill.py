@@ -1806,6 +1806,29 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
     assert_stored_once_and_folded_in(stream_config, spark)
 
 
+def test_the_dag_announces_the_rows_a_backfill_queues_for_the_stream(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """A backfill queues in ``recompute_queue`` the rows the stream could still receive on
+    time (its merge) and those of the users the stream holds (its recompute): the DAG
+    announced neither, while ``scheduled_recompute`` announces the queue it changes."""
+    produce(stream_config, STREAMED)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    # P1 after the stream's watermark (50 minutes); P0 before it, in u's open session
+    _, run_id, step = located(stream_config, spark, [pv_row("P1", "u", 100),
+                                                     pv_row("P0", "u", 45)])
+    for name in ("check", "merge"):
+        step(name)
+    assert backfill_steps.merged_tables(stream_config, kind="pageviews", run_id=run_id,
+                                        dry_run=False) == {"pageviews": 2, "recompute_queue": 1}
+    step("recompute")
+    summary = backfill_steps.recompute_result(stream_config, run_id)
+    assert summary is not None and summary.queued_for_the_stream == 1  # P0; P1 was queued
+    assert summary.changed_tables() == ["recompute_queue"]
+    assert sorted(r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
+                  ) == ["P0", "P1"]
+
+
 def backfill_in_a_thread(config: Config, spark: SparkSession, path: str
                          ) -> tuple[threading.Thread, threading.Event, dict[str, object]]:
     """A pageviews backfill of client-00, to start; the event is set once its merge waits for

@@ -21,6 +21,7 @@ from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import (
     NOT_RETRYABLE,
     ClickstreamError,
+    DeliveryError,
     QualityGateFailedError,
 )
 from clickstream.io.delta_tables import open_tables
@@ -179,6 +180,23 @@ def test_a_client_whose_job_fails_with_any_error_does_not_stop_the_other_clients
     # changes only c1's): it was saved only by a run that ended well.
     assert recompute.changed_tables_saved(stream_config, "night") == [
         "corrections", "recompute_queue", "sessions"]
+
+
+def test_a_client_whose_publish_failed_after_apply_has_its_tables_announced(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R15) c1's plan was applied, then its publish failed: the failed client had no
+    summary, so the DAG announced none of the tables it changed."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+
+    def delivery_failed(run, changes):
+        raise DeliveryError("the broker stopped answering while publishing")
+
+    monkeypatch.setattr(corrections, "publish_changes", delivery_failed)
+    with pytest.raises(ClickstreamError, match="failed for 1 of 1 clients"):
+        run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
+    assert users_with_sessions(stream_config, spark) == {("c1", "u1")}  # applied
+    assert recompute.changed_tables_saved(stream_config, "night") == [
+        "attributions", "corrections", "sessions"]
 
 
 def test_an_attempt_killed_while_it_works_on_a_client_has_every_table_announced(

@@ -22,7 +22,7 @@ from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
 from clickstream.io.delta_tables import RECENT_COMMITS, open_tables
 from clickstream.io.kafka_clients import encode_json, produce_records, read_compacted
-from clickstream.jobs import backfill, corrections
+from clickstream.jobs import backfill, backfill_steps, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute
 from clickstream.quality import gates
@@ -180,19 +180,25 @@ def test_tables_after_merge_stops_before_any_correction(
 
     monkeypatch.setattr(backfill, "merge_pageviews", merge_twice)
     before = versions(stream_config, spark)
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 5)], "parquet")
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate tables_after_merge failed for backfill pageviews-client-00-\w+: 2 of "
             r"2 expectations failed: quality gate tables_after_merge: rows_after = 4, expected "
             r"expected_rows_after \(2\) .*; quality gate tables_after_merge: duplicate_keys = 2, "
             r"expected 0 .*; 3 rows quarantined .*no session was recomputed")):
         run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
-                     path=write_rows(stream_config, "p", [pv_row("a", "u", 0), pv_row("b", "u", 5)],
-                                     "parquet"), progress=lambda _: None)
+                     path=path, progress=lambda _: None)
     after = versions(stream_config, spark)
     unchanged(before, after, "sessions", "attributions", "corrections")
     rows = [json.loads(r["raw"]) for r in quarantined(stream_config, spark, "tables_after_merge")]
     assert sorted(r.get("event_id", "the check results") for r in rows) == [
         "a", "b", "the check results"]  # the duplicated rows, and why the counts disagree
+    # What the DAG's announce_merge announces after such a merge (committed, then failed):
+    # it announced neither table.
+    run_id = backfill_steps.locate_batch(stream_config, kind="pageviews", client_id="client-00",
+                                         path=path)["run_id"]
+    assert backfill_steps.merged_tables(stream_config, kind="pageviews", run_id=run_id,
+                                        dry_run=False) == {"pageviews": 4, "quarantine": 3}
 
 
 def test_a_key_stored_twice_before_does_not_stop_a_later_backfill_of_its_day(

@@ -445,14 +445,14 @@ def _queue_rows(rows: DataFrame, kind: BatchKind, queued_by: str) -> DataFrame:
                        F.lit(queued_by).alias("queued_by"), F.to_date("ts").alias("event_date"))
 
 
-def _queued_by(run_id: str) -> str:
+def queued_by_mark(run_id: str) -> str:
     """``queued_by`` of the run's rows, ahead of the merge or deferred (C4): one mark, so
     that the C4 queueing recognises the rows queued ahead. The stream knows these rows are
     the backfill's to store (``sessionize`` Z11)."""
     return f"{BACKFILL_QUEUED_BY}{run_id}"
 
 
-def _ahead_app_id(run_id: str) -> str:
+def ahead_app_id(run_id: str) -> str:
     return f"backfill-ahead-{run_id}"
 
 
@@ -479,9 +479,9 @@ def queue_ahead_of_the_merge(tables: DeltaTables, config: Config, valid: DataFra
         return False
     ahead = valid.where(F.col("ts") > F.timestamp_millis(F.lit(watermark)))
     queued = tables.append_once(
-        RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, _queued_by(run_id)),
-        app_id=_ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
-        metadata={"run_id": run_id, "cause": _queued_by(run_id)})
+        RECOMPUTE_QUEUE.name, _queue_rows(ahead, kind, queued_by_mark(run_id)),
+        app_id=ahead_app_id(run_id), version=1, partition_by=RECOMPUTE_QUEUE.partition_by,
+        metadata={"run_id": run_id, "cause": queued_by_mark(run_id)})
     if queued.rows:
         progress(f"  queued ahead of the merge: {queued.rows} rows the stream could still "
                  "receive on time, whose copies it leaves to this run (if it stops before "
@@ -498,10 +498,10 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
     Each attempt that plans queues the rows no earlier attempt of the run queued: an attempt
     that died before recording its plan is planned again, and by then the stream may own
     more of the batch's users."""
-    queued_by = _queued_by(run_id)
+    queued_by = queued_by_mark(run_id)
     app_id = f"backfill-queue-{run_id}"
 
-    def queue(users: DataFrame) -> None:
+    def queue(users: DataFrame) -> int:
         rows = _queue_rows(valid.join(users, ["client_id", "user_id"], "left_semi"), kind,
                            queued_by)
         if moved is not None:  # (C10)
@@ -509,7 +509,7 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
                 moved.join(users, ["client_id", "user_id"], "left_semi"), "orders",
                 queued_by + MOVED_AWAY))
         attempt = (tables.app_version(RECOMPUTE_QUEUE.name, app_id) or 0) + 1
-        if attempt > 1 or tables.app_version(RECOMPUTE_QUEUE.name, _ahead_app_id(run_id)):
+        if attempt > 1 or tables.app_version(RECOMPUTE_QUEUE.name, ahead_app_id(run_id)):
             # Not what an earlier attempt, or the queue ahead of the merge, queued. A
             # recompute may have folded some in since: queued again, harmless.
             earlier = tables.read(RECOMPUTE_QUEUE.name, ["kind", "record_id", "queued_by"],
@@ -517,9 +517,9 @@ def queue_for_the_stream(tables: DeltaTables, valid: DataFrame, kind: BatchKind,
             rows = rows.join(earlier.where(F.col("queued_by").startswith(queued_by)).select(
                 "kind", "record_id", "queued_by"), ["kind", "record_id", "queued_by"],
                 "left_anti")
-        tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=app_id, version=attempt,
-                           partition_by=RECOMPUTE_QUEUE.partition_by,
-                           metadata={"run_id": run_id, "cause": queued_by})
+        return tables.append_once(RECOMPUTE_QUEUE.name, rows, app_id=app_id, version=attempt,
+                                  partition_by=RECOMPUTE_QUEUE.partition_by,
+                                  metadata={"run_id": run_id, "cause": queued_by}).rows
 
     return queue
 
@@ -544,10 +544,11 @@ class BatchScope:
                                           self.run_id)
         return keep(scope_of(self.tables, self.valid, self.kind, self.client_id, self._moved))
 
-    def defer(self, users: DataFrame) -> None:
-        """Queue the batch's rows of ``users``, whom the stream holds (``corrections.Defer``)."""
-        queue_for_the_stream(self.tables, self.valid, self.kind, self.client_id, self.run_id,
-                             self._moved)(users)
+    def defer(self, users: DataFrame) -> int:
+        """Queue the batch's rows of ``users``, whom the stream holds (``corrections.Defer``);
+        returns the rows queued."""
+        return queue_for_the_stream(self.tables, self.valid, self.kind, self.client_id,
+                                    self.run_id, self._moved)(users)
 
     def release(self) -> None:
         release(self._moved)

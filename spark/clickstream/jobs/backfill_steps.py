@@ -71,6 +71,7 @@ from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import check_changelogs_answer
 from clickstream.jobs.backfill import (
     BatchScope,
+    ahead_app_id,
     backfill_run_id,
     check_client_id,
     gate_committed_merge,
@@ -78,6 +79,7 @@ from clickstream.jobs.backfill import (
     merged_earlier,
     merged_source,
     quarantine_or_refuse,
+    queued_by_mark,
 )
 from clickstream.jobs.batch_input import (
     KEY,
@@ -111,14 +113,14 @@ from clickstream.progress import Progress
 from clickstream.quality import reports
 from clickstream.quality.checks import backfill_app_id, quarantined_source_prefix
 from clickstream.quality.correction_report import write_correction_report
-from clickstream.quality.gates import gate_historical_batch, warm_up
+from clickstream.quality.gates import gate_historical_batch, gate_source_prefix, warm_up
 from clickstream.quality.run_summary import (
     failure_line,
     write_failure_safely,
     write_run_summary,
 )
 from clickstream.spark_session import build_spark, release, releases_cache
-from clickstream.tables import ORDERS, PAGEVIEWS, QUARANTINE, SESSIONS
+from clickstream.tables import ORDERS, PAGEVIEWS, QUARANTINE, RECOMPUTE_QUEUE, SESSIONS
 
 if TYPE_CHECKING:
     from clickstream.quality.gates import GateResult
@@ -694,34 +696,67 @@ def load_step_result(config: Config, run_id: str, step: str, dry_run: bool = Fal
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def quarantined_by_run(config: Config, run_id: str) -> int:
+MERGE_GATES = ("historical_batch", "tables_after_merge")
+
+
+def quarantined_by_run(config: Config, run_id: str, *, with_gates: bool = False) -> int:
     """Rows the run's merge step put in ``quarantine`` (S7), counted from the table: a refused
-    batch's ``merge`` quarantines its rows, then fails and saves no result. Read with delta-rs
-    whichever engine wrote the table: the Airflow task that asks starts no Spark."""
+    batch's ``merge`` quarantines its rows, then fails and saves no result. ``with_gates``:
+    the rows of its gates' failures too (a merge the ``tables_after_merge`` gate failed after
+    its commit). Read with delta-rs whichever engine wrote the table: the Airflow task that
+    asks starts no Spark."""
     import pyarrow.compute as pc
 
     from clickstream.io.delta_rs_engine import DeltaRsTables
 
     tables = DeltaRsTables(config)
-    if tables.app_version(QUARANTINE.name, backfill_app_id(run_id)) is None:
+    if not tables.exists(QUARANTINE.name) or (not with_gates and tables.app_version(
+            QUARANTINE.name, backfill_app_id(run_id)) is None):
         return 0  # no table, or nothing of this run's in it
     sources = tables.read_arrow(QUARANTINE.name, columns=["source"]).column("source")
-    return int(pc.sum(pc.starts_with(sources, quarantined_source_prefix(run_id))).as_py() or 0)
+    prefixes = [quarantined_source_prefix(run_id)] + [
+        f"{gate_source_prefix(gate, 'backfill', run_id)}:" for gate in MERGE_GATES
+        if with_gates]
+    found = [pc.starts_with(sources, prefix) for prefix in prefixes]
+    return int(pc.sum(functools.reduce(pc.or_, found)).as_py() or 0)
+
+
+def queued_ahead_by_run(config: Config, run_id: str) -> int:
+    """Rows in ``recompute_queue`` the run's merge queued ahead of the stream (``backfill``
+    ``queue_ahead_of_the_merge``), counted from the table by their mark (the rows the run's
+    recompute queues for users the stream holds carry the same one)."""
+    import pyarrow.compute as pc
+
+    from clickstream.io.delta_rs_engine import DeltaRsTables
+
+    tables = DeltaRsTables(config)
+    if tables.app_version(RECOMPUTE_QUEUE.name, ahead_app_id(run_id)) is None:
+        return 0
+    marks = tables.read_arrow(RECOMPUTE_QUEUE.name, columns=["queued_by"]).column("queued_by")
+    return int(pc.sum(pc.equal(marks, queued_by_mark(run_id))).as_py() or 0)
 
 
 def merged_tables(config: Config, *, kind: BatchKind, run_id: str, dry_run: bool
                   ) -> dict[str, int]:
     """The tables the run's merge changed, with its rows in each: what the DAG announces as
-    Asset events. From the merge's saved result, else (a refused batch's merge quarantines,
-    then fails) from ``quarantine``. A dry run changed none, whatever a real run of its batch
-    (the same run id, S2) merged before: its own steps can fail before they reach merge."""
+    Asset events. From the merge's saved result, else (a merge that failed: a refused batch
+    quarantines its rows, a merge the ``tables_after_merge`` gate fails is committed) from
+    the tables; with the rows it queued ahead of the stream. A dry run changed none,
+    whatever a real run of its batch (the same run id, S2) merged before: its own steps can
+    fail before they reach merge."""
     if dry_run:
         return {}
     merged = load_step_result(config, run_id, "merge")
-    quarantined = (merged.get("quarantined", 0) if merged is not None
-                   else quarantined_by_run(config, run_id))
-    changed = {kind: merged["rows_merged"]} if merged and merged.get("rows_merged") else {}
-    return {**changed, "quarantine": quarantined} if quarantined else changed
+    if merged is not None:
+        rows, quarantined = merged.get("rows_merged", 0), merged.get("quarantined", 0)
+    else:
+        from clickstream.io.delta_rs_engine import DeltaRsTables
+
+        rows = merged_earlier(DeltaRsTables(config), kind, run_id) or 0
+        quarantined = quarantined_by_run(config, run_id, with_gates=True)
+    changed = {kind: rows, QUARANTINE.name: quarantined,
+               RECOMPUTE_QUEUE.name: queued_ahead_by_run(config, run_id)}
+    return {table: count for table, count in changed.items() if count}
 
 
 def recompute_result(config: Config, run_id: str) -> CorrectionSummary | None:

@@ -205,6 +205,9 @@ class CorrectionSummary:
     orders_unattributed: int = 0
     attributions_changed: int = 0
     deferred_users: int = 0
+    # Rows of the deferred users a backfill queued for the stream (``defer``): it changed
+    # ``recompute_queue`` (``changed_tables``).
+    queued_for_the_stream: int = 0
     resumed: bool = False
     # A resumed plan's orders attributed / unattributed and users deferred, read back from
     # the commit that recorded it (``PLAN_TOTALS``); false for a plan recorded without them.
@@ -248,7 +251,8 @@ class CorrectionSummary:
         attributions = bool(self.attributions_changed or self.finished_attributions)
         return [table for table, changed in ((SESSIONS.name, sessions),
                                              (ATTRIBUTIONS.name, attributions),
-                                             (CORRECTIONS.name, sessions or attributions))
+                                             (CORRECTIONS.name, sessions or attributions),
+                                             (RECOMPUTE_QUEUE.name, self.queued_for_the_stream))
                 if changed]
 
     def and_then(self, later: CorrectionSummary) -> CorrectionSummary:
@@ -598,7 +602,7 @@ def diff(old: DataFrame, new: DataFrame, spec, content: tuple[str, ...],
     ).where(F.col("change").isNotNull())
 
 
-Defer = Callable[[DataFrame], None]  # called with the (client_id, user_id) left to the stream
+Defer = Callable[[DataFrame], int]  # with the (client_id, user_id) left to the stream: rows queued
 # Reads a run's scope; called only when the run plans, after resume() (C6).
 ScopeReader = Callable[[], DataFrame]
 _NEVER_MS = 2**62
@@ -897,7 +901,7 @@ def plan(run: Run, scope: DataFrame, orders_only: bool, summary: CorrectionSumma
             grown = (*grown, windows, deferred)
             summary.deferred_users = deferred.count()
             if summary.deferred_users and defer is not None:
-                defer(deferred)  # before anything is recorded (C4)
+                summary.queued_for_the_stream = defer(deferred)  # before the plan's record (C4)
             windows = windows.join(deferred, USER_KEY, "left_anti").drop("open_from_ms")
             old_sessions = old_sessions.join(windows.select("client_id", "user_id"),
                                              ["client_id", "user_id"], "left_semi")

@@ -92,6 +92,10 @@ Known edge cases, cited inline as (R1)..(R14):
       copy stays), so the publish gate failed the plan and every later correction of the
       client. The rewrite's stored side leaves out the kept copies by copy, not by key, so
       the other copy still pairs with its own.
+  R15. A client that failed (R10) with a plan recorded and not published may have applied
+      it (its publish failed, or the publish gate): the run announces ``sessions``,
+      ``attributions`` and ``corrections`` for it. The failed attempt announced none of them
+      (the client had no summary), and no retry may follow.
 """
 
 from __future__ import annotations
@@ -168,12 +172,18 @@ class RecomputeSummary:
     queued: dict[str, int] = field(default_factory=dict)
     corrections: dict[str, CorrectionSummary] = field(default_factory=dict)
     dequeued: dict[str, int] = field(default_factory=dict)  # queue rows removed, per client
+    # Clients that failed (R10) with their plan recorded and not published: it may be
+    # applied (R15).
+    failed_after_planning: list[str] = field(default_factory=list)
 
     def changed_tables(self) -> list[str]:
         """The tables the run changed: what the ``scheduled_recompute`` DAG announces as
         Asset events (announced whatever happened, every night woke the DAGs scheduled on
-        them for nothing)."""
+        them for nothing); with the tables of a plan a failed client may have applied (R15).
+        """
         changed = {t for c in self.corrections.values() for t in c.changed_tables()}
+        if self.failed_after_planning:
+            changed |= {SESSIONS.name, ATTRIBUTIONS.name, CORRECTIONS.name}
         if any(self.dequeued.values()):
             changed.add(RECOMPUTE_QUEUE.name)
         return sorted(changed)
@@ -255,6 +265,8 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
         except Exception as error:  # raised below, with every other client's failure (R10)
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
+            if _plan_left_unpublished(run):  # (R15)
+                summary.failed_after_planning.append(client)
         finally:
             release(mine, left)
     if failed:
@@ -269,6 +281,17 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
             f"queued ({'; '.join(f'{c}: {_named(e)}' for c, e in failed.items())}); "
             "the others were folded in") from unforeseen
     return summary
+
+
+def _plan_left_unpublished(run: Run) -> bool:
+    """Whether the client has a plan recorded and not published (R15); true when that
+    cannot be read either: announced again rather than not at all."""
+    try:
+        return unfinished_plan_seq(run) is not None
+    except Exception as error:  # the client's own failure is the one raised (R10)
+        run.progress(f"recompute {run.client_id}: could not tell whether its plan was "
+                     f"applied ({error}); its tables are announced as changed")
+        return True
 
 
 def _named(error: BaseException) -> str:
@@ -298,9 +321,10 @@ def _correct(run: Run, read_scope: ScopeReader, watermark: int | None
     """The run's corrections, and the users left to the stream (their rows stay queued)."""
     left: list[DataFrame] = []
 
-    def defer(users: DataFrame) -> None:  # a plan that grew its scope calls it again (C13)
+    def defer(users: DataFrame) -> int:  # a plan that grew its scope calls it again (C13)
         release(*left)
         left[:] = [keep(users)]  # its lineage reads frames released after plan
+        return 0  # their rows stay queued: nothing more is queued
 
     result = correct(run, read_scope, orders_only=False, stream_watermark_ms=watermark,
                      defer=defer)

@@ -273,11 +273,17 @@ def mark(frame: DataFrame, checks: C.Checks, result: GateResult) -> DataFrame:
     return frame.withColumn("error", error)
 
 
+def gate_source_prefix(gate: str, job: str, run_id: str) -> str:
+    """How ``source`` begins in the ``quarantine`` rows a gate's failure wrote for a run
+    (followed by ``:`` and what the row is)."""
+    return f"gate:{gate}:{job}:{run_id}"
+
+
 def quarantine(tables: DeltaTables, checks: C.Checks, result: GateResult,
                client_id: str | None) -> int:
     """Copy the rows behind every failed critical expectation to ``quarantine`` (Q2, Q3)."""
     parts = []
-    prefix = f"gate:{result.gate}:{result.job}:{result.run_id}"
+    prefix = gate_source_prefix(result.gate, result.job, result.run_id)
     for outcome in result.failures:
         reason = F.lit(outcome.reason)
         if outcome.column in checks.rows:
