@@ -750,6 +750,8 @@ class DeltaRsTables(DeltaTables):
         metrics = {"numFilesAdded": 0, "numFilesRemoved": 0}
         properties = CommitProperties(custom_metadata={"cause": "maintenance: optimize"},
                                       max_commit_retries=0)  # _commit_loop retries
+        if chunks[0]:
+            _check_readable(table, name)  # edge case 9: a deletion vector would be undone
         for chunk in filter(None, chunks):
             rows = self._read_files(name, table, chunk, None).drop_columns([_FILE])
             written = self._write_arrow(name, _cast_to_table(rows, table), table)

@@ -12,7 +12,7 @@ would change. Results are small JSON-serialisable dicts (Airflow XComs), never D
 Delivery guarantee: the same as ``run_backfill`` — exactly once into the tables, corrections
 to Kafka at least once, idempotent by key and revision.
 
-Known edge cases, cited inline as (S1)..(S7):
+Known edge cases, cited inline as (S1)..(S8):
   S1. Every step re-reads the batch from the landing folder (the path check included) and
       refuses to continue if its fingerprint is no longer the one ``check_batch`` saw: no step
       ever works on files that changed since they were validated (after the merge, S5).
@@ -459,14 +459,15 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
             return {"sessions": 0, "attributions": 0, "run_seq": None}
         try:
             run_seq = changes.select("run_seq").first()[0]
-            by = superseded_by(run, run_seq) if run_seq <= published_through(run) else None
+            published = run_seq <= published_through(run)
+            by = superseded_by(run, run_seq) if published else None
             if by is not None:  # (C15)
                 progress(f"check {run_id}: its plan {run_seq} was superseded by {by} (it "
                          f"failed its applied check; {by} rewrote and published the client's "
                          "sessions and attributions), nothing to check")
                 return {"sessions": 0, "attributions": 0, "run_seq": run_seq,
                         "superseded_by": by}
-            if run_seq <= published_through(run):  # (S4)
+            if published:  # (S4)
                 counts = {entity: changes.where(F.col("entity") == entity[:-1]).count()
                           for entity in ("sessions", "attributions")}
                 progress(f"check {run_id}: its {counts['sessions']} session and "

@@ -19,7 +19,7 @@ A rerun of the same run id finds its plan in ``corrections`` and resumes at appl
 crash anywhere leaves no duplicated corrections and the same final tables and topics (C3).
 Plans of one client are applied and published one at a time, in order (C6).
 
-Known edge cases, cited inline as (C1)..(C14):
+Known edge cases, cited inline as (C1)..(C15):
   C1. Two sessions of a user are >= gap apart, so a session outside the grown window cannot
       merge with anything inside it: recomputing the window alone equals recomputing all.
       A session is stored under the day it starts, so one that began days before the range

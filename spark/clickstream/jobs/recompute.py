@@ -11,7 +11,7 @@ corrections are applied and published, and only those rows (R1). A rerun after a
 finishes the interrupted plan before planning again (``corrections`` C6), whatever the queue
 holds by then.
 
-Known edge cases, cited inline as (R1)..(R14):
+Known edge cases, cited inline as (R1)..(R15):
   R1. The stream queues late rows while a run works, possibly on the same client and days:
       the removal deletes the folded-in rows by key (``DeltaTables.delete_rows``), rewriting
       only the files that hold them, so the stream's appends stay and do not conflict. It used
