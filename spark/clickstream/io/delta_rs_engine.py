@@ -703,14 +703,16 @@ class DeltaRsTables(DeltaTables):
     def _optimize(self, name: str, partition_filter: PartitionFilter | None) -> dict[str, Any]:
         table = self._require(name)  # loaded under the lock: after any other compaction
         alternatives: list[list[tuple[str, str, list[str]]] | None] = [None]
+        named: set[str] = set()
         if partition_filter:
             _check_filter_columns(partition_filter, _partition_columns(table), name)
             conjunctions = [  # null partitions are compacted here (edge case 19)
                 [(c, "in", [v for v in values if v is not None]) for c, values in alt.items()]
                 for alt in filter_alternatives(partition_filter)]
             alternatives = [c for c in conjunctions if all(values for *_, values in c)]
+            named = {column for conjunction in conjunctions for column, *_ in conjunction}
         here = [f for f in _within(self._active_files(table), partition_filter)
-                if _compacted_here(f.partition_values, partition_filter)]
+                if _compacted_here(f.partition_values, named)]
         metrics = self._compact_here(name, table, here)
         tildes: dict[str, set[str]] = {}
         for f in here:
@@ -1370,14 +1372,11 @@ def _within(files: list[_ActiveFile], scope: PartitionFilter | None) -> list[_Ac
     return [f for f in files if filter_matches(alternatives, f.partition_values)]
 
 
-def _compacted_here(values: Mapping[str, str | None],
-                    partition_filter: PartitionFilter | None) -> bool:
+def _compacted_here(values: Mapping[str, str | None], named: set[str]) -> bool:
     """Whether this engine compacts a partition itself, not deltalake (edge case 19): a value
-    holding a ``~``, or null in a column the filter names."""
+    holding a ``~``, or null in a column the filter names (``named``)."""
     if any(value is not None and "~" in value for value in values.values()):
         return True
-    named = {c for alt in filter_alternatives(partition_filter) for c in alt} \
-        if partition_filter else set()
     return any(values.get(column) is None for column in named)
 
 

@@ -336,7 +336,7 @@ def merge_batch(config: Config, *, kind: BatchKind, client_id: str, path: str, r
     except BatchRefusedError as refused:  # changed or gone since the merge committed (S5)
         _, tables, merged = _committed_merge(config, kind, run_id, spark, refused, progress)
         gate_committed_merge(tables, config, kind, client_id, run_id, progress)
-        result = _merged_earlier_result(config, run_id, merged)
+        result = _merged_earlier_result(tables, run_id, merged)
         progress(result.describe())
         return result
     try:
@@ -371,10 +371,10 @@ def _committed_merge(config: Config, kind: BatchKind, run_id: str,
     return spark, tables, merged
 
 
-def _merged_earlier_result(config: Config, run_id: str, merged: int) -> MergeResult:
+def _merged_earlier_result(tables: DeltaTables, run_id: str, merged: int) -> MergeResult:
     """What the run's committed merge did (S5): its ``merged`` rows, from the merge commit,
     and its rows quarantined, from ``quarantine``; the rest of what it read were duplicates."""
-    quarantined = quarantined_by_run(config, run_id)
+    quarantined = quarantined_by_run(tables, run_id)
     return MergeResult(run_id, rows_read=merged + quarantined, rows_merged=merged,
                        duplicates_skipped=0, quarantined=quarantined)
 
@@ -700,17 +700,13 @@ def load_step_result(config: Config, run_id: str, step: str, dry_run: bool = Fal
 MERGE_GATES = ("historical_batch", "tables_after_merge")
 
 
-def quarantined_by_run(config: Config, run_id: str, *, with_gates: bool = False) -> int:
+def quarantined_by_run(tables: DeltaTables, run_id: str, *, with_gates: bool = False) -> int:
     """Rows the run's merge step put in ``quarantine`` (S7), counted from the table: a refused
     batch's ``merge`` quarantines its rows, then fails and saves no result. ``with_gates``:
     the rows of its gates' failures too (a merge the ``tables_after_merge`` gate failed after
-    its commit). Read with delta-rs whichever engine wrote the table: the Airflow task that
-    asks starts no Spark."""
+    its commit)."""
     import pyarrow.compute as pc
 
-    from clickstream.io.delta_rs_engine import DeltaRsTables
-
-    tables = DeltaRsTables(config)
     if not tables.exists(QUARANTINE.name) or (not with_gates and tables.app_version(
             QUARANTINE.name, backfill_app_id(run_id)) is None):
         return 0  # no table, or nothing of this run's in it
@@ -722,15 +718,12 @@ def quarantined_by_run(config: Config, run_id: str, *, with_gates: bool = False)
     return int(pc.sum(functools.reduce(pc.or_, found)).as_py() or 0)
 
 
-def queued_ahead_by_run(config: Config, run_id: str) -> int:
+def queued_ahead_by_run(tables: DeltaTables, run_id: str) -> int:
     """Rows in ``recompute_queue`` the run's merge queued ahead of the stream (``backfill``
     ``queue_ahead_of_the_merge``), counted from the table by their mark (the rows the run's
     recompute queues for users the stream holds carry the same one)."""
     import pyarrow.compute as pc
 
-    from clickstream.io.delta_rs_engine import DeltaRsTables
-
-    tables = DeltaRsTables(config)
     if tables.app_version(RECOMPUTE_QUEUE.name, ahead_app_id(run_id)) is None:
         return 0
     marks = tables.read_arrow(RECOMPUTE_QUEUE.name, columns=["queued_by"]).column("queued_by")
@@ -747,16 +740,17 @@ def merged_tables(config: Config, *, kind: BatchKind, run_id: str, dry_run: bool
     fail before they reach merge."""
     if dry_run:
         return {}
+    from clickstream.io.delta_rs_engine import DeltaRsTables
+
+    tables = DeltaRsTables(config)  # whichever engine wrote them: this task starts no Spark
     merged = load_step_result(config, run_id, "merge")
     if merged is not None:
         rows, quarantined = merged.get("rows_merged", 0), merged.get("quarantined", 0)
     else:
-        from clickstream.io.delta_rs_engine import DeltaRsTables
-
-        rows = merged_earlier(DeltaRsTables(config), kind, run_id) or 0
-        quarantined = quarantined_by_run(config, run_id, with_gates=True)
+        rows = merged_earlier(tables, kind, run_id) or 0
+        quarantined = quarantined_by_run(tables, run_id, with_gates=True)
     changed = {kind: rows, QUARANTINE.name: quarantined,
-               RECOMPUTE_QUEUE.name: queued_ahead_by_run(config, run_id)}
+               RECOMPUTE_QUEUE.name: queued_ahead_by_run(tables, run_id)}
     return {table: count for table, count in changed.items() if count}
 
 

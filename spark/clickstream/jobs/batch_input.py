@@ -615,7 +615,7 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
                          for f in fields])
     text = F.col("value")
     lines = _read(spark, batch, "text").where(~text.rlike(r"^[ \t\r\n]*$"))
-    line = F.regexp_replace(text, "^\ufeff", "")  # a file's byte-order mark, files joined
+    line = _without_bom(text)
     as_bytes = bytes_unless_utf8(text)
     error = F.coalesce(
         F.when(as_bytes.isNotNull(), F.lit(not_utf8_reason("line"))),
@@ -639,6 +639,12 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
         F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
 
 
+def _without_bom(line: Column) -> Column:
+    """A line without a file's byte-order mark: the text reader joins a batch's files, so any
+    line may be a file's first."""
+    return F.regexp_replace(line, "^\ufeff", "")
+
+
 def _inferred_fields(spark: SparkSession, batch: BatchFiles) -> StructType:
     """The columns Spark's JSON reader infers from a JSON Lines batch (B22)."""
     try:
@@ -651,7 +657,7 @@ def _inferred_fields(spark: SparkSession, batch: BatchFiles) -> StructType:
         # A key repeated in one line's object: Spark's inference fails for the whole batch.
         # The line is quarantined (``unparsed_json_reason``); every key is read as text.
         keys = _read(spark, batch, "text").select(F.explode(F.json_object_keys(
-            F.regexp_replace("value", "^\ufeff", ""))).alias("key")).distinct().collect()
+            _without_bom(F.col("value")))).alias("key")).distinct().collect()
         schema = StructType([StructField(k, StringType()) for k in sorted(r.key for r in keys)])
     return StructType([f for f in schema if f.name != "_corrupt_record"])
 
