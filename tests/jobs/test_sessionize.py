@@ -46,6 +46,7 @@ from clickstream.jobs.sessionize import (
     MicroBatchWriter,
     SessionizeSummary,
     StopBeforeMicroBatch,
+    _side_by_side,
     build_stream,
     records_lock_path,
     run_sessionizer,
@@ -413,6 +414,25 @@ def test_a_batch_stores_its_pageviews_before_the_sessions_it_closes(
     both = sorted(set(pageviews) & set(sessions))
     assert both, "some micro-batch should store pageviews and close sessions"
     assert all(pageviews[batch] <= sessions[batch] for batch in both), (pageviews, sessions)
+
+
+def test_side_by_side_writes_that_fail_together_raise_the_first_and_name_the_others(
+    spark: SparkSession,
+) -> None:
+    """(Z6, Z7) Every write ends before the batch fails; the failure raised names the other
+    write that failed too, whose reason was lost before."""
+    def failing(reason: str) -> Callable[[], int]:
+        def write() -> int:
+            raise ValueError(reason)
+        return write
+
+    done: list[str] = []
+    with pytest.raises(ValueError, match=r"^pageviews disk full") as raised:
+        _side_by_side(spark, {"pageviews": failing("pageviews disk full"),
+                              "quarantine": lambda: done.append("quarantine") or 1,
+                              "sessions": failing("sessions commit refused")})
+    assert done == ["quarantine"]
+    assert raised.value.__notes__ == ["sessions failed as well: sessions commit refused"]
 
 
 def probe_records_lock(monkeypatch: pytest.MonkeyPatch, module: object

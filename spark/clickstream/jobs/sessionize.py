@@ -930,12 +930,20 @@ class MicroBatchWriter:
 
 def _side_by_side(spark: SparkSession, writes: Mapping[str, Callable[[], T]]) -> dict[str, T]:
     """Run every write (or job) at once, one thread each; wait for all, then raise the first
-    failure (Z6, Z7). The threads inherit the batch's Spark local properties and tags."""
+    failure (Z6, Z7), the others' reasons added to it as notes (its trace shows them). The
+    threads inherit the batch's Spark local properties and tags."""
     if len(writes) < 2:
         return {name: write() for name, write in writes.items()}
     with ThreadPoolExecutor(max_workers=len(writes), thread_name_prefix="sink") as pool:
         futures = {name: pool.submit(inheritable_thread_target(spark)(write))
                    for name, write in writes.items()}
+    failures = [(name, error) for name, future in futures.items()
+                if (error := future.exception()) is not None]
+    if failures:
+        first = failures[0][1]
+        for name, error in failures[1:]:
+            first.add_note(f"{name} failed as well: {errors.error_line(str(error))}")
+        raise first
     return {name: future.result() for name, future in futures.items()}
 
 
