@@ -31,6 +31,7 @@ from clickstream.io.kafka_clients import (
     ReadErrors,
     flush_or_raise,
     make_producer,
+    read_compacted,
     read_offset_range,
     read_offset_ranges,
     topic_watermarks,
@@ -390,6 +391,37 @@ def test_fetch_errors_the_client_gets_past_are_waited_out_and_permanent_ones_sto
                            r"\(last error: topic t partition \d at offset 0: .*Request timed out"):
             list(read_offset_ranges(own_config, "t", ranges, idle_timeout_s=3))
         assert time.monotonic() - started < 30
+
+OFFSET_OUT_OF_RANGE = 1  # Kafka's code
+
+
+def test_an_out_of_range_answer_at_an_offset_the_log_holds_is_fetched_again(
+    config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(K11) A broker may answer 'offset out of range' at an offset its log holds (a leader
+    moving); librdkafka then fetches the partition no more. The range read waited out its
+    time limit and blamed Kafka's reachability; the changelog read took it for data loss."""
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:
+        own_config = config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        produce(own_config, "t", 10)
+        ranges = {0: (0, 10)}
+
+        own.fail_fetches(OFFSET_OUT_OF_RANGE, 1)
+        with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+            read = [m for batch in read_offset_ranges(own_config, "t", ranges, idle_timeout_s=20)
+                    for m in batch]
+        assert [m.offset() for m in read] == list(range(10))
+        assert "holds that offset (" in caplog.text and "fetching it again (1 of 5)" in caplog.text
+
+        last_by_key = {m.key().decode(): m.value() for m in read if m.key() is not None}
+        own.fail_fetches(OFFSET_OUT_OF_RANGE, 1)
+        assert read_compacted(own_config, "t", value_decoder=bytes, timeout_s=20) == last_by_key
+
+        own.fail_fetches(OFFSET_OUT_OF_RANGE, 500)  # a broker that does not settle
+        with pytest.raises(BrokerUnavailableError, match=r"topic t partition 0 at offset 0 .*"
+                           r"'offset out of range' 6 times in a row although its log holds"):
+            list(read_offset_ranges(own_config, "t", ranges, idle_timeout_s=60))
+
 
 @pytest.mark.parametrize("code", [KafkaError._BAD_MSG, KafkaError._BAD_COMPRESSION,
                                   KafkaError._NOT_IMPLEMENTED])

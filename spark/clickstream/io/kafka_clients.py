@@ -661,6 +661,8 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
 
 
 # Errors each reader handles itself: a partition's end, a fetch below the log start.
+# Out-of-range answers in a row at an offset the log holds before a read gives up (K11).
+OUT_OF_RANGE_RETRIES = 5
 _READER_OWN_ERRORS = frozenset({KafkaError._PARTITION_EOF, KafkaError._AUTO_OFFSET_RESET})
 # Fetch errors librdkafka does not get past by itself: the read stops at once with the cause.
 # A batch it cannot decode (a failed CRC with check.crcs, a compression or message format it
@@ -729,6 +731,28 @@ class ReadErrors:
             self._logged.add((partition, error.code()))
             log.warning("reading %s%s: %s; librdkafka retries it (shown once per partition "
                         "and error)", where, at, error.str())
+
+    def read_again(self, error: KafkaError, partition: int, offset: int, times: int) -> None:
+        """An out-of-range answer at an offset the log still holds (K11): transient (a leader
+        moving), and librdkafka stops fetching the partition, so the reader fetches it again.
+
+        Raises:
+            BrokerUnavailableError: The broker answered so ``OUT_OF_RANGE_RETRIES`` times in a
+                row without a record in between.
+        """
+        where = f"topic {self._topic} partition {partition} at offset {offset}"
+        if times > OUT_OF_RANGE_RETRIES:
+            raise BrokerUnavailableError(
+                f"reading {where} from {self._config.kafka_bootstrap_servers}: the broker "
+                f"answered 'offset out of range' {times} times in a row although its log "
+                f"holds that offset ({error.str()}); check the broker's health (a leader "
+                "election that does not settle), then rerun: the read starts again from the "
+                "same offsets"
+            )
+        self.last = f"{where}: {error.str()}, although the log holds it"
+        log.warning("reading %s: the broker answered 'offset out of range' although its log "
+                    "holds that offset (%s); fetching it again (%d of %d)", where, error.str(),
+                    times, OUT_OF_RANGE_RETRIES)
 
     def since(self) -> str:
         """`` (last error: ...)`` for a time-limit message, or nothing."""
@@ -816,6 +840,8 @@ def read_compacted(config: Config, topic: str, *,
         "enable.partition.eof": True,
     })
     errors = ReadErrors(config, topic)
+    positions: dict[int, int] = {}  # the next offset of each partition, once a record came
+    refusals: dict[int, int] = {}  # (K11) out-of-range answers at an offset the log holds
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in ends])
         deadline = time.monotonic() + timeout_s
@@ -837,16 +863,25 @@ def read_compacted(config: Config, topic: str, *,
                         continue
                     if err.code() in (KafkaError._AUTO_OFFSET_RESET,
                                       KafkaError.OFFSET_OUT_OF_RANGE):
-                        # Records were dropped between the start check and the fetch.
+                        # Records dropped between the start check and the fetch fail here;
+                        # else the log still holds them (K11): fetched again.
                         low, high = topic_watermarks(config, topic).get(partition, (0, 0))
-                        check_no_data_loss(topic, partition, 0, low, high,
-                                           advice=_CHANGELOG_LOSS_ADVICE)
-                        raise DataLossError(f"topic {topic} partition {partition}: {err.str()}; "
-                                            f"{_CHANGELOG_LOSS_ADVICE}")
+                        at = positions.get(partition, 0)
+                        for wanted in (0, at):
+                            check_no_data_loss(topic, partition, wanted, low, high,
+                                               advice=_CHANGELOG_LOSS_ADVICE)
+                        if end is not None:
+                            refusals[partition] = refusals.get(partition, 0) + 1
+                            errors.read_again(err, partition, at, refusals[partition])
+                            consumer.incremental_unassign([TopicPartition(topic, partition)])
+                            consumer.incremental_assign([TopicPartition(topic, partition, at)])
+                        continue
                     errors.handle(err, partition, offset)
                     continue
                 if end is None or offset >= end:
                     continue  # written after the snapshot started, or partition already done
+                positions[partition] = offset + 1
+                refusals.pop(partition, None)
                 raw_key = msg.key()
                 if raw_key is not None:
                     key = (raw_key.decode("utf-8", "backslashreplace")
@@ -964,7 +999,14 @@ def read_offset_ranges(
                 f"were to be read, but the log now ends at {high}, so records it held are gone; "
                 f"{_OTHER_LOG_ADVICE}")
 
+    def read_again_from(partition: int, offset: int) -> None:
+        """Fetch the partition again from ``offset``: after an out-of-range answer librdkafka
+        fetches it no more, and refuses a seek."""
+        consumer.incremental_unassign([TopicPartition(topic, partition)])
+        consumer.incremental_assign([TopicPartition(topic, partition, offset)])
+
     errors = ReadErrors(config, topic)
+    refusals: dict[int, int] = {}  # (K11) out-of-range answers at an offset the log holds
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
         # The last time a record, or a partition's end, arrived: an error librdkafka reports
@@ -1014,14 +1056,17 @@ def read_offset_ranges(
                                     topic, partition, at, min(low, ends[partition]) - 1))
                             if low >= ends[partition]:
                                 done(partition)
-                            else:  # librdkafka refuses a seek after this error, not this
+                            else:
                                 expected[partition] = low
                                 if moved:
                                     unread[partition] = low
-                                consumer.incremental_unassign([TopicPartition(topic, partition)])
-                                consumer.incremental_assign([TopicPartition(topic, partition,
-                                                                            low)])
+                                read_again_from(partition, low)
                             continue
+                        if partition in expected:  # (K11) the log holds ``at``
+                            refusals[partition] = refusals.get(partition, 0) + 1
+                            errors.read_again(error, partition, at, refusals[partition])
+                            read_again_from(partition, at)
+                        continue
                     errors.handle(error, partition, message.offset())
                     continue
                 if partition not in expected:
@@ -1038,6 +1083,7 @@ def read_offset_ranges(
                     continue
                 batch.append(message)
                 unread.pop(partition, None)
+                refusals.pop(partition, None)
                 expected[partition] = offset + 1
                 if expected[partition] >= ends[partition]:
                     done(partition)

@@ -8,7 +8,7 @@ Delivery guarantee: exactly once into Spark. Offsets are per topic-partition, ke
 checkpoint (the offsets log is written before a batch runs), so a restarted query re-reads
 exactly the ranges of unfinished batches; the consumer never commits to a consumer group.
 
-Known edge cases, cited inline as (K1)..(K10):
+Known edge cases, cited inline as (K1)..(K11):
   K1. The broker dropped records we have not read (retention, or the embedded broker's
       per-partition cap): the start offset is below the log start. Or it lost records we did
       read (the embedded broker restarted empty, the topic was recreated): the log now ends
@@ -103,6 +103,13 @@ Known edge cases, cited inline as (K1)..(K10):
       The sessionizer's second scan of that micro-batch takes the first scan's records (K6);
       one that reads Kafka itself (on another host) could start later than the first if the
       broker dropped more between the two reads.
+  K11. A broker may answer 'offset out of range' at an offset its log still holds (around a
+      leader change); librdkafka then fetches that partition no more (``auto.offset.reset``
+      is ``error``). When the log's start and end show the offset is held, the readers
+      (``kafka_clients.read_offset_ranges``, ``read_compacted``) fetch the partition again
+      from it, up to ``OUT_OF_RANGE_RETRIES`` answers in a row. Taken for any other error,
+      the range read waited out its time limit and said Kafka was unreachable, and the
+      changelog read (``clickstream inspect``) reported data loss.
 """
 
 from __future__ import annotations
