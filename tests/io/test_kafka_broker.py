@@ -506,6 +506,29 @@ def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: C
                 "delivery.timeout.ms": bad}), "sessions", [("s1", "{}")])
 
 
+def test_a_send_that_fails_midway_leaves_nothing_queued_to_land_after_it(
+    kafka_config: Config, make_topic: Callable[..., str]
+) -> None:
+    """A record the producer refuses (over ``message.max.bytes``), or records whose source
+    fails (the Spark job behind a changelog), end the send with nothing still queued: the
+    records queued before reached the topic after the call had failed, behind whatever a
+    rerun sends. The refused record's error was librdkafka's own, not the product's."""
+    topic = make_topic(partitions=1)
+    oversized = [*((f"k{i}", "x") for i in range(5)), ("big", "y" * 1_200_000), ("k9", "z")]
+    with pytest.raises(KafkaRefusedError, match=r"record 6 to .* \(key b'big', 1200000 "
+                       r"bytes\) was refused by the producer: .*too large"):
+        produce_records(kafka_config, topic, oversized)
+
+    def failing() -> Iterator[tuple[str, str]]:
+        yield from ((f"s{i}", "{}") for i in range(500))
+        raise RuntimeError("the job behind the records failed")
+
+    with pytest.raises(RuntimeError, match="the job behind the records failed"):
+        produce_records(kafka_config, topic, failing())
+    time.sleep(1)  # the linger (100 ms) and a round trip, with room
+    assert topic_watermarks(kafka_config, topic) == {0: (0, 0)}
+
+
 def test_repeated_librdkafka_messages_are_counted_not_printed() -> None:
     repeats = RepeatedLogFilter(window_s=0.2)
 

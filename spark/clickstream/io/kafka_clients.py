@@ -442,6 +442,9 @@ def produce_records(config: Config, topic: str,
     Raises:
         DeliveryError: Some records were not acknowledged (see :func:`flush_or_raise`). By
             then the producer has given up on every record (none is still queued or retried).
+        KafkaRefusedError: librdkafka refused a record itself (one larger than the
+            producer's ``message.max.bytes``): no retry sends it.
+        Any error of ``records``: raised once the producer dropped what it still queued.
     """
     # Each record's delivery timeout is the flush's budget, so when the flush gives up,
     # librdkafka has given up on every record too: none can reach the topic later, behind the
@@ -451,21 +454,37 @@ def produce_records(config: Config, topic: str,
                              **{"message.timeout.ms": round(budget_s * 1000)})
     started = time.monotonic()
     sent = 0
-    with gc_paused():
-        for key, value in records:
-            if rate_per_second:  # a poll returns at its first delivery report: wait on
-                while (ahead := sent / rate_per_second - (time.monotonic() - started)) > 0:
-                    producer.poll(max(ahead, 0.001))  # reports served meanwhile; a wait under
-                    # 1 ms is poll(0) to librdkafka, which would spin a core
-            if producer.failed:  # the broker is gone or refuses: the flush below raises
-                producer.purge()  # stopped here, not after every record's own budget
-                break
-            raw_key = key.encode() if isinstance(key, str) else key
-            raw_value = value.encode() if isinstance(value, str) else value
-            produce_waiting(producer, topic, key=raw_key, value=raw_value)
-            sent += 1
-            if sent % 1000 == 0:
-                producer.poll(0)
+    try:
+        with gc_paused():
+            for key, value in records:
+                if rate_per_second:  # a poll returns at its first delivery report: wait on
+                    while (ahead := sent / rate_per_second - (time.monotonic() - started)) > 0:
+                        producer.poll(max(ahead, 0.001))  # reports served meanwhile; a wait
+                        # under 1 ms is poll(0) to librdkafka, which would spin a core
+                if producer.failed:  # the broker is gone or refuses: the flush below raises
+                    producer.purge()  # stopped here, not after every record's own budget
+                    break
+                raw_key = key.encode() if isinstance(key, str) else key
+                raw_value = value.encode() if isinstance(value, str) else value
+                try:
+                    produce_waiting(producer, topic, key=raw_key, value=raw_value)
+                except KafkaException as exc:
+                    raise KafkaRefusedError(
+                        f"record {sent + 1} to {topic} (key {raw_key!r:.80}, "
+                        f"{len(raw_value or b'')} bytes) was refused by the producer: "
+                        f"{exc.args[0].str()}; records before it may have been sent, none "
+                        "after it. Fix the record or the producer's settings "
+                        f"({ENV_NAMES['kafka_options']}, e.g. message.max.bytes), then rerun"
+                    ) from exc
+                sent += 1
+                if sent % 1000 == 0:
+                    producer.poll(0)
+    except BaseException:
+        # Queued records must not reach the topic after this call failed (a rerun may send
+        # newer revisions of their keys); one already on the wire may still land.
+        producer.purge()
+        producer.flush(0)
+        raise
     flush_or_raise(producer, budget_s + TIMED_OUT_REPORT_GRACE_S)
     return sent
 
