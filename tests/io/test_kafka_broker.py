@@ -311,6 +311,24 @@ def test_client_configs_layer_defaults_options_and_extra(config: Config) -> None
     assert consumer_config(cfg)["group.id"] != consumer_config(cfg)["group.id"]
 
 
+def test_the_next_gen_group_protocol_an_operator_chooses_starts_every_reader(
+    kafka_config: Config, make_topic: Callable[..., str]
+) -> None:
+    """``group.protocol=consumer`` (the brief's other cure for slow rejoins): librdkafka
+    refused the product's classic-group defaults, so no reader started, and the error blamed
+    the operator's option. A session timeout the operator sets is still theirs to answer for."""
+    topic = make_topic(partitions=1)
+    produce_records(kafka_config, topic, [("k", "v")])
+    chosen = kafka_config.replace(kafka_options={"group.protocol": "consumer"})
+    assert topic_watermarks(chosen, topic) == {0: (0, 1)}
+    assert read_compacted(chosen, topic, value_decoder=bytes) == {"k": b"v"}
+    both = chosen.replace(kafka_options={"group.protocol": "consumer",
+                                         "session.timeout.ms": "6000"})
+    with pytest.raises(ConfigError, match=r"librdkafka refused one of 'group\.protocol', "
+                                          r"'session\.timeout\.ms'"):
+        make_consumer(both)
+
+
 def test_sends_linger_by_kind_unless_the_operator_chose_a_linger(config: Config) -> None:
     """Bulk sends fed from Spark linger longest (the embedded broker serves one stored batch
     per fetch: small batches made reading back quadratic); paced live feeds less; an operator's

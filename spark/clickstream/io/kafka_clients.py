@@ -164,6 +164,10 @@ CONSUMER_DEFAULTS: Mapping[str, Any] = {
     "heartbeat.interval.ms": 500,
 }
 
+# Defaults of the classic group protocol: with ``group.protocol=consumer`` (KIP-848, the
+# other cure for slow rejoins) the broker decides them, and a consumer given them fails.
+CLASSIC_GROUP_ONLY = ("session.timeout.ms", "heartbeat.interval.ms")
+
 _AVOID_LOSS = (
     "To avoid it, keep readers running: the embedded broker keeps only ~5 MiB per partition "
     "(give the topic more partitions or use a real Kafka cluster)"
@@ -244,6 +248,10 @@ def consumer_config(config: Config, group_id: str | None = None, **extra: Any) -
         A dict for ``confluent_kafka.Consumer``: no auto-commit, earliest, 6 s session timeout.
     """
     merged = _merge(config, CONSUMER_DEFAULTS, extra)
+    if str(merged.get("group.protocol", "")).strip().lower() == "consumer":
+        for name in CLASSIC_GROUP_ONLY:  # the broker sets them; librdkafka refuses them
+            if name not in config.kafka_options and name not in extra:
+                del merged[name]
     if group_id is not None or "group.id" not in merged:
         merged["group.id"] = group_id or f"clickstream-reader-{uuid.uuid4().hex[:12]}"
     return merged
