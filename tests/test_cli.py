@@ -354,18 +354,25 @@ def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(
         "stamped by a wrong clock (CLICKSTREAM_MAX_TS_AHEAD); choose an earlier --start"]
 
 
-def test_generating_events_before_the_earliest_event_time_is_refused_even_into_a_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture,
+@pytest.mark.parametrize(("start", "minutes", "complaint"), [
+    ("1999-12-31T20:00Z", "600", "--start 1999-12-31T20:00:00+00:00 is before 2000-01-01, the "
+     "earliest event time the product accepts: the sessionizer would quarantine those "
+     "events; choose a later --start"),
+    ("2099-12-31T23:00Z", "120", "--start and --minutes reach 2100-01-01T01:00:00+00:00, after "
+     "2100-01-01, the latest event time the product accepts: the sessionizer would quarantine "
+     "those events; choose an earlier --start"),
+])
+def test_generating_events_outside_the_accepted_times_is_refused_even_into_a_file(
+    start: str, minutes: str, complaint: str, tmp_path: Path, capsys: pytest.CaptureFixture,
 ) -> None:
-    """Both parsers quarantine times before 2000; the generator labelled them valid."""
+    """Both parsers quarantine times before 2000 or from 2100 on; the generator labelled
+    them valid in a file (which meets no check of the time ahead of now)."""
     out = tmp_path / "events.jsonl"
-    code = main(["generate", "events", "--start", "1999-12-31T20:00Z", "--minutes", "600",
+    code = main(["generate", "events", "--start", start, "--minutes", minutes,
                  "--out", str(out)])
     assert code == EXIT_NOT_RETRYABLE
     assert capsys.readouterr().err.strip().splitlines() == [
-        "clickstream generate: error: --start 1999-12-31T20:00:00+00:00 is before 2000-01-01, "
-        "the earliest event time the product accepts: the sessionizer would quarantine those "
-        "events; choose a later --start"]
+        f"clickstream generate: error: {complaint}"]
     assert not out.exists()
 
 

@@ -28,7 +28,7 @@ from clickstream.errors import (
     ConfigError,
     QueryFailedError,
 )
-from clickstream.events.contract import EARLIEST_TS, client_id_problem
+from clickstream.events.contract import EARLIEST_TS, LATEST_TS, client_id_problem
 from clickstream.io.kafka_broker import port_number
 from clickstream.progress import heartbeat
 
@@ -129,8 +129,8 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
     delivery = Delivery(late_fraction=args.late_fraction,
                         duplicate_fraction=args.duplicate_fraction,
                         bad_fraction=args.bad_fraction)
-    _span_end(scale.start, timedelta(minutes=scale.minutes), "--minutes")
-    _check_not_before_earliest(scale.start, "the sessionizer would quarantine those events")
+    _check_within_accepted_times(scale.start, timedelta(minutes=scale.minutes), "--minutes",
+                                 "the sessionizer would quarantine those events")
     if not args.out:  # before the records are built, which takes a while at a large scale
         _check_not_ahead_of_now(scale.start, timedelta(minutes=scale.minutes), config,
                                 "the sessionizer would quarantine those events")
@@ -157,7 +157,8 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
         except OSError as error:  # the user's to fix: no traceback kept (from None)
             raise ConfigError(f"--out {args.out!r} cannot be written: {error.strerror or error}"
                               "; name a file in a folder this user can write") from None
-        print(f"wrote {len(records)} records to {path}")
+        # On stderr: with ``--out /dev/stdout`` stdout holds only the records, for a pipe.
+        print(f"wrote {len(records)} records to {path}", file=sys.stderr)
         return 0
     from clickstream.io.kafka_clients import produce_records
 
@@ -175,13 +176,20 @@ def _span_end(start: datetime, length: timedelta, span: str) -> datetime:
                           "--start") from None
 
 
-def _check_not_before_earliest(start: datetime, consequence: str) -> None:
-    """Both parsers quarantine event times before ``contract.EARLIEST_TS``; refuse before
-    writing any rather than label them valid."""
+def _check_within_accepted_times(start: datetime, length: timedelta, span: str,
+                                 consequence: str) -> None:
+    """Both parsers quarantine event times outside ``contract.EARLIEST_TS`` ..
+    ``LATEST_TS``; refuse before writing any rather than label them valid (a file written
+    with ``--out`` meets no check of the time ahead of now)."""
     if start < EARLIEST_TS:
         raise ConfigError(f"--start {start.isoformat()} is before {EARLIEST_TS.date()}, the "
                           f"earliest event time the product accepts: {consequence}; choose a "
                           "later --start")
+    end = _span_end(start, length, span)
+    if end > LATEST_TS:
+        raise ConfigError(f"--start and {span} reach {end.isoformat()}, after "
+                          f"{LATEST_TS.date()}, the latest event time the product accepts: "
+                          f"{consequence}; choose an earlier --start")
 
 
 def _check_not_ahead_of_now(start: datetime, length: timedelta, config: Config,
@@ -202,7 +210,8 @@ def _check_not_ahead_of_now(start: datetime, length: timedelta, config: Config,
 def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Scale, history_folder, simulate, write_table
 
-    _check_not_before_earliest(args.start, "a backfill would quarantine those rows")
+    _check_within_accepted_times(args.start, timedelta(days=args.days), "--days",
+                                 "a backfill would quarantine those rows")
     _check_not_ahead_of_now(args.start, timedelta(days=args.days), config,
                             "a backfill would quarantine those rows", span="--days")
     target = history_folder(config, args.out, args.overwrite)

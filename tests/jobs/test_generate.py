@@ -4,6 +4,7 @@ mixed into an earlier one."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from clickstream.cli import main
 from clickstream.errors import EXIT_NOT_RETRYABLE
 from clickstream.jobs.generate import Scale, simulate
 
@@ -141,6 +143,39 @@ def test_a_landing_folder_that_is_a_file_fails_in_one_line_naming_it(tmp_path: P
                              "not a folder; choose another landing folder (CLICKSTREAM_LANDING, "
                              "--landing)\n")
     assert not (tmp_path / "logs").exists()
+
+
+def test_overwrite_refuses_a_file_or_link_where_a_batch_folder_would_be(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--overwrite`` removes the batch folders a run wrote; a file or a link in their place
+    failed as an unexpected error (rmtree) with a traceback kept."""
+    (tmp_path / "late").mkdir()
+    (tmp_path / "late" / "orders").write_text("someone's notes")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "late" / "pageviews").symlink_to(tmp_path / "elsewhere")
+    for kind, what in (("pageviews", "a link"), ("orders", "a file")):
+        if kind == "orders":
+            (tmp_path / "late" / "pageviews").unlink()
+        code = main(["generate", "history", "--client", "c1", "--days", "0.1", "--users", "2",
+                     "--landing", str(tmp_path), "--out", "late", "--overwrite"])
+        assert code == EXIT_NOT_RETRYABLE
+        assert capsys.readouterr().err == (
+            f"clickstream generate: error: --out 'late': {tmp_path / 'late' / kind} is {what}, "
+            "not a batch folder this command wrote; remove it yourself or choose another "
+            "--out\n")
+    assert (tmp_path / "elsewhere").is_dir() and not list(tmp_path.rglob("*.parquet"))
+
+
+def test_records_written_to_stdout_are_all_the_pipe_carries(tmp_path: Path) -> None:
+    """The count line went to stdout too, so a producer fed by the pipe sent it as a record."""
+    env = {**os.environ, "CLICKSTREAM_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "clickstream.cli", "generate", "events",
+                             "--users", "2", "--minutes", "60", "--out", "/dev/stdout"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert lines and all(set(json.loads(line)) == {"key", "value"} for line in lines)
+    assert result.stderr == f"wrote {len(lines)} records to /dev/stdout\n"
 
 
 def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path) -> None:

@@ -278,10 +278,17 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
         raise ConfigError(f"--out {out!r}: {not_a_folder} is a file, not a folder; choose "
                           + ("another landing folder (CLICKSTREAM_LANDING, --landing)"
                              if landing else "another --out"))
-    held = [target / kind for kind in ("pageviews", "orders") if (target / kind).exists()]
+    held = [target / kind for kind in ("pageviews", "orders")
+            if (target / kind).is_symlink() or (target / kind).exists()]
     if held and not overwrite:
         raise ConfigError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
                           "); pass --overwrite to replace it or choose another --out")
+    not_written_here = [p for p in held if p.is_symlink() or not p.is_dir()]
+    if not_written_here:  # --overwrite removes only folders this command writes
+        raise ConfigError(f"--out {out!r}: {not_written_here[0]} is a "
+                          f"{'link' if not_written_here[0].is_symlink() else 'file'}, not a "
+                          "batch folder this command wrote; remove it yourself or choose "
+                          "another --out")
     for folder in held:
         shutil.rmtree(folder)
     return target
