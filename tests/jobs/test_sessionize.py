@@ -863,6 +863,27 @@ def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
         "p1", "p2", "q"]
 
 
+def test_a_copy_of_a_pageview_with_another_time_in_a_later_micro_batch_is_stored_once(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """(S6) A producer reusing an id with another ts: the state looked for the id only among
+    the ids of the slices holding the copy's own ts, so the copy was sessionized and stored a
+    second time (``pageviews`` holds each event_id once), and its session counted both."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("a", start, "p1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [pageview("a", start + timedelta(minutes=5), "p1")])
+    again = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert again.totals.duplicates == 1
+    closing = timedelta(milliseconds=stream_config.watermark_delay_ms) + timedelta(hours=2)
+    produce(stream_config, [pageview("b", start + closing, "q")])  # closes a's session
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert sorted((r["event_id"], r["ts"]) for r in table_rows(
+        stream_config, spark, "pageviews")) == [("p1", start), ("q", start + closing)]
+    assert [(r["user_id"], r["pageview_count"], r["session_end"]) for r in table_rows(
+        stream_config, spark, "sessions")] == [("a", 1, start)]
+
+
 def test_an_on_time_retry_of_an_unattributed_order_within_the_watermark_millisecond_is_held(
     stream_config: Config, spark: SparkSession
 ) -> None:
