@@ -67,7 +67,9 @@ after quarantining a refused batch's rows, or after its commit; `recompute_queue
 queued ahead of a running stream); `announce_recompute` for those of `sessions`,
 `attributions`, `corrections` the `recompute` step changed, and `recompute_queue` for the
 rows of users the stream holds that it queued (through the `clickstream-backfill-recompute`
-alias; none when it changed nothing).
+alias; none when it changed nothing; `sessions`, `attributions` and `corrections` when
+`recompute` failed with the client's plan recorded and not published: its apply may have
+committed).
 """
 
 MERGED = AssetAlias("clickstream-backfill-merge")
@@ -151,13 +153,16 @@ def late_batch_backfill():
                                          dry_run=params["dry_run"]).items():
             outlet_events[MERGED].add(table_asset(table), extra={**extra, "rows": rows})
 
-    @task(outlets=[RECOMPUTED])
-    def announce_recompute(located: dict, params=None, outlet_events=None) -> list[str]:
+    # Runs when recompute ran in this DAG run, and failed too (one_done): its apply may have
+    # committed before it failed (recompute R15). `located` is pulled, as announce_merge's.
+    @task(outlets=[RECOMPUTED], trigger_rule="one_done")
+    def announce_recompute(params=None, ti=None, outlet_events=None) -> list[str]:
         from clickstream.config import Config
-        from clickstream.jobs.backfill_steps import recompute_result
+        from clickstream.jobs.backfill_steps import recomputed_tables
 
-        summary = recompute_result(Config.from_env(), located["run_id"])
-        changed = summary.changed_tables() if summary is not None else []
+        located = ti.xcom_pull(task_ids="locate_batch")
+        changed = recomputed_tables(Config.from_env(), client_id=params["client"],
+                                    run_id=located["run_id"])
         for table in changed:
             outlet_events[RECOMPUTED].add(table_asset(table), extra={
                 "run_id": located["run_id"], "client_id": params["client"]})
@@ -178,7 +183,7 @@ def late_batch_backfill():
     located >> validate >> writes_enabled() >> merge >> recompute >> validate_corrections
     validate_corrections >> publish >> report
     merge >> announce_merge()
-    recompute >> announce_recompute(located)
+    recompute >> announce_recompute()
     validate >> report
 
 

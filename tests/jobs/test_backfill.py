@@ -1829,6 +1829,37 @@ def test_the_dag_announces_the_rows_a_backfill_queues_for_the_stream(
                   ) == ["P0", "P1"]
 
 
+def test_a_recompute_step_that_failed_after_its_apply_has_its_tables_announced(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(recompute R15) The step applied its plan, then failed (every attempt): it saved no
+    summary, and the DAG's announcement ran only after its success, so no Asset event said
+    that ``sessions`` had changed."""
+    _, run_id, step = located(stream_config, spark, [pv_row("a", "u", 0)])
+    step("check")
+    step("merge")
+    assert backfill_steps.recomputed_tables(stream_config, client_id="client-00",
+                                            run_id=run_id) == []  # nothing planned yet
+    real_apply = backfill_steps.apply
+
+    def applied_then_died(run, changes):
+        real_apply(run, changes)
+        raise RuntimeError("the step's JVM died after the apply")
+
+    monkeypatch.setattr(backfill_steps, "apply", applied_then_died)
+    with pytest.raises(RuntimeError, match="died after the apply"):
+        step("recompute")
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["a"]
+    assert len(table_rows(stream_config, spark, "sessions")) == 1  # applied
+    assert backfill_steps.recomputed_tables(stream_config, client_id="client-00",
+                                            run_id=run_id) == [
+        "attributions", "corrections", "sessions"]
+    monkeypatch.undo()
+    step("recompute")  # a retry finishes the plan and saves what it did
+    assert sorted(backfill_steps.recomputed_tables(stream_config, client_id="client-00",
+                                                   run_id=run_id)) == ["corrections", "sessions"]
+
+
 def backfill_in_a_thread(config: Config, spark: SparkSession, path: str
                          ) -> tuple[threading.Thread, threading.Event, dict[str, object]]:
     """A pageviews backfill of client-00, to start; the event is set once its merge waits for

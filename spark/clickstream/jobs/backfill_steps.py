@@ -91,6 +91,7 @@ from clickstream.jobs.batch_input import (
     validate_batch,
 )
 from clickstream.jobs.corrections import (
+    PLAN_TABLES,
     CorrectionSummary,
     Run,
     Timer,
@@ -100,6 +101,7 @@ from clickstream.jobs.corrections import (
     grow_windows,
     mark_published,
     one_run_at_a_time,
+    plan_left_unpublished,
     plan_scope,
     publish_changes,
     published_through,
@@ -758,6 +760,21 @@ def recompute_result(config: Config, run_id: str) -> CorrectionSummary | None:
     """The ``recompute`` step's saved summary; None if it has not run for this batch."""
     saved = load_step_result(config, run_id, "recompute")
     return None if saved is None else _correction_summary(saved)
+
+
+def recomputed_tables(config: Config, *, client_id: str, run_id: str) -> list[str]:
+    """The tables the run's ``recompute`` step changed: what the DAG announces as Asset
+    events. From the step's saved summary; else (the step failed, every attempt) the tables
+    of a plan of the client recorded and not published, which its apply may have committed
+    (recompute R15). Read with delta-rs: the Airflow task that asks starts no Spark."""
+    summary = recompute_result(config, run_id)
+    if summary is not None:
+        return summary.changed_tables()
+    from clickstream.io.delta_rs_engine import DeltaRsTables
+
+    run = Run(None, config, DeltaRsTables(config),  # type: ignore[arg-type]  # logs only
+              client_id, f"backfill-{run_id}", f"backfill {run_id}")
+    return list(PLAN_TABLES) if plan_left_unpublished(run) else []
 
 
 def _correction_summary(saved: Mapping[str, Any]) -> CorrectionSummary:

@@ -1070,6 +1070,22 @@ def unfinished_plan_seq(run: Run) -> int | None:
     return None if latest is None or latest <= published_through(run) else latest
 
 
+PLAN_TABLES = tuple(sorted((SESSIONS.name, ATTRIBUTIONS.name, CORRECTIONS.name)))
+"""The tables a plan's apply may change: announced for a run that failed with its plan
+recorded and not published (recompute R15)."""
+
+
+def plan_left_unpublished(run: Run) -> bool:
+    """Whether the client has a plan recorded and not published (recompute R15): it may be
+    applied. True when that cannot be read either: announced again rather than not at all."""
+    try:
+        return unfinished_plan_seq(run) is not None
+    except Exception as error:  # the run's own failure is the one raised (recompute R10)
+        run.progress(f"client {run.client_id} ({run.cause}): could not tell whether its plan was "
+                     f"applied ({error}); its tables are announced as changed")
+        return True
+
+
 def unfinished_plan(run: Run) -> DataFrame | None:
     """The client's latest plan if it never reached Kafka, whichever run recorded it (C6)."""
     latest = unfinished_plan_seq(run)

@@ -122,6 +122,7 @@ from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
     BUCKETS,
+    PLAN_TABLES,
     CorrectionSummary,
     Run,
     ScopeReader,
@@ -136,6 +137,7 @@ from clickstream.jobs.corrections import (
     mark_published,
     next_plan_seq,
     one_run_at_a_time,
+    plan_left_unpublished,
     record_plan,
     resume,
     unfinished_plan,
@@ -183,7 +185,7 @@ class RecomputeSummary:
         """
         changed = {t for c in self.corrections.values() for t in c.changed_tables()}
         if self.failed_after_planning:
-            changed |= {SESSIONS.name, ATTRIBUTIONS.name, CORRECTIONS.name}
+            changed |= set(PLAN_TABLES)
         if any(self.dequeued.values()):
             changed.add(RECOMPUTE_QUEUE.name)
         return sorted(changed)
@@ -265,7 +267,7 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
         except Exception as error:  # raised below, with every other client's failure (R10)
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
-            if _plan_left_unpublished(run):  # (R15)
+            if plan_left_unpublished(run):  # (R15)
                 summary.failed_after_planning.append(client)
         finally:
             release(mine, left)
@@ -281,17 +283,6 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
             f"queued ({'; '.join(f'{c}: {_named(e)}' for c, e in failed.items())}); "
             "the others were folded in") from unforeseen
     return summary
-
-
-def _plan_left_unpublished(run: Run) -> bool:
-    """Whether the client has a plan recorded and not published (R15); true when that
-    cannot be read either: announced again rather than not at all."""
-    try:
-        return unfinished_plan_seq(run) is not None
-    except Exception as error:  # the client's own failure is the one raised (R10)
-        run.progress(f"recompute {run.client_id}: could not tell whether its plan was "
-                     f"applied ({error}); its tables are announced as changed")
-        return True
 
 
 def _named(error: BaseException) -> str:
