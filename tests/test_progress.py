@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
@@ -77,11 +78,27 @@ def test_a_silence_before_spark_starts_says_so() -> None:
                        for line in out), out
 
 
+def test_a_silence_while_spark_starts_or_stops_says_so_and_the_beats_go_on(
+    spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PySpark registers its context before the JVM side exists (``_jsc``), and clears it on
+    stop: a beat then raised AttributeError, which ended the heartbeat for the rest of the
+    command with a traceback on stderr."""
+    monkeypatch.setattr(spark.sparkContext, "_jsc", None)  # the context as it starts
+    lines: list[str] = []
+    with heartbeat(lines.append, every_s=0.2):
+        time.sleep(0.9)
+    monkeypatch.undo()
+    assert len(lines) >= 2 and all(re.fullmatch(
+        BEAT + "the start; Spark starting or stopping", line) for line in lines), lines
+
+
 def test_the_commands_say_they_are_still_working_at_the_configured_interval(
     tmp_path: Path,
 ) -> None:
     """``clickstream recompute`` on an empty warehouse: starting Spark is a silence of a
-    second or more, longer than the interval."""
+    second or more, longer than the interval (a beat while it starts ended the heartbeat,
+    with a traceback on stderr)."""
     env = {**os.environ, "CLICKSTREAM_HOME": str(tmp_path / "home"),
            "CLICKSTREAM_WAREHOUSE": str(tmp_path / "warehouse"),
            "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "CLICKSTREAM_PROGRESS_INTERVAL": "0.2s"}
@@ -91,8 +108,9 @@ def test_the_commands_say_they_are_still_working_at_the_configured_interval(
     *beats, last = result.stdout.splitlines()
     assert last == "recompute: the queue is empty"
     assert beats and all(re.fullmatch(
-        BEAT + "the start; (Spark not started yet|no Spark stage running)", line)
-        for line in beats), beats
+        BEAT + "the start; (Spark not started yet|Spark starting or stopping|no Spark stage "
+        "running)", line) for line in beats), beats
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_the_interval_reads_bare_numbers_as_seconds() -> None:

@@ -68,11 +68,13 @@ def spark_activity() -> str:
     context = SparkContext._active_spark_context  # the one this process started, if any
     if context is None:
         return "Spark not started yet"
+    if getattr(context, "_jsc", None) is None:  # registered before its JVM side, or stopped
+        return "Spark starting or stopping"
     try:
         tracker = context.statusTracker()
         stages = [info for stage in sorted(tracker.getActiveStageIds())
                   if (info := tracker.getStageInfo(stage)) is not None]
-    except Py4JError as error:  # the context stopping meanwhile: said, not raised
+    except (Py4JError, AttributeError) as error:  # stopping meanwhile: said, not raised
         return f"Spark's status not readable ({type(error).__name__})"
     if not stages:
         return "no Spark stage running"
