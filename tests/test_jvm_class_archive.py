@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
+
+import pytest
 
 from clickstream import jvm_class_archive
 from clickstream.config import Config
@@ -64,3 +69,49 @@ def test_the_setup_probe_tells_a_damaged_archive_from_a_good_one(
         cut.write(good.read(jvm_class_archive.ARCHIVE.stat().st_size // 2))
     monkeypatch.setattr(jvm_class_archive, "ARCHIVE", damaged)
     assert not jvm_class_archive.usable()  # setup builds it again; a driver would crash on it
+
+
+class Interrupted(Exception):
+    """What a Ctrl-C or a time limit raises in the process that builds the archive."""
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie no one has reaped yet is stopped
+
+
+def test_an_interrupted_build_stops_its_warm_up_job_and_leaves_no_partial_archive(
+        tmp_path: Path, monkeypatch) -> None:
+    """The warm-up job runs in a session of its own, which a terminal's Ctrl-C does not reach:
+    setup exited while the job (a Spark driver and a broker, ~1.5 min of CPU) ran on, and
+    its partial archive stayed beside the real one for good. spark-submit is stood in for by
+    a script that writes the partial archive at once, then waits (its child too)."""
+    archive = tmp_path / "share" / "classes.jsa"
+    partial = archive.with_name(f".{archive.name}.{os.getpid()}")
+    fake = tmp_path / "spark-submit"
+    fake.write_text(f"#!/bin/sh\necho part > '{partial}'\nsleep 60 &\necho $$ $! > "
+                    f"'{tmp_path / 'pids'}'\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(jvm_class_archive, "ARCHIVE", archive)
+    monkeypatch.setattr(jvm_class_archive, "_spark_submit", lambda: str(fake))
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(Interrupted):
+            jvm_class_archive.build("stamp", progress=lambda _: None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if running(pid)]
+    assert not partial.exists() and not archive.exists()

@@ -126,16 +126,20 @@ def build(stamp: str, progress: Callable[[str], None] = print) -> Path:
         command = [_spark_submit(), "--master", "local[2]",
                    "--conf", f"spark.driver.extraJavaOptions={java_options}",
                    str(Path(__file__)), "--warm-up", workdir]
-        # Its own process group: on a timeout, the driver's Python and broker go too.
+        # Its own process group: on a timeout or an interrupt of this process (Ctrl-C, a CI
+        # time limit), the driver's Python and broker are stopped too, and no partial
+        # archive is left; a terminal's Ctrl-C does not reach a new session by itself.
         job = subprocess.Popen(command, env=_submit_env(), cwd=workdir, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
         try:
             output, _ = job.communicate(timeout=WARM_UP_TIMEOUT_S)
-        except subprocess.TimeoutExpired as error:
+        except BaseException as error:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
             partial.unlink(missing_ok=True)
+            if not isinstance(error, subprocess.TimeoutExpired):
+                raise
             raise RuntimeError(
                 f"jvm class archive: the warm-up job did not finish in {WARM_UP_TIMEOUT_S} s "
                 "(stopped), so no archive was written; jobs start without one (slower, "
