@@ -4,6 +4,7 @@ keeps."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,21 @@ def test_a_job_frees_what_it_kept_however_it_ends(spark: SparkSession) -> None:
         failing_job()
     assert kept_by_the_job
     assert not kept_by_the_job & stored_rdds(spark)
+
+
+def test_a_job_run_off_the_main_thread_frees_what_it_persisted(spark: SparkSession) -> None:
+    """The active session is per thread: in another thread (an in-process Airflow task, a
+    notebook's worker) there was none, and what the job persisted stayed in memory."""
+    persisted_by_the_job: set[int] = set()
+
+    @releases_cache
+    def job() -> None:
+        before = stored_rdds(spark)
+        spark.range(100).where("id % 3 = 0").persist().count()
+        persisted_by_the_job.update(stored_rdds(spark) - before)
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    runner.join()
+    assert persisted_by_the_job
+    assert not persisted_by_the_job & stored_rdds(spark)

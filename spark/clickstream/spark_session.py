@@ -234,8 +234,8 @@ def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return job(*args, **kwargs)
-        finally:
-            spark = SparkSession.getActiveSession()
+        finally:  # the active session is per thread: a job off the main thread has none
+            spark = SparkSession.getActiveSession() or SparkSession._instantiatedSession
             if spark is not None:
                 spark.catalog.clearCache()
             release(*(frame for frame, _ in list(_KEPT.values())))
