@@ -5,6 +5,7 @@ always ends equal to the sessions table (the brief's invariant)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -21,6 +22,7 @@ from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import (
     NOT_RETRYABLE,
     ClickstreamError,
+    CommitConflictError,
     DeliveryError,
     QualityGateFailedError,
 )
@@ -197,6 +199,56 @@ def test_a_client_whose_publish_failed_after_apply_has_its_tables_announced(
     assert users_with_sessions(stream_config, spark) == {("c1", "u1")}  # applied
     assert recompute.changed_tables_saved(stream_config, "night") == [
         "attributions", "corrections", "sessions"]
+
+
+def test_a_client_that_failed_after_finishing_another_runs_plan_has_its_tables_announced(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R15) A backfill of c1 was killed after recording its plan; the recompute applied and
+    published that plan (R4), then c1's own planning failed: no plan was left unpublished to
+    tell, so the run announced nothing, although ``sessions`` changed."""
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1")], "parquet")
+    killed_at(monkeypatch, corrections, "apply",  # its plan recorded, nothing applied
+              lambda: run_backfill(stream_config, kind="pageviews", client_id="c1",
+                                   spark=spark, progress=quiet, path=path))
+    assert users_with_sessions(stream_config, spark) == set()
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+
+    def gate_fails(run, *args, **kwargs):
+        raise QualityGateFailedError(f"{run.run_id}: recomputed_sessions failed")
+
+    monkeypatch.setattr(corrections, "gate_recomputed_sessions", gate_fails)
+    with pytest.raises(QualityGateFailedError, match="failed for 1 of 1 clients"):
+        run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
+    assert users_with_sessions(stream_config, spark) == {("c1", "u")}  # the backfill's plan
+    assert recompute.changed_tables_saved(stream_config, "night") == [
+        "attributions", "corrections", "sessions"]
+
+
+def test_a_client_whose_rows_could_not_be_dequeued_is_not_described_as_folded_in(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(R10) c1's corrections were applied, then removing its rows from the queue failed:
+    the summary of the clients that succeeded listed c1 too, beside the error saying its
+    rows stay queued. What it applied is still announced."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0), ("q1", "c2", "v1", 0)])
+    engine = type(open_tables(stream_config, spark))
+    delete_rows = engine.delete_rows
+
+    def c1_conflicts(self, name, rows, **kwargs):
+        if kwargs["partition_filter"]["client_id"] == "c1":
+            raise CommitConflictError("delete_rows on table 'recompute_queue': conflicts")
+        return delete_rows(self, name, rows, **kwargs)
+
+    monkeypatch.setattr(engine, "delete_rows", c1_conflicts)
+    lines: list[str] = []
+    with pytest.raises(ClickstreamError, match=r"failed for 1 of 2 clients, whose rows stay "
+                       r"queued \(c1: delete_rows"):
+        run_recompute(stream_config, spark=spark, progress=lines.append, result_name="night")
+    described = [line for entry in lines for line in entry.splitlines()
+                 if re.match(r"recompute c[12]: 1 queued records; ", line)]
+    assert [line.split(":")[0] for line in described] == ["recompute c2"], lines
+    assert "recompute c1: failed, its rows stay queued: delete_rows" in "\n".join(lines)
+    assert recompute.changed_tables_saved(stream_config, "night") == [
+        "corrections", "recompute_queue", "sessions"]
 
 
 def test_an_attempt_killed_while_it_works_on_a_client_has_every_table_announced(

@@ -95,7 +95,9 @@ Known edge cases, cited inline as (R1)..(R15):
   R15. A client that failed (R10) with a plan recorded and not published may have applied
       it (its publish failed, or the publish gate): the run announces ``sessions``,
       ``attributions`` and ``corrections`` for it. The failed attempt announced none of them
-      (the client had no summary), and no retry may follow.
+      (the client had no summary), and no retry may follow. So does a client that had
+      another run's plan to finish (R4): it applied and published that plan before its own
+      work failed, and no plan is left unpublished to tell.
 """
 
 from __future__ import annotations
@@ -174,8 +176,9 @@ class RecomputeSummary:
     queued: dict[str, int] = field(default_factory=dict)
     corrections: dict[str, CorrectionSummary] = field(default_factory=dict)
     dequeued: dict[str, int] = field(default_factory=dict)  # queue rows removed, per client
-    # Clients that failed (R10) with their plan recorded and not published: it may be
-    # applied (R15).
+    failed: list[str] = field(default_factory=list)  # (R10) its rows stay queued
+    # Clients that failed (R10) with their plan recorded and not published, or after
+    # finishing another run's: it may be applied (R15).
     failed_after_planning: list[str] = field(default_factory=list)
 
     def changed_tables(self) -> list[str]:
@@ -198,8 +201,8 @@ class RecomputeSummary:
                                        f"{self.corrections[client].describe()}"
                                        if self.queued[client] or client in self.dequeued
                                        else "nothing queued for this client")
-            for client in self.queued
-            if client in self.corrections)  # a failed client has none (R10)
+            for client in self.queued  # a failed client is not (R10): its error says why
+            if client in self.corrections and client not in self.failed)
 
 
 @releases_cache
@@ -267,7 +270,9 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
         except Exception as error:  # raised below, with every other client's failure (R10)
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
-            if plan_left_unpublished(run):  # (R15)
+            summary.failed.append(client)
+            # (R15) It may have finished another run's plan before its own failed, too.
+            if client in unfinished or plan_left_unpublished(run):
                 summary.failed_after_planning.append(client)
         finally:
             release(mine, left)
