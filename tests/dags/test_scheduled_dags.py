@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from clickstream.config import Config
 from clickstream.errors import ConfigError
 from clickstream.jobs.maintenance import vacuum_tables
 from tests.dags.test_late_batch_backfill import changed_assets
-from tests.jobs.test_maintenance import corrupt_one_file, small_files
+from tests.jobs.test_maintenance import corrupt_one_file, removed_hours_ago, small_files
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +24,27 @@ def dagbag(airflow_db):
 
 def test_maintenance_compacts_vacuums_and_checkpoints_every_table(dagbag,
                                                                   env_config: Config) -> None:
+    """Two tables: quarantine's files were compacted away 200 hours ago (past the week the
+    vacuum keeps), pageviews holds a micro-batch's small files (a vacuum that deleted nothing
+    passed here before)."""
     from deltalake import DeltaTable
 
-    path = small_files(env_config, "quarantine", 3)
+    vacuumed = small_files(env_config, "quarantine", 3)
+    removed_hours_ago(env_config, vacuumed, 200)
+    compacted = small_files(env_config, "pageviews", 3)
 
     dagrun = dagbag.dags["table_maintenance"].test()
 
     states = {ti.task_id: str(ti.state) for ti in dagrun.get_task_instances()}
     assert str(dagrun.state) == "success", states
-    table = DeltaTable(str(path))
-    assert len(table.file_uris()) == 1
-    assert table.to_pyarrow_table().num_rows == 3
-    assert list((path / "_delta_log").glob("*.checkpoint.parquet"))
+    for path in (compacted, vacuumed):
+        table = DeltaTable(str(path))
+        (active,) = (Path(uri.removeprefix("file://")).name for uri in table.file_uris())
+        assert table.to_pyarrow_table().num_rows == 3
+        assert list((path / "_delta_log").glob("*.checkpoint.parquet")), path
+        on_disk = sorted(p.name for p in path.glob("*.parquet"))
+        # The compaction's removed files stay their week; those removed 200 h ago are gone.
+        assert (on_disk == [active]) == (path == vacuumed), (path, on_disk)
 
 
 def test_a_failed_compaction_still_vacuums_and_checkpoints_then_fails_the_run(

@@ -162,14 +162,22 @@ def test_a_real_run_supersedes_the_failed_dry_run_of_its_batch_not_the_converse(
 
 
 def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: Config) -> None:
+    """A report deleted by hand (or by a cleanup) leaves the index without a broken link; the
+    pages of the other jobs and runs stay listed (an index of nothing passed here before)."""
     result = run_gate("tables_after_merge", GOOD["tables_after_merge"], config=config,
                       job="backfill", run_id="gone")
-    assert result.report is not None
+    kept = run_gate("publish", GOOD["publish"], config=config, job="recompute",
+                    run_id="kept", client_id="client-01")
+    assert result.report is not None and kept.report is not None
     result.report.unlink()
     rebuild_index(config)
     root = reports_dir(config)
-    assert "gone" not in (root / "index.html").read_text()
-    assert_every_link_resolves(root)
+    index = root / "index.html"
+    assert "gone" not in index.read_text()
+    assert [(r[1], r[2], r[4]) for r in parse(index).rows if len(r) == 6] == [
+        ("recompute", "kept", "passed")]
+    assert kept.report.relative_to(root).as_posix() in relative_links(index)
+    assert assert_every_link_resolves(root) > 0
 
 
 def test_bar_chart_is_inline_svg_with_one_bar_per_day() -> None:
