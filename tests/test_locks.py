@@ -97,3 +97,31 @@ def test_held_finds_the_holder_whatever_device_proc_locks_names(
         monkeypatch.setattr(locks, "PROC_LOCKS", as_btrfs)
         assert held(path)
         assert not held(other)  # another inode, on the same device
+
+
+def test_held_finds_a_holder_that_proc_locks_leaves_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux leaves out of ``/proc/locks`` the locks of processes whose pid the reader cannot
+    see: a sessionizer in another container on the host (another PID namespace) read as no
+    holder, and a correction run took its history pins for none (``sessionize`` Z18).
+    Played with an empty ``/proc/locks``, as such a reader sees it (checked by hand with
+    ``unshare --pid --fork --mount-proc``)."""
+    path = tmp_path / "sessionize.lock"
+    nothing_listed = tmp_path / "locks"
+    nothing_listed.write_text("")
+    monkeypatch.setattr(locks, "PROC_LOCKS", nothing_listed)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), "30"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert held(path)
+        with pytest.raises(LookupError), exclusive_or_refuse(  # still its holder's
+                path, refuse=lambda pid: LookupError(pid)):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert not held(path)  # the mark went with its holder
+    with exclusive(path):  # and the next holder marks it again
+        assert held(path)

@@ -8,6 +8,7 @@ on the cluster profile the warehouse is one volume of one Docker host.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import time
@@ -18,21 +19,53 @@ from typing import IO
 LOCKS_FOLDER = "_clickstream_locks"  # in the warehouse; no table is named with a leading "_"
 
 
+class _Flock(ctypes.Structure):
+    """Linux's ``struct flock``, for open-file-description (OFD) locks."""
+
+    _fields_ = [("l_type", ctypes.c_short), ("l_whence", ctypes.c_short),
+                ("l_start", ctypes.c_int64), ("l_len", ctypes.c_int64),
+                ("l_pid", ctypes.c_int32)]
+
+
+def _ofd_lock(fd: int, command: int, lock_type: int) -> int:
+    """``fcntl`` on byte 0 of the file with an OFD lock request; the answer's lock type."""
+    request = _Flock(l_type=lock_type, l_whence=os.SEEK_SET, l_start=0, l_len=1, l_pid=0)
+    return _Flock.from_buffer_copy(fcntl.fcntl(fd, command, bytes(request))).l_type
+
+
 @contextlib.contextmanager
 def _locked(path: Path, when_held: Callable[[IO[str]], None]) -> Iterator[IO[str]]:
     """``path`` (created if missing) open and exclusively locked until the block ends;
     ``when_held(handle)`` runs first when another process holds it, and waits for it or
-    raises."""
+    raises.
+
+    Besides the ``flock`` that excludes other holders, the holder marks the file with an OFD
+    write lock on its first byte, which :func:`held` asks about: the kernel answers for a
+    holder in any PID namespace (another container on the host), which ``/proc/locks`` leaves
+    out. Released before the ``flock``, so the next holder always gets it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             when_held(handle)
+        marked = _mark(handle)
         try:
             yield handle
         finally:
+            if marked:
+                _ofd_lock(handle.fileno(), fcntl.F_OFD_SETLK, fcntl.F_UNLCK)
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _mark(handle: IO[str]) -> bool:
+    """Take the holder's OFD mark; False where the filesystem has no such locks (``held``
+    then reads ``/proc/locks`` alone; the ``flock`` still excludes)."""
+    try:
+        _ofd_lock(handle.fileno(), fcntl.F_OFD_SETLK, fcntl.F_WRLCK)
+    except OSError:
+        return False
+    return True
 
 
 ABANDON_POLL_SECONDS = 0.1
@@ -40,10 +73,13 @@ PROC_LOCKS = Path("/proc/locks")
 
 
 def held(path: Path) -> bool:
-    """Whether a process (this one included) holds the ``flock`` on ``path`` now, read from
-    Linux's ``/proc/locks``: a probe that took the lock, even for an instant, would refuse
-    its holder's own start meanwhile (``exclusive_or_refuse``). True where ``/proc/locks``
-    cannot be read: callers take a holder as the careful answer.
+    """Whether a process (this one included) holds the lock on ``path`` now, asked of the
+    kernel without taking it (the holder's OFD mark, ``_locked``), else read from Linux's
+    ``/proc/locks`` (a holder that took no mark): a probe that took the lock, even for an
+    instant, would refuse its holder's own start meanwhile (``exclusive_or_refuse``).
+    ``/proc/locks`` leaves out a holder in another PID namespace (another container on the
+    host), which the mark does not. True where ``/proc/locks`` cannot be read: callers take
+    a holder as the careful answer.
 
     Matched by inode alone: the device ``/proc/locks`` names is the filesystem's, which is
     not always ``stat``'s (btrfs gives each subvolume a device of its own), and a device
@@ -51,6 +87,8 @@ def held(path: Path) -> bool:
     the same inode number reads as held, the careful answer again."""
     try:
         inode = str(path.stat().st_ino)
+        if _marked(path):
+            return True
     except FileNotFoundError:
         return False
     try:
@@ -61,6 +99,20 @@ def held(path: Path) -> bool:
     return any(fields[1] == "FLOCK" and any(
         field.count(":") == 2 and field.rsplit(":", 1)[1] == inode for field in fields)
         for fields in map(str.split, table.splitlines()) if len(fields) > 5)
+
+
+def _marked(path: Path) -> bool:
+    """Whether a holder's OFD mark is on ``path`` (``_locked``); False where the kernel
+    cannot be asked (no OFD locks on this filesystem, the file not readable): ``held`` then
+    reads ``/proc/locks`` alone."""
+    try:
+        with path.open("rb") as handle:
+            answer = _ofd_lock(handle.fileno(), fcntl.F_OFD_GETLK, fcntl.F_WRLCK)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return False
+    return answer != fcntl.F_UNLCK
 
 
 @contextlib.contextmanager
