@@ -688,9 +688,9 @@ def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> N
 
 
 # Errors each reader handles itself: a partition's end, a fetch below the log start.
+_READER_OWN_ERRORS = frozenset({KafkaError._PARTITION_EOF, KafkaError._AUTO_OFFSET_RESET})
 # Out-of-range answers in a row at an offset the log holds before a read gives up (K11).
 OUT_OF_RANGE_RETRIES = 5
-_READER_OWN_ERRORS = frozenset({KafkaError._PARTITION_EOF, KafkaError._AUTO_OFFSET_RESET})
 # Fetch errors librdkafka does not get past by itself: the read stops at once with the cause.
 # A batch it cannot decode (a failed CRC with check.crcs, a compression or message format it
 # does not know) it skips after reporting it: read on, the gap looked like the offsets of
@@ -784,6 +784,13 @@ class ReadErrors:
     def since(self) -> str:
         """`` (last error: ...)`` for a time-limit message, or nothing."""
         return f" (last error: {self.last})" if self.last else ""
+
+
+def _fetch_again(consumer: Consumer, topic: str, partition: int, offset: int) -> None:
+    """Fetch the partition again from ``offset``: after an out-of-range answer librdkafka
+    fetches it no more, and refuses a seek."""
+    consumer.incremental_unassign([TopicPartition(topic, partition)])
+    consumer.incremental_assign([TopicPartition(topic, partition, offset)])
 
 
 def check_no_data_loss(topic: str, partition: int, wanted_offset: int, low_watermark: int,
@@ -900,8 +907,7 @@ def read_compacted(config: Config, topic: str, *,
                         if end is not None:
                             refusals[partition] = refusals.get(partition, 0) + 1
                             errors.read_again(err, partition, at, refusals[partition])
-                            consumer.incremental_unassign([TopicPartition(topic, partition)])
-                            consumer.incremental_assign([TopicPartition(topic, partition, at)])
+                            _fetch_again(consumer, topic, partition, at)
                         continue
                     errors.handle(err, partition, offset)
                     continue
@@ -1026,12 +1032,6 @@ def read_offset_ranges(
                 f"were to be read, but the log now ends at {high}, so records it held are gone; "
                 f"{_OTHER_LOG_ADVICE}")
 
-    def read_again_from(partition: int, offset: int) -> None:
-        """Fetch the partition again from ``offset``: after an out-of-range answer librdkafka
-        fetches it no more, and refuses a seek."""
-        consumer.incremental_unassign([TopicPartition(topic, partition)])
-        consumer.incremental_assign([TopicPartition(topic, partition, offset)])
-
     errors = ReadErrors(config, topic)
     refusals: dict[int, int] = {}  # (K11) out-of-range answers at an offset the log holds
     try:
@@ -1087,12 +1087,12 @@ def read_offset_ranges(
                                 expected[partition] = low
                                 if moved:
                                     unread[partition] = low
-                                read_again_from(partition, low)
+                                _fetch_again(consumer, topic, partition, low)
                             continue
                         if partition in expected:  # (K11) the log holds ``at``
                             refusals[partition] = refusals.get(partition, 0) + 1
                             errors.read_again(error, partition, at, refusals[partition])
-                            read_again_from(partition, at)
+                            _fetch_again(consumer, topic, partition, at)
                         continue
                     errors.handle(error, partition, message.offset())
                     continue

@@ -40,8 +40,9 @@ Known edge cases, cited inline as (S1)..(S8):
       its max ts (ids kept a little longer are harmless: no on-time copy can repeat them). A
       call with pageviews loads every slice: a copy of an id may carry another ts (a producer
       reusing the id), and loaded only where its own ts fell, such a copy in a later
-      micro-batch was sessionized and stored a second time (measured by the state benchmark:
-      +17% per bucket call at 5,000 events/s, session 74). A copy whose first copy the
+      micro-batch was sessionized and stored a second time (the state benchmark at 5,000
+      events/s: +17% per bucket call, +39% once the held slices are the watermark delay's
+      worth; BENCHMARKS, session 74). A copy whose first copy the
       watermark passed is not recognised (Z2 finds a late copy only in its own day). Keying
       ids by minute instead cost a state call per minute of event time in a catch-up. Earlier
       checkpoints held all ids in one value, ``recent_pageview_ids``; the first call moves
