@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from clickstream.errors import (
     NOT_RETRYABLE,
     ClickstreamError,
     CommitConflictError,
     ConfigError,
     PlanNotAppliedError,
+    error_line,
     one_error_for,
 )
 
@@ -20,3 +23,25 @@ def test_one_error_is_not_retryable_only_when_no_failure_is_retryable() -> None:
     mixed = one_error_for([plan, CommitConflictError("c2 conflicted")], "2 failed")
     assert type(mixed) is ClickstreamError and not isinstance(mixed, NOT_RETRYABLE)
     assert type(one_error_for([OSError("disk")], "1 failed")) is ClickstreamError
+
+
+def test_the_line_of_a_spark_error_is_the_python_exception_it_carries(spark) -> None:
+    """What a Spark job's Python failure says, as the CLI's one line and the run pages show
+    it: the exception a UDF raised; for an exception group, the group's own line (every line
+    of its trace starts with '| ', so the first line of Spark's text was shown instead)."""
+    from pyspark.errors import PythonException
+    from pyspark.sql import functions as F
+
+    def failing(error: BaseException) -> str:
+        @F.udf("int")
+        def fails(_):  # no hints: PySpark would read them as the UDF's kind
+            raise error
+
+        with pytest.raises(PythonException) as raised:
+            spark.range(1).select(fails("id")).collect()
+        return error_line(str(raised.value))
+
+    assert failing(ZeroDivisionError("integer division by zero")) == (
+        "ZeroDivisionError: integer division by zero")
+    assert failing(ExceptionGroup("two rows refused", [ValueError("a"), TypeError("b")])) == (
+        "ExceptionGroup: two rows refused (2 sub-exceptions)")

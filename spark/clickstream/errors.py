@@ -6,6 +6,8 @@ Bad stream records are never exceptions: they become quarantine rows.
 
 from __future__ import annotations
 
+import re
+
 
 class ClickstreamError(Exception):
     """Raised for any failure the product detects itself; the CLI prints it as one line."""
@@ -79,6 +81,7 @@ dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 
 
 _PYTHON_TRACE = "Traceback (most recent call last):"
+_GROUP_MARGIN = re.compile(r"^\s*\| ?")
 
 
 def error_line(text: str) -> str:
@@ -86,8 +89,8 @@ def error_line(text: str) -> str:
     Spark error carries (``ZeroDivisionError: ...``, the first unindented line after its last
     traceback; Spark's first line ends at the traceback), else its first line."""
     _, found, trace = text.rpartition(_PYTHON_TRACE)
-    if found:
-        lines = [line for line in trace.splitlines() if line.strip()]
+    if found:  # an exception group's trace prefixes its lines with "| " (``_GROUP_MARGIN``)
+        lines = [_GROUP_MARGIN.sub("", line) for line in trace.splitlines() if line.strip()]
         python = next((line.strip() for line in lines if not line[0].isspace()), None)
         if python:
             return python
