@@ -45,3 +45,14 @@ def test_the_line_of_a_spark_error_is_the_python_exception_it_carries(spark) -> 
         "ZeroDivisionError: integer division by zero")
     assert failing(ExceptionGroup("two rows refused", [ValueError("a"), TypeError("b")])) == (
         "ExceptionGroup: two rows refused (2 sub-exceptions)")
+
+
+def test_a_trace_line_that_is_only_a_group_margin_is_skipped() -> None:
+    """A line of an exception group's trace that holds only its margin ('  |') is blank once
+    the margin is taken off: read as a line, it failed the error's own report (IndexError)."""
+    text = ("Spark failed: An exception was thrown from the Python worker:\n"
+            "+ Exception Group Traceback (most recent call last):\n"
+            "  |\n"
+            "  |   File \"job.py\", line 3, in run\n"
+            "  | ExceptionGroup: two rows refused (2 sub-exceptions)\n")
+    assert error_line(text) == "ExceptionGroup: two rows refused (2 sub-exceptions)"

@@ -90,7 +90,8 @@ def error_line(text: str) -> str:
     traceback; Spark's first line ends at the traceback), else its first line."""
     _, found, trace = text.rpartition(_PYTHON_TRACE)
     if found:  # an exception group's trace prefixes its lines with "| " (``_GROUP_MARGIN``)
-        lines = [_GROUP_MARGIN.sub("", line) for line in trace.splitlines() if line.strip()]
+        lines = [line for line in (_GROUP_MARGIN.sub("", text_line)
+                                   for text_line in trace.splitlines()) if line.strip()]
         python = next((line.strip() for line in lines if not line[0].isspace()), None)
         if python:
             return python
