@@ -19,3 +19,9 @@ def test_jitter_takes_between_half_and_all_of_the_wait() -> None:
 def test_attempt_numbers_start_at_one() -> None:
     with pytest.raises(ValueError, match="start at 1"):
         retry_delay(0, 0.5)
+
+
+def test_a_loop_that_retries_without_end_keeps_the_cap() -> None:
+    """A caller retrying until told to stop (no attempt limit) reaches any attempt number."""
+    assert retry_delay(1025, 0.5, jitter=False) == 5.0
+    assert retry_delay(10**6, 0.001, cap_s=2.0, jitter=False) == 2.0

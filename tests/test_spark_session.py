@@ -4,6 +4,9 @@ keeps."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from clickstream.spark_session import (
     release,
     releases_cache,
 )
-from tests.child_jvm import submit_driver
+from tests.child_jvm import submit_driver, temp_folders_in
 
 # The names the JVM's collectors report (java.lang.management), by collector.
 COLLECTOR_BEANS = {"parallel": "PS MarkSweep,PS Scavenge",
@@ -150,3 +153,36 @@ def test_a_job_run_off_the_main_thread_frees_what_it_persisted(spark: SparkSessi
     runner.join()
     assert persisted_by_the_job
     assert not persisted_by_the_job & stored_rdds(spark)
+
+
+JOB_OUTLIVED_BY_ITS_ERROR = """
+from clickstream.config import Config
+from clickstream.spark_session import build_spark, keep, releases_cache
+
+spark = build_spark(Config.from_env())
+
+@releases_cache
+def job():
+    keep(spark.range(10))
+    try:
+        spark._jvm.java.lang.Runtime.getRuntime().halt(1)  # the JVM ends under the job
+    except Exception as lost:
+        raise ValueError("the job's own error") from lost
+
+try:
+    job()
+except BaseException as error:
+    print("escaped:", type(error).__name__, error)
+    print("notes:", *getattr(error, "__notes__", []))
+"""
+
+
+def test_a_job_whose_jvm_ended_shows_its_own_error(tmp_path: Path, config: Config) -> None:
+    """Freeing the cache needs the JVM: with it gone, the freeing's error replaced the job's."""
+    finished = subprocess.run(
+        [sys.executable, "-c", JOB_OUTLIVED_BY_ITS_ERROR],
+        env={**os.environ, "CLICKSTREAM_HOME": str(config.home),
+             "CLICKSTREAM_WAREHOUSE": str(config.warehouse), **temp_folders_in(tmp_path)},
+        capture_output=True, text=True, timeout=300)
+    assert "escaped: ValueError the job's own error" in finished.stdout, finished.stderr[-3000:]
+    assert "notes: freeing the job's cached frames failed too: " in finished.stdout

@@ -18,7 +18,7 @@ def retry_delay(attempt: int, first_s: float, *, cap_s: float = CAP_S, jitter: b
     """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
     if attempt < 1:
         raise ValueError(f"attempt numbers start at 1, got {attempt}")
-    delay = min(cap_s, first_s * 2 ** (attempt - 1))
+    delay = min(cap_s, first_s * 2.0 ** min(attempt - 1, 64))  # 2.0 ** 1024 overflows
     return delay * random.uniform(0.5, 1.0) if jitter else delay
 
 

@@ -233,10 +233,26 @@ def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(job)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return job(*args, **kwargs)
-        finally:  # the active session is per thread: a job off the main thread has none
-            spark = SparkSession.getActiveSession() or SparkSession._instantiatedSession
-            if spark is not None:
-                spark.catalog.clearCache()
-            release(*(frame for frame, _ in list(_KEPT.values())))
+            result = job(*args, **kwargs)
+        except BaseException as error:
+            try:  # fails too when the job's error was the JVM's end: the job's error is shown
+                _free_cache()
+            except Exception as freeing_error:
+                error.add_note(f"freeing the job's cached frames failed too: "
+                               f"{type(freeing_error).__name__}: {freeing_error}")
+            raise
+        _free_cache()
+        return result
     return run
+
+
+def _free_cache() -> None:
+    kept = list(_KEPT.values())
+    _KEPT.clear()  # tried once: a dead JVM frees nothing, and its frames are not kept on
+    try:  # the active session is per thread: a job off the main thread has none
+        spark = SparkSession.getActiveSession() or SparkSession._instantiatedSession
+        if spark is not None:
+            spark.catalog.clearCache()
+    finally:
+        for _, rdd in kept:
+            _free_blocks(rdd)

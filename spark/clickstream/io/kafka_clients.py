@@ -729,6 +729,7 @@ class ReadErrors:
         self._config = config
         self._topic = topic
         self._logged: set[tuple[int | None, int]] = set()
+        self._refusals: dict[int, int] = {}  # (K11) out-of-range answers in a row
         self.last: str | None = None
 
     def handle(self, error: KafkaError, partition: int | None, offset: int | None) -> None:
@@ -759,14 +760,16 @@ class ReadErrors:
             log.warning("reading %s%s: %s; librdkafka retries it (shown once per partition "
                         "and error)", where, at, error.str())
 
-    def read_again(self, error: KafkaError, partition: int, offset: int, times: int) -> None:
+    def read_again(self, error: KafkaError, partition: int, offset: int) -> None:
         """An out-of-range answer at an offset the log still holds (K11): transient (a leader
         moving), and librdkafka stops fetching the partition, so the reader fetches it again.
+        Answers count until the partition's next record (``record_arrived``).
 
         Raises:
             BrokerUnavailableError: The broker answered so ``OUT_OF_RANGE_RETRIES`` times in a
                 row without a record in between.
         """
+        times = self._refusals[partition] = self._refusals.get(partition, 0) + 1
         where = f"topic {self._topic} partition {partition} at offset {offset}"
         if times > OUT_OF_RANGE_RETRIES:
             raise BrokerUnavailableError(
@@ -780,6 +783,10 @@ class ReadErrors:
         log.warning("reading %s: the broker answered 'offset out of range' although its log "
                     "holds that offset (%s); fetching it again (%d of %d)", where, error.str(),
                     times, OUT_OF_RANGE_RETRIES)
+
+    def record_arrived(self, partition: int) -> None:
+        """A record came from the partition: its out-of-range answers are no longer in a row."""
+        self._refusals.pop(partition, None)
 
     def since(self) -> str:
         """`` (last error: ...)`` for a time-limit message, or nothing."""
@@ -875,7 +882,6 @@ def read_compacted(config: Config, topic: str, *,
     })
     errors = ReadErrors(config, topic)
     positions: dict[int, int] = {}  # the next offset of each partition, once a record came
-    refusals: dict[int, int] = {}  # (K11) out-of-range answers at an offset the log holds
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in ends])
         deadline = time.monotonic() + timeout_s
@@ -905,8 +911,7 @@ def read_compacted(config: Config, topic: str, *,
                             check_no_data_loss(topic, partition, wanted, low, high,
                                                advice=_CHANGELOG_LOSS_ADVICE)
                         if end is not None:
-                            refusals[partition] = refusals.get(partition, 0) + 1
-                            errors.read_again(err, partition, at, refusals[partition])
+                            errors.read_again(err, partition, at)
                             _fetch_again(consumer, topic, partition, at)
                         continue
                     errors.handle(err, partition, offset)
@@ -914,7 +919,7 @@ def read_compacted(config: Config, topic: str, *,
                 if end is None or offset >= end:
                     continue  # written after the snapshot started, or partition already done
                 positions[partition] = offset + 1
-                refusals.pop(partition, None)
+                errors.record_arrived(partition)
                 raw_key = msg.key()
                 if raw_key is not None:
                     key = (raw_key.decode("utf-8", "backslashreplace")
@@ -1033,7 +1038,6 @@ def read_offset_ranges(
                 f"{_OTHER_LOG_ADVICE}")
 
     errors = ReadErrors(config, topic)
-    refusals: dict[int, int] = {}  # (K11) out-of-range answers at an offset the log holds
     try:
         consumer.assign([TopicPartition(topic, p, start) for p, start in expected.items()])
         # The last time a record, or a partition's end, arrived: an error librdkafka reports
@@ -1090,8 +1094,7 @@ def read_offset_ranges(
                                 _fetch_again(consumer, topic, partition, low)
                             continue
                         if partition in expected:  # (K11) the log holds ``at``
-                            refusals[partition] = refusals.get(partition, 0) + 1
-                            errors.read_again(error, partition, at, refusals[partition])
+                            errors.read_again(error, partition, at)
                             _fetch_again(consumer, topic, partition, at)
                         continue
                     errors.handle(error, partition, message.offset())
@@ -1110,7 +1113,7 @@ def read_offset_ranges(
                     continue
                 batch.append(message)
                 unread.pop(partition, None)
-                refusals.pop(partition, None)
+                errors.record_arrived(partition)
                 expected[partition] = offset + 1
                 if expected[partition] >= ends[partition]:
                     done(partition)

@@ -283,12 +283,11 @@ def history_folder(config: Config, out: str, overwrite: bool) -> Path:
     if held and not overwrite:
         raise ConfigError(f"{target} already holds a batch ({', '.join(p.name for p in held)}"
                           "); pass --overwrite to replace it or choose another --out")
-    not_written_here = [p for p in held if p.is_symlink() or not p.is_dir()]
-    if not_written_here:  # --overwrite removes only folders this command writes
-        raise ConfigError(f"--out {out!r}: {not_written_here[0]} is a "
-                          f"{'link' if not_written_here[0].is_symlink() else 'file'}, not a "
-                          "batch folder this command wrote; remove it yourself or choose "
-                          "another --out")
+    odd = next((p for p in held if p.is_symlink() or not p.is_dir()), None)
+    if odd is not None:  # --overwrite removes only folders this command writes
+        raise ConfigError(f"--out {out!r}: {odd} is a {'link' if odd.is_symlink() else 'file'}"
+                          ", not a batch folder this command wrote; remove it yourself or "
+                          "choose another --out")
     for folder in held:
         shutil.rmtree(folder)
     return target
