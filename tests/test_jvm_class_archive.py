@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,16 @@ def test_the_setup_probe_tells_a_damaged_archive_from_a_good_one(
     assert not jvm_class_archive.usable()  # setup builds it again; a driver would crash on it
 
 
+def test_a_probe_that_hangs_finds_the_archive_unusable(tmp_path: Path, monkeypatch) -> None:
+    """Its time limit's error escaped setup as a traceback, no archive built."""
+    hanging = tmp_path / "spark-submit"
+    hanging.write_text("#!/bin/sh\nexec sleep 60\n")
+    hanging.chmod(0o755)
+    monkeypatch.setattr(jvm_class_archive, "_spark_submit", lambda: str(hanging))
+    monkeypatch.setattr(jvm_class_archive, "PROBE_TIMEOUT_S", 0.5)
+    assert not jvm_class_archive.usable()
+
+
 class Interrupted(Exception):
     """What a Ctrl-C or a time limit raises in the process that builds the archive."""
 
@@ -101,14 +112,16 @@ def test_an_interrupted_build_stops_its_warm_up_job_and_leaves_no_partial_archiv
     def interrupt(*_: object) -> None:
         raise Interrupted
 
-    previous = signal.signal(signal.SIGALRM, interrupt)
+    # Not SIGALRM: the real-time timer is pytest-timeout's, which this test would cancel.
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    sender = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGUSR1))
     try:
-        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        sender.start()
         with pytest.raises(Interrupted):
             jvm_class_archive.build("stamp", progress=lambda _: None)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        sender.cancel()
+        signal.signal(signal.SIGUSR1, previous)
     pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
     deadline = time.monotonic() + 10
     while any(running(pid) for pid in pids) and time.monotonic() < deadline:

@@ -38,6 +38,7 @@ ARCHIVE = Path(sys.prefix) / "share" / "clickstream" / "spark-driver-classes.jsa
 # stdout and starts without it: the output of a command (a step's JSON) must stay its own.
 QUIET = ("-Xlog:cds=off", "-Xlog:cds+dynamic=off")
 WARM_UP_TIMEOUT_S = 900  # it takes 80-90 s here
+PROBE_TIMEOUT_S = 300  # ~1 s here
 
 
 def launch_options(config: Config) -> list[str]:
@@ -94,10 +95,14 @@ def usable() -> bool:
     configuration folder first on the class path), and a damaged file fails its checksum or
     crashes this probe (a job would crash the same way). ~1 s."""
     with tempfile.TemporaryDirectory(prefix="clickstream-class-archive-") as scratch:
-        probe = subprocess.run(  # in scratch: a crashed JVM writes its hs_err log there
-            [_spark_submit(), "--conf", "spark.driver.extraJavaOptions=-Xshare:on "
-             f'-XX:+VerifySharedSpaces "-XX:SharedArchiveFile={ARCHIVE}"', "--version"],
-            env=_submit_env(), cwd=scratch, capture_output=True, text=True, timeout=300)
+        try:
+            probe = subprocess.run(  # in scratch: a crashed JVM writes its hs_err log there
+                [_spark_submit(), "--conf", "spark.driver.extraJavaOptions=-Xshare:on "
+                 f'-XX:+VerifySharedSpaces "-XX:SharedArchiveFile={ARCHIVE}"', "--version"],
+                env=_submit_env(), cwd=scratch, capture_output=True, text=True,
+                timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return False  # a driver that hangs mapping it is no better than one refusing it
     return probe.returncode == 0
 
 
