@@ -167,6 +167,24 @@ def test_a_bad_spark_master_fails_with_one_line_before_spark_starts(tmp_path) ->
         "yarn or k8s://host:port"], result.stderr
 
 
+@pytest.mark.parametrize(("env", "complaint"), [
+    ({"CLICKSTREAM_SESSIONS_TOPIC": "events"}, "CLICKSTREAM_EVENTS_TOPIC and "
+     "CLICKSTREAM_SESSIONS_TOPIC both name topic 'events'; give each role its own topic"),
+    ({"CLICKSTREAM_ATTRIBUTIONS_TOPIC": "sessions"}, "CLICKSTREAM_SESSIONS_TOPIC and "
+     "CLICKSTREAM_ATTRIBUTIONS_TOPIC both name topic 'sessions'"),
+    ({"CLICKSTREAM_EVENTS_TOPIC": "web events/v2"}, "CLICKSTREAM_EVENTS_TOPIC='web events/v2' "
+     "is not a Kafka topic name; use 1-249 letters, digits, '.', '_' or '-'"),
+    ({"CLICKSTREAM_SESSIONS_TOPIC": "s" * 250}, "is not a Kafka topic name")])
+def test_topics_kafka_would_refuse_or_two_roles_sharing_one_are_refused(
+        env: dict[str, str], complaint: str) -> None:
+    """A shared topic passed: the sessionizer would publish its sessions into the topic it
+    reads, and the broker created one topic fewer without a word."""
+    assert Config.from_env({"CLICKSTREAM_EVENTS_TOPIC": "web.events_v-2"}).events_topic
+    with pytest.raises(ConfigError) as refused:
+        Config.from_env(env)
+    assert complaint in str(refused.value)
+
+
 @pytest.mark.parametrize("size", ["1536", "0g", "4 g", "lots"])
 def test_driver_memory_needs_a_jvm_size_with_a_unit(size: str) -> None:
     assert Config.from_env({"CLICKSTREAM_DRIVER_MEMORY": "1536m"}).driver_memory == "1536m"

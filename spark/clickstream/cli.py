@@ -29,7 +29,7 @@ from clickstream.errors import (
     QueryFailedError,
 )
 from clickstream.events.contract import EARLIEST_TS, LATEST_TS, client_id_problem
-from clickstream.io.kafka_broker import port_number
+from clickstream.io.kafka_broker import host_address, port_number
 from clickstream.progress import heartbeat
 
 Handler = Callable[[argparse.Namespace, Config], int]
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Memory only: its data is gone when it stops.")
     broker.add_argument("--port", type=port_number, default=9092,
                         help="fixed port, 0 for any free one (default 9092)")
-    broker.add_argument("--host", default="127.0.0.1", help=(
+    broker.add_argument("--host", type=host_address, default="127.0.0.1", help=(
         "address the bootstrap port binds (default 127.0.0.1); clients must run on this "
         "machine whatever it is: after bootstrapping they are sent to the broker's loopback "
         "address. The broker has no authentication: any host that reaches this port can "

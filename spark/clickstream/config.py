@@ -211,6 +211,7 @@ class Config:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{_setting_value(name, value)} must be at least 1")
+        _check_topics(self)
         if not _MASTER.match(self.spark_master):
             raise ConfigError(f"spark master {self.spark_master!r} ({ENV_NAMES['spark_master']} "
                               f"or {cli_flag('spark_master')}) is not a Spark master URL; use "
@@ -321,6 +322,24 @@ def _setting_value(name: str, value: object) -> str:
     if name in _FLAGGED:
         return f"{value!r} ({ENV_NAMES[name]} or {cli_flag(name)})"
     return f"{ENV_NAMES[name]}={value!r}"
+
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")  # what Kafka accepts
+
+
+def _check_topics(config: Config) -> None:
+    """Each topic a name Kafka accepts, and one topic per role: the stream would publish its
+    sessions to the topic it reads, or attributions would replace sessions under their keys."""
+    roles = ("events_topic", "sessions_topic", "attributions_topic")
+    for name in roles:
+        if not _TOPIC_NAME.fullmatch(getattr(config, name)):
+            raise ConfigError(f"{_setting_value(name, getattr(config, name))} is not a Kafka "
+                              "topic name; use 1-249 letters, digits, '.', '_' or '-'")
+    for i, name in enumerate(roles):
+        for other in roles[i + 1:]:
+            if getattr(config, name) == getattr(config, other):
+                raise ConfigError(f"{ENV_NAMES[name]} and {ENV_NAMES[other]} both name topic "
+                                  f"{getattr(config, name)!r}; give each role its own topic")
 
 
 def _check_choice(name: str, value: str, kind: object) -> None:

@@ -185,6 +185,37 @@ def test_many_connects_and_disconnects_leave_no_leaks(broker: EmbeddedBroker,
     assert read_compacted(kafka_config, topic) == {"k": {"still": "healthy"}}
 
 
+OUT_OF_DESCRIPTORS = """
+import os, resource, socket, sys, time
+from confluent_kafka.admin import AdminClient
+from clickstream.io.kafka_broker import EmbeddedBroker
+
+with EmbeddedBroker(port=0, topics={"t": 1}) as broker:
+    clients = [socket.socket() for _ in range(8)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # The forwarder's accept takes the last descriptor: none is left for the mock's side.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+    for client in clients:
+        client.settimeout(2)
+        client.connect(("127.0.0.1", broker.port))
+    time.sleep(1)
+    for client in clients:
+        client.close()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
+    print("relaying:", broker.relaying, "topics:", sorted(admin.list_topics(timeout=10).topics))
+"""
+
+
+def test_a_moment_without_descriptors_does_not_stop_the_port_relaying() -> None:
+    """The forwarder's thread died on the EMFILE of its connection to the broker: the port
+    listened on, answering no one, and ``clickstream broker`` ran on as if healthy."""
+    finished = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True,
+                              text=True, timeout=120)
+    assert finished.stdout.strip() == "relaying: True topics: ['t']", finished.stderr[-3000:]
+    assert finished.stderr.count("cannot accept a connection ([Errno 24]") == 1
+
+
 def test_port_in_use_raises_broker_error(broker: EmbeddedBroker) -> None:
     with pytest.raises(BrokerError) as caught:
         EmbeddedBroker(port=broker.port, topics={}).start()
@@ -652,7 +683,9 @@ def test_produce_records_sends_raw_values_at_a_rate(kafka_config: Config,
 @pytest.mark.parametrize(("argv", "reason"), [
     (["--port", "99999"], "argument --port: '99999' is not a port (0-65535)"),
     (["--topic", "events=x"], "argument --topic: 'events=x' is not NAME=PARTITIONS"),
-    (["--topic", "=4"], "argument --topic: '=4' is not NAME=PARTITIONS")])
+    (["--topic", "=4"], "argument --topic: '=4' is not NAME=PARTITIONS"),
+    (["--host", " "], "argument --host: an empty address binds every interface, and the "
+     "broker has no authentication; give one (default 127.0.0.1)")])
 def test_the_broker_module_refuses_a_bad_port_or_topic_in_one_line(
         argv: list[str], reason: str, capsys: pytest.CaptureFixture) -> None:
     """A port past 65535 ended in an OverflowError traceback from bind()."""
@@ -661,5 +694,5 @@ def test_the_broker_module_refuses_a_bad_port_or_topic_in_one_line(
     assert refused.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         f"python -m clickstream.io.kafka_broker: error: {reason}" + (
-            "" if "port" in reason else " (a topic name, and a whole number of partitions of "
-            "at least 1)")
+            "" if "--topic" not in reason else " (a topic name, and a whole number of "
+            "partitions of at least 1)")

@@ -83,6 +83,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
@@ -108,6 +109,8 @@ _API_KEY_LIST_OFFSETS = 2
 _API_KEY_METADATA = 3
 _BUFFER_LIMIT = 1 << 20  # bytes buffered per direction before reading from that side pauses
 _RECV_SIZE = 1 << 18
+ACCEPT_PAUSE_S = 0.1  # out of descriptors: how long new connections wait in the backlog
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 Advertise = Literal["direct", "forwarder"]
 
@@ -259,6 +262,8 @@ class _Forwarder:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._stopping = False
+        self._accept_again_at: float | None = None  # accepting paused until then
+        self._paused_since_accepting = False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kafka-forwarder-{self.address[1]}")
 
@@ -286,9 +291,27 @@ class _Forwarder:
     def open_connections(self) -> int:
         return len(self._pipes) // 2
 
+    @property
+    def relaying(self) -> bool:
+        return self._thread.is_alive()
+
+    def _pause_accepting(self, error: OSError) -> None:
+        """Out of descriptors: the listener stays readable, and accepting at once again would
+        spin; relayed connections go on, and new ones wait in the backlog a moment."""
+        if not self._paused_since_accepting:  # once until a connection is accepted again
+            _log.warning("embedded broker forwarder: cannot accept a connection (%s); "
+                         "new connections wait until it can", error)
+        self._paused_since_accepting = True
+        self._sel.unregister(self._listener)
+        self._accept_again_at = time.monotonic() + ACCEPT_PAUSE_S
+
     def _run(self) -> None:
         while not self._stopping:
-            for key, mask in self._sel.select(timeout=1.0):
+            if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
+                self._sel.register(self._listener, selectors.EVENT_READ, None)
+                self._accept_again_at = None
+            timeout = 1.0 if self._accept_again_at is None else ACCEPT_PAUSE_S
+            for key, mask in self._sel.select(timeout=timeout):
                 sock = key.fileobj
                 if sock is self._listener:
                     self._accept()
@@ -316,20 +339,28 @@ class _Forwarder:
         for _ in range(64):  # drain the backlog without starving established connections
             try:
                 client, _ = self._listener.accept()
-            except OSError:  # nothing pending, or EMFILE: leave it in the backlog for later
+            except OSError as error:  # nothing pending, or no descriptor left: it waits
+                if error.errno in _OUT_OF_DESCRIPTORS:
+                    self._pause_accepting(error)
                 return
             # Connect without waiting: on this one thread, a blocking connect stalled every
             # relayed connection ~1 s whenever the mock's accept backlog (5) was full (a burst
             # of clients, as a micro-batch's read tasks). The client's bytes wait in
             # pending[upstream] until the connection is writable; a refused connect fails the
             # first send and closes the pipe.
-            upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            except OSError as error:  # the client took the last descriptor: it is let go
+                client.close()
+                self._pause_accepting(error)
+                return
             upstream.setblocking(False)
             code = upstream.connect_ex(self._upstream)
             if code not in (0, errno.EINPROGRESS):
                 upstream.close()
                 client.close()
                 continue
+            self._paused_since_accepting = False
             client.setblocking(False)
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -494,12 +525,15 @@ class EmbeddedBroker:
             self._port = forwarder.address[1]  # resolves port 0 to the one picked
             if self._advertise == "forwarder":
                 mock.advertise(self._host, self._port)
-            forwarder.start((mock.host, mock.port))
             self._mock, self._forwarder = mock, forwarder
             self._finalizer = weakref.finalize(self, _shutdown, forwarder, mock)
         try:
             for name, partitions in self._topics.items():
                 self.create_topic(name, partitions)
+            # Only now: a client's request for a topic not created yet made the mock create
+            # it with its default partitions, and creating it then failed the start. Clients
+            # that connected before wait in the backlog.
+            forwarder.start((mock.host, mock.port))
         except BaseException:
             self.stop()
             raise
@@ -545,6 +579,11 @@ class EmbeddedBroker:
     def open_connections(self) -> int:
         """Connections currently relayed by the forwarder (for leak checks)."""
         return self._running()[1].open_connections
+
+    @property
+    def relaying(self) -> bool:
+        """Whether the fixed port still relays to the broker (its thread has not died)."""
+        return self._running()[1].relaying
 
     def create_topic(self, name: str, partitions: int, *, exist_ok: bool = False) -> None:
         """Create a topic (the mock's only way: admin CreateTopics is unsupported).
@@ -644,7 +683,10 @@ def run_broker_forever(port: int = DEFAULT_PORT,
         print(f"embedded broker ready on {broker.bootstrap_servers} (topics: {listed})",
               flush=True)
         while not stop.wait(timeout=1.0):
-            pass
+            if not broker.relaying:
+                raise BrokerError(f"the embedded broker's port {broker.bootstrap_servers} "
+                                  "stopped relaying to the broker after an error (logged "
+                                  "above); its data is gone with it: start it again")
 
 
 def port_number(text: str) -> int:
@@ -656,6 +698,15 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
     return port
+
+
+def host_address(text: str) -> str:
+    """argparse type of the address the port binds: an empty one binds every interface."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty address binds every interface, and the broker has no authentication; "
+            f"give one (default {DEFAULT_HOST})")
+    return text
 
 
 def topic_spec(text: str) -> tuple[str, int]:
@@ -674,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clickstream.io.kafka_broker",
                                      description="Run the embedded Kafka-protocol broker.")
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT)
-    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--host", type=host_address, default=DEFAULT_HOST)
     parser.add_argument("--topic", action="append", type=topic_spec, default=[],
                         metavar="NAME=PARTITIONS",
                         help="topic to create (repeatable); default: "
