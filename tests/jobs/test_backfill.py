@@ -973,7 +973,7 @@ def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never
                   [pv_row("a", "u", 0), pv_row("b", "u", 40)])
     later = {r["session_start"]: r["session_id"] for r in table_rows(
         stream_config, spark, "sessions")}[START + timedelta(minutes=40)]
-    _, run_id, step = located(stream_config, spark, [pv_row("c", "u", 20)])
+    path, run_id, step = located(stream_config, spark, [pv_row("c", "u", 20)])
     for name in ("check", "merge", "recompute"):
         step(name)
     tables = open_tables(stream_config, spark)
@@ -1021,6 +1021,15 @@ def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never
     page = (reports.reports_dir(stream_config) / summary.href).read_text()
     assert f"<th>check</th><td>plan superseded by {by}: it failed its applied check" in page
     assert "<th>publish</th><td>0 records to " in page
+
+    # The batch's recompute step retried, and the batch run again by hand: each said the
+    # plan was applied and published by an earlier attempt of the run.
+    assert step("recompute")["superseded_by"] == by
+    rerun = run_backfill(stream_config, kind="pageviews", client_id="client-00", path=path,
+                         spark=spark).corrections
+    assert (rerun.superseded_by, rerun.published_earlier) == (by, False)
+    assert f"[nothing left to change: the run's plan was superseded by {by}" in rerun.describe()
+    assert (rerun.sessions_updated, rerun.sessions_retracted) == (0, 0)
 
 
 def test_a_dry_run_of_a_batch_leaves_the_real_runs_step_results_alone(

@@ -215,6 +215,9 @@ class CorrectionSummary:
     # An earlier attempt of the run (a backfill's run id is its batch's) recorded, applied and
     # published the counted plan; this one found nothing left to change (``count_earlier_plan``).
     published_earlier: bool = False
+    # The full recompute that superseded the run's stored plan (C15): this attempt found
+    # nothing left to change, and the plan's changes are neither applied nor published by it.
+    superseded_by: str | None = None
     # Changes of another run's interrupted plan this run finished first (C6): not this run's
     # corrections, but tables it changed (``changed_tables``).
     finished_sessions: int = 0
@@ -230,6 +233,10 @@ class CorrectionSummary:
         steps = steps or "no step ran"  # (nothing to do)
         changed = (f"sessions created {self.sessions_created}, updated "
                    f"{self.sessions_updated}, retracted {self.sessions_retracted}; ")
+        if self.superseded_by:
+            return (changed + f"{self.attributions_changed} attribution changes [nothing left "
+                    f"to change: the run's plan was superseded by {self.superseded_by}, which "
+                    f"rewrote and published the client's tables]; {steps}")
         if self.published_earlier:  # as below: the counts are the stored plan's
             return (changed + f"{self.attributions_changed} attribution changes [applied and "
                     "published by an earlier attempt of this run: nothing left to change]; "
@@ -271,7 +278,9 @@ class CorrectionSummary:
         return CorrectionSummary(**counts, resumed=self.resumed or later.resumed,
                                  totals_recorded=self.totals_recorded or later.totals_recorded,
                                  published_earlier=self.published_earlier
-                                 or later.published_earlier, seconds_by_step=steps)
+                                 or later.published_earlier,
+                                 superseded_by=self.superseded_by or later.superseded_by,
+                                 seconds_by_step=steps)
 
 
 @dataclass(frozen=True)
@@ -1033,10 +1042,18 @@ def count_earlier_plan(run: Run, summary: CorrectionSummary) -> bool:
     published (a backfill rerun, or retried, after its publish), so that the run's summary and
     correction report keep saying what the run changed instead of turning to zeros. False
     when the run recorded no plan. Called once its own unpublished plan would have been
-    resumed (``resume``): a plan of the run found here was published."""
+    resumed (``resume``): a plan of the run found here was published, or superseded (C15:
+    not counted, as the run's check and publish steps say)."""
     earlier = stored_plan(run)
     if earlier is None:
         return False
+    summary.superseded_by = superseded_by(run, earlier.select("run_seq").first()[0])
+    if summary.superseded_by:
+        release(earlier)
+        run.progress(f"  nothing left to change: {run.run_id}'s plan was superseded by "
+                     f"{summary.superseded_by}, which rewrote and published the client's "
+                     "tables")
+        return True
     count_plan(earlier, summary)
     release(earlier)
     summary.published_earlier = True

@@ -188,6 +188,7 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         "net revenue change": f"{net:+,.4f}",
         "users left to the running stream": summary.deferred_users,
         "resumed a planned run": "yes" if summary.resumed else "no",
+        **({"plan superseded by": summary.superseded_by} if summary.superseded_by else {}),
     }
     days = [(str(day), float(new - old)) for day, old, new in by_day if new != old]
     gates = reports.validations_of(config, job, run_id)
