@@ -902,9 +902,20 @@ def test_two_attempts_of_one_merge_at_once_both_report_what_the_run_merged(
 def test_a_step_runs_only_after_the_one_before_it_succeeded(
         stream_config: Config, spark: SparkSession) -> None:
     """(S6) ``publish`` after a failed ``check-applied`` published a plan the tables did not
-    hold; ``recompute`` before ``merge`` planned nothing and the run reported success."""
-    _, _, step = located(stream_config, spark, [pv_row("a1", "ua", 0)])
+    hold; ``recompute`` before ``merge`` planned nothing and the run reported success. A step
+    given another client than its run's check: ``publish`` found no plan, 'succeeded' with 0
+    and left the run's plan unpublished; another kind: 'the batch changed'."""
+    path, run_id, step = located(stream_config, spark, [pv_row("a1", "ua", 0)])
     step("check")
+    for other in ({"client_id": "client-01"}, {"kind": "orders"}):
+        arguments = {"kind": "pageviews", "client_id": "client-00", **other}
+        with pytest.raises(ConfigError) as refused:
+            backfill_steps.run_step(stream_config, "merge", path=path, run_id=run_id,
+                                    spark=spark, **arguments)
+        ((name, value),) = other.items()
+        assert (f"--{name.removesuffix('_id')} {value!r} (its check ran with "
+                f"{'client-00' if name == 'client_id' else 'pageviews'!r}); give every step "
+                "of a run the batch's arguments its check ran with") in str(refused.value)
     with pytest.raises(ConfigError, match="step 'recompute' comes after 'merge', which has not "
                                           "succeeded for this run"):
         step("recompute")

@@ -782,6 +782,23 @@ def _correction_summary(saved: Mapping[str, Any]) -> CorrectionSummary:
     return CorrectionSummary(**{k: v for k, v in saved.items() if k in fields})
 
 
+def _check_same_batch(config: Config, run_id: str, dry_run: bool, **arguments: str) -> None:
+    """A step after ``check`` runs on the batch ``check`` validated: given another client, a
+    step found nothing of the run's (publish 'succeeded' with 0, the plan left unpublished),
+    and another kind misread the batch as changed."""
+    check = load_step_result(config, run_id, "check", dry_run)
+    if check is None:
+        raise ConfigError(f"backfill {run_id}: no result of step 'check' under "
+                          f"{step_result_path(config, run_id, 'check', dry_run).parent}; run the "
+                          "steps in order, under the run id `check` ran with (a mistyped run "
+                          "id is a run no step has seen)")
+    differing = [f"--{name.removesuffix('_id')} {value!r} (its check ran with {check[name]!r})"
+                 for name, value in arguments.items() if check.get(name) != value]
+    if differing:
+        raise ConfigError(f"backfill {run_id}: {'; '.join(differing)}; give every step of a "
+                          "run the batch's arguments its check ran with")
+
+
 @releases_cache
 def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path: str,
              run_id: str, dry_run: bool = False, spark: SparkSession | None = None,
@@ -800,11 +817,8 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
     """
     if step not in STEPS:
         raise ConfigError(f"unknown backfill step {step!r}; one of: {', '.join(STEPS)}")
-    if step != "check" and load_step_result(config, run_id, "check", dry_run) is None:
-        raise ConfigError(f"backfill {run_id}: no result of step 'check' under "
-                          f"{step_result_path(config, run_id, 'check', dry_run).parent}; run the "
-                          "steps in order, under the run id `check` ran with (a mistyped run "
-                          "id is a run no step has seen)")
+    if step != "check":
+        _check_same_batch(config, run_id, dry_run, kind=kind, client_id=client_id)
     needed = AFTER.get(step)
     if needed and load_step_result(config, run_id, needed) is None:  # (S6)
         raise ConfigError(f"backfill {run_id}: step {step!r} comes after {needed!r}, which has "
