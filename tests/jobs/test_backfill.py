@@ -1847,6 +1847,9 @@ def test_the_dag_announces_the_rows_a_backfill_queues_for_the_stream(
     assert summary.changed_tables() == ["recompute_queue"]
     assert sorted(r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
                   ) == ["P0", "P1"]
+    # announce_merge after the recompute (a parallel branch, or retried): P0 was counted too
+    assert backfill_steps.merged_tables(stream_config, kind="pageviews", run_id=run_id,
+                                        dry_run=False) == {"pageviews": 2, "recompute_queue": 1}
 
 
 def test_a_recompute_step_that_failed_after_its_apply_has_its_tables_announced(

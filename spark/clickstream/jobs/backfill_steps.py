@@ -79,7 +79,6 @@ from clickstream.jobs.backfill import (
     merged_earlier,
     merged_source,
     quarantine_or_refuse,
-    queued_by_mark,
 )
 from clickstream.jobs.batch_input import (
     KEY,
@@ -722,14 +721,18 @@ def quarantined_by_run(tables: DeltaTables, run_id: str, *, with_gates: bool = F
 
 def queued_ahead_by_run(tables: DeltaTables, run_id: str) -> int:
     """Rows in ``recompute_queue`` the run's merge queued ahead of the stream (``backfill``
-    ``queue_ahead_of_the_merge``), counted from the table by their mark (the rows the run's
-    recompute queues for users the stream holds carry the same one)."""
-    import pyarrow.compute as pc
-
+    ``queue_ahead_of_the_merge``): the rows its commit added, from the log's counts. Not the
+    rows with the run's mark: those its recompute queues for users the stream holds carry
+    it too, and the DAG's ``announce_merge`` may run after the recompute."""
     if tables.app_version(RECOMPUTE_QUEUE.name, ahead_app_id(run_id)) is None:
         return 0
-    marks = tables.read_arrow(RECOMPUTE_QUEUE.name, columns=["queued_by"]).column("queued_by")
-    return int(pc.sum(pc.equal(marks, queued_by_mark(run_id))).as_py() or 0)
+    commit = tables.newest_commit(RECOMPUTE_QUEUE.name,
+                                  lambda entry: entry.get("app_id") == ahead_app_id(run_id))
+    if commit is None:  # left the log (weeks later): its rows are no longer known
+        return 0
+    version = int(commit["version"])
+    before = tables.row_count(RECOMPUTE_QUEUE.name, version=version - 1) if version else 0
+    return tables.row_count(RECOMPUTE_QUEUE.name, version=version) - before
 
 
 def merged_tables(config: Config, *, kind: BatchKind, run_id: str, dry_run: bool
