@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pyspark.errors import PythonException
 
 from clickstream.errors import (
     NOT_RETRYABLE,
@@ -12,7 +13,9 @@ from clickstream.errors import (
     PlanNotAppliedError,
     error_line,
     one_error_for,
+    typed_error_line,
 )
+from clickstream.quality.run_summary import failure_line
 
 
 def test_one_error_is_not_retryable_only_when_no_failure_is_retryable() -> None:
@@ -29,22 +32,27 @@ def test_the_line_of_a_spark_error_is_the_python_exception_it_carries(spark) -> 
     """What a Spark job's Python failure says, as the CLI's one line and the run pages show
     it: the exception a UDF raised; for an exception group, the group's own line (every line
     of its trace starts with '| ', so the first line of Spark's text was shown instead)."""
-    from pyspark.errors import PythonException
     from pyspark.sql import functions as F
 
-    def failing(error: BaseException) -> str:
+    def failing(error: BaseException) -> PythonException:
         @F.udf("int")
         def fails(_):  # no hints: PySpark would read them as the UDF's kind
             raise error
 
         with pytest.raises(PythonException) as raised:
             spark.range(1).select(fails("id")).collect()
-        return error_line(str(raised.value))
+        return raised.value
 
-    assert failing(ZeroDivisionError("integer division by zero")) == (
-        "ZeroDivisionError: integer division by zero")
-    assert failing(ExceptionGroup("two rows refused", [ValueError("a"), TypeError("b")])) == (
-        "ExceptionGroup: two rows refused (2 sub-exceptions)")
+    overflow = failing(OverflowError("session s1: its orders add up to more than 10^14"))
+    assert error_line(str(overflow)) == typed_error_line(overflow) == (
+        "OverflowError: session s1: its orders add up to more than 10^14")
+    # A backfill's run page said only "PythonException: An exception was thrown from the
+    # Python worker:"
+    assert failure_line("recompute", overflow) == (
+        "recompute: failed", "OverflowError: session s1: its orders add up to more than 10^14")
+    group = failing(ExceptionGroup("two rows refused", [ValueError("a"), TypeError("b")]))
+    assert error_line(str(group)) == "ExceptionGroup: two rows refused (2 sub-exceptions)"
+    assert typed_error_line(ValueError("bad row\nits detail")) == "ValueError: bad row"
 
 
 def test_a_trace_line_that_is_only_a_group_margin_is_skipped() -> None:

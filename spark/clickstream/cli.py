@@ -27,6 +27,7 @@ from clickstream.errors import (
     ClickstreamError,
     ConfigError,
     QueryFailedError,
+    typed_error_line,
 )
 from clickstream.events.contract import EARLIEST_TS, LATEST_TS, client_id_problem
 from clickstream.io.kafka_broker import host_address, port_number
@@ -529,9 +530,8 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
         if isinstance(error, SystemError) and ctrl_c.is_set():  # the interrupt, lost
             print(f"clickstream {args.command}: interrupted", file=sys.stderr)
             return 130
-        lines = str(error).strip().splitlines() or [""]
-        print(f"clickstream {args.command}: unexpected error: {type(error).__name__}: "
-              f"{lines[0]}; {_keep_traceback(config, args.command)}", file=sys.stderr)
+        print(f"clickstream {args.command}: unexpected error: {typed_error_line(error)}; "
+              f"{_keep_traceback(config, args.command)}", file=sys.stderr)
         return 1
 
 

@@ -98,6 +98,16 @@ def error_line(text: str) -> str:
     return (text.strip().splitlines() or [""])[0]
 
 
+def typed_error_line(error: BaseException) -> str:
+    """``Type: reason`` in one line (:func:`error_line`); the Python error a Spark error
+    carries is typed already (``OverflowError: ...``, not Spark's generic first line)."""
+    text = str(error)
+    line = error_line(text)
+    if line != (text.strip().splitlines() or [""])[0]:
+        return line
+    return f"{type(error).__name__}: {line}"
+
+
 def one_error_for(failures: list[BaseException], message: str) -> ClickstreamError:
     """One error standing for several independent failures (each table's, each client's).
 

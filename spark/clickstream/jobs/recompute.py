@@ -119,6 +119,7 @@ from clickstream.errors import (
     PlanNotAppliedError,
     error_line,
     one_error_for,
+    typed_error_line,
 )
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
@@ -291,13 +292,10 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
 
 
 def _named(error: BaseException) -> str:
-    """A client's failure in one line; an unforeseen one (not the product's) with its type,
-    unless the line is the Python error a Spark error carries, typed already (R12)."""
-    text = str(error)
-    line = error_line(text)
-    if isinstance(error, ClickstreamError) or line != (text.strip().splitlines() or [""])[0]:
-        return line
-    return f"{type(error).__name__}: {line}"
+    """A client's failure in one line; an unforeseen one (not the product's) with its type
+    (R12)."""
+    return error_line(str(error)) if isinstance(error, ClickstreamError) else \
+        typed_error_line(error)
 
 
 def _clients_with_unfinished_plans(spark: SparkSession, config: Config, tables: DeltaTables,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from clickstream.config import Config
+from clickstream.errors import typed_error_line
 from clickstream.quality import reports
 from clickstream.quality.gates import split_run_id
 
@@ -29,9 +30,9 @@ Lines = Sequence[tuple[str, str]]
 
 
 def failure_line(step: str, error: BaseException) -> tuple[str, str]:
-    """The line naming the step that failed and its one-line reason."""
-    text = str(error).strip()
-    return f"{step}: failed", f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    """The line naming the step that failed and its one-line reason: for an error in Spark's
+    Python worker, the Python error it carries (Spark's first line says only where it was)."""
+    return f"{step}: failed", typed_error_line(error)
 
 
 def write_run_summary(config: Config, *, run_id: str, client_id: str, kind: str, root: str,
