@@ -152,7 +152,13 @@ def create_app() -> FastAPI:
 
     @app.get("/{path:path}", response_model=None)
     def serve(path: str, request: Request) -> Response:
-        root = reports_root()
+        from clickstream.errors import ConfigError
+
+        try:
+            root = reports_root()
+        except ConfigError as refused:  # an opaque 500 otherwise, on every page
+            return _page("Quality reports unavailable", "<p>The reports folder's setting is "
+                         f"refused: {html.escape(str(refused))}</p>", 500)
         if not root.is_dir():
             return _no_reports("Quality reports", root)
         target = _inside(root, root / path)

@@ -133,6 +133,16 @@ def test_a_malformed_setting_the_pages_do_not_use_does_not_break_them(
     assert index.status_code == 200 and "All quality reports" in index.text
 
 
+def test_a_home_setting_the_product_refuses_is_named_on_the_page(
+        client, token: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An opaque 500 on every page (the setting's ConfigError escaped the app)."""
+    monkeypatch.setenv("CLICKSTREAM_HOME", str(tmp_path / "home[1]"))
+    page = client.get(f"{PREFIX}/", headers=bearer(token))
+    assert page.status_code == 500
+    assert "The reports folder's setting is refused: " in page.text
+    assert "CLICKSTREAM_HOME or --home" in page.text
+
+
 def test_a_listing_links_every_name_as_a_relative_path(client, token: str,
                                                        reports: Path) -> None:
     """A name is a path, never a scheme, an anchor or a query of the listing's link."""
