@@ -561,6 +561,42 @@ def test_an_order_one_gap_after_a_window_stays_with_the_session_starting_there(
     assert_tables_equal_from_scratch(stream_config, spark)
 
 
+def test_parquet_ids_neither_text_nor_whole_numbers_are_quarantined_naming_the_type(
+    config: Config, spark: SparkSession
+) -> None:
+    """(B23) Read as their text: pandas' float column of ids (one missing value makes an
+    integer column float64) stored user 123 as '123.0' (the stream's '123' another user), and
+    two large ids as one text, one row dropped as the other's copy with no quarantine row."""
+    import pyarrow.parquet as pq
+    ids = {"floats": ([1234567890123456789.0, 1234567890123456788.0], ["u", "u"]),
+           "float_users": (["e1", "e2"], [123.0, 7.5]),
+           "wholes": (pa.array([1, 2]), pa.array([123, 10**19], pa.decimal128(20, 0))),
+           "others": ([["e", "1"], ["e", "2"]], [True, False])}
+    for name, (event_ids, user_ids) in ids.items():
+        (config.landing / name).mkdir(parents=True)
+        pq.write_table(pa.table({"event_id": event_ids, "client_id": ["client-00"] * 2,
+                                 "user_id": user_ids, "url": ["/a"] * 2, "referrer": [None] * 2,
+                                 "ts": pa.array([START] * 2, pa.timestamp("us", tz="UTC"))}),
+                       config.landing / name / "a.parquet")
+
+    def outcome(name: str) -> list[tuple]:
+        files = batch_input.list_batch_files(config, name)
+        checked = batch_input.validate_batch(batch_input.read_batch(spark, files, "pageviews"),
+                                             "pageviews", "client-00", config.max_ts_ahead_ms)
+        merged = batch_input.valid_rows(checked, "pageviews").count()
+        return [*sorted((r["user_id"], r["error"]) for r in checked.collect()), merged]
+
+    refused = ", not text: write ids as strings (or whole numbers) and load the batch again"
+    assert outcome("floats") == [("u", f"event_id is a Parquet double column{refused}")] * 2 + [0]
+    assert outcome("float_users") == [
+        ("123.0", f"user_id is a Parquet double column{refused}"),
+        ("7.5", f"user_id is a Parquet double column{refused}"), 0]
+    assert outcome("wholes") == [("10000000000000000000", None), ("123", None), 2]
+    assert outcome("others") == [
+        ("false", f"event_id is a Parquet array<string> column{refused}"),
+        ("true", f"event_id is a Parquet array<string> column{refused}"), 0]
+
+
 @pytest.mark.parametrize("broadcast_max", [batch_input.BROADCAST_KEYS_MAX, 0],
                          ids=["repeated keys broadcast", "batch sorted by key"])
 def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: SparkSession,

@@ -111,6 +111,10 @@ Known edge cases, cited inline as (B1)..(B22):
       refuses"), as the stream quarantines such a value. Spark's schema inference failed on
       it (``COLUMN_ALREADY_EXISTS``) and the whole batch was refused as unreadable; the
       batch's columns are then every key its lines hold, read as text.
+  B23. A Parquet batch's id column (its key, ``client_id``, ``user_id``) is text or whole
+      numbers: each row of any other type is quarantined, naming the column's type
+      (``_not_text_error``). Read as its text, a float id 123 was stored as '123.0', two
+      large ids became one ('1.23456789012345677E18', one row dropped as the other's copy).
 """
 
 from __future__ import annotations
@@ -129,9 +133,12 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BinaryType,
+    DataType,
     DateType,
+    DecimalType,
     FloatType,
     FractionalType,
+    IntegralType,
     LongType,
     StringType,
     StructField,
@@ -725,6 +732,8 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     checks = [F.col("unreadable"), F.when(F.col("not_utf8").isNotNull(), F.format_string(
         "%s is not UTF-8 text: raw shows its invalid bytes as U+FFFD (the file keeps them); "
         "re-encode the batch as UTF-8 and load it again", F.col("not_utf8")))]  # (B11)
+    checks += [error for error in (_not_text_error(n, frame.schema[n].dataType)
+                                   for n in (key, "client_id", "user_id")) if error is not None]
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(user_id_error(F.col("user_id")))  # the client's is --client's (B4)
     checks.append(id_error(F.col(key), key))
@@ -745,6 +754,19 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         typed = typed.withColumn("amount", amount_value(F.col("amount")))  # (B12)
     return _with_copies(frame, typed.drop("ts_text", "unreadable", "not_utf8", "file_modified"),
                         key)
+
+
+def _not_text_error(name: str, kind: DataType) -> Column | None:
+    """(B23) An id column of a Parquet batch that is neither text nor whole numbers: read as
+    its text, a float id 123 was stored as '123.0' (the stream's user '123' twice), two large
+    ids became one text (1.23456789012345677E18: one row dropped as the other's copy), a
+    boolean 'true'. The stream and JSON Lines refuse such ids by value (B15)."""
+    if isinstance(kind, (StringType, BinaryType, IntegralType)) or (
+            isinstance(kind, DecimalType) and kind.scale == 0):
+        return None
+    return F.when(F.col(name).isNotNull(), F.lit(
+        f"{name} is a Parquet {kind.simpleString()} column, not text: write ids as strings (or "
+        "whole numbers) and load the batch again"))
 
 
 def _with_copies(frame: DataFrame, typed: DataFrame, key: str) -> DataFrame:
