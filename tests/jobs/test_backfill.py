@@ -1571,6 +1571,22 @@ def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the
                                              "as a JSON string")  # a url is free text
 
 
+def test_json_lines_keys_spelled_in_two_cases_are_read_as_the_stream_reads_them(
+    config: Config, spark: SparkSession
+) -> None:
+    """(B24) ``user_id`` in one line and ``User_Id`` in another (or both in one) failed the
+    batch: AMBIGUOUS_REFERENCE_TO_FIELDS, an unexpected error retried in vain."""
+    line = {"client_id": "client-00", "ts": ms(START), "amount": "1.00", "currency": "EUR"}
+    (config.landing / "cases").mkdir(parents=True)
+    (config.landing / "cases" / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {**line, "order_id": "o1", "user_id": "u1"},
+        {**line, "order_id": "o2", "User_Id": "u2"},
+        {**line, "order_id": "o3", "USER_ID": "other", "user_id": "u3"})))
+    assert {key: (r["user_id"], r["error"])
+            for key, r in validated(config, spark, "cases").items()} == {
+        "o1": ("u1", None), "o2": (None, "missing user_id"), "o3": ("u3", None)}
+
+
 def test_a_json_lines_batch_without_one_object_is_read_as_its_lines(
     config: Config, spark: SparkSession
 ) -> None:

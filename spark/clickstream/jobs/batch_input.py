@@ -115,6 +115,9 @@ Known edge cases, cited inline as (B1)..(B22):
       numbers: each row of any other type is quarantined, naming the column's type
       (``_not_text_error``). Read as its text, a float id 123 was stored as '123.0', two
       large ids became one ('1.23456789012345677E18', one row dropped as the other's copy).
+  B24. A JSON Lines batch whose lines spell a key in two cases (``user_id``, ``User_Id``)
+      reads the contract's spelling; a line with only the other lacks that field
+      (``_one_field_per_name``). The batch failed with an unexpected error.
 """
 
 from __future__ import annotations
@@ -604,7 +607,7 @@ def _column(name: str) -> Column:
 def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
     """Each non-blank line of a JSON Lines batch as a row of the columns Spark infers from the
     batch, with the line itself and, when it is not one JSON object, why (B10)."""
-    fields = _inferred_fields(spark, batch)
+    fields = _one_field_per_name(_inferred_fields(spark, batch))
     if not fields:  # (B17) no object to infer from
         fields = StructType([StructField(name, StringType()) for name in REQUIRED[kind]])
     # A required field is read as text, as the stream reads it (``parse``): whatever type
@@ -644,6 +647,20 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
     return parsed.select(
         *(column(f).alias(f.name) for f in fields),
         F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
+
+
+def _one_field_per_name(fields: StructType) -> StructType:
+    """(B24) One field of the names Spark takes as one column (``user_id`` and ``User_Id`` in
+    two lines, or one), the contract's own spelling first: with both, naming the column
+    failed the batch (``AMBIGUOUS_REFERENCE_TO_FIELDS``), an unexpected error retried in
+    vain. A line parses its keys exactly, as the stream does: one that spells a required
+    field otherwise lacks it, and is quarantined as missing it."""
+    kept: dict[str, StructField] = {}
+    for field in fields:
+        name = field.name.lower()
+        if name not in kept or field.name == name:
+            kept[name] = field
+    return StructType(list(kept.values()))
 
 
 def _without_bom(line: Column) -> Column:
