@@ -1251,6 +1251,12 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
         archive.writestr("a.jsonl", json.dumps({"order_id": "z1"}) + "\n")
     (landing / "pq").mkdir()
     pq.write_table(pa.table({k: [v] for k, v in pq_rows[0].items()}), landing / "pq" / "a.csv")
+    for name, encoding in (("u16", "utf-16"), ("u16be", "utf-16-be")):  # PowerShell's Out-File
+        (landing / name).mkdir()
+        (landing / name / "a.jsonl").write_bytes(
+            (json.dumps(order_row("o9", "u", 1), default=str) + "\n").encode(encoding))
+    (landing / "u16csv").mkdir()
+    (landing / "u16csv" / "a.csv").write_bytes((header + row).encode("utf-16"))
 
     refusals = {
         "b/_orders.csv": "name starting with '.' or '_', which Spark skips as hidden",
@@ -1264,6 +1270,10 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
         "gz": r"a\.csv is gzip-compressed, not CSV text; unpack it",
         "zip": r"a\.jsonl is a zip archive, not JSON text",
         "pq": r"a\.csv is a Parquet file, not CSV text",
+        "u16": r"a\.jsonl is UTF-16LE text, not UTF-8; re-encode it as UTF-8 \(e\.g\. iconv "
+               r"-f UTF-16LE -t UTF-8",
+        "u16be": r"a\.jsonl is UTF-16BE text, not UTF-8",
+        "u16csv": r"a\.csv is UTF-16LE text, not UTF-8",
         "bad\x00name": "cannot name a file here",
         ".": "is the landing folder itself",
         "a" * 300: "cannot name a file here",
@@ -1276,6 +1286,7 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
     (landing / "text").mkdir()  # text starting like a packed file's magic is text
     (landing / "text" / "a.csv").write_text("PAR1,BZh91AY," + header)
     assert batch_input.packed_file_reason(landing / "text" / "a.csv") is None
+    assert batch_input.utf16_reason(landing / "text" / "a.csv") is None
 
 
 def test_parquet_files_are_checked_as_spark_reads_them_and_an_empty_csv_file_is_no_header(

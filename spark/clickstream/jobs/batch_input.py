@@ -118,6 +118,9 @@ Known edge cases, cited inline as (B1)..(B22):
   B24. A JSON Lines batch whose lines spell a key in two cases (``user_id``, ``User_Id``)
       reads the contract's spelling; a line with only the other lacks that field
       (``_one_field_per_name``). The batch failed with an unexpected error.
+  B25. A CSV or JSON Lines file in UTF-16 (a byte-order mark, or NULs between ASCII
+      characters) is refused, naming it (``utf16_reason``): a CSV was refused for lacking
+      every column, a JSON Lines file quarantined line by line, with a row for no record.
 """
 
 from __future__ import annotations
@@ -209,6 +212,22 @@ def packed_file_reason(path: Path) -> str | None:
     for magic, what in PACKED_FILE_MAGIC.items():
         if magic.match(start):
             return what
+    return None
+
+
+def utf16_reason(path: Path) -> str | None:
+    """(B25) Which UTF-16 a CSV or JSON Lines file is written in, or None. PowerShell and
+    Excel's 'Unicode text' write it: read as UTF-8, a CSV header lacked every column, and
+    JSON Lines' lines were quarantined as bad JSON, one a lone NUL that was no record."""
+    with path.open("rb") as file:
+        start = file.read(16)
+    even = start[: len(start) // 2 * 2]
+    if start.startswith(b"\xff\xfe") or (len(even) >= 4 and not any(even[1::2])
+                                         and all(even[0::2])):
+        return "UTF-16LE"
+    if start.startswith(b"\xfe\xff") or (len(even) >= 4 and not any(even[0::2])
+                                         and all(even[1::2])):
+        return "UTF-16BE"
     return None
 
 
@@ -360,6 +379,11 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             raise BatchRefusedError(
                 f"batch file {p} is {packed}, not {file_format.upper()} text; unpack it "
                 f"into the batch folder (e.g. gunzip, unzip) and load the {p.suffix} file")
+        utf16 = utf16_reason(p) if file_format != "parquet" else None  # (B25)
+        if utf16:
+            raise BatchRefusedError(
+                f"batch file {p} is {utf16} text, not UTF-8; re-encode it as UTF-8 (e.g. "
+                f"iconv -f {utf16} -t UTF-8, dropping a byte-order mark) and load it again")
     return BatchFiles(root, tuple(candidates), file_format)
 
 
