@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Airflow on the embedded default profile, one command:
 #
-#   bash scripts/airflow.sh        # start everything, print the UI URL and login; Ctrl-C stops
+#   bash scripts/airflow.sh         # start everything, print the UI URL and login; Ctrl-C stops
+#   bash scripts/airflow.sh --help  # this text
 #
-# Starts the embedded Kafka-protocol broker (unless one already answers on its port) and
-# Airflow's components -- api-server, scheduler, dag-processor, triggerer -- bound to
-# 127.0.0.1, on SQLite with the LocalExecutor and low parallelism. AIRFLOW_HOME is var/airflow
-# unless already set (it holds the database, the logs and the passwords file);
+# Starts the embedded Kafka-protocol broker (unless one already answers on its port, or
+# KAFKA_BOOTSTRAP_SERVERS names another Kafka, which the jobs then use) and Airflow's
+# components -- api-server, scheduler, dag-processor, triggerer -- bound to 127.0.0.1, on
+# SQLite with the LocalExecutor and low parallelism. AIRFLOW_HOME is var/airflow unless already
+# set (it holds the database, the logs and the passwords file);
 # the DAGs and plugins are this repository's. The UI user is "admin" with a generated password
 # (SimpleAuthManager's passwords file, mode 600), printed once, on the first start; there is
 # no fixed default. The DAGs' SparkSubmitOperators get the spark_default connection
 # from AIRFLOW_CONN_SPARK_DEFAULT (local[*]), set here, never in a DAG file.
 #
-# Sourced (as scripts/demo.sh does), it only defines airflow_start / airflow_stop.
+# Sourced (as scripts/demo.sh does), it only defines airflow_start / _banner / _stop.
 #
-# Environment: AIRFLOW_PORT (8080), CLICKSTREAM_BROKER_PORT (9092), and every CLICKSTREAM_*
-# variable, passed on to the jobs. Logs: $AIRFLOW_HOME/logs/<component>.log.
+# Environment: AIRFLOW_PORT (8080), CLICKSTREAM_BROKER_PORT (9092), KAFKA_BOOTSTRAP_SERVERS
+# (127.0.0.1:$CLICKSTREAM_BROKER_PORT), and every CLICKSTREAM_* variable, passed on to the
+# jobs. Logs: $AIRFLOW_HOME/logs/<component>.log.
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -57,6 +60,13 @@ with socket.socket() as s:
 EOF
 }
 
+_uses_embedded_broker() {  # 0 when the jobs' Kafka is the embedded broker's port (after _airflow_env)
+  case "$KAFKA_BOOTSTRAP_SERVERS" in
+    "127.0.0.1:$BROKER_PORT" | "localhost:$BROKER_PORT") return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
 # A new embedded broker starts empty, with new topic ids: a sessionizer checkpoint from an earlier
 # broker names offsets of a log that is gone, and the sessionizer stops on it (DataLossError,
 # not retried; the DAG pauses after 6 failed runs). Said once, here, rather than found later.
@@ -65,7 +75,7 @@ _warn_if_checkpoint_outlives_broker() {
   local checkpoint="$home/checkpoints/sessionize"
   # Only a checkpoint that read offsets, and only when the jobs use this broker.
   compgen -G "$checkpoint/offsets/[0-9]*" >/dev/null || return 0
-  [ "${KAFKA_BOOTSTRAP_SERVERS:-127.0.0.1:$BROKER_PORT}" = "127.0.0.1:$BROKER_PORT" ] || return 0
+  _uses_embedded_broker || return 0
   cat >&2 <<EOF
 airflow: warning: the embedded broker starts empty (it keeps its data in memory only), but the
   sessionizer's checkpoint $checkpoint holds offsets read from an earlier broker.
@@ -100,7 +110,9 @@ airflow_start() {
     tail -20 "$AIRFLOW_LOGS/db-migrate.log" >&2; return 1; }
   AIRFLOW_NEW_PASSWORD="$(python "$REPO/scripts/airflow_password.py" --file "$AIRFLOW_PASSWORD_FILE")"
 
-  if ! _port_open "$BROKER_PORT"; then
+  if ! _uses_embedded_broker; then
+    echo "== embedded broker not started: the jobs use KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS"
+  elif ! _port_open "$BROKER_PORT"; then
     echo "== embedded broker on 127.0.0.1:$BROKER_PORT (log: $AIRFLOW_LOGS/broker.log)"
     _warn_if_checkpoint_outlives_broker
     _start broker clickstream broker --port "$BROKER_PORT"
@@ -118,11 +130,17 @@ airflow_start() {
 
   echo "== Airflow components on 127.0.0.1 (logs: $AIRFLOW_LOGS/<component>.log)"
   _start api-server airflow api-server --host 127.0.0.1 --port "$AIRFLOW_PORT"
+  local api_pid=${_STARTED_PIDS[-1]}
   _start scheduler airflow scheduler --skip-serve-logs
   _start dag-processor airflow dag-processor
   _start triggerer airflow triggerer --skip-serve-logs
   for _ in $(seq 1 180); do
     curl -fsS "$AIRFLOW_URL/api/v2/monitor/health" >/dev/null 2>&1 && break
+    if ! kill -0 "$api_pid" 2>/dev/null; then  # it stopped: say why, wait no longer
+      echo "airflow: the API server stopped; see $AIRFLOW_LOGS/api-server.log" >&2
+      tail -20 "$AIRFLOW_LOGS/api-server.log" >&2
+      return 1
+    fi
     sleep 1
   done
   curl -fsS "$AIRFLOW_URL/api/v2/monitor/health" >/dev/null 2>&1 || {
@@ -153,6 +171,7 @@ airflow_stop() {
     sid=$pid
     # ps fails when the session is already empty: not an error (set -e, pipefail).
     pids=$(ps -o pid= -s "$sid" 2>/dev/null | tr '\n' ' ' || true)
+    # shellcheck disable=SC2086  # $pids: one argument per pid
     if [ -n "${pids// /}" ]; then kill -TERM $pids 2>/dev/null || true; fi
   done
   for _ in $(seq 1 30); do
@@ -163,6 +182,7 @@ airflow_stop() {
   done
   for sid in "${_STARTED_PIDS[@]}"; do
     pids=$(ps -o pid= -s "$sid" 2>/dev/null | tr '\n' ' ' || true)
+    # shellcheck disable=SC2086  # $pids: one argument per pid
     if [ -n "${pids// /}" ]; then kill -KILL $pids 2>/dev/null || true; fi
   done
   _STARTED_PIDS=()
@@ -171,6 +191,13 @@ airflow_stop() {
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
   set -euo pipefail
+  if [ $# -gt 0 ]; then  # before anything starts: it takes no arguments but --help
+    case "$1" in
+      # The header comment above, without its '#'.
+      -h|--help) sed -n '1d; /^#/!q; s/^# \{0,1\}//p' "$0"; exit 0 ;;
+      *) echo "airflow.sh: unknown argument '$1'; it takes none (--help for usage)" >&2; exit 2 ;;
+    esac
+  fi
   cd "$REPO"
   bash scripts/setup.sh
   trap 'echo; echo "== stopping"; airflow_stop' EXIT

@@ -7,7 +7,9 @@ POST /auth/token), waits until the DAG is parsed, unpauses it, triggers a run wi
 (the same values the UI's trigger form sends), polls until the run ends, then prints each
 task's state and what each step of the backfill did (from the results its steps saved) with
 the failed step's reason and the path of the run's page in the quality reports. Exit status 0
-only if the run succeeded.
+only if the run succeeded, 4 if it has not ended after --timeout (it goes on: follow it in the
+UI), 1 if it failed or could not be triggered, 2 for bad arguments (such as --conf that is not
+a JSON object).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import httpx
 
 FINISHED = {"success", "failed"}
 BACKFILL_DAG = "late_batch_backfill"
+STILL_RUNNING = 4
+"""The exit status when the run has not ended after ``--timeout``: not a failure."""
 
 
 def refused(response: httpx.Response, what: str) -> SystemExit:
@@ -106,6 +110,10 @@ def trigger(api: httpx.Client, dag_id: str, conf: dict, timeout_s: float) -> int
         if state in FINISHED:
             break
         time.sleep(3)
+    else:  # not ended: no summary yet, and no failure either
+        print(f"run {run_id}: still {state} after {timeout_s:.0f} s (--timeout); it goes on: "
+              "follow it in the UI", flush=True)
+        return STILL_RUNNING
     print(f"run {run_id}: {state}")
     if dag_id == BACKFILL_DAG:
         print_run_summary(conf, since, state)
@@ -166,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.password_file:
         parser.error("--password-file (or AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE)")
+    try:  # before logging in: a typo is the caller's, not the API's
+        conf = json.loads(args.conf)
+    except ValueError as exc:
+        parser.error(f"--conf is not valid JSON ({exc}): {args.conf}")
+    if not isinstance(conf, dict):
+        parser.error(f"--conf must be a JSON object ({{\"key\": value, ...}}): {args.conf}")
     try:
         with client(args.url, args.password_file) as api:
-            return trigger(api, args.dag_id, json.loads(args.conf), args.timeout)
+            return trigger(api, args.dag_id, conf, args.timeout)
     except OSError as exc:  # the passwords file: one line, not a traceback
         raise SystemExit(f"airflow_demo: {exc} (--password-file)") from None
     except httpx.ConnectError as exc:

@@ -3,6 +3,7 @@
 #
 #   bash scripts/demo.sh              # everything, then keeps running until Ctrl-C
 #   bash scripts/demo.sh --no-airflow # only steps 1-3 (broker, events, sessionizer), then exit
+#   bash scripts/demo.sh --help       # this text
 #
 # 1. the embedded broker; one day of demo events for 3 clients (out of order, duplicates, late
 #    and bad records); 2. the sessionizer until caught up; 3. what tables and topic hold;
@@ -15,15 +16,18 @@
 # landing folder under var/demo, reset at each start: the embedded broker keeps its data in
 # memory only, so tables from an earlier demo would not match it; an exported
 # CLICKSTREAM_WAREHOUSE / _HOME / _LANDING or KAFKA_BOOTSTRAP_SERVERS is not used, so the demo
-# never writes into your own tables). Ctrl-C stops everything.
+# never writes into your own tables). It stops at once if the broker's port
+# (CLICKSTREAM_BROKER_PORT, 9092) or, unless --no-airflow, Airflow's (AIRFLOW_PORT, 8080) is
+# taken. Ctrl-C stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_AIRFLOW=1
-case "${1:-}" in
-  "") ;;
-  --no-airflow) WITH_AIRFLOW=0 ;;
-  -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) echo "demo.sh: unknown argument '$1'; use --no-airflow, or --help" >&2; exit 2 ;;
+case "$#:${1:-}" in
+  0:) ;;
+  1:--no-airflow) WITH_AIRFLOW=0 ;;
+  # The header comment above, without its '#'.
+  *:-h|*:--help) sed -n '1d; /^#/!q; s/^# \{0,1\}//p' "$0"; exit 0 ;;
+  *) echo "demo.sh: unknown argument(s) '$*'; use --no-airflow, or --help" >&2; exit 2 ;;
 esac
 bash scripts/setup.sh
 
@@ -34,6 +38,12 @@ source scripts/airflow.sh
 if _port_open "$PORT"; then  # an earlier broker would hold data the new tables do not match
   echo "demo.sh: port $PORT is in use (an earlier demo or broker still running?); stop it, or" \
        "set CLICKSTREAM_BROKER_PORT to a free port" >&2
+  exit 1
+fi
+# And Airflow's (airflow_start checks it too, but only after minutes of the demo's first part).
+if [ "$WITH_AIRFLOW" = 1 ] && _port_open "${AIRFLOW_PORT:-8080}"; then
+  echo "demo.sh: port ${AIRFLOW_PORT:-8080} is in use (an Airflow still running?); stop it, set" \
+       "AIRFLOW_PORT to a free port, or run with --no-airflow" >&2
   exit 1
 fi
 
@@ -97,9 +107,15 @@ BACKGROUND+=("$!")
 
 for kind in orders pageviews; do
   echo "== backfill: trigger late_batch_backfill for the late $kind (REST API = the UI's form)"
+  status=0
   .venv/bin/python scripts/airflow_demo.py trigger late_batch_backfill --conf \
     "{\"client\": \"client-00\", \"kind\": \"$kind\", \"path\": \"late-2026-11-01/$kind\", \"dry_run\": false}" \
-    || echo "   (the run failed: see its task logs in the UI)"
+    || status=$?
+  case $status in
+    0) ;;
+    4) echo "   (the run is still running after the script's timeout: follow it in the UI)" ;;
+    *) echo "   (the run failed: see its task logs in the UI)" ;;
+  esac
 done
 
 echo "== corrections on Kafka: the sessions topic read as a compacted changelog"
@@ -119,9 +135,14 @@ for value in fixed[:3]:
 PY
 "$CLI" inspect
 
+if [ -n "${AIRFLOW_NEW_PASSWORD:-}" ]; then  # as airflow_banner decides
+  LOGIN="user admin; the password was printed above, once"
+else
+  LOGIN="user admin; the password is in $AIRFLOW_PASSWORD_FILE"
+fi
 cat <<EOF
 
- Airflow UI: $AIRFLOW_URL  (user admin; the password was printed above, once)
+ Airflow UI: $AIRFLOW_URL  ($LOGIN)
  In the UI:  DAGs -> sessionizer (continuous), late_batch_backfill (two runs: open one, see
              each task's log), scheduled_recompute, table_maintenance; Assets -> the tables
              the backfill changed; late_batch_backfill -> Trigger -> the form (try a dry run,
