@@ -1657,7 +1657,14 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
                  'v2,client-00,u1,2026-11-01T00:01:00Z,/b,"https://ref/?q=1\n',
                  r"line 3: a row there opens a quoted field that is never closed"),
         "after": ('v2,client-00,u1,2026-11-01T00:01:00Z,"/b"c,"https://ref/?q=1\n',
-                  r"line 2: a row there has text after a closing quote")}
+                  r"line 2: a row there has text after a closing quote"),
+        # (B26) After an LF, a record ending in CRLF kept its CR (a referrer '/r\r' stored);
+        # after a CRLF, one ending in LF was joined to the next
+        "crlf": ('v1,client-00,u1,2026-11-01T00:00:00Z,/a,"two\nlines"\n'
+                 'v2,client-00,u1,2026-11-01T00:01:00Z,/b,/r\r\n',
+                 r"line 4: its record ends in CRLF where the file's first ends in LF \(files "
+                 r"of two systems joined\?\), so its records would be read with a stray CR or "
+                 r"joined; convert the file to one kind of line break")}
     for folder, (rows, reason) in malformed.items():
         (stream_config.landing / folder).mkdir(parents=True)
         (stream_config.landing / folder / "a.csv").write_text(
@@ -1667,6 +1674,16 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
             run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                          path=folder)
     assert versions(stream_config, spark) == before
+    (stream_config.landing / "excel").mkdir(parents=True)  # LF in a cell, CRLF after records
+    (stream_config.landing / "excel" / "a.csv").write_text(
+        "event_id,client_id,user_id,ts,url,referrer\r\n"
+        'x1,client-00,u1,2026-11-01T00:03:00Z,/x,"two\nlines"\r\n'
+        "x2,client-00,u1,2026-11-01T00:04:00Z,/y,/r\r\n")
+    run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                 path="excel")
+    assert {r["event_id"]: r["referrer"] for r in table_rows(stream_config, spark,
+                                                             "pageviews")} == {
+        "x1": "two\nlines", "x2": "/r"}
     (stream_config.landing / "rows").mkdir(parents=True)
     (stream_config.landing / "rows" / "a.csv").write_text(
         header + good

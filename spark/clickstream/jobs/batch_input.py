@@ -121,6 +121,10 @@ Known edge cases, cited inline as (B1)..(B22):
   B25. A CSV or JSON Lines file in UTF-16 (a byte-order mark, or NULs between ASCII
       characters) is refused, naming it (``utf16_reason``): a CSV was refused for lacking
       every column, a JSON Lines file quarantined line by line, with a row for no record.
+  B26. A CSV file whose records end in two kinds of line break (LF and CRLF: files joined
+      from two systems) is refused, naming the file and the first line of the other kind
+      (``_malformed_records``): Spark takes one file's line break from its first line, so
+      the others' records kept a stray CR in their last field or were joined in pairs.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ from __future__ import annotations
 import csv
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -415,35 +419,63 @@ def csv_header(batch: BatchFiles) -> list[str]:
 
 
 def check_csv_quoting(batch: BatchFiles) -> None:
-    """Refuses a CSV batch with a file whose quoting is malformed (B18)."""
+    """Refuses a CSV batch with a file whose quoting is malformed (B18) or whose records end
+    in two kinds of line break (B26)."""
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)  # a field left open holds the rest of the file
     try:
         for path in batch.files:
-            malformed = _malformed_quoting(path)
+            malformed = _malformed_records(path)
             if malformed is not None:
                 line, what = malformed
-                raise BatchRefusedError(
-                    f"batch {batch.root}: {path.name} line {line}: {what}, so the lines "
-                    "after it could be read as part of one field (neither merged nor "
-                    "quarantined); fix the quoting: a field with a comma, quote or line "
-                    'break is quoted whole, and a quote inside it is written twice ("")')
+                raise BatchRefusedError(f"batch {batch.root}: {path.name} line {line}: {what}")
     finally:
         csv.field_size_limit(limit)
 
 
-def _malformed_quoting(path: Path) -> tuple[int, str] | None:
-    """(the line of the first record whose quoting is malformed, what is wrong), or None."""
+_QUOTING_FIX = ("so the lines after it could be read as part of one field (neither merged nor "
+                "quarantined); fix the quoting: a field with a comma, quote or line break is "
+                'quoted whole, and a quote inside it is written twice ("")')
+_LINE_BREAKS = {"\r\n": "CRLF", "\n": "LF", "\r": "CR"}
+
+
+def _malformed_records(path: Path) -> tuple[int, str] | None:
+    """(the line of the first malformed record, what is wrong and what to do), or None.
+
+    (B26) Spark takes a file's line break from its first line: after an LF, a record ending
+    in CRLF kept the CR in its last field (stored as valid, or an order's currency 'EUR\r'
+    quarantined); after a CRLF, a record ending in LF was joined to the next one (two records
+    one quarantine row). Only the breaks that end records count: a quoted field may hold
+    others (Excel writes LF inside a cell, CRLF after each record)."""
     with path.open(newline="", encoding=CSV_READ_AS) as text:  # bytes as they are (B13)
-        rows = csv.reader(text, strict=True)
-        starts_at = 1
+        last_line = [""]
+
+        def lines() -> Iterator[str]:
+            for line in text:
+                last_line[0] = line
+                yield line
+
+        rows = csv.reader(lines(), strict=True)
+        starts_at, first_break = 1, None
         try:
             for _ in rows:
+                line = last_line[0]  # the record's last: what ends it ends the record
+                ending = next((e for e in _LINE_BREAKS if line.endswith(e)), None)
+                if first_break is None:
+                    first_break = ending
+                elif ending is not None and ending != first_break:
+                    return starts_at, (
+                        f"its record ends in {_LINE_BREAKS[ending]} where the file's first "
+                        f"ends in {_LINE_BREAKS[first_break]} (files of two systems joined?), "
+                        "so its records would be read with a stray CR or joined; convert the "
+                        "file to one kind of line break (e.g. dos2unix) and load it again")
                 starts_at = rows.line_num + 1
         except csv.Error as error:
             if "unexpected end of data" in str(error):
-                return starts_at, "a row there opens a quoted field that is never closed"
-            return starts_at, f"a row there has text after a closing quote ({error})"
+                return starts_at, ("a row there opens a quoted field that is never closed, "
+                                   + _QUOTING_FIX)
+            return starts_at, (f"a row there has text after a closing quote ({error}), "
+                               + _QUOTING_FIX)
     return None
 
 
