@@ -82,8 +82,12 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
      "ts '1793500000000\n' is neither ISO-8601 with a time zone nor epoch milliseconds"),
     (json.dumps({**PAGEVIEW, "ts": "2026-11-01T08:30:00Z\n"}),
      "ts '2026-11-01T08:30:00Z\n' is neither ISO-8601 with a time zone nor epoch milliseconds"),
-    # Quoted as sent: from_json's text of the number was 1.7935000000005E12.
-    (json.dumps({**PAGEVIEW, "ts": 1793500000000.5}),
+    # A number with a fraction, said to be one: quoted, it read '1793500000000' (the variant's
+    # text: epoch milliseconds that look valid) or from_json's '1.7935000000005E12'
+    *((json.dumps({**PAGEVIEW, "ts": number}), "ts is a number with a fraction or an "
+       "exponent, not whole epoch milliseconds: send it as a whole number or as ISO-8601 text "
+       "with a time zone") for number in (1793500000000.5, 1793500000000.0)),
+    (json.dumps({**PAGEVIEW, "ts": "1793500000000.5"}),  # a string: quoted as sent
      "ts '1793500000000.5' is neither ISO-8601 with a time zone nor epoch milliseconds"),
     (json.dumps({**PAGEVIEW, "ts": "1999-12-31T00:00:00Z"}),
      "ts '1999-12-31T00:00:00Z' is outside the plausible range 2000-01-01..2100-01-01"),

@@ -1582,6 +1582,30 @@ def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the
                                              "as a JSON string")  # a url is free text
 
 
+def test_a_ts_sent_as_a_number_with_a_fraction_is_said_to_be_one_as_in_the_stream(
+    config: Config, spark: SparkSession
+) -> None:
+    """(B27) The reason quoted '1.7935000000005E12' (the double's text), never sent."""
+    import pyarrow.parquet as pq
+    line = {"client_id": "client-00", "user_id": "u", "amount": "1.00", "currency": "EUR"}
+    (config.landing / "j").mkdir(parents=True)
+    (config.landing / "j" / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {**line, "order_id": "o1", "ts": float(ms(START))},
+        {**line, "order_id": "o2", "ts": ms(START) + 0.5},
+        {**line, "order_id": "o3", "ts": ms(START)},
+        {**line, "order_id": "o4", "ts": "2026-11-01T00:00:00.5Z"},
+        {**line, "order_id": "o5", "ts": "1793500000000.5"})))
+    (config.landing / "p").mkdir()
+    pq.write_table(pa.table({**{k: [v] for k, v in line.items()}, "order_id": ["p1"],
+                             "ts": [float(ms(START))]}), config.landing / "p" / "a.parquet")
+    not_whole = ("ts is a number with a fraction or an exponent, not whole epoch milliseconds: "
+                 "send it as a whole number or as ISO-8601 text with a time zone")
+    assert {key: r["error"] for key, r in validated(config, spark, "j").items()} == {
+        "o1": not_whole, "o2": not_whole, "o3": None, "o4": None,
+        "o5": "ts '1793500000000.5' is neither ISO-8601 with a time zone nor epoch milliseconds"}
+    assert [r["error"] for r in validated(config, spark, "p").values()] == [not_whole]
+
+
 def test_json_lines_keys_spelled_in_two_cases_are_read_as_the_stream_reads_them(
     config: Config, spark: SparkSession
 ) -> None:

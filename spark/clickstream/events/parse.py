@@ -95,6 +95,13 @@ _NOT_TEXT_KINDS = {"OBJECT": "object", "ARRAY": "array", "BOOLEAN": "boolean",
                                "number with a fraction or an exponent")}
 
 
+def json_number_not_whole(value: Column, field: str) -> Column:
+    """Whether a parsed JSON record's ``field`` (``value``, a variant) is a number with a
+    fraction or an exponent."""
+    kind = F.schema_of_variant(F.try_variant_get(value, f"$.{field}", "variant"))
+    return kind.rlike(r"^(DECIMAL|DOUBLE|FLOAT)\b")
+
+
 def not_text_error(value: Column, texts: dict[str, Column]) -> Column:
     """Reason one of a parsed JSON record's ``TEXT_FIELDS`` (``texts``: name -> its text as
     ``from_json`` reads it) holds a JSON object, array, boolean or a number with a fraction
@@ -220,12 +227,24 @@ def ts_from_text(text: Column) -> Column:
     )
 
 
-def ts_error(text: Column, ts: Column, shown: Column | None = None) -> Column:
+TS_NOT_WHOLE = ("ts is a number with a fraction or an exponent, not whole epoch milliseconds: "
+                "send it as a whole number or as ISO-8601 text with a time zone")
+
+
+def ts_error(text: Column, ts: Column, shown: Column | None = None,
+             not_whole: Column | None = None) -> Column:
     """Reason ``ts`` is unusable, or null; the reason quotes ``shown`` (default ``text``),
-    the value as it was sent where ``text`` is not (:func:`_sent_text`)."""
+    the value as it was sent where ``text`` is not (:func:`_sent_text`). A number with a
+    fraction or an exponent (``not_whole``: the record sent one) is said to be one: quoted,
+    ``1735689600000.0`` read '1735689600000' in the stream (its variant's text, epoch
+    milliseconds that look valid) and '1.7356896E12' in a batch. ``not_whole`` is looked at
+    only for a ``ts`` that is unusable."""
     shown = text if shown is None else shown
+    unusable = F.when(_blank(text), F.lit("missing field ts"))
+    if not_whole is not None:
+        unusable = unusable.when(ts.isNull() & not_whole, F.lit(TS_NOT_WHOLE))
     return (
-        F.when(_blank(text), F.lit("missing field ts"))
+        unusable
         .when(
             ts.isNull(),
             F.format_string(
@@ -424,7 +443,8 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),
         id_error(F.col("event_id"), "event_id"),
-        ts_error(F.col("ts_text"), F.col("ts_value"), _sent_text(v, "ts", F.col("ts_text"))),
+        ts_error(F.col("ts_text"), F.col("ts_value"), _sent_text(v, "ts", F.col("ts_text")),
+                 json_number_not_whole(v, "ts")),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), _arrival(F.col("_received")),
                        max_ts_ahead_ms, reference_is=ARRIVAL),
         F.when(~F.is_valid_utf8("_key"), F.lit(

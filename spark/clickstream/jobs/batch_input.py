@@ -125,6 +125,9 @@ Known edge cases, cited inline as (B1)..(B22):
       from two systems) is refused, naming the file and the first line of the other kind
       (``_malformed_records``): Spark takes one file's line break from its first line, so
       the others' records kept a stray CR in their last field or were joined in pairs.
+  B27. A ``ts`` sent as a number with a fraction or an exponent (a JSON Lines line's, a
+      Parquet float or decimal column's) is quarantined saying so, as in the stream: its
+      reason quoted '1.7356896E12' (the double's text) for ``1735689600000.0``.
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ from clickstream.events.parse import (
     exact_decimal_text,
     id_error,
     is_one_json_object,
+    json_number_not_whole,
     not_text_error,
     not_utf8_reason,
     to_milliseconds,
@@ -240,7 +244,9 @@ ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
 CSV_READ_AS = "ISO-8859-1"  # one character per byte: a CSV file's bytes come through (B13)
 CSV_STANDARD = {"escape": '"', "multiLine": "true"}  # RFC 4180: "" is a quote (B14)
-READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR)
+TS_NOT_WHOLE = "_ts_not_whole"  # a JSON Lines line's ts is a number with a fraction (B27)
+READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR,
+                  TS_NOT_WHOLE)
 # Names a batch's own columns cannot have: the reader's, and Spark's file metadata column.
 RESERVED_COLUMNS = frozenset((*READER_COLUMNS, "_metadata"))
 
@@ -718,9 +724,15 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
             return amount_text(F.col("_value"))
         return F.col("_record")[field.name]
 
+    ts_not_whole = F.lit(False)
+    if "ts" in record.fieldNames():  # (B27) only a text a number's can be: no ':' of a time
+        ts = F.col("_record")["ts"]
+        ts_not_whole = F.when(ts.contains(".") & ~ts.contains(":"),
+                              json_number_not_whole(F.col("_value"), "ts")).otherwise(False)
     return parsed.select(
         *(column(f).alias(f.name) for f in fields),
-        F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR), "_metadata")
+        F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR),
+        ts_not_whole.alias(TS_NOT_WHOLE), "_metadata")
 
 
 def _one_field_per_name(fields: StructType) -> StructType:
@@ -790,6 +802,16 @@ def _ts(frame: DataFrame) -> tuple[Column, Column]:
     return ts_from_text(text), text
 
 
+def _ts_not_whole(frame: DataFrame) -> Column:
+    """(B27) Whether a row's ``ts`` was sent as a number with a fraction or an exponent: a
+    JSON Lines line's by its own JSON type, a Parquet column's by its type."""
+    if TS_NOT_WHOLE in frame.columns:
+        return F.col(TS_NOT_WHOLE)
+    kind = frame.schema["ts"].dataType
+    return F.lit(isinstance(kind, FractionalType)
+                 and not (isinstance(kind, DecimalType) and kind.scale == 0))
+
+
 def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahead_ms: int
                    ) -> DataFrame:
     """Every row with typed columns, ``error`` (null when valid) and ``copies`` (rows with its
@@ -817,7 +839,8 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     typed = frame.select(
         raw.alias("raw"), F.col("_file").alias("source"),
         *(c.alias(n) for n, c in columns.items()),
-        ts.alias("ts"), ts_text.alias("ts_text"), unreadable.alias("unreadable"),
+        ts.alias("ts"), ts_text.alias("ts_text"), _ts_not_whole(frame).alias("ts_not_whole"),
+        unreadable.alias("unreadable"),
         not_utf8.alias("not_utf8"), F.col("_file_modified").alias("file_modified"))
     blank = {n: F.col(n).isNull() | (F.trim(F.col(n)) == "") for n in columns}
     checks = [F.col("unreadable"), F.when(F.col("not_utf8").isNotNull(), F.format_string(
@@ -828,7 +851,7 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
     checks.append(user_id_error(F.col("user_id")))  # the client's is --client's (B4)
     checks.append(id_error(F.col(key), key))
-    checks.append(ts_error(F.col("ts_text"), F.col("ts")))
+    checks.append(ts_error(F.col("ts_text"), F.col("ts"), not_whole=F.col("ts_not_whole")))
     checks.append(ts_ahead_error(  # (B8)
         F.col("ts_text"), F.col("ts"), F.col("file_modified"), max_ts_ahead_ms,
         reference_is="the time its file was last modified",
@@ -843,8 +866,8 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
     typed = typed.withColumn("error", F.coalesce(*checks))
     if kind == "orders":
         typed = typed.withColumn("amount", amount_value(F.col("amount")))  # (B12)
-    return _with_copies(frame, typed.drop("ts_text", "unreadable", "not_utf8", "file_modified"),
-                        key)
+    return _with_copies(frame, typed.drop("ts_text", "ts_not_whole", "unreadable", "not_utf8",
+                                          "file_modified"), key)
 
 
 def _not_text_error(name: str, kind: DataType) -> Column | None:
