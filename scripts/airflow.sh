@@ -82,8 +82,9 @@ airflow: warning: the embedded broker starts empty (it keeps its data in memory 
   The sessionizer DAG will fail with DataLossError (not retried) and pause after 6 runs.
   To start over: stop, then delete $home and ${CLICKSTREAM_WAREHOUSE:-$REPO/var/warehouse} (or set
   CLICKSTREAM_HOME and CLICKSTREAM_WAREHOUSE to new folders), and start again. To keep the
-  tables: delete only $checkpoint, then run
-  'clickstream recompute --full --client C' for each client whose sessions were open.
+  tables: delete only $checkpoint, run 'clickstream republish' (the new broker's sessions and
+  attributions topics are empty: every job refuses them until the tables are published there
+  again), then 'clickstream recompute --full --client C' for each client whose sessions were open.
 EOF
 }
 

@@ -24,7 +24,8 @@ CLI = [sys.executable, "-m", "clickstream.cli"]
 
 
 @pytest.mark.parametrize("command", [
-    [], ["broker"], ["sessionize"], ["backfill"], ["backfill-step"], ["recompute"], ["inspect"],
+    [], ["broker"], ["sessionize"], ["backfill"], ["backfill-step"], ["recompute"],
+    ["republish"], ["inspect"],
     ["generate"],
     ["generate", "events"],
     ["generate", "history"],

@@ -122,6 +122,15 @@ def _cmd_recompute(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _cmd_republish(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.jobs.republish import run_republish
+
+    with heartbeat(print, config.progress_interval_seconds) as progress:
+        summary = run_republish(config, progress=progress)
+    print(summary.describe())
+    return 0
+
+
 def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.generate import Delivery, Scale, live_records
 
@@ -403,6 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
                            "DAG announces them as Asset events)")
     _add_config_flags(recompute)
     recompute.set_defaults(handler=_cmd_recompute)
+
+    republish = commands.add_parser(
+        "republish", help="publish the sessions and attributions tables to their topics as "
+        "they are (after a broker lost them)",
+        description="Publish every row of the sessions and attributions tables to their "
+        "changelog topics at its stored revision, retract keys a topic holds that its table "
+        "does not, read the topics back, and record them as the tables' logs. For topics that "
+        "lost their log (the embedded broker restarted empty, a topic created again) or new "
+        "ones (renamed, more partitions): jobs refuse a topic that is not the log the tables "
+        "were published to. Run it with the sessionizer stopped.")
+    _add_config_flags(republish)
+    republish.set_defaults(handler=_cmd_republish)
 
     inspect = commands.add_parser(
         "inspect", help="row counts of the Delta tables and the compacted view of topics",

@@ -27,6 +27,7 @@ from clickstream.errors import (
     BatchRefusedError,
     ClickstreamError,
     ConfigError,
+    DataLossError,
     DeliveryError,
     PlanNotAppliedError,
     QualityGateFailedError,
@@ -34,13 +35,14 @@ from clickstream.errors import (
 from clickstream.events.contract import ID_MAX_BYTES, URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import read_compacted
+from clickstream.io.kafka_clients import make_producer, produce_json, read_compacted
 from clickstream.jobs import backfill as backfill_module
 from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs import sessionize as sessionize_module
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
 from clickstream.jobs.recompute import run_recompute
+from clickstream.jobs.republish import run_republish
 from clickstream.jobs.sessionize import (
     HISTORY_FILE,
     JOB,
@@ -49,6 +51,7 @@ from clickstream.jobs.sessionize import (
     sessionizer_lock,
     stored_history_until,
 )
+from clickstream.locks import exclusive
 from clickstream.quality import reports
 from clickstream.tables import PAGEVIEWS, SESSIONS
 from tests.jobs.test_sessionize import order, pageview, probe_records_lock, produce, table_rows
@@ -199,6 +202,47 @@ def backfill_rows(config: Config, spark: SparkSession, kind: str, name: str,
     """A whole backfill of ``rows`` of client-00, from a Parquet batch named ``name``."""
     run_backfill(config, kind=kind, client_id="client-00", spark=spark,
                  path=write_rows(config, name, rows, "parquet"))
+
+
+def test_a_changelog_the_broker_lost_is_refused_until_republish_makes_it_the_tables_again(
+        stream_config: Config, spark: SparkSession) -> None:
+    """A broker restarted empty (a new embedded broker, the same topic names: new logs): a
+    backfill published only its own changes, the sessionizer its own sessions, and the
+    topics' compacted views lacked every session and attribution published before, for good,
+    without a word."""
+    topics = dict.fromkeys((stream_config.events_topic, stream_config.sessions_topic,
+                            stream_config.attributions_topic), 4)
+    with EmbeddedBroker(port=0, topics=topics) as first:
+        config = stream_config.replace(kafka_bootstrap_servers=first.bootstrap_servers)
+        backfill_rows(config, spark, "pageviews", "p",
+                      [pv_row("a", "u", 0), pv_row("b", "v", 40)])
+        backfill_rows(config, spark, "orders", "o", [order_row("o1", "u", 1)])
+    with EmbeddedBroker(port=first.port, topics=topics):  # restarted: new, empty logs
+        late = write_rows(config, "late", [pv_row("c", "w", 90)], "parquet")
+        before = versions(config, spark)
+        lost = (f"topic {config.sessions_topic} is not the log this warehouse's tables were "
+                r"published to \(topic id .*, now .*\): the broker restarted empty .* Run "
+                r"`clickstream republish` \(with the sessionizer stopped\)")
+        with pytest.raises(DataLossError, match=lost):
+            run_backfill(config, kind="pageviews", client_id="client-00", spark=spark,
+                         path=late)
+        assert versions(config, spark) == before  # refused before its merge
+        with pytest.raises(DataLossError, match=lost):
+            run_sessionizer(config, until_caught_up=True, spark=spark)
+        with exclusive(sessionize_module.warehouse_sessionizer_lock_path(config)), \
+                pytest.raises(ClickstreamError, match=r"a sessionizer \(pid \w+\) runs on"):
+            run_republish(config, spark=spark)
+
+        producer = make_producer(config)  # a key the tables do not hold
+        produce_json(producer, config.sessions_topic, "gone", {"session_id": "gone"})
+        producer.flush(10)
+        summary = run_republish(config, spark=spark, progress=lambda _: None)
+        assert (summary.published, summary.tombstones) == (
+            {config.sessions_topic: 2, config.attributions_topic: 1},
+            {config.sessions_topic: 1, config.attributions_topic: 0})
+        assert_tables_equal_from_scratch(config, spark)
+        run_backfill(config, kind="pageviews", client_id="client-00", spark=spark, path=late)
+        assert_tables_equal_from_scratch(config, spark)
 
 
 def test_orders_before_their_pageviews_are_kept_then_attributed(

@@ -8,34 +8,117 @@ so a batch replayed after a crash may simply publish again.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, StructType
 
-from clickstream.config import Config
-from clickstream.io.kafka_clients import make_consumer, produce_records, topic_watermarks
+from clickstream.config import ENV_NAMES, Config
+from clickstream.errors import DataLossError
+from clickstream.io.kafka_clients import (
+    make_consumer,
+    produce_records,
+    topic_id,
+    topic_watermarks,
+)
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
+
+# In the warehouse, beside the tables the topics mirror (as the sessionizer's settings file):
+# by Kafka address, each changelog topic's id when the tables were last published to it.
+CHANGELOG_LOGS_FILE = "_clickstream_changelogs.json"
+
+
+def changelog_topics(config: Config) -> tuple[str, str]:
+    return config.sessions_topic, config.attributions_topic
 
 
 def check_changelogs_answer(config: Config) -> None:
-    """Fail unless the broker answers for the ``sessions`` and ``attributions`` topics: asked
-    before a correction changes the tables those topics mirror, so that a broker out of reach
-    leaves both as they were (a rerun resumes the recorded plan) rather than the tables ahead
-    of the topics until then.
+    """Fail unless the broker answers for the ``sessions`` and ``attributions`` topics, and
+    each is the log the tables were published to: asked before a correction changes the
+    tables those topics mirror, so that a broker out of reach leaves both as they were (a
+    rerun resumes the recorded plan) rather than the tables ahead of the topics until then.
 
     Raises:
         BrokerUnavailableError: no answer (after ``topic_watermarks``' retries, ~30 s).
         ClickstreamError: the broker answers but lacks one of the topics.
+        DataLossError: a topic is another log than the one the tables were published to
+            (:func:`check_changelogs_are_the_published_logs`).
     """
     consumer = make_consumer(config)
     try:
-        for topic in (config.sessions_topic, config.attributions_topic):
+        for topic in changelog_topics(config):
             topic_watermarks(config, topic, consumer=consumer)
     finally:
         consumer.close()
+    check_changelogs_are_the_published_logs(config)
+
+
+def check_changelogs_are_the_published_logs(config: Config) -> None:
+    """Fail if a changelog topic is not the log the tables were published to: the embedded
+    broker restarted (it keeps its data in memory only) or the topic was created again, so
+    its compacted view lacks every session and attribution published before, and a job
+    publishing its own changes only would leave it so for good. The first time a warehouse
+    meets a topic at a Kafka address, its id is recorded (a broker without topic ids:
+    nothing to compare): pointed at another Kafka, the tables are not known to be on its
+    topics (README: run ``clickstream republish`` after such a move).
+
+    Raises:
+        DataLossError: a topic's id is not the recorded one; ``clickstream republish``
+            publishes the tables to the topics as they are and records them.
+    """
+    recorded = recorded_changelog_ids(config)
+    current = {topic: topic_id(config, topic) for topic in changelog_topics(config)}
+    for topic, now in current.items():
+        was = recorded.get(topic)
+        if was is not None and now is not None and was != now:
+            raise DataLossError(
+                f"topic {topic} is not the log this warehouse's tables were published to "
+                f"(topic id {was}, now {now}): the broker restarted empty (the embedded broker "
+                "keeps its data in memory only) or the topic was created again, so its "
+                "compacted view lacks the sessions and attributions published before. Run "
+                f"`clickstream republish` (with the sessionizer stopped) to publish "
+                f"{config.warehouse}'s tables to it as they are, then rerun; to use the new "
+                f"topic for other tables, point {ENV_NAMES['warehouse']} elsewhere")
+    unknown = {topic: now for topic, now in current.items()
+               if now is not None and topic not in recorded}
+    if unknown:
+        record_changelog_ids(config, unknown)
+
+
+def _logs_file(config: Config) -> Path:
+    return config.warehouse / CHANGELOG_LOGS_FILE
+
+
+def _recorded(config: Config) -> dict[str, dict[str, str]]:
+    path = _logs_file(config)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def recorded_changelog_ids(config: Config) -> dict[str, str]:
+    """The recorded id of each changelog topic, at this Kafka address, the warehouse's
+    tables were published to."""
+    return _recorded(config).get(config.kafka_bootstrap_servers, {})
+
+
+def record_changelog_ids(config: Config, ids: Mapping[str, str]) -> None:
+    """Record ``ids`` (topic -> id, at this Kafka address) over what is recorded, in one
+    rename."""
+    path = _logs_file(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recorded = _recorded(config)
+    address = config.kafka_bootstrap_servers
+    recorded[address] = {**recorded.get(address, {}), **ids}
+    text = json.dumps(recorded, indent=1, sort_keys=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    os.replace(temporary, path)
 
 
 # Spark's ``to_json`` options for the changelog value (the session time zone is UTC, so XXX is

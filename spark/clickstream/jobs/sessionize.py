@@ -186,7 +186,11 @@ from clickstream.config import ENV_NAMES, Config
 from clickstream.events import contract
 from clickstream.events.parse import parse_kafka_records
 from clickstream.io.delta_tables import AppendResult, DeltaTables, open_tables
-from clickstream.io.kafka_changelog import publish_attributions, publish_sessions
+from clickstream.io.kafka_changelog import (
+    check_changelogs_answer,
+    publish_attributions,
+    publish_sessions,
+)
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse, held
@@ -1058,8 +1062,11 @@ def run_sessionizer(
 ) -> SessionizeSummary:
     """Run the streaming sessionizer until stopped (SIGTERM/SIGINT) or, with
     ``until_caught_up``, until everything available at start is processed and committed."""
-    # Kafka missing fails here, in one line, before Spark starts and its read tasks retry.
+    # Kafka missing fails here, in one line, before Spark starts and its read tasks retry; so
+    # does a changelog topic that is not the log the tables were published to: the stream
+    # would publish its own sessions only to a topic that lost the others.
     topic_watermarks(config, config.events_topic)
+    check_changelogs_answer(config)
     with sessionizer_lock(config):  # (Z15)
         return _run_sessionizer(config, until_caught_up, spark)
 
