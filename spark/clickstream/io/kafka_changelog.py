@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, StructType
 
 from clickstream.config import ENV_NAMES, Config
-from clickstream.errors import DataLossError
+from clickstream.errors import ClickstreamError, DataLossError
 from clickstream.io.kafka_clients import (
     make_consumer,
     produce_records,
@@ -97,7 +97,15 @@ def _logs_file(config: Config) -> Path:
 
 def _recorded(config: Config) -> dict[str, dict[str, str]]:
     path = _logs_file(config)
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ClickstreamError(
+            f"{path} is not the JSON this product writes ({error}); delete it and run "
+            "`clickstream republish` (with the sessionizer stopped): it publishes the tables "
+            "to their topics and records them again") from error
 
 
 def recorded_changelog_ids(config: Config) -> dict[str, str]:
@@ -118,6 +126,7 @@ def record_changelog_ids(config: Config, ids: Mapping[str, str]) -> None:
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text + "\n")
+    os.chmod(temporary, 0o644)  # every user's jobs on the warehouse read it
     os.replace(temporary, path)
 
 
