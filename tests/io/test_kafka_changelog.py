@@ -7,10 +7,20 @@ import json
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
+import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from clickstream.io.kafka_changelog import publish_pairs, spark_row_value
+from clickstream.config import Config
+from clickstream.errors import ClickstreamError
+from clickstream.io.kafka_changelog import (
+    CHANGELOG_LOGS_FILE,
+    check_changelogs_are_the_published_logs,
+    publish_pairs,
+    record_changelog_ids,
+    recorded_changelog_ids,
+    spark_row_value,
+)
 from clickstream.io.kafka_clients import read_offset_ranges
 from clickstream.quality.checks import topic_ends
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
@@ -76,3 +86,19 @@ def test_published_pairs_reach_the_topic_in_the_frames_order(
             for m in batch]
     assert read == expected
     assert expected != sorted(expected)  # the frame's order, not the keys' order, is checked
+
+
+def test_the_changelog_logs_are_recorded_per_kafka_address_and_a_damaged_file_is_named(
+        config: Config) -> None:
+    """One address's record is another's first meeting (README: move, then republish); a file
+    that is not JSON failed every publishing job with a bare JSONDecodeError."""
+    record_changelog_ids(config, {"sessions": "id-1"})
+    record_changelog_ids(config.replace(kafka_bootstrap_servers="10.0.0.1:9092"),
+                         {"sessions": "id-2"})
+    record_changelog_ids(config, {"attributions": "id-3"})
+    assert recorded_changelog_ids(config) == {"sessions": "id-1", "attributions": "id-3"}
+    (config.warehouse / CHANGELOG_LOGS_FILE).write_text("{not json")
+    with pytest.raises(ClickstreamError, match=r"_clickstream_changelogs\.json is not the JSON "
+                                               r"this product writes .*; delete it and run "
+                                               r"`clickstream republish`"):
+        check_changelogs_are_the_published_logs(config)
