@@ -45,9 +45,18 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                            help=f"{help_text} [env {ENV_NAMES[name]}]")
 
 
+BROKER_SETTINGS = ("events_topic", "sessions_topic", "attributions_topic")
+
+
 def _cmd_broker(args: argparse.Namespace, config: Config) -> int:
     from clickstream.io.kafka_broker import TOPIC_PARTITIONS, run_broker_forever
 
+    jobs_kafka = os.environ.get(ENV_NAMES["kafka_bootstrap_servers"], "").strip()
+    here = {f"{host}:{args.port}" for host in (args.host, "localhost", "127.0.0.1")}
+    if jobs_kafka and args.port and jobs_kafka not in here:
+        print(f"clickstream broker: warning: {ENV_NAMES['kafka_bootstrap_servers']}="
+              f"{jobs_kafka} is not this broker's address ({args.host}:{args.port}): the other "
+              "commands in this environment will use that Kafka", file=sys.stderr, flush=True)
     # The configured names: a renamed topic exists when the sessionizer first asks for it.
     names = (config.events_topic, config.sessions_topic, config.attributions_topic)
     run_broker_forever(port=args.port, host=args.host,
@@ -341,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
         "machine whatever it is: after bootstrapping they are sent to the broker's loopback "
         "address. The broker has no authentication: any host that reaches this port can "
         "read and write every topic through it, so keep it on loopback"))
-    broker.set_defaults(handler=_cmd_broker)
+    # Its topic names only: a malformed setting of the jobs (a session gap, a warehouse path)
+    # stopped the broker, naming flags it does not take.
+    broker.set_defaults(handler=_cmd_broker, reads_settings=BROKER_SETTINGS)
 
     sessionize = commands.add_parser(
         "sessionize", help="run the streaming sessionizer (Kafka events -> Delta and Kafka)",
@@ -528,7 +539,11 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
     try:
         overrides = {name: getattr(args, name, None) for name in ENV_NAMES
                      if getattr(args, name, None) is not None}
-        config = Config.from_env(**overrides)
+        reads = getattr(args, "reads_settings", None)  # a command reading only these
+        environ = None if reads is None else {
+            ENV_NAMES[name]: os.environ[ENV_NAMES[name]] for name in reads
+            if ENV_NAMES[name] in os.environ}
+        config = Config.from_env(environ, **overrides)
         return args.handler(args, config)
     except ClickstreamError as error:
         # One line, always: a message carrying an engine's text (several lines) is cut to

@@ -304,6 +304,33 @@ def test_the_cli_broker_creates_the_configured_topic_names() -> None:
                         "(topics: clicks=16, sessions=16, order-sessions=16)")
 
 
+def test_the_cli_broker_reads_only_its_topic_names_and_warns_of_another_kafka() -> None:
+    """A malformed job setting stopped the broker (naming a --warehouse flag it does not
+    take), and one pointing the jobs at another port started it without a word."""
+    port = _free_port()
+    env = {**os.environ, "CLICKSTREAM_SESSION_GAP": "abc",
+           "CLICKSTREAM_WAREHOUSE": "/tmp/wh[1]", "CLICKSTREAM_SESSIONS_TOPIC": "visits",
+           "KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port + 1}"}
+    process = subprocess.Popen([sys.executable, "-m", "clickstream.cli", "broker", "--port",
+                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        assert select.select([process.stdout], [], [], 30)[0], "no ready line within 30 s"
+        assert process.stdout.readline().strip() == (  # type: ignore[union-attr]
+            f"embedded broker ready on 127.0.0.1:{port} "
+            "(topics: events=16, visits=16, attributions=16)")
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=15)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0
+    assert (f"clickstream broker: warning: KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port + 1} is not "
+            f"this broker's address (127.0.0.1:{port}): the other commands in this environment "
+            "will use that Kafka") in stderr
+
+
 def test_module_runs_as_subprocess_and_exits_zero_on_sigterm(kafka_config: Config) -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "spark")}
