@@ -624,6 +624,13 @@ def test_repeated_librdkafka_messages_are_counted_not_printed() -> None:
     assert repeats.filter(again)
     assert again.getMessage().endswith("(2 more like it since it was last shown)")
 
+    # Messages naming offsets are each new: a sessionizer running for weeks kept them all.
+    for offset in range(RepeatedLogFilter.MAX_REMEMBERED):
+        repeats.filter(record("c#consumer-5", f"fetch at offset {offset} failed"))
+    time.sleep(0.25)
+    repeats.filter(record("c#consumer-5", "the one more"))
+    assert len(repeats._seen) == 1
+
 
 @pytest.mark.parametrize("ask", [topic_watermarks, topic_id])
 def test_unknown_topic_is_not_reported_as_unavailable(kafka_config: Config,

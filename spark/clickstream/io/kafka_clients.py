@@ -81,6 +81,9 @@ class RepeatedLogFilter(logging.Filter):
     """
 
     _TIMING = re.compile(r"\s*\(after \d+ms in state \w+[^)]*\)")
+    # Past this many messages, those whose window passed are forgotten: a sessionizer runs
+    # for weeks, and messages naming offsets or brokers are each new.
+    MAX_REMEMBERED = 1024
 
     def __init__(self, window_s: float = 60.0) -> None:
         super().__init__()
@@ -99,6 +102,9 @@ class RepeatedLogFilter(logging.Filter):
                 self._seen[key] = (shown_at, hidden + 1)
                 return False
             self._seen[key] = (now, 0)
+            if len(self._seen) > self.MAX_REMEMBERED:
+                self._seen = {k: seen for k, seen in self._seen.items()
+                              if now - seen[0] < self.window_s}
         if shown_at is None:
             record.msg = (f"{record.msg} (repeats of this message are shown once every "
                           f"{self.window_s:g} s)")
