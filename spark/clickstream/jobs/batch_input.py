@@ -5,7 +5,7 @@ the landing folder, it holds no readable files, mixes formats, or lacks required
 Otherwise every row comes out valid or with a reason, which becomes its quarantine row.
 Time always comes from ``ts``, never from load time.
 
-Known edge cases, cited inline as (B1)..(B22):
+Known edge cases, cited inline as (B1)..(B27):
   B1. ``..`` segments and symlinks are resolved before the landing check, so neither can
       escape the landing folder.
   B2. ``ts`` may arrive as text (ISO-8601 with zone, or epoch ms), an integer (epoch ms) or a
