@@ -41,6 +41,7 @@ from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs import sessionize as sessionize_module
 from clickstream.jobs.backfill import queue_for_the_stream, run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
+from clickstream.jobs.inspect import describe_topic
 from clickstream.jobs.recompute import run_recompute
 from clickstream.jobs.republish import run_republish
 from clickstream.jobs.sessionize import (
@@ -229,6 +230,10 @@ def test_a_changelog_the_broker_lost_is_refused_until_republish_makes_it_the_tab
         assert versions(config, spark) == before  # refused before its merge
         with pytest.raises(DataLossError, match=lost):
             run_sessionizer(config, until_caught_up=True, spark=spark)
+        (view, why) = describe_topic(config, config.sessions_topic)  # inspect --topic
+        assert view.endswith(": 0 live keys (last value per key), 0 tombstoned (their last "
+                             "record is a tombstone: retracted)")
+        assert re.match("  " + lost, why)
         with exclusive(sessionize_module.warehouse_sessionizer_lock_path(config)), \
                 pytest.raises(ClickstreamError, match=r"a sessionizer \(pid \w+\) runs on"):
             run_republish(config, spark=spark)

@@ -75,20 +75,28 @@ def check_changelogs_are_the_published_logs(config: Config) -> None:
     recorded = recorded_changelog_ids(config)
     current = {topic: topic_id(config, topic) for topic in changelog_topics(config)}
     for topic, now in current.items():
-        was = recorded.get(topic)
-        if was is not None and now is not None and was != now:
-            raise DataLossError(
-                f"topic {topic} is not the log this warehouse's tables were published to "
-                f"(topic id {was}, now {now}): the broker restarted empty (the embedded broker "
-                "keeps its data in memory only) or the topic was created again, so its "
-                "compacted view lacks the sessions and attributions published before. Run "
-                f"`clickstream republish` (with the sessionizer stopped) to publish "
-                f"{config.warehouse}'s tables to it as they are, then rerun; to use the new "
-                f"topic for other tables, point {ENV_NAMES['warehouse']} elsewhere")
+        replaced = replaced_log_reason(config, topic, recorded.get(topic), now)
+        if replaced:
+            raise DataLossError(replaced)
     unknown = {topic: now for topic, now in current.items()
                if now is not None and topic not in recorded}
     if unknown:
         record_changelog_ids(config, unknown)
+
+
+def replaced_log_reason(config: Config, topic: str, recorded_id: str | None,
+                        current_id: str | None) -> str | None:
+    """Why ``topic`` is not the log the tables were published to, or None (either id
+    unknown: nothing to compare)."""
+    if recorded_id is None or current_id is None or recorded_id == current_id:
+        return None
+    return (f"topic {topic} is not the log this warehouse's tables were published to (topic "
+            f"id {recorded_id}, now {current_id}): the broker restarted empty (the embedded "
+            "broker keeps its data in memory only) or the topic was created again, so its "
+            "compacted view lacks the sessions and attributions published before. Run "
+            f"`clickstream republish` (with the sessionizer stopped) to publish "
+            f"{config.warehouse}'s tables to it as they are, then rerun; to use the new topic "
+            f"for other tables, point {ENV_NAMES['warehouse']} elsewhere")
 
 
 def _logs_file(config: Config) -> Path:

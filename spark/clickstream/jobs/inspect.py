@@ -10,6 +10,11 @@ from typing import Any
 from clickstream.config import Config
 from clickstream.errors import DataLossError
 from clickstream.io.delta_tables import open_tables
+from clickstream.io.kafka_changelog import (
+    changelog_topics,
+    recorded_changelog_ids,
+    replaced_log_reason,
+)
 from clickstream.io.kafka_clients import (
     TOMBSTONE,
     check_no_data_loss,
@@ -53,6 +58,10 @@ def describe_topic(config: Config, topic: str, sample: int = 0) -> list[str]:
     lines = [f"topic {topic} at {config.kafka_bootstrap_servers}: {len(view)} live keys "
              f"(last value per key), {len(last) - len(view)} tombstoned (their last record "
              "is a tombstone: retracted)"]
+    if topic in changelog_topics(config):  # an empty view after a broker's restart says why
+        replaced = replaced_log_reason(config, topic, recorded_changelog_ids(config).get(topic),
+                                       topic_id(config, topic))
+        lines += [f"  {replaced}"] if replaced else []
     for key in sorted(view)[:sample]:
         lines.append(f"  {key}: {json.dumps(view[key])}")
     return lines
