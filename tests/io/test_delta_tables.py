@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from deltalake import DeltaTable, Field, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Field, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction
 from pyspark.sql import DataFrame, SparkSession
@@ -304,6 +304,22 @@ def test_history_carries_commit_metadata_and_app_transaction(tables, spark):
     assert (latest["run_id"], latest["cause"]) == ("r-7", "batch")
     assert (latest["app_id"], latest["app_version"]) == ("stream", 41)
     assert DeltaTable(tables.table_path("orders")).transaction_version("stream") == 41
+
+
+def test_history_flattens_the_metadata_delta_spark_keeps_in_user_metadata(config, tmp_path):
+    """delta-spark's commits carry our metadata as one JSON string (``userMetadata``): read
+    through this engine (the DAG's announcing tasks), a commit looked up by its app id was
+    never found, and announce_merge counted no rows queued ahead of the stream."""
+    from clickstream.io.delta_rs_engine import DeltaRsTables
+
+    path = config.table_path("recompute_queue")
+    write_deltalake(str(path), pa.table({"x": [1]}))  # as delta-spark records it:
+    DeltaTable(str(path)).create_write_transaction(
+        [], mode="append", schema=DeltaTable(str(path)).schema(),
+        commit_properties=CommitProperties(custom_metadata={
+            "userMetadata": '{"app_id": "backfill-ahead-r1", "app_version": 1}'}))
+    latest = DeltaRsTables(config).history("recompute_queue", limit=1)[0]
+    assert (latest["app_id"], latest["app_version"]) == ("backfill-ahead-r1", 1)
 
 
 def test_concurrent_commit_between_write_and_commit_is_retried(config, spark):

@@ -112,6 +112,7 @@ Known edge cases (cited inline as "edge case N"):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -273,8 +274,20 @@ class DeltaRsTables(DeltaTables):
         return None if table is None else table.transaction_version(app_id)
 
     def history(self, name: str, limit: int | None = None) -> list[dict[str, Any]]:
+        """Our metadata at the top of each entry, as deltalake writes it; a delta-spark
+        commit's is in ``userMetadata``, flattened as ``DeltaSparkTables.history`` does (a
+        table one engine wrote is read by the other: the DAG's announcing tasks read with
+        this one)."""
         table = self._load(name)
-        return [] if table is None else table.history(limit)
+        entries = [] if table is None else table.history(limit)
+        for entry in entries:
+            metadata = entry.get("userMetadata")
+            if isinstance(metadata, str):
+                with contextlib.suppress(ValueError):
+                    flattened = json.loads(metadata)
+                    if isinstance(flattened, dict):
+                        entry.update(flattened)
+        return entries
 
     # -- writers ---------------------------------------------------------------------------
 
