@@ -430,9 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Publish every row of the sessions and attributions tables to their "
         "changelog topics at its stored revision, retract keys a topic holds that its table "
         "does not, read the topics back, and record them as the tables' logs. For topics that "
-        "lost their log (the embedded broker restarted empty, a topic created again) or new "
-        "ones (renamed, more partitions): jobs refuse a topic that is not the log the tables "
-        "were published to. Run it with the sessionizer stopped.")
+        "lost their log (the embedded broker restarted empty, a topic created again: jobs "
+        "refuse a topic that is not the log the tables were published to) and after a move to "
+        "new ones (another Kafka, renamed, more partitions: not detected). Run it with the "
+        "sessionizer stopped.")
     _add_config_flags(republish)
     republish.set_defaults(handler=_cmd_republish)
 

@@ -12,7 +12,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError
+from clickstream.errors import ConfigError
 from clickstream.io.kafka_changelog import (
     CHANGELOG_LOGS_FILE,
     check_changelogs_are_the_published_logs,
@@ -97,8 +97,14 @@ def test_the_changelog_logs_are_recorded_per_kafka_address_and_a_damaged_file_is
                          {"sessions": "id-2"})
     record_changelog_ids(config, {"attributions": "id-3"})
     assert recorded_changelog_ids(config) == {"sessions": "id-1", "attributions": "id-3"}
-    (config.warehouse / CHANGELOG_LOGS_FILE).write_text("{not json")
-    with pytest.raises(ClickstreamError, match=r"_clickstream_changelogs\.json is not the JSON "
-                                               r"this product writes .*; delete it and run "
-                                               r"`clickstream republish`"):
-        check_changelogs_are_the_published_logs(config)
+    # One broker named two ways (an Airflow task, a shell) is one Kafka
+    shell = config.replace(kafka_bootstrap_servers="localhost:9092,10.0.0.2:9092")
+    record_changelog_ids(shell, {"sessions": "id-4"})
+    assert recorded_changelog_ids(config.replace(
+        kafka_bootstrap_servers="10.0.0.2:9092, 127.0.0.1:9092")) == {"sessions": "id-4"}
+    for damaged in ("{not json", "[]", '{"127.0.0.1:9092": "id-1"}'):
+        (config.warehouse / CHANGELOG_LOGS_FILE).write_text(damaged)
+        with pytest.raises(ConfigError, match=r"_clickstream_changelogs\.json is not the JSON "
+                                              r"this product writes .*; delete it and run "
+                                              r"`clickstream republish`"):
+            check_changelogs_are_the_published_logs(config)

@@ -239,7 +239,8 @@ def test_a_changelog_the_broker_lost_is_refused_until_republish_makes_it_the_tab
             run_republish(config, spark=spark)
 
         producer = make_producer(config)  # a key the tables do not hold
-        produce_json(producer, config.sessions_topic, "gone", {"session_id": "gone"})
+        produce_json(producer, config.sessions_topic, "gone", {"session_id": "gone",
+                                                               "client_id": "client-00"})
         producer.flush(10)
         summary = run_republish(config, spark=spark, progress=lambda _: None)
         assert (summary.published, summary.tombstones) == (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -20,13 +21,14 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, StructType
 
 from clickstream.config import ENV_NAMES, Config
-from clickstream.errors import ClickstreamError, DataLossError
+from clickstream.errors import ConfigError, DataLossError
 from clickstream.io.kafka_clients import (
     make_consumer,
     produce_records,
     topic_id,
     topic_watermarks,
 )
+from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
 
 # In the warehouse, beside the tables the topics mirror (as the sessionizer's settings file):
@@ -64,9 +66,10 @@ def check_changelogs_are_the_published_logs(config: Config) -> None:
     broker restarted (it keeps its data in memory only) or the topic was created again, so
     its compacted view lacks every session and attribution published before, and a job
     publishing its own changes only would leave it so for good. The first time a warehouse
-    meets a topic at a Kafka address, its id is recorded (a broker without topic ids:
-    nothing to compare): pointed at another Kafka, the tables are not known to be on its
-    topics (README: run ``clickstream republish`` after such a move).
+    meets a topic at a Kafka address, its id is recorded unchecked (a broker without topic
+    ids: nothing to compare): a warehouse meeting a topic first (another Kafka, a renamed
+    topic, this check's first run on older tables) cannot tell whether the tables are on it
+    (README: run ``clickstream republish`` after such a move).
 
     Raises:
         DataLossError: a topic's id is not the recorded one; ``clickstream republish``
@@ -103,39 +106,56 @@ def _logs_file(config: Config) -> Path:
     return config.warehouse / CHANGELOG_LOGS_FILE
 
 
+def kafka_address(config: Config) -> str:
+    """The Kafka a record is kept for: the bootstrap servers, sorted, ``localhost`` as
+    ``127.0.0.1`` (an Airflow task and a shell naming one broker both ways saw two Kafkas:
+    ``republish`` run from one left the other refusing)."""
+    servers = (server.strip().lower() for server in config.kafka_bootstrap_servers.split(","))
+    return ",".join(sorted(re.sub(r"^localhost:", "127.0.0.1:", server)
+                           for server in servers if server))
+
+
 def _recorded(config: Config) -> dict[str, dict[str, str]]:
     path = _logs_file(config)
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        recorded = json.loads(path.read_text())
+        problem = None if isinstance(recorded, dict) and all(
+            isinstance(ids, dict) and all(isinstance(i, str) for i in ids.values())
+            for ids in recorded.values()) else "not {address: {topic: id}}"
     except ValueError as error:
-        raise ClickstreamError(
-            f"{path} is not the JSON this product writes ({error}); delete it and run "
+        problem = str(error)
+    if problem is not None:
+        raise ConfigError(
+            f"{path} is not the JSON this product writes ({problem}); delete it and run "
             "`clickstream republish` (with the sessionizer stopped): it publishes the tables "
-            "to their topics and records them again") from error
+            "to their topics and records them again")
+    return recorded
 
 
 def recorded_changelog_ids(config: Config) -> dict[str, str]:
     """The recorded id of each changelog topic, at this Kafka address, the warehouse's
     tables were published to."""
-    return _recorded(config).get(config.kafka_bootstrap_servers, {})
+    return _recorded(config).get(kafka_address(config), {})
 
 
 def record_changelog_ids(config: Config, ids: Mapping[str, str]) -> None:
     """Record ``ids`` (topic -> id, at this Kafka address) over what is recorded, in one
-    rename."""
+    rename, one writer at a time (two jobs recording at once kept only the later's)."""
     path = _logs_file(config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    recorded = _recorded(config)
-    address = config.kafka_bootstrap_servers
-    recorded[address] = {**recorded.get(address, {}), **ids}
-    text = json.dumps(recorded, indent=1, sort_keys=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text + "\n")
-    os.chmod(temporary, 0o644)  # every user's jobs on the warehouse read it
-    os.replace(temporary, path)
+    with exclusive(config.warehouse / LOCKS_FOLDER / "changelogs.lock"):
+        recorded = _recorded(config)
+        address = kafka_address(config)
+        recorded[address] = {**recorded.get(address, {}), **ids}
+        text = json.dumps(recorded, indent=1, sort_keys=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+        os.chmod(temporary, 0o644)  # every user's jobs on the warehouse read it
+        os.replace(temporary, path)
 
 
 # Spark's ``to_json`` options for the changelog value (the session time zone is UTC, so XXX is
