@@ -175,7 +175,8 @@ def test_a_bad_spark_master_fails_with_one_line_before_spark_starts(tmp_path) ->
      "CLICKSTREAM_ATTRIBUTIONS_TOPIC both name topic 'sessions'"),
     ({"CLICKSTREAM_EVENTS_TOPIC": "web events/v2"}, "CLICKSTREAM_EVENTS_TOPIC='web events/v2' "
      "is not a Kafka topic name; use 1-249 letters, digits, '.', '_' or '-'"),
-    ({"CLICKSTREAM_SESSIONS_TOPIC": "s" * 250}, "is not a Kafka topic name")])
+    ({"CLICKSTREAM_SESSIONS_TOPIC": "s" * 250}, "is not a Kafka topic name"),
+    ({"CLICKSTREAM_SESSIONS_TOPIC": ".."}, "is not a Kafka topic name")])
 def test_topics_kafka_would_refuse_or_two_roles_sharing_one_are_refused(
         env: dict[str, str], complaint: str) -> None:
     """A shared topic passed: the sessionizer would publish its sessions into the topic it

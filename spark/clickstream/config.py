@@ -332,7 +332,8 @@ def _check_topics(config: Config) -> None:
     sessions to the topic it reads, or attributions would replace sessions under their keys."""
     roles = ("events_topic", "sessions_topic", "attributions_topic")
     for name in roles:
-        if not _TOPIC_NAME.fullmatch(getattr(config, name)):
+        if not _TOPIC_NAME.fullmatch(getattr(config, name)) or getattr(config, name) in (
+                ".", ".."):
             raise ConfigError(f"{_setting_value(name, getattr(config, name))} is not a Kafka "
                               "topic name; use 1-249 letters, digits, '.', '_' or '-'")
     for i, name in enumerate(roles):

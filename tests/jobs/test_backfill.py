@@ -1307,6 +1307,8 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
             (json.dumps(order_row("o9", "u", 1), default=str) + "\n").encode(encoding))
     (landing / "u16csv").mkdir()
     (landing / "u16csv" / "a.csv").write_bytes((header + row).encode("utf-16"))
+    (landing / "u32").mkdir()  # its byte-order mark starts as UTF-16LE's
+    (landing / "u32" / "a.csv").write_bytes((header + row).encode("utf-32"))
 
     refusals = {
         "b/_orders.csv": "name starting with '.' or '_', which Spark skips as hidden",
@@ -1324,6 +1326,7 @@ def test_batches_spark_would_misread_are_refused_with_their_reason(
                r"-f UTF-16LE -t UTF-8",
         "u16be": r"a\.jsonl is UTF-16BE text, not UTF-8",
         "u16csv": r"a\.csv is UTF-16LE text, not UTF-8",
+        "u32": r"a\.csv is UTF-32 text, not UTF-8",
         "bad\x00name": "cannot name a file here",
         ".": "is the landing folder itself",
         "a" * 300: "cannot name a file here",
@@ -1752,7 +1755,7 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
     (stream_config.landing / "excel" / "a.csv").write_text(
         "event_id,client_id,user_id,ts,url,referrer\r\n"
         'x1,client-00,u1,2026-11-01T00:03:00Z,/x,"two\nlines"\r\n'
-        "x2,client-00,u1,2026-11-01T00:04:00Z,/y,/r\r\n")
+        "x2,client-00,u1,2026-11-01T00:04:00Z,/y,/r\r\n\n")  # a blank line added after
     run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
                  path="excel")
     assert {r["event_id"]: r["referrer"] for r in table_rows(stream_config, spark,

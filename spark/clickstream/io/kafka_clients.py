@@ -90,6 +90,7 @@ class RepeatedLogFilter(logging.Filter):
         self.window_s = window_s
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # key -> (shown at, hidden)
+        self._prune_at = self.MAX_REMEMBERED
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -102,9 +103,10 @@ class RepeatedLogFilter(logging.Filter):
                 self._seen[key] = (shown_at, hidden + 1)
                 return False
             self._seen[key] = (now, 0)
-            if len(self._seen) > self.MAX_REMEMBERED:
+            if len(self._seen) > self._prune_at:  # doubling: not a scan per message
                 self._seen = {k: seen for k, seen in self._seen.items()
                               if now - seen[0] < self.window_s}
+                self._prune_at = max(self.MAX_REMEMBERED, 2 * len(self._seen))
         if shown_at is None:
             record.msg = (f"{record.msg} (repeats of this message are shown once every "
                           f"{self.window_s:g} s)")

@@ -224,12 +224,15 @@ def packed_file_reason(path: Path) -> str | None:
 
 
 def utf16_reason(path: Path) -> str | None:
-    """(B25) Which UTF-16 a CSV or JSON Lines file is written in, or None. PowerShell and
-    Excel's 'Unicode text' write it: read as UTF-8, a CSV header lacked every column, and
-    JSON Lines' lines were quarantined as bad JSON, one a lone NUL that was no record."""
+    """(B25) Which UTF-16 (or UTF-32) a CSV or JSON Lines file is written in, or None.
+    PowerShell and Excel's 'Unicode text' write UTF-16: read as UTF-8, a CSV header lacked
+    every column, and JSON Lines' lines were quarantined as bad JSON, one a lone NUL that was
+    no record."""
     with path.open("rb") as file:
         start = file.read(16)
     even = start[: len(start) // 2 * 2]
+    if start.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32"
     if start.startswith(b"\xff\xfe") or (len(even) >= 4 and not any(even[1::2])
                                          and all(even[0::2])):
         return "UTF-16LE"
@@ -482,8 +485,8 @@ def _malformed_records(path: Path) -> tuple[int, str] | None:
         rows = csv.reader(lines() if mixed else text, strict=True)
         starts_at, first_break = 1, None
         try:
-            for _ in rows:
-                if mixed:  # the record's last line: what ends it ends the record
+            for row in rows:
+                if mixed and row:  # the record's last line (a blank line is no record)
                     ending = next((e for e in _LINE_BREAKS if last_line[0].endswith(e)), None)
                     first_break = first_break or ending
                     if ending is not None and ending != first_break:
