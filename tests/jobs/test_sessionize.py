@@ -161,7 +161,7 @@ def test_stream_gives_sessions_equal_to_a_straightforward_recomputation(
 
 
 def test_duplicates_and_reordering_within_the_watermark_change_nothing(
-    stream_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession, broker: EmbeddedBroker
 ) -> None:
     clean = live_records(SCALE, Delivery(late_fraction=0, duplicate_fraction=0, bad_fraction=0,
                                          jitter_seconds=1), seed=9)
@@ -174,6 +174,8 @@ def test_duplicates_and_reordering_within_the_watermark_change_nothing(
         events_topic=stream_config.events_topic + "-b",
         sessions_topic=stream_config.sessions_topic + "-b",
         attributions_topic=stream_config.attributions_topic + "-b")
+    for topic in (second.events_topic, second.sessions_topic, second.attributions_topic):
+        broker.create_topic(topic, 4)  # the sessionizer starts only with its changelog topics
     produce(first, clean)
     run_sessionizer(first, until_caught_up=True, spark=spark)
     produce(second, messy)
