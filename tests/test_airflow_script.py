@@ -85,10 +85,11 @@ def test_a_broker_that_cannot_start_stops_the_start_with_its_reason(tmp_path):
                                 **environment, "AIRFLOW_HOME": str(tmp_path / "airflow"),
                                 "CLICKSTREAM_HOME": str(tmp_path / "home"),
                                 "AIRFLOW_PORT": "18791", "CLICKSTREAM_BROKER_PORT": "19791",
-                                "CLICKSTREAM_SESSION_GAP": "thirty"})
+                                "CLICKSTREAM_EVENTS_TOPIC": "web events"})  # it reads that
     assert result.stdout.strip().endswith("rc=1"), result.stdout + result.stderr
     assert "the embedded broker did not start" in result.stderr
-    assert "CLICKSTREAM_SESSION_GAP='thirty' is not a duration" in result.stderr
+    assert ("CLICKSTREAM_EVENTS_TOPIC='web events' is not a Kafka topic name"
+            in result.stderr)
     assert "Airflow components" not in result.stdout
 
 
