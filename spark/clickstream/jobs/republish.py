@@ -89,6 +89,7 @@ def run_republish(config: Config, *, spark: SparkSession | None = None,
         specs = [spec for spec in (SESSIONS, ATTRIBUTIONS) if tables.exists(spec.name)]
         clients = sorted({row.client_id for spec in specs for row in tables.read(
             spec.name, ["client_id"]).distinct().collect()})
+        locked = set(clients)  # looked up per key of the topics' views
         _allow_open_files(len(clients))
         for client in clients:  # in one order: two republishes never hold each other's
             corrections_held.enter_context(one_run_at_a_time(config, client, progress))
@@ -102,13 +103,13 @@ def run_republish(config: Config, *, spark: SparkSession | None = None,
                 stored = dict(zip(columns.column(0).to_pylist(), columns.column(1).to_pylist(),
                                   strict=True))
                 stale = sorted(k for k, (client, _) in before[topic].items()
-                               if client in clients and k not in stored)
+                               if client in locked and k not in stored)
                 if stale:  # (a topic the tables once published to, with keys they lost since)
                     publish_pairs(config, topic, spark.createDataFrame(
                         [(k, None) for k in stale], "key string, value string"))
                 summary.tombstones[topic] = len(stale)
                 summary.published[topic] = publish_rows(config, topic, rows, spec)
-                _check_read_back(config, topic, spec.name, key, stored, set(clients))
+                _check_read_back(config, topic, spec.name, key, stored, locked)
                 progress(f"republish: {spec.name} -> topic {topic}: "
                          f"{summary.published[topic]} rows, {len(stale)} tombstones")
             finally:
