@@ -9,9 +9,7 @@ so a batch replayed after a crash may simply publish again.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -20,12 +18,13 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, StructType
 
+from clickstream.atomic_files import write_atomically
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import ConfigError, DataLossError
 from clickstream.io.kafka_clients import (
     make_consumer,
     produce_records,
-    topic_id,
+    topic_ids,
     topic_watermarks,
 )
 from clickstream.locks import LOCKS_FOLDER, exclusive
@@ -76,7 +75,7 @@ def check_changelogs_are_the_published_logs(config: Config) -> None:
             publishes the tables to the topics as they are and records them.
     """
     recorded = recorded_changelog_ids(config)
-    current = {topic: topic_id(config, topic) for topic in changelog_topics(config)}
+    current = topic_ids(config, changelog_topics(config))
     for topic, now in current.items():
         replaced = replaced_log_reason(config, topic, recorded.get(topic), now)
         if replaced:
@@ -144,18 +143,11 @@ def record_changelog_ids(config: Config, ids: Mapping[str, str]) -> None:
     """Record ``ids`` (topic -> id, at this Kafka address) over what is recorded, in one
     rename, one writer at a time (two jobs recording at once kept only the later's)."""
     path = _logs_file(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(config.warehouse / LOCKS_FOLDER / "changelogs.lock"):
         recorded = _recorded(config)
         address = kafka_address(config)
         recorded[address] = {**recorded.get(address, {}), **ids}
-        text = json.dumps(recorded, indent=1, sort_keys=True)
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-        os.chmod(temporary, 0o644)  # every user's jobs on the warehouse read it
-        os.replace(temporary, path)
+        write_atomically(path, json.dumps(recorded, indent=1, sort_keys=True) + "\n")
 
 
 # Spark's ``to_json`` options for the changelog value (the session time zone is UTC, so XXX is

@@ -22,6 +22,7 @@ Delivery guarantees:
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -29,7 +30,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import date, datetime
 from decimal import Decimal
@@ -650,24 +651,33 @@ def topic_id(config: Config, topic: str, *, attempts: int = 5, timeout_s: float 
         KafkaRefusedError: The broker refuses the client for good (authorization, TLS).
         ClickstreamError: The broker answers but does not know the topic.
     """
+    return topic_ids(config, [topic], attempts=attempts, timeout_s=timeout_s)[topic]
+
+
+def topic_ids(config: Config, topics: Sequence[str], *, attempts: int = 5,
+              timeout_s: float = 5.0) -> dict[str, str | None]:
+    """:func:`topic_id` of each topic, asked through one client (a check of every changelog
+    topic built a client per topic)."""
     admin = _created(AdminClient, _merge(config, {}, {}), config)
+    return {topic: _asked(config, topic, functools.partial(_described_id, admin, topic,
+                                                           timeout_s), attempts, timeout_s)
+            for topic in topics}
 
-    def ask() -> str | None:
-        try:
-            described = admin.describe_topics(TopicCollection([topic]),
-                                              request_timeout=timeout_s)[topic].result()
-        except KafkaException as exc:
-            cause = exc.args[0] if exc.args else None
-            if isinstance(cause, KafkaError) and cause.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-                raise _UnknownTopic(cause.str()) from exc
-            raise
-        found = described.topic_id
-        if found is None or (found.get_most_significant_bits() == 0
-                             and found.get_least_significant_bits() == 0):
-            return None
-        return str(found)
 
-    return _asked(config, topic, ask, attempts, timeout_s)
+def _described_id(admin: AdminClient, topic: str, timeout_s: float) -> str | None:
+    try:
+        described = admin.describe_topics(TopicCollection([topic]),
+                                          request_timeout=timeout_s)[topic].result()
+    except KafkaException as exc:
+        cause = exc.args[0] if exc.args else None
+        if isinstance(cause, KafkaError) and cause.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            raise _UnknownTopic(cause.str()) from exc
+        raise
+    found = described.topic_id
+    if found is None or (found.get_most_significant_bits() == 0
+                         and found.get_least_significant_bits() == 0):
+        return None
+    return str(found)
 
 
 def check_same_log(topic: str, read_id: str | None, current_id: str | None) -> None:

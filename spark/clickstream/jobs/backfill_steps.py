@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from clickstream.atomic_files import write_atomically
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError, ConfigError
 from clickstream.io.delta_tables import DeltaTables, open_tables
@@ -841,10 +842,10 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
             progress(f"report: {page}")
         raise
     target = step_result_path(config, run_id, step, dry_run)
-    reports.write_atomically(target, json.dumps(result, indent=1, default=str))
+    write_atomically(target, json.dumps(result, indent=1, default=str))
     seconds = {**(load_step_result(config, run_id, SECONDS, dry_run) or {}),
                step: round(time.monotonic() - started, 1)}
-    reports.write_atomically(step_result_path(config, run_id, SECONDS, dry_run),
+    write_atomically(step_result_path(config, run_id, SECONDS, dry_run),
                              json.dumps(seconds))
     return result
 

@@ -112,6 +112,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from clickstream.atomic_files import write_atomically
 from clickstream.config import Config
 from clickstream.errors import (
     ClickstreamError,
@@ -373,7 +374,7 @@ def save_result(config: Config, name: str, summary: RecomputeSummary, *,
     changed = set(summary.changed_tables())
     changed |= set(changed_tables_saved(config, name) if earlier is None else earlier)
     path.parent.mkdir(parents=True, exist_ok=True)
-    reports.write_atomically(path, json.dumps({"changed_tables": sorted(changed),
+    write_atomically(path, json.dumps({"changed_tables": sorted(changed),
                                                "working_on": working_on}))
     return path
 

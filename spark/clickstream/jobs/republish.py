@@ -35,7 +35,7 @@ from clickstream.io.kafka_changelog import (
     publish_rows,
     record_changelog_ids,
 )
-from clickstream.io.kafka_clients import read_compacted, topic_id, topic_watermarks
+from clickstream.io.kafka_clients import read_compacted, topic_ids, topic_watermarks
 from clickstream.jobs.corrections import one_run_at_a_time
 from clickstream.jobs.sessionize import warehouse_sessionizer_lock_path
 from clickstream.locks import exclusive_or_refuse
@@ -114,7 +114,7 @@ def run_republish(config: Config, *, spark: SparkSession | None = None,
                          f"{summary.published[topic]} rows, {len(stale)} tombstones")
             finally:
                 release(rows)
-        summary.topic_ids = {topic: topic_id(config, topic) for topic in topics.values()}
+        summary.topic_ids = topic_ids(config, list(topics.values()))
         record_changelog_ids(config, {t: i for t, i in summary.topic_ids.items() if i})
     summary.seconds = time.monotonic() - started
     return summary

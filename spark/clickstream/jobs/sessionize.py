@@ -182,6 +182,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.util import inheritable_thread_target
 
 from clickstream import errors
+from clickstream.atomic_files import write_atomically
 from clickstream.config import ENV_NAMES, Config
 from clickstream.events import contract
 from clickstream.events.parse import parse_kafka_records
@@ -194,7 +195,6 @@ from clickstream.io.kafka_changelog import (
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse, held
-from clickstream.quality import reports
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -453,7 +453,7 @@ def pin_session_settings(checkpoint: Path, config: Config) -> None:
                 f"{current['state_buckets']}: move the checkpoint folder away and run "
                 "`clickstream recompute --full --client C` for every client")
         return
-    reports.write_atomically(path, json.dumps(current))  # whole or not at all
+    write_atomically(path, json.dumps(current))  # whole or not at all
 
 
 def pin_history(checkpoint: Path, config: Config, tables: DeltaTables,
@@ -475,7 +475,7 @@ def pin_history(checkpoint: Path, config: Config, tables: DeltaTables,
             f"tables hold ({records_lock_path(config)}) ...", flush=True),
             abandon=_stop_at_once(stop_now, "before its first micro-batch, and read nothing")):
         until = stored_history_until(tables, config.session_gap_ms)
-        reports.write_atomically(checkpoint / HISTORY_FILE, json.dumps(until, sort_keys=True))
+        write_atomically(checkpoint / HISTORY_FILE, json.dumps(until, sort_keys=True))
     if until:
         print(f"sessionize: the tables hold {len(until)} clients' history; records up to one "
               "session gap after each client's latest stored pageview or order are late for "
@@ -521,7 +521,7 @@ def is_history(until: Mapping[str, int] | None) -> Column:
 def record_stream_settings(config: Config) -> None:
     """Note in the warehouse which checkpoint its sessionizer runs on, and the topics it
     publishes to (Z17), at each start: the last one started is the warehouse's."""
-    reports.write_atomically(config.warehouse / STREAM_SETTINGS_FILE, json.dumps({
+    write_atomically(config.warehouse / STREAM_SETTINGS_FILE, json.dumps({
         "checkpoint": str(config.checkpoint_path(JOB).resolve()),
         "home": str(config.home.resolve()), "sessions_topic": config.sessions_topic,
         "attributions_topic": config.attributions_topic}))

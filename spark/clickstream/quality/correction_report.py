@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from clickstream.atomic_files import write_atomically
 from clickstream.key_copies import COPIES_BY, pair_copies
 from clickstream.quality import reports
 from clickstream.quality.checks import run_commit_version
@@ -220,7 +221,7 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         + f"<h2>Quality gates of this run</h2><ul>{gate_links}</ul>"
         + "<details><summary>summary as recorded</summary><pre>"
         + html.escape(str(asdict(summary))) + "</pre></details>")
-    reports.write_atomically(target, reports.page(f"Corrections of {job} {run_id}", body,
+    write_atomically(target, reports.page(f"Corrections of {job} {run_id}", body,
                                                   depth=DEPTH))
     reports.record(config, reports.ReportEntry(
         time=moment.isoformat(), job=job, run_id=run_id, kind="corrections",

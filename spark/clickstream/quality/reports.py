@@ -41,15 +41,14 @@ import functools
 import hashlib
 import html
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clickstream.atomic_files import write_atomically
 from clickstream.config import Config
 from clickstream.locks import exclusive
 from clickstream.quality import suites
@@ -126,16 +125,6 @@ def now_utc() -> dt.datetime:
 
 def _locked(root: Path) -> contextlib.AbstractContextManager[None]:
     return exclusive(root / ".lock")  # (R1)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename (readers see the old or the new file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, path)
 
 
 def record(config: Config, entry: ReportEntry) -> Path:

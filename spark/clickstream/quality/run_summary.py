@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from clickstream.atomic_files import write_atomically
 from clickstream.config import Config
 from clickstream.errors import typed_error_line
 from clickstream.quality import reports
@@ -103,7 +104,7 @@ def _write(config: Config, *, run_id: str, client_id: str, lines: Lines, failed:
     rows = "".join(f"<tr><th>{html.escape(step)}</th><td>{html.escape(text)}</td></tr>"
                    for step, text in lines)
     outcome = f"<p>{reports.status_badge(status)}</p>" if failed else ""
-    reports.write_atomically(target, reports.page(
+    write_atomically(target, reports.page(
         title, f"{outcome}<p>{about}</p><table>{rows}</table>{details}", depth=1))
     summary = " | ".join(f"{step}: {text}" for step, text in lines)
     reports.record(config, reports.ReportEntry(
