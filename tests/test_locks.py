@@ -72,7 +72,7 @@ def test_held_tells_a_holder_without_taking_the_lock(tmp_path: Path) -> None:
         holder.kill()
         holder.wait(timeout=30)
     assert not held(path)  # its holder killed
-    with exclusive_or_refuse(path, refuse=lambda holder: AssertionError(holder)):
+    with exclusive_or_refuse(path, refuse=lambda holder: AssertionError(holder), role="a test"):
         assert held(path)
 
 
@@ -117,7 +117,7 @@ def test_held_finds_a_holder_that_proc_locks_leaves_out(
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         assert held(path)
         with pytest.raises(LookupError), exclusive_or_refuse(  # still its holder's
-                path, refuse=lambda pid: LookupError(pid)):
+                path, refuse=lambda holder: LookupError(holder), role="a test"):
             pass
     finally:
         holder.kill()

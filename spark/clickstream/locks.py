@@ -13,6 +13,7 @@ import fcntl
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -143,17 +144,31 @@ def exclusive(path: Path, on_wait: Callable[[], None] | None = None,
         yield
 
 
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock taken by :func:`exclusive_or_refuse`, as it wrote itself in the file."""
+
+    pid: str
+    role: str | None  # None: a holder that wrote no role (an older release's)
+
+    def __str__(self) -> str:
+        return f"{self.role or 'a process'} (pid {self.pid})"
+
+
 @contextlib.contextmanager
-def exclusive_or_refuse(path: Path, refuse: Callable[[str], Exception]) -> Iterator[None]:
+def exclusive_or_refuse(path: Path, refuse: Callable[[Holder], Exception], role: str
+                        ) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` for as long as this process works, or raise
-    ``refuse(holder)`` at once when another process holds it (``holder``: its pid, which the
-    holder writes into the file). For a service of which one copy may run, not for a turn."""
+    ``refuse(holder)`` at once when another process holds it. The holder writes its pid and
+    ``role`` (e.g. "a sessionizer") into the file: two kinds of job take one lock, and the
+    refused one is told which it met. For a service of which one copy may run, not a turn."""
     def refuse_now(handle: IO[str]) -> None:
         handle.seek(0)
-        raise refuse(handle.read().strip() or "unknown") from None
+        pid, _, written_role = handle.read().strip().partition(" ")
+        raise refuse(Holder(pid or "unknown", written_role or None)) from None
 
     with _locked(path, refuse_now) as handle:
         handle.truncate(0)
-        handle.write(str(os.getpid()))
+        handle.write(f"{os.getpid()} {role}")
         handle.flush()
         yield

@@ -42,7 +42,9 @@ from clickstream.jobs import sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
+from clickstream.jobs.republish import REPUBLISH_ROLE, run_republish
 from clickstream.jobs.sessionize import (
+    SESSIONIZER_ROLE,
     MicroBatchWriter,
     SessionizeSummary,
     StopBeforeMicroBatch,
@@ -988,8 +990,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from clickstream.locks import exclusive_or_refuse
 with ExitStack() as held:
-    for path in sys.argv[1:]:
-        held.enter_context(exclusive_or_refuse(Path(path), RuntimeError))
+    for path in sys.argv[2:]:
+        held.enter_context(exclusive_or_refuse(Path(path), RuntimeError, sys.argv[1]))
     print("held", flush=True)
     time.sleep(120)
 """
@@ -1005,7 +1007,7 @@ def test_a_second_sessionizer_on_the_checkpoint_or_warehouse_is_refused_at_once(
     checkpoint = stream_config.checkpoint_path("sessionize")
     produce(stream_config, [pageview("u", datetime(2026, 11, 1, tzinfo=UTC), "p1")])
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_SESSIONIZER_LOCKS,
+        [sys.executable, "-c", HOLD_THE_SESSIONIZER_LOCKS, SESSIONIZER_ROLE,
          str(sessionizer_lock_path(stream_config)),
          str(warehouse_sessionizer_lock_path(stream_config))], stdout=subprocess.PIPE, text=True)
     try:
@@ -1030,6 +1032,28 @@ def test_a_second_sessionizer_on_the_checkpoint_or_warehouse_is_refused_at_once(
     finally:
         holder.kill()  # SIGKILL: the lock goes with its holder
         holder.wait(timeout=30)
+
+    # `republish` takes the warehouse's lock too: each is told which it met (both used to be
+    # told "a sessionizer runs").
+    republishing = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_SESSIONIZER_LOCKS, REPUBLISH_ROLE,
+         str(warehouse_sessionizer_lock_path(stream_config))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert republishing.stdout is not None
+        assert republishing.stdout.readline().strip() == "held"
+        with pytest.raises(ClickstreamError) as refused:
+            run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+        assert str(refused.value).startswith(
+            f"a `clickstream republish` (pid {republishing.pid}) holds "
+            f"{warehouse_sessionizer_lock_path(stream_config)}: it publishes the warehouse ")
+        with pytest.raises(ClickstreamError) as second:
+            run_republish(stream_config, spark=spark)
+        assert str(second.value).startswith(
+            f"another `clickstream republish` (pid {republishing.pid}) is publishing the "
+            f"warehouse {stream_config.warehouse}'s tables")
+    finally:
+        republishing.kill()
+        republishing.wait(timeout=30)
 
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert [row["event_id"] for row in table_rows(stream_config, spark, "pageviews")] == ["p1"]

@@ -38,10 +38,12 @@ from clickstream.io.kafka_changelog import (
 from clickstream.io.kafka_clients import read_compacted, topic_ids, topic_watermarks
 from clickstream.jobs.corrections import one_run_at_a_time
 from clickstream.jobs.sessionize import warehouse_sessionizer_lock_path
-from clickstream.locks import exclusive_or_refuse
+from clickstream.locks import Holder, exclusive_or_refuse
 from clickstream.progress import Progress
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import ATTRIBUTIONS, SESSIONS
+
+REPUBLISH_ROLE = "a `clickstream republish`"  # written into the sessionizer's lock
 
 
 @dataclass
@@ -75,16 +77,22 @@ def run_republish(config: Config, *, spark: SparkSession | None = None,
     topics = dict(zip((SESSIONS.name, ATTRIBUTIONS.name), changelog_topics(config), strict=True))
     before = {topic: _view(config, topic) for topic in topics.values()}
 
-    def refuse(holder: str) -> ClickstreamError:
+    def refuse(holder: Holder) -> ClickstreamError:
+        if holder.role == REPUBLISH_ROLE:
+            return ClickstreamError(
+                f"another `clickstream republish` (pid {holder.pid}) is publishing the warehouse "
+                f"{config.warehouse}'s tables to their topics; let it end (it records the "
+                "topics when done) rather than run a second one beside it")
         return ClickstreamError(
-            f"a sessionizer (pid {holder}) runs on the warehouse {config.warehouse}: it "
+            f"a sessionizer (pid {holder.pid}) runs on the warehouse {config.warehouse}: it "
             "publishes sessions as it goes, and an older revision republished beside it could "
             "follow its newer one; stop it, run `clickstream republish`, then start it again")
 
     spark = spark or build_spark(config, "clickstream-republish")
     tables = open_tables(config, spark)
     summary = RepublishSummary()
-    with exclusive_or_refuse(warehouse_sessionizer_lock_path(config), refuse), \
+    with exclusive_or_refuse(warehouse_sessionizer_lock_path(config), refuse,
+                             REPUBLISH_ROLE), \
             ExitStack() as corrections_held:
         specs = [spec for spec in (SESSIONS, ATTRIBUTIONS) if tables.exists(spec.name)]
         clients = sorted({row.client_id for spec in specs for row in tables.read(

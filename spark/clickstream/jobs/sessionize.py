@@ -194,7 +194,7 @@ from clickstream.io.kafka_changelog import (
 )
 from clickstream.io.kafka_clients import topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
-from clickstream.locks import LOCKS_FOLDER, exclusive, exclusive_or_refuse, held
+from clickstream.locks import LOCKS_FOLDER, Holder, exclusive, exclusive_or_refuse, held
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -1026,6 +1026,9 @@ def warehouse_sessionizer_lock_path(config: Config) -> Path:
     return config.warehouse / LOCKS_FOLDER / "sessionizer.lock"
 
 
+SESSIONIZER_ROLE = "a sessionizer"  # written into its locks (``locks.Holder``)
+
+
 @contextmanager
 def sessionizer_lock(config: Config) -> Iterator[None]:
     """Held for a whole run; a second run on the checkpoint, or on the warehouse with another
@@ -1034,26 +1037,33 @@ def sessionizer_lock(config: Config) -> Iterator[None]:
     let_it_run = ("Stop that one first, or let it run: the `sessionizer` DAG starts one "
                   "whenever it is unpaused, and `--until-caught-up` ends once it caught up")
 
-    def refuse(holder: str) -> errors.ClickstreamError:
+    def refuse(holder: Holder) -> errors.ClickstreamError:
         return errors.ClickstreamError(
-            f"another sessionizer (pid {holder}) is running on the checkpoint {checkpoint} "
+            f"another sessionizer (pid {holder.pid}) is running on the checkpoint {checkpoint} "
             f"(it holds {sessionizer_lock_path(config)}): two would run the same micro-batches "
             f"at once. {let_it_run}")
 
-    def refuse_beside(holder: str) -> errors.ClickstreamError:
+    def refuse_beside(holder: Holder) -> errors.ClickstreamError:
+        if holder.role not in (None, SESSIONIZER_ROLE):  # `republish`, which also takes it
+            return errors.ClickstreamError(
+                f"{holder} holds {warehouse_sessionizer_lock_path(config)}: it publishes the "
+                f"warehouse {config.warehouse}'s tables to their topics, and the stream's "
+                "sessions published beside it could be overtaken by older revisions; start "
+                "the sessionizer once it has ended")
         noted = config.warehouse / STREAM_SETTINGS_FILE  # the running one's (Z17)
         theirs = (f" on the checkpoint {_noted_stream(noted)['checkpoint']}"
                   if noted.exists() else "")
         return errors.ClickstreamError(
-            f"another sessionizer (pid {holder}) is running{theirs} into the warehouse "
+            f"another sessionizer (pid {holder.pid}) is running{theirs} into the warehouse "
             f"{config.warehouse} (it holds {warehouse_sessionizer_lock_path(config)}): this "
             f"one, on the checkpoint {checkpoint}, would sessionize the same events into the "
             f"same tables and topics beside it. {let_it_run}. To move the stream to this "
             f"{ENV_NAMES['home']}, stop that one first (a new checkpoint reads the events "
             "topic from its start: README, Known limits)")
 
-    with (exclusive_or_refuse(sessionizer_lock_path(config), refuse),
-          exclusive_or_refuse(warehouse_sessionizer_lock_path(config), refuse_beside)):
+    with (exclusive_or_refuse(sessionizer_lock_path(config), refuse, SESSIONIZER_ROLE),
+          exclusive_or_refuse(warehouse_sessionizer_lock_path(config), refuse_beside,
+                              SESSIONIZER_ROLE)):
         yield
 
 
