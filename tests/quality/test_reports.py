@@ -122,7 +122,7 @@ def test_a_rerun_that_passes_the_failed_gate_turns_its_run_green(config: Config)
     index = (root / "index.html").read_text()
     rows = {r[2]: r[4] for r in parse(root / "index.html").rows if len(r) == 6}
     assert rows == {"rerun": "passed", "other": "failed"}
-    assert "2 runs: 1 failed, 0 with warnings, 1 passed" in index
+    assert "2 runs: 1 failed, 0 with warnings, 1 passed, 0 without a gate's result" in index
     # the earlier failure stays linked, marked superseded; the later attempt is not
     assert failed.report is not None and passed.report is not None
     for report, superseded in ((failed.report, True), (passed.report, False)):
@@ -157,8 +157,12 @@ def test_a_real_run_supersedes_the_failed_dry_run_of_its_batch_not_the_converse(
     entry("fixed", 2, RUN_SUMMARY, "info")
     entry("dry-after", 1, RUN_SUMMARY, "info")
     entry("dry-after", 2, DRY_RUN, "failed")
-    rows = {r[2]: r[4] for r in parse(reports_dir(config) / "index.html").rows if len(r) == 6}
+    index = reports_dir(config) / "index.html"
+    rows = {r[2]: r[4] for r in parse(index).rows if len(r) == 6}
     assert rows == {"fixed": "info", "dry-after": "failed"}
+    # counted: a run with no gate's result (gates off) was in the total only
+    assert ("2 runs: 1 failed, 0 with warnings, 0 passed, 1 without a gate's result"
+            in index.read_text())
 
 
 def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: Config) -> None:

@@ -239,10 +239,11 @@ def _rebuild_index(root: Path) -> Path:
             f"<tr><td>{name}</td><td class='num'>{html.escape(str(meta.get('version', '?')))}"
             f"</td><td>{html.escape(str(meta.get('step', '')))}</td>"
             f"<td>{html.escape(str(meta.get('on_failure', '')))}</td></tr>")
-    counts = {s: statuses.count(s) for s in ("failed", "warning", "passed")}
-    body = (
+    counts = {s: statuses.count(s) for s in ("failed", "warning", "passed", "info")}
+    body = (  # "info": a run with no gate's result (gates off, a summary page alone)
         f"<p>{len(runs)} runs: {counts['failed']} failed, {counts['warning']} with warnings, "
-        f"{counts['passed']} passed. Newest first; updated "
+        f"{counts['passed']} passed, {counts['info']} without a gate's result. Newest "
+        "first; updated "
         f"{html.escape(now_utc().strftime('%Y-%m-%d %H:%M:%S UTC'))}. Each link opens a "
         "Great Expectations Data Docs page of one gate's validation, or a run's correction "
         "report; colour = result.</p>"
