@@ -54,6 +54,11 @@ class CommitConflictError(ClickstreamError):
     """Raised when a Delta commit still conflicts after every retry."""
 
 
+class TableRefusedError(ClickstreamError):
+    """Raised when Delta refuses a write for good (a table feature the engine cannot write, an
+    append-only table): no retry commits it until the table changes."""
+
+
 class BatchRefusedError(ClickstreamError):
     """Raised when a historical batch is refused as a whole (path, schema or client mismatch)."""
 
@@ -74,7 +79,7 @@ class PlanNotAppliedError(QualityGateFailedError):
 
 NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
     BatchRefusedError, ConfigError, DataLossError, KafkaRefusedError, QualityGateFailedError,
-    VersionVacuumedError)
+    TableRefusedError, VersionVacuumedError)
 """Failures a retry cannot fix: the same input gives the same refusal (records the broker
 dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""

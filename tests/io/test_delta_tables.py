@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import json
 import logging
 import os
 import subprocess
@@ -29,6 +31,7 @@ from clickstream.errors import (
     ClickstreamError,
     CommitConflictError,
     ConfigError,
+    TableRefusedError,
     VersionVacuumedError,
 )
 from clickstream.events.contract import CLIENT_ID_MAX_BYTES
@@ -450,6 +453,66 @@ def test_a_call_whose_acknowledgement_was_lost_reports_its_commit(config, spark,
     assert [h.get("app_id") for h in tables.history("orders", limit=1)] == ["mine"]
     assert sorted((r.order_id, r.amount) for r in tables.read("orders").collect()) == [
         ("o1", Decimal("5.0000")), ("o2", Decimal("2.0000"))]
+
+
+@pytest.mark.parametrize("step", ["empty append", "step record", "delete emptying its file"])
+def test_a_call_with_no_files_whose_acknowledgement_was_lost_reports_its_commit(
+        config, spark, monkeypatch, step):
+    """Edge case 17 for a commit adding no file (an empty micro-batch or plan, a delete that
+    empties every file it rewrites): told by its files, the retry took its own commit for
+    another run's and reported nothing committed. Fault injection as above."""
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
+                       version=1, partition_by=PARTS, metadata=META)
+    calls = land_then_raise_once(monkeypatch,
+                                 CommitFailedError("the commit's acknowledgement was lost"))
+    before = tables.version("orders")
+    if step == "empty append":
+        assert tables.append_once("orders", orders(spark), app_id="mine", version=1,
+                                  partition_by=PARTS, metadata=META) == AppendResult(
+            committed=True, rows=0)
+    elif step == "step record":
+        assert tables.upsert("orders", orders(spark), keys=["client_id", "order_id"],
+                             app_id="mine", version=1, metadata=META) == UpsertResult(0, 0)
+    else:
+        gone = orders(spark, ("o1", "c1", D1, "0")).select("client_id", "order_id")
+        assert tables.delete_rows("orders", gone, keys=["client_id", "order_id"],
+                                  partition_filter={"client_id": "c1"}, app_id="mine",
+                                  version=1, metadata=META) == DeleteResult(1, True)
+    assert calls == [before]  # one commit: the retry saw the step done, wrote nothing
+    assert tables.version("orders") == before + 1 and tables.app_version("orders", "mine") == 1
+
+
+@pytest.mark.parametrize("refusal", ["a writer feature", "append-only"])
+def test_a_commit_delta_refuses_for_good_is_not_retried_as_a_conflict(config, spark, refusal):
+    """(Edge case 20) deltalake raises CommitFailedError for a refusal too: it was tried six
+    times, rewriting the files each time, and reported "still conflicted" (retried by
+    Airflow). The table did not move between the attempts: refused at once, with the reason."""
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
+                       version=1, partition_by=PARTS, metadata=META)
+    path = tables.table_path("orders")
+    if refusal == "append-only":
+        DeltaTable(path).alter.set_table_properties({"delta.appendOnly": "true"})
+        write = functools.partial(tables.upsert, "orders", orders(spark, ("o1", "c1", D1, "2")),
+                                  keys=["client_id", "order_id"])
+        reason = "append-only"
+    else:  # as delta-spark upgrades a table on the cluster profile (liquid clustering)
+        version = DeltaTable(path).version() + 1
+        (Path(path) / "_delta_log" / f"{version:020d}.json").write_text(json.dumps({
+            "protocol": {"minReaderVersion": 3, "minWriterVersion": 7,
+                         "readerFeatures": ["v2Checkpoint"],
+                         "writerFeatures": ["v2Checkpoint", "clustering", "domainMetadata"]}}
+        ) + "\n")
+        write = functools.partial(tables.append_once, "orders",
+                                  orders(spark, ("o2", "c1", D1, "2")), partition_by=PARTS)
+        reason = "Unsupported table features"
+    before = tables.version("orders")
+    with pytest.raises(TableRefusedError, match=rf"on table 'orders' was refused: .*{reason}"):
+        write(app_id="mine", version=1, metadata=META)
+    assert TableRefusedError in NOT_RETRYABLE  # Airflow does not retry the step
+    assert tables.version("orders") == before
+    assert len(parquet_on_disk(tables, "orders")) == 1  # its files deleted, not six sets
 
 
 def test_conflicts_on_every_attempt_raise_and_commit_nothing(config, spark):

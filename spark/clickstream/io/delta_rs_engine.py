@@ -90,9 +90,12 @@ Known edge cases (cited inline as "edge case N"):
     removed them in between made them look uncommitted, and deleting them broke the version
     that added them for time travel, pinned reads (a correction's ``read_version``, the
     recompute queue's version) and readers still on it. When the retry within the call finds
-    the step done by a commit of its own files, the call reports that it committed. It
-    reported "already done", so a correction run took its own recorded plan for another
-    run's (``corrections`` C6) and failed, and the sessionizer counted 0 rows written.
+    the step done by its own commit, the call reports that it committed. It reported
+    "already done", so a correction run took its own recorded plan for another run's
+    (``corrections`` C6) and failed, and the sessionizer counted 0 rows written. Its own
+    commit is the one carrying the call's ``write_id`` (commit metadata, one per call): told
+    by its files, a commit with none (an empty micro-batch or plan, a delete emptying every
+    file it rewrites) was still "already done".
 18. delta-rs deletes commits older than the table's ``delta.logRetentionDuration`` (30 days
     unless set) once a later checkpoint exists (its own every 100 commits, or maintenance's).
     Their versions can no longer be read: time travel to one raises ``VersionVacuumedError``,
@@ -108,6 +111,12 @@ Known edge cases (cited inline as "edge case N"):
     hold a ``~`` are compacted by this engine's own writer instead (``_compact_here``), as
     are null partitions a filter names (deltalake's filters cannot name a null partition:
     such a compaction did nothing and reported success).
+20. deltalake raises ``CommitFailedError`` for a lost race and for a refusal alike (a table
+    feature delta-rs cannot write, e.g. one delta-spark enabled on the cluster profile; an
+    append-only table asked to remove rows). A failed attempt after which the table did not
+    move lost no race: it raises ``TableRefusedError`` (no retry of the step fixes it) with
+    deltalake's reason. Taken for a conflict, it was tried six times, rewriting the batch's
+    files each time, and reported as "still conflicted", which Airflow retried.
 """
 
 from __future__ import annotations
@@ -136,11 +145,13 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from deltalake.schema import Schema as DeltaSchema
 from deltalake.transaction import AddAction, RemoveAction
 
+from clickstream.config import ENV_NAMES
 from clickstream.errors import (
     VACUUMED_WAY_FORWARD,
     ClickstreamError,
     CommitConflictError,
     ConfigError,
+    TableRefusedError,
     VersionVacuumedError,
 )
 from clickstream.io.delta_tables import (
@@ -172,6 +183,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+WRITE_ID = "write_id"  # commit metadata: the call that made the commit (edge case 17)
 _SKIPPED = object()  # an attempt's result when the (app_id, version) step was already committed
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 _PARTITION_TYPES = {"string", "integer", "long", "short", "byte", "boolean", "date"}
@@ -319,7 +331,7 @@ class DeltaRsTables(DeltaTables):
             return True
 
         outcome = self._commit_files(name, "append", files, attempt, since=table.version(),
-                                     landed=True)
+                                     landed=True, properties=properties)
         if outcome is _SKIPPED:
             return AppendResult(committed=False)
         return AppendResult(committed=True, rows=sum(f.rows for f in files))
@@ -393,7 +405,8 @@ class DeltaRsTables(DeltaTables):
             _check_filter_columns(scope, _partition_columns(table), name)
         _check_partition_keys(source, [k for k in keys if k in _partition_columns(table)], name)
         if source.num_rows == 0:  # edge case 10: record the step all the same
-            return self._record_step(name, operation, properties, app_id, version)
+            return self._record_step(name, operation, properties, app_id, version,
+                                     since=table.version())
         source_keys = source.select(list(keys))
         first: _ReadChanged | None = None
         for number in range(1, self._max_attempts + 1):
@@ -478,7 +491,7 @@ class DeltaRsTables(DeltaTables):
 
         operation = "upsert" if source is not None else "delete_rows"
         return self._commit_files(name, operation, files, attempt, since=read.version(),
-                                  landed=result)
+                                  landed=result, properties=properties)
 
     def _keys_in_files(
         self, name: str, table: DeltaTable, files: list[_ActiveFile], keys: pa.Table
@@ -510,7 +523,7 @@ class DeltaRsTables(DeltaTables):
             pa.field(_FILE, pa.int32())).empty_table()
 
     def _record_step(self, name: str, operation: str, properties: CommitProperties,
-                     app_id: str, version: int) -> UpsertResult:
+                     app_id: str, version: int, since: int) -> UpsertResult:
         """A commit with no files, so a replay of the step is skipped (edge case 10)."""
         def attempt(current: DeltaTable) -> object:
             if _done(current, app_id, version):
@@ -522,6 +535,8 @@ class DeltaRsTables(DeltaTables):
             return UpsertResult(0, 0)
 
         outcome = self._commit_loop(name, operation, attempt)
+        if outcome is _SKIPPED and self._committed_since(name, since, properties):  # (17)
+            return UpsertResult(0, 0)
         return outcome if isinstance(outcome, UpsertResult) else UpsertResult(0, 0, False)
 
     def replace_partitions(
@@ -580,7 +595,8 @@ class DeltaRsTables(DeltaTables):
             return True
 
         outcome = self._commit_files(name, "replace_partitions", files, attempt,
-                                     since=table.version(), landed=True)
+                                     since=table.version(), landed=True,
+                                     properties=properties)
         return outcome is not _SKIPPED
 
     # -- readers ---------------------------------------------------------------------------
@@ -790,7 +806,7 @@ class DeltaRsTables(DeltaTables):
                 return None
 
             self._commit_files(name, "optimize", written, attempt, since=table.version(),
-                               landed=None)
+                               landed=None, properties=properties)
             metrics["numFilesAdded"] += len(written)
             metrics["numFilesRemoved"] += len(chunk)
         if metrics["numFilesRemoved"]:
@@ -950,6 +966,7 @@ class DeltaRsTables(DeltaTables):
         *,
         since: int,
         landed: object,
+        properties: CommitProperties,
     ) -> object:
         """Commit loop for written files; deletes them when they end up uncommitted.
 
@@ -964,16 +981,25 @@ class DeltaRsTables(DeltaTables):
             self._discard(name, files, since=since)  # edge case 1
             raise
         if outcome is _SKIPPED:
-            if files and self._all_added_since(name, files, since):  # edge case 17
+            if self._committed_since(name, since, properties):  # edge case 17
                 return landed
             self._discard(name, files, since=since)  # edge case 2
         return outcome
 
-    def _all_added_since(self, name: str, files: list[_WrittenFile], since: int) -> bool:
-        """Whether commits after version ``since`` add every one of ``files``."""
+    def _committed_since(self, name: str, since: int, properties: CommitProperties) -> bool:
+        """Whether a commit after version ``since`` is this call's own (its ``write_id``),
+        one that landed while its call raised (edge case 17)."""
         table = self._load(name)
-        added = None if table is None else self._added_since(name, since, table.version())
-        return added is not None and all(f.path in added for f in files)
+        write_id = (properties.custom_metadata or {}).get(WRITE_ID)
+        if table is None or write_id is None:
+            return False
+        try:
+            return any(action.get("commitInfo", {}).get(WRITE_ID) == write_id
+                       for action in self._commit_actions(name, since, table.version()))
+        except OSError as exc:  # a commit gone from the log (edge case 18): cannot tell
+            log.warning("table %r: a commit after version %d is unreadable (%s); the step "
+                        "is taken for another run's", name, since, exc)
+            return False
 
     def _commit_loop(
         self, name: str, operation: str, attempt: Callable[[DeltaTable], _T]
@@ -982,17 +1008,22 @@ class DeltaRsTables(DeltaTables):
         first: Exception | None = None
         table: DeltaTable | None = None
         for number in range(1, self._max_attempts + 1):
-            # A retry reads only the commits it lost to (edge case 14).
             if table is None:
                 table = self._require(name)
-            else:
-                table.update_incremental()
             if self._before_commit is not None:
                 self._before_commit(name, number)
+            tried = table.version()
             try:
                 return attempt(table)
             except CommitFailedError as exc:
                 first = first or exc
+                table.update_incremental()  # a retry reads only the commits it lost to (14)
+                if table.version() == tried:  # edge case 20: no race lost, a refusal
+                    raise TableRefusedError(
+                        f"{operation} on table {name!r} was refused: {exc}. Nothing was "
+                        "committed, and a retry would be refused alike: the table must change "
+                        f"first (a feature this engine cannot write: the delta-spark engine, "
+                        f"{ENV_NAMES['delta_engine']}=delta-spark, writes it)") from exc
                 log.info("%s on %s: commit attempt %d conflicted: %s", operation, name, number, exc)
             except DeltaError as exc:  # not a conflict: retrying would fail the same way
                 raise ClickstreamError(
@@ -1352,7 +1383,8 @@ def _commit_properties(
             f"{operation}: app_id must be non-empty and version a non-negative int, "
             f"got app_id={app_id!r}, version={version!r}"
         )
-    custom = {**metadata, "app_id": app_id, "app_version": version}
+    custom = {**metadata, "app_id": app_id, "app_version": version,
+              WRITE_ID: uuid.uuid4().hex}  # edge case 17: tells this call's commit
     try:
         json.dumps(custom, allow_nan=False)
     except (TypeError, ValueError) as exc:
