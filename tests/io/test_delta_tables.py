@@ -515,6 +515,36 @@ def test_a_commit_delta_refuses_for_good_is_not_retried_as_a_conflict(config, sp
     assert len(parquet_on_disk(tables, "orders")) == 1  # its files deleted, not six sets
 
 
+@pytest.mark.parametrize("reader", ["read", "read_arrow", "row_count", "head_arrow",
+                                    "largest_by_partition", "upsert"])
+def test_a_table_with_deletion_vectors_is_refused_by_every_reader(config, spark, reader):
+    """(Edge case 9) A file-list read cannot apply deletion vectors (delta-spark writes them on
+    the cluster profile): each reader refuses, naming the engine that reads them. Statistics
+    maxima counted deleted rows, and ``read_arrow`` raised deltalake's own error."""
+    tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
+    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
+                       version=1, partition_by=PARTS, metadata=META)
+    path = Path(tables.table_path("orders"))
+    version = DeltaTable(str(path)).version() + 1
+    (path / "_delta_log" / f"{version:020d}.json").write_text(json.dumps({"protocol": {
+        "minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["deletionVectors"],
+        "writerFeatures": ["deletionVectors"]}}) + "\n")
+    calls = {
+        "read": lambda: tables.read("orders"),
+        "read_arrow": lambda: tables.read_arrow("orders"),
+        "row_count": lambda: tables.row_count("orders"),
+        "head_arrow": lambda: tables.head_arrow("orders", 1),
+        "largest_by_partition": lambda: tables.largest_by_partition(
+            "orders", "ts", "client_id"),
+        "upsert": lambda: tables.upsert("orders", orders(spark, ("o1", "c1", D1, "2")),
+                                        keys=["client_id", "order_id"], app_id="mine",
+                                        version=1, metadata=META),
+    }
+    with pytest.raises(ClickstreamError, match=r"table 'orders' uses deletion vectors or column "
+                       r"mapping, .* CLICKSTREAM_DELTA_ENGINE=delta-spark"):
+        calls[reader]()
+
+
 def test_conflicts_on_every_attempt_raise_and_commit_nothing(config, spark):
     other = open_tables(config, spark)
 

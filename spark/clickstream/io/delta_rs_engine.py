@@ -41,7 +41,8 @@ Known edge cases (cited inline as "edge case N"):
 8. Non-nullable columns are enforced from the written files' null counts: a violation deletes
    the files and commits nothing.
 9. Tables written by other engines with deletion vectors or column mapping are refused by
-   ``read``: a file-list read cannot apply them.
+   every reader and by the writers that rewrite files: a file-list read cannot apply them,
+   and a file's statistics (``largest_by_partition``, ``row_count``) count its deleted rows.
 10. An empty DataFrame still commits the application transaction (a commit without files), so
     the step is recorded and versions stay monotonic; the first write to a missing table
     creates it in its own commit (version 0), even when that write is skipped or empty.
@@ -666,6 +667,7 @@ class DeltaRsTables(DeltaTables):
         table = self._load(name)
         if table is None:
             return {}
+        _check_readable(table, name)  # a file's maximum may be a deleted row's
         actions = pa.table(table.get_add_actions(flatten=True))
         parts = _partition_columns(table)
         values = {c: actions.column(f"partition.{c}").to_pylist() for c in parts}
@@ -712,6 +714,7 @@ class DeltaRsTables(DeltaTables):
             raise ClickstreamError(
                 f"table {name!r} does not exist at {self.table_path(name)}; nothing to read"
             )
+        _check_readable(table, name)  # deltalake's own refusal named no way forward
         expression = None
         if partition_filter:
             _check_filter_columns(partition_filter, _partition_columns(table), name)
