@@ -546,6 +546,25 @@ def test_unreachable_broker_gives_clear_errors(config: Config, caplog: pytest.Lo
     assert unreachable.kafka_bootstrap_servers in str(failed.value)
 
 
+OUT_OF_ORDER_SEQUENCE_NUMBER = 45  # Kafka's code: fatal to an idempotent producer
+
+
+def test_a_producer_stopped_by_a_fatal_error_raises_a_delivery_error(config: Config) -> None:
+    """confluent-kafka raises a fatal error from flush() with the delivery reports of that call
+    still to run: each report failed with a bare SystemError, so the CLI printed a traceback
+    and no caller took it for a failed send. Now a DeliveryError (a rerun's new producer
+    sends them) naming the cause."""
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:  # own: the error answers any client
+        own_config = config.replace(kafka_bootstrap_servers=own.bootstrap_servers)
+        own.fail_produces(OUT_OF_ORDER_SEQUENCE_NUMBER, 1)
+        with pytest.raises(DeliveryError, match=r"the producer to .* stopped on a fatal error: "
+                           r".*sequence .*\(OUT_OF_ORDER_SEQUENCE_NUMBER\)"):
+            produce_records(own_config, "t", [(f"k{i}", f"v{i}") for i in range(5)],
+                            flush_timeout_s=20)
+        assert topic_watermarks(own_config, "t") == {0: (0, 0)}
+        assert produce_records(own_config, "t", [("k", "v")]) == 1  # the rerun's producer
+
+
 def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: Config) -> None:
     """When ``produce_records`` gives up, every record has failed, none is still queued: a
     producer still retrying could deliver it after a rerun's newer revision of its key."""
