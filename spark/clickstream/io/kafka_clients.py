@@ -928,6 +928,13 @@ def read_compacted(config: Config, topic: str, *,
     })
     errors = ReadErrors(config, topic)
     positions: dict[int, int] = {}  # the next offset of each partition, once a record came
+
+    def done(partition: int) -> None:
+        """Read up to the snapshot's end: fetched no more (a finished partition's later
+        answers, such as a log start that moved on since, said nothing about the view)."""
+        del ends[partition]
+        consumer.pause([TopicPartition(topic, partition)])
+
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in ends])
         deadline = time.monotonic() + timeout_s
@@ -945,7 +952,9 @@ def read_compacted(config: Config, topic: str, *,
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         if end is not None and offset >= end:
-                            del ends[partition]
+                            done(partition)
+                        continue
+                    if end is None:  # a partition already read to its end
                         continue
                     if err.code() in (KafkaError._AUTO_OFFSET_RESET,
                                       KafkaError.OFFSET_OUT_OF_RANGE):
@@ -956,14 +965,16 @@ def read_compacted(config: Config, topic: str, *,
                         for wanted in (0, at):
                             check_no_data_loss(topic, partition, wanted, low, high,
                                                advice=_CHANGELOG_LOSS_ADVICE)
-                        if end is not None:
-                            errors.read_again(err, partition, at)
-                            _fetch_again(consumer, topic, partition, at)
+                        errors.read_again(err, partition, at)
+                        _fetch_again(consumer, topic, partition, at)
                         continue
                     errors.handle(err, partition, offset)
                     continue
-                if end is None or offset >= end:
-                    continue  # written after the snapshot started, or partition already done
+                if end is None:
+                    continue  # the partition was read to its end
+                if offset >= end:  # written after the snapshot started: the snapshot's last
+                    done(partition)  # offsets held control records (a commit marker), and
+                    continue  # an end-of-partition could wait behind a writer going on
                 positions[partition] = offset + 1
                 errors.record_arrived(partition)
                 raw_key = msg.key()
@@ -978,7 +989,7 @@ def read_compacted(config: Config, topic: str, *,
                     else:
                         result[key] = value_decoder(value)
                 if offset >= end - 1:
-                    del ends[partition]
+                    done(partition)
     finally:
         consumer.close()
     return result
