@@ -853,7 +853,7 @@ def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
     was on time in the next micro-batch, but the state kept ids by their millisecond and let
     this one go with the watermark: its retry was stored and counted a second time. Times are
     now kept to the millisecond (contract.TS_PRECISION): the retry is at the watermark, late,
-    and dropped as a copy of its day's stored row (not counted among the duplicates)."""
+    and dropped as a copy of its day's stored row (counted among the duplicates)."""
     start = datetime(2026, 11, 1, tzinfo=UTC)
     just_after = start + timedelta(microseconds=500)
     delay = timedelta(milliseconds=stream_config.watermark_delay_ms)
@@ -862,9 +862,29 @@ def test_an_on_time_retry_within_the_watermark_millisecond_is_still_a_duplicate(
                     [pageview("a", just_after, "p1")]):  # at the watermark's millisecond
         produce(stream_config, records)
         summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
-    assert (summary.totals.duplicates, summary.totals.late_queued) == (0, 0)
+    assert (summary.totals.duplicates, summary.totals.late_queued) == (1, 0)
     assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")) == [
         "p1", "p2", "q"]
+
+
+def test_the_progress_counts_every_copy_dropped_as_a_duplicate(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """Copies of an id within one micro-batch, and a late copy of a stored record, were
+    dropped without a count: a micro-batch of 3 records showed 1 pageview and 0 duplicates,
+    one of 1 record showed 0 of everything."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    retried = pageview("a", start, "p1")
+    produce(stream_config, [retried, retried, retried])  # a producer retrying twice
+    first = run_sessionizer(stream_config, until_caught_up=True, spark=spark).totals
+    assert (first.records, first.pageviews, first.duplicates) == (3, 1, 2)
+    produce(stream_config, [pageview("x", start + timedelta(hours=5), "x1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    produce(stream_config, [retried])  # late now, and stored already
+    late = run_sessionizer(stream_config, until_caught_up=True, spark=spark).totals
+    assert (late.records, late.pageviews, late.late_queued, late.duplicates) == (1, 0, 0, 1)
+    assert sorted(r["event_id"] for r in table_rows(stream_config, spark, "pageviews")) == [
+        "p1", "x1"]
 
 
 def test_a_copy_of_a_pageview_with_another_time_in_a_later_micro_batch_is_stored_once(
@@ -906,7 +926,7 @@ def test_an_on_time_retry_of_an_unattributed_order_within_the_watermark_millisec
         produce(stream_config, records)
         duplicates.append(run_sessionizer(stream_config, until_caught_up=True,
                                           spark=spark).totals.duplicates)
-    assert duplicates == [0, 0, 0, 0]
+    assert duplicates == [0, 0, 1, 0]  # the late copy, dropped, is counted
     assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["o1"]
     assert [(r["order_id"], r["session_id"])
             for r in table_rows(stream_config, spark, "attributions")] == [("o1", None)]
