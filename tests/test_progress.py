@@ -78,6 +78,25 @@ def test_a_silence_before_spark_starts_says_so() -> None:
                        for line in out), out
 
 
+def test_a_reader_that_stops_reading_ends_the_beats_without_a_traceback() -> None:
+    """``clickstream backfill ... | head -1``: the beat after the reader left raised
+    BrokenPipeError in the heartbeat's thread, which printed a traceback (the command itself
+    still ended with status 141 at its next line)."""
+    script = ("import sys, time\n"
+              "from clickstream.progress import heartbeat\n"
+              "with heartbeat(print, every_s=0.2):\n"
+              "    time.sleep(1.5)\n"
+              "try:\n"
+              "    print('done', flush=True)\n"
+              "except BrokenPipeError:\n"
+              "    sys.exit(141)\n")
+    result = subprocess.run(f"{sys.executable} -c \"$SCRIPT\" | head -1", shell=True,
+                            env={**os.environ, "SCRIPT": script}, capture_output=True,
+                            text=True, timeout=60)
+    assert re.fullmatch(BEAT + "the start; Spark not started yet\n", result.stdout), result
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 def test_a_silence_while_spark_starts_or_stops_says_so_and_the_beats_go_on(
     spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -49,7 +49,11 @@ def heartbeat(progress: Progress, every_s: float) -> Iterator[Progress]:
             with lock:
                 if last_line[0] == quiet_since and not stop.is_set():
                     since = "the start" if quiet_since == started else "the line above"
-                    progress(f"  ... still working, {_seconds(silent)} since {since}; {doing}")
+                    try:
+                        progress(f"  ... still working, {_seconds(silent)} since {since}; "
+                                 f"{doing}")
+                    except BrokenPipeError:  # the reader left (| head): the command's own
+                        return  # next line ends it (status 141), without this thread's trace
 
     thread = threading.Thread(target=beat, name="clickstream-heartbeat", daemon=True)
     thread.start()
