@@ -374,6 +374,24 @@ def test_generating_events_ahead_of_now_is_refused_before_anything_is_produced(
         "stamped by a wrong clock (CLICKSTREAM_MAX_TS_AHEAD); choose an earlier --start"]
 
 
+def test_generating_reads_only_the_settings_it_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+) -> None:
+    """A job's setting the generators never use (a sessionizer's trigger size) refused them,
+    naming a flag they do not look at; one they use is still read."""
+    monkeypatch.setenv("CLICKSTREAM_MAX_EVENTS_PER_TRIGGER", "0")
+    monkeypatch.setenv("CLICKSTREAM_LANDING", str(tmp_path / "landing"))
+    out = tmp_path / "events.jsonl"
+    assert main(["generate", "events", "--clients", "1", "--users", "3", "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+    assert main(["generate", "history", "--client", "c1", "--days", "1", "--users", "1",
+                 "--format", "jsonl"]) == 0
+    assert (tmp_path / "landing" / "history" / "orders").is_dir()
+    monkeypatch.setenv("CLICKSTREAM_MAX_TS_AHEAD", "soon")
+    assert main(["generate", "events", "--out", str(out)]) == EXIT_NOT_RETRYABLE
+    assert "CLICKSTREAM_MAX_TS_AHEAD='soon'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("start", "minutes", "complaint"), [
     ("1999-12-31T20:00Z", "600", "--start 1999-12-31T20:00:00+00:00 is before 2000-01-01, the "
      "earliest event time the product accepts: the sessionizer would quarantine those "

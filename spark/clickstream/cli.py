@@ -46,6 +46,11 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 BROKER_SETTINGS = ("events_topic", "sessions_topic", "attributions_topic")
+# What the generators read: a setting only the jobs use (a sessionizer's trigger size, say)
+# refused a generator's run, naming a flag the generator never looks at.
+GENERATE_EVENTS_SETTINGS = ("home", "kafka_bootstrap_servers", "kafka_options", "events_topic",
+                            "max_ts_ahead_minutes")
+GENERATE_HISTORY_SETTINGS = ("home", "landing")
 
 
 def _cmd_broker(args: argparse.Namespace, config: Config) -> int:
@@ -478,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--out", type=_given, default=None,
                         help="write JSON Lines here instead of Kafka")
     _add_config_flags(events)
-    events.set_defaults(handler=_cmd_generate_events)
+    events.set_defaults(handler=_cmd_generate_events, reads_settings=GENERATE_EVENTS_SETTINGS)
 
     history = kinds.add_parser(
         "history", help="a historical batch (pageviews and orders) in the landing folder",
@@ -502,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--overwrite", action="store_true",
                          help="replace the batch an earlier run wrote to --out")
     _add_config_flags(history)
-    history.set_defaults(handler=_cmd_generate_history)
+    history.set_defaults(handler=_cmd_generate_history,
+                         reads_settings=GENERATE_HISTORY_SETTINGS)
     return parser
 
 
