@@ -428,12 +428,15 @@ def test_a_commit_that_landed_while_its_call_raised_keeps_its_files_after_a_comp
     assert ids(tables.read("orders")) == ["o1", "o2"]
 
 
-@pytest.mark.parametrize("step", ["upsert", "replace_partitions"])
+@pytest.mark.parametrize("step", ["upsert", "replace_partitions", "empty append",
+                                  "step record", "delete emptying its file"])
 def test_a_call_whose_acknowledgement_was_lost_reports_its_commit(config, spark, monkeypatch,
                                                                    step):
     """The first commit lands and its call raises CommitFailedError; the retry finds the step
-    done by a commit of its own files and reports the rows written, not "already done" (which
-    made a correction's plan look recorded by another run). Fault injection as above."""
+    done by its own commit and reports what it wrote, not "already done" (which made a
+    correction's plan look recorded by another run). A commit adding no file (an empty
+    micro-batch or plan, a delete emptying every file it rewrites) was told by its files, and
+    still read as another run's. Fault injection as above."""
     tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
     tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
                        version=1, partition_by=PARTS, metadata=META)
@@ -441,46 +444,33 @@ def test_a_call_whose_acknowledgement_was_lost_reports_its_commit(config, spark,
                                  CommitFailedError("the commit's acknowledgement was lost"))
     before = tables.version("orders")
     rows = orders(spark, ("o1", "c1", D1, "5"), ("o2", "c1", D1, "2"))
-    if step == "upsert":
-        result = tables.upsert("orders", rows, keys=["client_id", "order_id"], app_id="mine",
-                               version=1, metadata=META)
-        assert result == UpsertResult(inserted=1, updated=1, committed=True)
-    else:
-        assert tables.replace_partitions("orders", rows, predicate={"client_id": "c1"},
-                                         app_id="mine", version=1, metadata=META) is True
+    keys = ["client_id", "order_id"]
+    steps: dict[str, tuple[Callable[[], object], object, list[tuple[str, str]]]] = {
+        "upsert": (lambda: tables.upsert("orders", rows, keys=keys, app_id="mine", version=1,
+                                         metadata=META),
+                   UpsertResult(inserted=1, updated=1, committed=True),
+                   [("o1", "5.0000"), ("o2", "2.0000")]),
+        "replace_partitions": (lambda: tables.replace_partitions(
+            "orders", rows, predicate={"client_id": "c1"}, app_id="mine", version=1,
+            metadata=META), True, [("o1", "5.0000"), ("o2", "2.0000")]),
+        "empty append": (lambda: tables.append_once(
+            "orders", orders(spark), app_id="mine", version=1, partition_by=PARTS,
+            metadata=META), AppendResult(committed=True, rows=0), [("o1", "1.0000")]),
+        "step record": (lambda: tables.upsert("orders", orders(spark), keys=keys,
+                                              app_id="mine", version=1, metadata=META),
+                        UpsertResult(0, 0), [("o1", "1.0000")]),
+        "delete emptying its file": (lambda: tables.delete_rows(
+            "orders", orders(spark, ("o1", "c1", D1, "0")).select(*keys), keys=keys,
+            partition_filter={"client_id": "c1"}, app_id="mine", version=1, metadata=META),
+            DeleteResult(1, True), []),
+    }
+    call, reported, stored = steps[step]
+    assert call() == reported
     assert calls == [before]  # one commit: the retry saw the step done, wrote nothing
     assert tables.version("orders") == before + 1
     assert [h.get("app_id") for h in tables.history("orders", limit=1)] == ["mine"]
     assert sorted((r.order_id, r.amount) for r in tables.read("orders").collect()) == [
-        ("o1", Decimal("5.0000")), ("o2", Decimal("2.0000"))]
-
-
-@pytest.mark.parametrize("step", ["empty append", "step record", "delete emptying its file"])
-def test_a_call_with_no_files_whose_acknowledgement_was_lost_reports_its_commit(
-        config, spark, monkeypatch, step):
-    """Edge case 17 for a commit adding no file (an empty micro-batch or plan, a delete that
-    empties every file it rewrites): told by its files, the retry took its own commit for
-    another run's and reported nothing committed. Fault injection as above."""
-    tables = DeltaRsTables(config, spark, backoff_seconds=0.01)
-    tables.append_once("orders", orders(spark, ("o1", "c1", D1, "1")), app_id="seed",
-                       version=1, partition_by=PARTS, metadata=META)
-    calls = land_then_raise_once(monkeypatch,
-                                 CommitFailedError("the commit's acknowledgement was lost"))
-    before = tables.version("orders")
-    if step == "empty append":
-        assert tables.append_once("orders", orders(spark), app_id="mine", version=1,
-                                  partition_by=PARTS, metadata=META) == AppendResult(
-            committed=True, rows=0)
-    elif step == "step record":
-        assert tables.upsert("orders", orders(spark), keys=["client_id", "order_id"],
-                             app_id="mine", version=1, metadata=META) == UpsertResult(0, 0)
-    else:
-        gone = orders(spark, ("o1", "c1", D1, "0")).select("client_id", "order_id")
-        assert tables.delete_rows("orders", gone, keys=["client_id", "order_id"],
-                                  partition_filter={"client_id": "c1"}, app_id="mine",
-                                  version=1, metadata=META) == DeleteResult(1, True)
-    assert calls == [before]  # one commit: the retry saw the step done, wrote nothing
-    assert tables.version("orders") == before + 1 and tables.app_version("orders", "mine") == 1
+        (order_id, Decimal(amount)) for order_id, amount in stored]
 
 
 @pytest.mark.parametrize("refusal", ["a writer feature", "append-only"])
