@@ -22,7 +22,6 @@ Delivery guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import json
@@ -306,29 +305,37 @@ class TrackedProducer(Producer):
     # confluent-kafka raises a fatal error (an idempotent producer's sequence broken by the
     # broker) from poll()/flush() with the delivery reports of that call still to run: each
     # report then failed with a bare SystemError, which no caller took for a failed send.
+    # (A try costs nothing until it raises: a paced send polls once a record.)
     def poll(self, *args: Any, **kwargs: Any) -> int:
-        with self._fatal_as_delivery_error():
+        try:
             return super().poll(*args, **kwargs)
+        except (KafkaException, SystemError) as exc:
+            stopped = self._stopped(exc)
+            if stopped is None:
+                raise
+            raise stopped from exc
 
     def flush(self, *args: Any, **kwargs: Any) -> int:
-        with self._fatal_as_delivery_error():
-            return super().flush(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _fatal_as_delivery_error(self) -> Iterator[None]:
         try:
-            yield
+            return super().flush(*args, **kwargs)
         except (KafkaException, SystemError) as exc:
-            fatal = next((e.args[0] for e in (exc, exc.__cause__, exc.__context__)
-                          if isinstance(e, KafkaException) and e.args
-                          and isinstance(e.args[0], KafkaError) and e.args[0].fatal()), None)
-            if fatal is None:
+            stopped = self._stopped(exc)
+            if stopped is None:
                 raise
-            raise DeliveryError(
-                f"kafka delivery failed: the producer to {self.bootstrap_servers} stopped on a "
-                f"fatal error: {fatal.str()} ({fatal.name()}); records it had not had "
-                "acknowledged were not sent. Run the command (or step) again: it sends them "
-                "again with a new producer") from exc
+            raise stopped from exc
+
+    def _stopped(self, exc: Exception) -> DeliveryError | None:
+        """A :class:`DeliveryError` for the fatal error ``exc`` carries, if it carries one."""
+        fatal = next((e.args[0] for e in (exc, exc.__cause__, exc.__context__)
+                      if isinstance(e, KafkaException) and e.args
+                      and isinstance(e.args[0], KafkaError) and e.args[0].fatal()), None)
+        if fatal is None:
+            return None
+        return DeliveryError(
+            f"kafka delivery failed: the producer to {self.bootstrap_servers} stopped on a "
+            f"fatal error: {fatal.str()} ({fatal.name()}); records it had not had "
+            "acknowledged were not sent. Run the command (or step) again: it sends them "
+            "again with a new producer")
 
 
 def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
