@@ -935,11 +935,13 @@ def read_compacted(config: Config, topic: str, *,
     })
     errors = ReadErrors(config, topic)
     positions: dict[int, int] = {}  # the next offset of each partition, once a record came
+    finished: set[int] = set()
 
     def done(partition: int) -> None:
         """Read up to the snapshot's end: fetched no more (a finished partition's later
         answers, such as a log start that moved on since, said nothing about the view)."""
         del ends[partition]
+        finished.add(partition)
         consumer.pause([TopicPartition(topic, partition)])
 
     try:
@@ -961,7 +963,7 @@ def read_compacted(config: Config, topic: str, *,
                         if end is not None and offset >= end:
                             done(partition)
                         continue
-                    if end is None:  # a partition already read to its end
+                    if partition in finished:  # (not a client-wide error: partition -1)
                         continue
                     if err.code() in (KafkaError._AUTO_OFFSET_RESET,
                                       KafkaError.OFFSET_OUT_OF_RANGE):
