@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -128,3 +130,65 @@ def test_an_interrupted_build_stops_its_warm_up_job_and_leaves_no_partial_archiv
         time.sleep(0.1)
     assert not [pid for pid in pids if running(pid)]
     assert not partial.exists() and not archive.exists()
+
+
+BUILD_IN_A_CHILD = """
+import sys
+from pathlib import Path
+from clickstream import jvm_class_archive
+jvm_class_archive.ARCHIVE = Path(sys.argv[1])
+jvm_class_archive._spark_submit = lambda: sys.argv[2]
+sys.exit(jvm_class_archive.main(["--if-stale"]))
+"""
+
+
+def test_setup_stopped_by_a_signal_stops_its_warm_up_job_and_leaves_no_partial_archive(
+        tmp_path: Path) -> None:
+    """SIGTERM (a CI time limit, ``timeout``) killed setup's Python without an exception: the
+    warm-up job ran on in its own session, and its partial archive and folder stayed."""
+    archive = tmp_path / "share" / "classes.jsa"
+    fake = tmp_path / "spark-submit"
+    fake.write_text(f"#!/bin/sh\necho part > \"$(dirname '{archive}')/.$(basename "
+                    f"'{archive}').$PPID\"\nsleep 60 &\necho $$ $! > '{tmp_path / 'pids'}'"
+                    "\nwait\n")
+    fake.chmod(0o755)
+    setup = subprocess.Popen([sys.executable, "-c", BUILD_IN_A_CHILD, str(archive), str(fake)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pids").is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    setup.send_signal(signal.SIGTERM)
+    assert setup.wait(timeout=60) == 128 + signal.SIGTERM
+    pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if running(pid)]
+    assert list(archive.parent.iterdir()) == []  # no partial archive
+
+
+def test_an_archive_drivers_cannot_map_is_removed_even_when_its_rebuild_fails(
+        tmp_path: Path, monkeypatch) -> None:
+    """A damaged archive (its stamp current) failed the probe, and a failed rebuild left it
+    in place: every driver then mapped it and crashed. A spark-submit that fails every run
+    stands in for both the probe's driver and the warm-up's."""
+    archive = tmp_path / "classes.jsa"
+    archive.write_bytes(b"not an archive")
+    archive.with_suffix(".stamp").write_text(jvm_class_archive.environment_stamp() + "\n")
+    failing = tmp_path / "spark-submit"
+    failing.write_text("#!/bin/sh\necho 'the JVM crashed'\nexit 134\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(jvm_class_archive, "ARCHIVE", archive)
+    monkeypatch.setattr(jvm_class_archive, "_spark_submit", lambda: str(failing))
+    with pytest.raises(RuntimeError, match="the warm-up job failed"):
+        jvm_class_archive.build_if_stale(progress=lambda _: None)
+    assert not archive.exists() and not archive.with_suffix(".stamp").exists()
+    assert jvm_class_archive.launch_options(Config()) == []  # drivers start without one
+
+
+def test_the_stamp_does_not_change_with_java_tool_options(monkeypatch) -> None:
+    """The JVM prints "Picked up JAVA_TOOL_OPTIONS" with its version: the stamp changed, and
+    setup rebuilt the archive (~1.5 min) for nothing."""
+    stamp = jvm_class_archive.environment_stamp()
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-Dsome.setting=1")
+    assert jvm_class_archive.environment_stamp() == stamp

@@ -58,7 +58,10 @@ def environment_stamp() -> str:
     """What the archive depends on: the JVM build and Spark's jars (names, sizes, times)."""
     # The JVM and the jars spark-submit uses (bin/spark-class: JAVA_HOME, else PATH).
     java = Path(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else "java"
-    version = subprocess.run([str(java), "-version"], capture_output=True, text=True, check=True)
+    # With the environment the builds and jobs' probes get: JAVA_TOOL_OPTIONS adds a "Picked
+    # up ..." line to the output, and changed the stamp (a rebuild for nothing).
+    version = subprocess.run([str(java), "-version"], capture_output=True, text=True,
+                             check=True, env=_submit_env())
     digest = hashlib.sha256(version.stderr.encode())
     for jar in sorted((spark_home() / "jars").glob("*.jar")):
         stat = jar.stat()
@@ -115,6 +118,10 @@ def build_if_stale(progress: Callable[[str], None] = print) -> Path:
             and stamp_path.read_text().strip() == stamp and usable()):
         progress(f"jvm class archive: up to date ({ARCHIVE})")
         return ARCHIVE
+    # Gone before the build, which may fail too: jobs then start without one, as its
+    # messages say. Kept, a damaged file crashed every driver that mapped it.
+    ARCHIVE.unlink(missing_ok=True)
+    stamp_path.unlink(missing_ok=True)
     return build(stamp, progress)
 
 
@@ -200,11 +207,20 @@ def _warm_up(workdir: Path) -> None:
         run_recompute(config)
 
 
+def _exit_on(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--warm-up"] and len(argv) == 2:
         _warm_up(Path(argv[1]))
         return 0
     if argv == ["--if-stale"]:
+        # A stop by signal (a CI time limit, `timeout`) as an exception: build() then stops
+        # the warm-up job's process group and removes the partial archive. Killed by the
+        # signal itself, this process left both behind.
+        for stop in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop, _exit_on)
         try:
             build_if_stale()
         except RuntimeError as error:
