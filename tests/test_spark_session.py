@@ -19,11 +19,12 @@ from clickstream.spark_session import (
     build_spark,
     collector_options,
     driver_heap_mib,
+    driver_launch_conf,
     keep,
     release,
     releases_cache,
 )
-from tests.child_jvm import submit_driver, temp_folders_in
+from tests.child_jvm import DRIVER_JOB, submit_driver, temp_folders_in
 
 # The names the JVM's collectors report (java.lang.management), by collector.
 COLLECTOR_BEANS = {"parallel": "PS MarkSweep,PS Scavenge",
@@ -64,6 +65,25 @@ def test_a_collector_the_environment_chooses_wins(tmp_path: Path, config: Config
     # Both on one JVM's command line, it would refuse to start.
     output, _ = submit_driver(tmp_path, config.replace(driver_gc="g1"))
     assert f"collectors: {COLLECTOR_BEANS['serial']}" in output
+
+
+def test_the_deployments_driver_options_are_kept_and_its_collector_wins(
+        tmp_path: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment's ``spark.driver.extraJavaOptions`` in spark-defaults.conf (a heap dump on
+    out-of-memory, a truststore) was replaced by the product's ``--conf`` without a word."""
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    (folder / "spark-defaults.conf").write_text(
+        "# the deployment's\nspark.master local[1]\n"
+        "spark.driver.extraJavaOptions  -Dprobe.from.defaults=yes -XX:+UseSerialGC\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(folder))
+    options = driver_launch_conf(config.replace(driver_gc="g1"))["spark.driver.extraJavaOptions"]
+    assert options.endswith(" -Dprobe.from.defaults=yes -XX:+UseSerialGC")
+    assert "UseG1GC" not in options  # two collectors: the JVM would refuse to start
+    job = DRIVER_JOB + ('print("probe:", spark._jvm.java.lang.System.getProperty('
+                        '"probe.from.defaults"))\n')
+    output, _ = submit_driver(tmp_path, config.replace(driver_gc="g1"), job=job)
+    assert "probe: yes" in output and f"collectors: {COLLECTOR_BEANS['serial']}" in output
 
 
 def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(

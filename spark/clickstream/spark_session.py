@@ -7,6 +7,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from py4j.java_gateway import JavaObject
@@ -113,12 +114,37 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
     unless the environment's JVM options choose one (:func:`collector_options`).
     """
     # Quoted: Spark splits extraJavaOptions at spaces, and paths may hold some.
+    own = spark_defaults_java_options()
     java_options = [f'"-Dderby.system.home={config.home}"',
-                    *jvm_class_archive.launch_options(config), *collector_options(config)]
+                    *jvm_class_archive.launch_options(config),
+                    *([] if _SELECTS_COLLECTOR.search(own) else collector_options(config))]
     if long_running:
         java_options += [f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch"]
+    if own:  # last: the deployment's options win over the product's where both set one
+        java_options.append(own)
     return {"spark.driver.memory": config.driver_memory,
             "spark.driver.extraJavaOptions": " ".join(java_options)}
+
+
+def spark_defaults_java_options() -> str:
+    """``spark.driver.extraJavaOptions`` of the deployment's ``spark-defaults.conf``
+    (``$SPARK_CONF_DIR``, else Spark's ``conf`` folder). The product's setting, passed as
+    ``--conf``, replaces that file's: its options (a truststore, a proxy, a heap dump on
+    out-of-memory) were dropped without a word, so they are carried over."""
+    folder = os.environ.get("SPARK_CONF_DIR") or jvm_class_archive.spark_home() / "conf"
+    try:
+        lines = Path(folder, "spark-defaults.conf").read_text(encoding="utf-8").splitlines()
+    except OSError:  # none (pip's pyspark ships none), or not readable: nothing to carry over
+        return ""
+    found = ""
+    for line in lines:  # Java properties as Spark reads them: key, then = : or blanks, value
+        match = _DEFAULTS_LINE.match(line.strip())
+        if match and match.group(1) == "spark.driver.extraJavaOptions":
+            found = match.group(2).strip()  # the last one wins, as in a properties file
+    return found
+
+
+_DEFAULTS_LINE = re.compile(r"([^\s=:#!]+)\s*[=:\s]\s*(.*)")
 
 
 # Up to this many keys, a job sends them to every task (~70 bytes a key in memory) rather
