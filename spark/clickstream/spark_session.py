@@ -114,14 +114,14 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
     unless the environment's JVM options choose one (:func:`collector_options`).
     """
     # Quoted: Spark splits extraJavaOptions at spaces, and paths may hold some.
-    own = spark_defaults_java_options()
+    deployments = spark_defaults_java_options()
     java_options = [f'"-Dderby.system.home={config.home}"',
                     *jvm_class_archive.launch_options(config),
-                    *([] if _SELECTS_COLLECTOR.search(own) else collector_options(config))]
+                    *([] if _SELECTS_COLLECTOR.search(deployments) else collector_options(config))]
     if long_running:
         java_options += [f"-Xms{config.driver_memory}", "-XX:+AlwaysPreTouch"]
-    if own:  # last: the deployment's options win over the product's where both set one
-        java_options.append(own)
+    if deployments:  # last: they win over the product's where both set one
+        java_options.append(deployments)
     return {"spark.driver.memory": config.driver_memory,
             "spark.driver.extraJavaOptions": " ".join(java_options)}
 
