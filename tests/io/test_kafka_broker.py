@@ -450,6 +450,20 @@ def test_read_compacted_keeps_last_value_per_key_without_tombstones(
     assert len(expected) == 40
 
 
+def test_read_compacted_gives_a_large_topic_time_by_its_size(
+        kafka_config: Config, make_topic: Callable[..., str]) -> None:
+    """A fixed time limit ended a large read (republish's read-back, `inspect`) as a broker
+    that does not answer: 25,000 records add 5 s to a limit of none."""
+    topic = make_topic(2)
+    producer = make_producer(kafka_config)
+    for n in range(25_000):
+        producer.produce(topic, key=f"k{n % 1_000}".encode(), value=b"1")
+        if n % 5_000 == 0:
+            producer.poll(0)
+    flush_or_raise(producer, 30)
+    assert len(read_compacted(kafka_config, topic, value_decoder=bytes, timeout_s=0)) == 1_000
+
+
 def test_read_compacted_stops_at_once_with_the_cause_of_a_permanent_fetch_error(
     config: Config
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from clickstream.cli import main
 from clickstream.errors import EXIT_NOT_RETRYABLE
-from clickstream.jobs.generate import Scale, simulate
+from clickstream.jobs.generate import Delivery, Scale, live_records, simulate
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
 
@@ -42,6 +42,35 @@ def test_a_seed_reproduces_the_data_and_orders_follow_pageviews() -> None:
                                    pageviews["user_id"].to_pylist(), strict=True))
     assert set(zip(orders["client_id"].to_pylist(), orders["user_id"].to_pylist(),
                    strict=True)) <= users_with_pageviews
+
+
+def test_delivery_adds_copies_after_their_originals_and_bad_records_between_the_rest() -> None:
+    scale = Scale(clients=2, users_per_client=20, minutes=24 * 60, start=START)
+    clean = live_records(scale, Delivery(duplicate_fraction=0, bad_fraction=0), seed=5)
+    messy = live_records(scale, Delivery(duplicate_fraction=0.1, bad_fraction=0.05), seed=5)
+    bad = [record for record in messy if record[0] is None]
+    assert len(bad) == int(len(clean) * 0.05)
+    assert all(_bad_value(value) for _key, value in bad)
+    seen: set[tuple[str | None, str]] = set()
+    firsts, copies = [], 0
+    for record in messy:
+        if record[0] is None:
+            continue
+        if record in seen:
+            copies += 1
+        else:
+            seen.add(record)
+            firsts.append(record)
+    assert firsts == clean  # the delivery order kept, each record there once more or not
+    assert copies == int(len(clean) * 0.1)
+
+
+def _bad_value(value: str) -> bool:
+    try:
+        event = json.loads(value)
+    except ValueError:
+        return True
+    return not isinstance(event, dict) or event["event_id"].startswith("bad-")
 
 
 def test_the_same_scale_written_another_way_generates_the_same_data() -> None:

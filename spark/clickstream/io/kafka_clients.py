@@ -307,17 +307,15 @@ class TrackedProducer(Producer):
     # report then failed with a bare SystemError, which no caller took for a failed send.
     # (A try costs nothing until it raises: a paced send polls once a record.)
     def poll(self, *args: Any, **kwargs: Any) -> int:
-        try:
-            return super().poll(*args, **kwargs)
-        except (KafkaException, SystemError) as exc:
-            stopped = self._stopped(exc)
-            if stopped is None:
-                raise
-            raise stopped from exc
+        return self._guarded(super().poll, *args, **kwargs)
 
     def flush(self, *args: Any, **kwargs: Any) -> int:
+        return self._guarded(super().flush, *args, **kwargs)
+
+    def _guarded(self, call: Callable[..., int], *args: Any, **kwargs: Any) -> int:
+        """``call(...)``, its fatal error raised as the :class:`DeliveryError` it means."""
         try:
-            return super().flush(*args, **kwargs)
+            return call(*args, **kwargs)
         except (KafkaException, SystemError) as exc:
             stopped = self._stopped(exc)
             if stopped is None:
@@ -910,7 +908,9 @@ def read_compacted(config: Config, topic: str, *,
         config: Run settings.
         topic: Topic to read, e.g. ``config.sessions_topic``.
         value_decoder: Turns a value's bytes into the returned value (default JSON).
-        timeout_s: Give up if the snapshot is not complete within this time.
+        timeout_s: Give up if the snapshot is not complete within this time, plus a second
+            per 5,000 records the snapshot holds (a fixed limit ended a large read as a
+            broker that does not answer).
         keep_tombstones: Keep a key whose last record is a tombstone, with the value
             ``TOMBSTONE`` (a JSON ``null`` value decodes to None).
 
@@ -929,6 +929,7 @@ def read_compacted(config: Config, topic: str, *,
     result: dict[str, Any] = {}
     if not ends:
         return result
+    timeout_s += sum(ends.values()) / 5_000
     consumer = make_consumer(config, **{
         "auto.offset.reset": "error",  # a fetch below the log start must fail, not skip
         "enable.partition.eof": True,

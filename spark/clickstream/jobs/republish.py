@@ -35,7 +35,7 @@ from clickstream.io.kafka_changelog import (
     publish_rows,
     record_changelog_ids,
 )
-from clickstream.io.kafka_clients import read_compacted, topic_ids, topic_watermarks
+from clickstream.io.kafka_clients import read_compacted, topic_ids
 from clickstream.jobs.corrections import one_run_at_a_time
 from clickstream.jobs.sessionize import warehouse_sessionizer_lock_path
 from clickstream.locks import Holder, exclusive_or_refuse
@@ -131,11 +131,8 @@ def run_republish(config: Config, *, spark: SparkSession | None = None,
 def _view(config: Config, topic: str) -> dict[str, tuple[str | None, int | None]]:
     """The topic's compacted view as (client, revision) per key: not every value as a dict on
     the driver (millions of sessions); a value that is not a row's (another producer's) has
-    neither. Its time limit grows with the topic: a fixed minute ended a large read as a
-    broker that does not answer."""
-    records = sum(high for _, high in topic_watermarks(config, topic).values())
-    return read_compacted(config, topic, value_decoder=_client_and_revision,
-                          timeout_s=60.0 + records / 5_000)
+    neither."""
+    return read_compacted(config, topic, value_decoder=_client_and_revision)
 
 
 def _client_and_revision(value: bytes) -> tuple[str | None, int | None]:
