@@ -134,6 +134,16 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
           # its text is not what was sent (7.0 was 7 in a backfill), an id no longer
           ("user_id", 7.0, "number with a fraction or an exponent"),
           ("event_id", 1e300, "number with a fraction or an exponent"))),
+    # Numbers whose text from_json changes: 1e400 came out as '"Infinity"', quotes and all,
+    # -0 as 0 (an id changed), and both were stored as valid
+    (json.dumps({**ORDER, "user_id": "N"}).replace('"N"', "1e400"),
+     "user_id is a JSON number with a fraction or an exponent, not a string: send it as a JSON "
+     "string"),
+    (json.dumps({**ORDER, "order_id": "N"}).replace('"N"', "-1E400"),
+     "order_id is a JSON number with a fraction or an exponent, not a string: send it as a "
+     "JSON string"),
+    (json.dumps({**ORDER, "event_id": "N"}).replace('"N"', "-0"),
+     "event_id is the JSON number -0, which reads as 0: send it as a JSON string"),
     # A JSON number is judged by its own digits: 5 decimals are still too many.
     (json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', "0.00005"),
      "amount '0.00005' is not a decimal string with at most 4 decimals"),
@@ -142,6 +152,15 @@ def test_a_bad_record_is_marked_with_the_first_rule_it_breaks(
     spark: SparkSession, value: str | None, reason: str
 ) -> None:
     assert error_of(spark, value) == reason
+
+
+def test_a_zero_id_is_valid_as_a_string_or_an_integer(spark: SparkSession) -> None:
+    """-0 is refused (it reads as 0); a zero, and a text quoting -0, are not."""
+    rows = parse(spark, *((KEY, value) for value in (
+        json.dumps({**ORDER, "order_id": "0"}),
+        json.dumps({**ORDER, "order_id": "N"}).replace('"N"', "0"),
+        json.dumps({**ORDER, "order_id": "0", "url": '"order_id": -0'}))))
+    assert [(row["order_id"], row["error"]) for row in rows] == [("0", None)] * 3
 
 
 @pytest.mark.parametrize("value", [

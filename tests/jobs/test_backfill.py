@@ -849,6 +849,11 @@ def test_refused_batches_change_no_table(stream_config: Config, spark: SparkSess
     with pytest.raises(BatchRefusedError, match="lacks required orders columns: amount"):
         run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                      path=write_rows(stream_config, "m", missing, "parquet"))
+    camel = [{"orderId": "o1", "clientId": "client-00", "userId": "u1", "ts": ms(START),
+              "amount": "1.00", "currency": "EUR"}]  # none of the fields read as text
+    with pytest.raises(BatchRefusedError, match="lacks required orders columns: order_id"):
+        run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, "camel", camel, "jsonl"))
     outside = Path(stream_config.landing).parent / "elsewhere"
     outside.mkdir()
     (outside / "x.csv").write_text("order_id\n1\n")
@@ -1615,7 +1620,11 @@ def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the
         {**line, "order_id": "o3", "user_id": 7}, {**line, "order_id": "o4",
                                                    "user_id": "{not json"},
         {**line, "order_id": "o5", "user_id": 7.0},
-        {**line, "order_id": "o6", "user_id": 123456789012345678901234567890123456789012})))
+        {**line, "order_id": "o6", "user_id": 123456789012345678901234567890123456789012},
+        {**line, "order_id": "o7", "user_id": "1E400"}, {**line, "order_id": "o8",
+                                                          "user_id": "-0"},
+        {**line, "order_id": "o9", "user_id": "0"})).replace('"1E400"', "1e400").replace(
+            '"-0"', "-0 "))  # numbers whose text from_json changes; a string "0" is kept
     rows = validated(config, spark, "o")
     assert {key: (r["user_id"], r["error"]) for key, r in rows.items()} == {
         "o1": ('{"id":1}', "user_id is a JSON object, not a string: send it as a JSON string"),
@@ -1624,7 +1633,12 @@ def test_json_lines_fields_sent_as_objects_arrays_or_booleans_are_refused_as_the
         # A variant normalised numbers: 7.0 as 7 (the stream's 7.0), 42 digits as a double
         "o5": ("7.0", "user_id is a JSON number with a fraction or an exponent, not a string: "
                       "send it as a JSON string"),
-        "o6": ("123456789012345678901234567890123456789012", None)}
+        "o6": ("123456789012345678901234567890123456789012", None),
+        "o7": ('"Infinity"', "user_id is a JSON number with a fraction or an exponent, not a "
+                             "string: send it as a JSON string"),
+        "o8": ("0", "user_id is the JSON number -0, which reads as 0: send it as a JSON "
+                    "string"),
+        "o9": ("0", None)}
     pageview = {"event_id": ["v1"], "client_id": "client-00", "user_id": "u",
                 "ts": ms(START), "url": {"path": "/a"}, "referrer": None}
     (config.landing / "v").mkdir()
@@ -1762,20 +1776,24 @@ def test_csv_files_must_share_one_header_and_rows_must_match_it(
                                                              "pageviews")} == {
         "x1": "two\nlines", "x2": "/r"}
     (stream_config.landing / "rows").mkdir(parents=True)
+    wide = "c4,client-00,u1,2026-11-01T00:04:00Z,4.00,EUR" + "," * 25_000
     (stream_config.landing / "rows" / "a.csv").write_text(
         header + good
         + "c2,client-00,u1,2026-11-01T00:01:00Z,2.00,EUR,TRAILING\n"
-        + "c3,client-00,u1,2026-11-01T00:02:00Z,3.00\n")
+        + "c3,client-00,u1,2026-11-01T00:02:00Z,3.00\n"
+        + wide + "\n")  # wider than Spark's reader takes by default: it failed the batch
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
                            path="rows")
     quarantined = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
+    assert quarantined.pop(wide) == (
+        "malformed CSV row: its number of fields differs from the header's")
     assert quarantined == {
         "c2,client-00,u1,2026-11-01T00:01:00Z,2.00,EUR,TRAILING":
             "malformed CSV row: its number of fields differs from the header's",
         "c3,client-00,u1,2026-11-01T00:02:00Z,3.00":
             "malformed CSV row: its number of fields differs from the header's"}
     assert [r["order_id"] for r in table_rows(stream_config, spark, "orders")] == ["c1"]
-    assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (3, 1, 2)
+    assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (4, 1, 3)
     (stream_config.landing / "nameless").mkdir(parents=True)  # a column without a name
     (stream_config.landing / "nameless" / "a.csv").write_text(
         "\ufefforder_id,client_id,,user_id,ts,amount,currency\n"

@@ -102,31 +102,36 @@ def json_number_not_whole(value: Column, field: str) -> Column:
     return kind.rlike(r"^(DECIMAL|DOUBLE|FLOAT)\b")
 
 
-def not_text_error(value: Column, texts: dict[str, Column]) -> Column:
+def not_text_error(value: Column, sent: Column, texts: dict[str, Column]) -> Column:
     """Reason one of a parsed JSON record's ``TEXT_FIELDS`` (``texts``: name -> its text as
     ``from_json`` reads it) holds a JSON object, array, boolean or a number with a fraction
     or an exponent, or null. Read as text, such a value came out as its JSON text and was
     stored as valid: a client ``{"name":"acme"}``, a user ``["u",1]``; a number's text is
     not what was sent (``7.0`` stayed ``7.0`` in the stream, ``7`` in a backfill: one user
-    twice). An integer is its digits, as sent, in both. Only a text that could be one (it
-    starts with ``{`` or ``[``, is ``true``/``false``, or has a ``.``, which the text of every
-    such number has) is looked up in ``value`` (a variant), so a valid record pays a few
-    comparisons per field: parsing took ~18% longer in three alternated pairs over 1M records
-    (``bench/parse_bench.py``; ~35% with a regular expression for numbers and these checks
-    on every text field)."""
+    twice; ``1e400`` became ``"Infinity"``, quotes and all). An integer is its digits, as
+    sent, in both; but ``-0`` reads as ``0``, so it is refused (``sent``: the record's JSON
+    text, looked at for it only where the text is ``0``). Only a text that could be one (it
+    starts with ``{``, ``[`` or ``"``, is ``true``/``false``/``0``, or has a ``.``, which the
+    text of every other such number has) is looked up in ``value`` (a variant), so a valid
+    record pays a few comparisons per field: parsing took ~18% longer in three alternated
+    pairs over 1M records (``bench/parse_bench.py``; ~35% with a regular expression for
+    numbers and these checks on every text field)."""
     names = F.create_map(*(F.lit(x) for pair in _NOT_TEXT_KINDS.items() for x in pair))
     reasons = []
     for name, text in texts.items():
         kind = F.regexp_extract(F.schema_of_variant(
             F.try_variant_get(value, f"$.{name}", "variant")), r"^[A-Z]+", 0)
-        could_be = (text.startswith("{") | text.startswith("[") | text.isin("true", "false")
-                    | text.contains("."))
+        could_be = (text.startswith("{") | text.startswith("[") | text.startswith('"')
+                    | text.isin("true", "false") | text.contains("."))
         # Nested, so the lookup stays in the branch only such texts reach; a string's kind
         # names no entry: null, no reason.
         reasons.append(F.when(could_be, F.concat(
             F.lit(f"{name} is a JSON "), F.try_element_at(names, kind),
             F.lit(", not a string: send it as a JSON string"))))
-    return F.coalesce(*reasons)
+        reasons.append(F.when((text == "0") & (kind != "STRING") & sent.rlike(
+            rf'"{name}"\s*:\s*-0(?![0-9.eE])'), F.lit(
+                f"{name} is the JSON number -0, which reads as 0: send it as a JSON string")))
+    return F.coalesce(*reasons) if reasons else F.lit(None).cast("string")
 
 
 def _blank(column: Column) -> Column:
@@ -439,7 +444,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
                F.lit("value is not valid JSON: text follows its first value")),
         F.when(~_starts_an_object(F.col("raw")), F.lit("value is not a JSON object")),
         missing,
-        not_text_error(v, {name: F.col(name) for name in TEXT_FIELDS}),
+        not_text_error(v, F.col("raw"), {name: F.col(name) for name in TEXT_FIELDS}),
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),
         id_error(F.col("event_id"), "event_id"),

@@ -247,6 +247,7 @@ ROW_TEXT = "_row_text"  # the record as its file holds it, when the reader keeps
 ROW_ERROR = "_row_error"  # why the reader could not take the record apart (B6, B10)
 CSV_READ_AS = "ISO-8859-1"  # one character per byte: a CSV file's bytes come through (B13)
 CSV_STANDARD = {"escape": '"', "multiLine": "true"}  # RFC 4180: "" is a quote (B14)
+CSV_MAX_COLUMNS = 20_480  # Spark's default: a wider batch's readers are given its width
 TS_NOT_WHOLE = "_ts_not_whole"  # a JSON Lines line's ts is a number with a fraction (B27)
 READER_COLUMNS = ("_file", "_file_modified", MALFORMED_CSV_ROW, ROW_TEXT, ROW_ERROR,
                   TS_NOT_WHOLE)
@@ -427,19 +428,24 @@ def csv_header(batch: BatchFiles) -> list[str]:
     return header
 
 
-def check_csv_quoting(batch: BatchFiles) -> None:
+def check_csv_quoting(batch: BatchFiles) -> int:
     """Refuses a CSV batch with a file whose quoting is malformed (B18) or whose records end
-    in two kinds of line break (B26)."""
+    in two kinds of line break (B26). Returns the most fields a record of the batch has:
+    Spark's reader failed the whole batch on a record wider than its ``maxColumns`` (20,480
+    by default) where a record of too many fields is quarantined as malformed."""
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)  # a field left open holds the rest of the file
+    widest = 0
     try:
         for path in batch.files:
-            malformed = _malformed_records(path)
+            malformed, fields = _malformed_records(path)
             if malformed is not None:
                 line, what = malformed
                 raise BatchRefusedError(f"batch {batch.root}: {path.name} line {line}: {what}")
+            widest = max(widest, fields)
     finally:
         csv.field_size_limit(limit)
+    return widest
 
 
 def _holds_two_kinds_of_line_break(path: Path) -> bool:
@@ -463,8 +469,9 @@ _QUOTING_FIX = ("so the lines after it could be read as part of one field (neith
 _LINE_BREAKS = {"\r\n": "CRLF", "\n": "LF", "\r": "CR"}
 
 
-def _malformed_records(path: Path) -> tuple[int, str] | None:
-    """(the line of the first malformed record, what is wrong and what to do), or None.
+def _malformed_records(path: Path) -> tuple[tuple[int, str] | None, int]:
+    """(the line of the first malformed record, what is wrong and what to do) or None, and
+    the most fields a record of the file has.
 
     (B26) Spark takes a file's line break from its first line: after an LF, a record ending
     in CRLF kept the CR in its last field (stored as valid, or an order's currency 'EUR\r'
@@ -483,27 +490,28 @@ def _malformed_records(path: Path) -> tuple[int, str] | None:
                 yield line
 
         rows = csv.reader(lines() if mixed else text, strict=True)
-        starts_at, first_break = 1, None
+        starts_at, first_break, widest = 1, None, 0
         try:
             for row in rows:
+                widest = max(widest, len(row))
                 if mixed and row:  # the record's last line (a blank line is no record)
                     ending = next((e for e in _LINE_BREAKS if last_line[0].endswith(e)), None)
                     first_break = first_break or ending
                     if ending is not None and ending != first_break:
-                        return starts_at, (
+                        return (starts_at, (
                             f"its record ends in {_LINE_BREAKS[ending]} where the file's first "
                             f"ends in {_LINE_BREAKS[first_break]} (files of two systems "
                             "joined?), so its records would be read with a stray CR or joined; "
                             "convert the file to one kind of line break (e.g. dos2unix) and "
-                            "load it again")
+                            "load it again")), widest
                 starts_at = rows.line_num + 1
         except csv.Error as error:
             if "unexpected end of data" in str(error):
-                return starts_at, ("a row there opens a quoted field that is never closed, "
-                                   + _QUOTING_FIX)
-            return starts_at, (f"a row there has text after a closing quote ({error}), "
-                               + _QUOTING_FIX)
-    return None
+                return (starts_at, "a row there opens a quoted field that is never closed, "
+                        + _QUOTING_FIX), widest
+            return (starts_at, f"a row there has text after a closing quote ({error}), "
+                    + _QUOTING_FIX), widest
+    return None, widest
 
 
 def read_batch(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
@@ -574,12 +582,13 @@ def _read(spark: SparkSession, batch: BatchFiles, file_format: str | None = None
         _check_parquet_types(batch, required)
     if batch.file_format == "csv":  # (B6) one header, every field as text, bad rows marked
         header = csv_header(batch)
-        check_csv_quoting(batch)  # (B18)
+        widest = check_csv_quoting(batch)  # (B18)
         reader = reader.schema(StructType(
             [StructField(name, StringType()) for name in header]
             + [StructField(MALFORMED_CSV_ROW, StringType())])).options(
             header="true", mode="PERMISSIVE", columnNameOfCorruptRecord=MALFORMED_CSV_ROW,
-            encoding=CSV_READ_AS, **CSV_STANDARD)  # (B13, B14)
+            encoding=CSV_READ_AS, maxColumns=max(CSV_MAX_COLUMNS, widest + 1),
+            **CSV_STANDARD)  # (B13, B14)
     try:
         frame = reader.format(file_format or batch.file_format).load(
             [str(p) for p in batch.files])
@@ -717,7 +726,7 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
             "line is not one JSON object: JSON Lines holds one record per line (two records "
             "joined on one line, or an array, are quarantined as they are); split the line "
             "and load it again")),
-        not_text_error(F.col("_value"), {
+        not_text_error(F.col("_value"), line, {
             name: F.col("_record")[name] for name in record.fieldNames() if name in TEXT_FIELDS}))
     parsed = lines.select(F.from_json(line, record).alias("_record"),
                           F.try_parse_json(line).alias("_value"), text, "_metadata")
