@@ -736,6 +736,21 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
     assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (11, 7, 4)
 
 
+def test_a_binary_id_that_is_not_utf8_is_said_to_show_in_base64(
+    config: Config, spark: SparkSession
+) -> None:
+    """raw is the row as JSON, where a binary column is base64: the reason sent its reader
+    looking for U+FFFD."""
+    table = pa.Table.from_pylist([{**order_row("o1", "u", 1), "ts": START}])
+    table = table.set_column(table.schema.get_field_index("user_id"), "user_id",
+                             pa.array([b"\xff\xfe"], pa.binary()))
+    write_table(table, config.landing / "b", "parquet")  # type: ignore[arg-type]
+    row = validated(config, spark, "b")["o1"]
+    assert row["error"] == ("user_id is not UTF-8 text: raw shows its value in base64 (a "
+                            "binary column); re-encode the batch as UTF-8 and load it again")
+    assert json.loads(row["raw"])["user_id"] == base64.b64encode(b"\xff\xfe").decode()
+
+
 def test_a_parquet_string_that_is_not_utf8_is_quarantined_and_the_rest_merged(
     stream_config: Config, spark: SparkSession
 ) -> None:

@@ -855,9 +855,15 @@ def validate_batch(frame: DataFrame, kind: BatchKind, client_id: str, max_ts_ahe
         unreadable.alias("unreadable"),
         not_utf8.alias("not_utf8"), F.col("_file_modified").alias("file_modified"))
     blank = {n: F.col(n).isNull() | (F.trim(F.col(n)) == "") for n in columns}
+    # raw is the row as JSON text: a binary column's value shows there in base64.
+    binary = [n for n in strings if isinstance(frame.schema[n].dataType, BinaryType)]
+    shown = F.lit("its invalid bytes as U+FFFD (the file keeps them)")
+    if binary:
+        shown = F.when(F.col("not_utf8").isin(*binary), F.lit(
+            "its value in base64 (a binary column)")).otherwise(shown)
     checks = [F.col("unreadable"), F.when(F.col("not_utf8").isNotNull(), F.format_string(
-        "%s is not UTF-8 text: raw shows its invalid bytes as U+FFFD (the file keeps them); "
-        "re-encode the batch as UTF-8 and load it again", F.col("not_utf8")))]  # (B11)
+        "%s is not UTF-8 text: raw shows %s; re-encode the batch as UTF-8 and load it again",
+        F.col("not_utf8"), shown))]  # (B11)
     checks += [error for error in (_not_text_error(n, frame.schema[n].dataType)
                                    for n in (key, "client_id", "user_id")) if error is not None]
     checks += [F.when(blank[n], F.lit(f"missing {n}")) for n in (key, "client_id", "user_id")]
