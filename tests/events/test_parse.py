@@ -144,6 +144,11 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
      "JSON string"),
     (json.dumps({**ORDER, "event_id": "N"}).replace('"N"', "-0"),
      "event_id is the JSON number -0, which reads as 0: send it as a JSON string"),
+    # A whole number of 23 digits is a variant's DECIMAL, as 7.0 is: not said to have a
+    # fraction or an exponent
+    (json.dumps({**ORDER, "ts": 17935000000000000000000}),
+     "ts '17935000000000000000000' is neither ISO-8601 with a time zone nor epoch "
+     "milliseconds"),
     # A JSON number is judged by its own digits: 5 decimals are still too many.
     (json.dumps({**ORDER, "amount": "AMOUNT"}).replace('"AMOUNT"', "0.00005"),
      "amount '0.00005' is not a decimal string with at most 4 decimals"),

@@ -95,11 +95,15 @@ _NOT_TEXT_KINDS = {"OBJECT": "object", "ARRAY": "array", "BOOLEAN": "boolean",
                                "number with a fraction or an exponent")}
 
 
-def json_number_not_whole(value: Column, field: str) -> Column:
-    """Whether a parsed JSON record's ``field`` (``value``, a variant) is a number with a
-    fraction or an exponent."""
+def json_number_not_whole(value: Column, field: str, text: Column) -> Column:
+    """Whether a parsed JSON record's ``field`` (``value``, a variant; ``text``, its text as
+    ``from_json`` reads it) is a number with a fraction or an exponent. Only a text with a
+    ``.`` and no ``:`` of a time can be one (``from_json`` writes every such number with a
+    ``.``), and only such a text is looked up: a variant holds ``7.0`` and a whole number of
+    23 digits alike, as a DECIMAL of scale 0."""
     kind = F.schema_of_variant(F.try_variant_get(value, f"$.{field}", "variant"))
-    return kind.rlike(r"^(DECIMAL|DOUBLE|FLOAT)\b")
+    return F.when(text.contains(".") & ~text.contains(":"),
+                  kind.rlike(r"^(DECIMAL|DOUBLE|FLOAT)\b")).otherwise(False)
 
 
 def not_text_error(value: Column, sent: Column, texts: dict[str, Column]) -> Column:
@@ -449,7 +453,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         user_id_error(F.col("user_id")),
         id_error(F.col("event_id"), "event_id"),
         ts_error(F.col("ts_text"), F.col("ts_value"), _sent_text(v, "ts", F.col("ts_text")),
-                 json_number_not_whole(v, "ts")),
+                 json_number_not_whole(v, "ts", F.col("ts_text"))),
         ts_ahead_error(F.col("ts_text"), F.col("ts_value"), _arrival(F.col("_received")),
                        max_ts_ahead_ms, reference_is=ARRIVAL),
         F.when(~F.is_valid_utf8("_key"), F.lit(

@@ -737,10 +737,8 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
         return F.col("_record")[field.name]
 
     ts_not_whole = F.lit(False)
-    if "ts" in record.fieldNames():  # (B27) only a text a number's can be: no ':' of a time
-        ts = F.col("_record")["ts"]
-        ts_not_whole = F.when(ts.contains(".") & ~ts.contains(":"),
-                              json_number_not_whole(F.col("_value"), "ts")).otherwise(False)
+    if "ts" in record.fieldNames():  # (B27)
+        ts_not_whole = json_number_not_whole(F.col("_value"), "ts", F.col("_record")["ts"])
     return parsed.select(
         *(column(f).alias(f.name) for f in fields),
         F.coalesce(as_bytes, text).alias(ROW_TEXT), error.alias(ROW_ERROR),
