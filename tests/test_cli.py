@@ -390,6 +390,12 @@ def test_generating_reads_only_the_settings_it_uses(
     monkeypatch.setenv("CLICKSTREAM_MAX_TS_AHEAD", "soon")
     assert main(["generate", "events", "--out", str(out)]) == EXIT_NOT_RETRYABLE
     assert "CLICKSTREAM_MAX_TS_AHEAD='soon'" in capsys.readouterr().err
+    # Nor do they take a job's flag: it was checked, then ignored
+    for command in (["events", "--out", str(out)], ["history", "--client", "c1"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["generate", *command, "--session-gap", "abc"])
+        assert refused.value.code == 2
+        assert "unrecognized arguments: --session-gap abc" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("start", "minutes", "complaint"), [

@@ -37,9 +37,14 @@ Handler = Callable[[argparse.Namespace, Config], int]
 DRY_RUN_STEPS = ("check", "report")  # the backfill steps that write nothing
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser,
+                      only: Sequence[str] | None = None) -> None:
+    """The settings' flags, or ``only`` those a command reads (a generator took and checked
+    ``--warehouse`` and ``--session-gap``, then ignored them)."""
     group = parser.add_argument_group("configuration (flags override environment variables)")
     for name, help_text in FLAG_HELP.items():
+        if only is not None and name not in only:
+            continue
         metavar = "DURATION" if name.endswith("_minutes") else None  # not its dest's unit
         group.add_argument(cli_flag(name), dest=name, default=None, metavar=metavar,
                            help=f"{help_text} [env {ENV_NAMES[name]}]")
@@ -482,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="records per second to Kafka (default: as fast as it takes them)")
     events.add_argument("--out", type=_given, default=None,
                         help="write JSON Lines here instead of Kafka")
-    _add_config_flags(events)
+    _add_config_flags(events, GENERATE_EVENTS_SETTINGS)
     events.set_defaults(handler=_cmd_generate_events, reads_settings=GENERATE_EVENTS_SETTINGS)
 
     history = kinds.add_parser(
@@ -506,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="folder relative to the landing folder " + _DEFAULT)
     history.add_argument("--overwrite", action="store_true",
                          help="replace the batch an earlier run wrote to --out")
-    _add_config_flags(history)
+    _add_config_flags(history, GENERATE_HISTORY_SETTINGS)
     history.set_defaults(handler=_cmd_generate_history,
                          reads_settings=GENERATE_HISTORY_SETTINGS)
     return parser
