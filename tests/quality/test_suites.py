@@ -4,6 +4,7 @@ check results, fails on bad ones, and names the expectation."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -113,3 +114,12 @@ def test_warnings_are_reported_but_do_not_fail(config: Config) -> None:
     assert {o.column for o in result.warnings} == {"malformed_fraction",
                                                    "accepted_unknown_event_type"}
     result.raise_if_failed("unused")
+    assert re.match(rf"quality gate raw_events \(suite v\d+\): warning, "
+                    rf"{len(result.outcomes) - 2} of {len(result.outcomes)} expectations met, "
+                    r"2 warnings in [\d.]+s; warning: quality gate raw_events: ",
+                    result.describe())
+    assert result.describe().count("; warning: ") == 2
+    both = run_gate("raw_events", {**values, "accepted_invalid_event_type": 2}, config=config,
+                    job="test", run_id="w", report=False)  # the counts add up to the total
+    assert "expectations met, 1 failed, 2 warnings in " in both.describe()
+    assert f"1 of {len(both.outcomes)} expectations failed: " in both.message("x")

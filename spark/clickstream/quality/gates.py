@@ -138,12 +138,17 @@ class GateResult:
         return "failed" if self.failures else "warning" if self.warnings else "passed"
 
     def describe(self) -> str:
-        """One line for progress output."""
+        """One line for progress output: the failed and the warning expectations counted
+        apart and told apart, as the error line counts only the failed ones."""
+        failed = f", {len(self.failures)} failed" if self.failures else ""
+        warned = (f", {len(self.warnings)} warning{'s' if len(self.warnings) > 1 else ''}"
+                  if self.warnings else "")
         text = (f"quality gate {self.gate} (suite v{self.suite_version}): {self.status}, "
                 f"{len(self.outcomes) - len(self.failures) - len(self.warnings)} of "
-                f"{len(self.outcomes)} expectations met in {self.seconds:.2f}s")
+                f"{len(self.outcomes)} expectations met{failed}{warned} in {self.seconds:.2f}s")
         if self.failures or self.warnings:
-            text += "; " + "; ".join(o.reason for o in (*self.failures, *self.warnings))
+            text += "; " + "; ".join([*(o.reason for o in self.failures),
+                                      *(f"warning: {o.reason}" for o in self.warnings)])
         return text
 
     def message(self, consequence: str, lead: str = "") -> str:
