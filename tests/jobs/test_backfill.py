@@ -1126,8 +1126,9 @@ def test_a_full_recompute_superseding_a_plan_sends_the_tombstones_the_plan_never
     assert step("publish", progress=said.append)["published"] == 0
     step("report", progress=said.append)
     assert said[:2] == [
-        f"check {run_id}: its plan 2 was superseded by {by} (it failed its applied check; {by} "
-        "rewrote and published the client's sessions and attributions), nothing to check",
+        f"check-applied {run_id}: its plan 2 was superseded by {by} (it failed its applied "
+        f"check; {by} rewrote and published the client's sessions and attributions), nothing "
+        "to check",
         f"publish {run_id}: nothing to publish: its plan was superseded by {by}, which "
         "published the client's rewrite"]
     items = [e for e in reports.read_entries(reports.reports_dir(stream_config))

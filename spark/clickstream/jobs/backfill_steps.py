@@ -457,22 +457,22 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
     with one_run_at_a_time(config, client_id, progress):
         changes = stored_plan(run)
         if changes is None:
-            progress(f"check {run_id}: no corrections planned, nothing to check")
+            progress(f"check-applied {run_id}: no corrections planned, nothing to check")
             return {"sessions": 0, "attributions": 0, "run_seq": None}
         try:
             run_seq = changes.select("run_seq").first()[0]
             published = run_seq <= published_through(run)
             by = superseded_by(run, run_seq) if published else None
             if by is not None:  # (C15)
-                progress(f"check {run_id}: its plan {run_seq} was superseded by {by} (it "
-                         f"failed its applied check; {by} rewrote and published the client's "
+                progress(f"check-applied {run_id}: its plan {run_seq} was superseded by {by} "
+                         f"(it failed its applied check; {by} rewrote and published the client's "
                          "sessions and attributions), nothing to check")
                 return {"sessions": 0, "attributions": 0, "run_seq": run_seq,
                         "superseded_by": by}
             if published:  # (S4)
                 counts = {entity: changes.where(F.col("entity") == entity[:-1]).count()
                           for entity in ("sessions", "attributions")}
-                progress(f"check {run_id}: its {counts['sessions']} session and "
+                progress(f"check-applied {run_id}: its {counts['sessions']} session and "
                          f"{counts['attributions']} attribution corrections were applied and "
                          "published already (later runs of the client may have changed them "
                          "since), nothing to check")
@@ -480,7 +480,7 @@ def check_applied(config: Config, *, client_id: str, run_id: str,
             counts = check_plan_applied(run, changes)
         finally:
             release(changes)
-    progress(f"check {run_id}: tables hold all {counts['sessions']} session and "
+    progress(f"check-applied {run_id}: tables hold all {counts['sessions']} session and "
              f"{counts['attributions']} attribution corrections")
     return {**counts, "run_seq": run_seq}
 

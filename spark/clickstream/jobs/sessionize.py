@@ -250,7 +250,8 @@ class SessionizeSummary:
     stopped_by: int | None = None  # the signal that asked for the stop, if one did
 
     def describe(self) -> str:
-        return (f"sessionize: {self.batches} micro-batches in {self.seconds:.1f}s: "
+        batches = f"{self.batches} micro-batch{'es' if self.batches != 1 else ''}"
+        return (f"sessionize: {batches} in {self.seconds:.1f}s: "
                 f"{self.totals.describe()}")
 
 

@@ -230,5 +230,5 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         summary=(f"{summary.sessions_created} created, {summary.sessions_updated} updated, "
                  f"{summary.sessions_retracted} retracted sessions; {reattributed} orders "
                  f"re-attributed; net revenue {net:+,.2f}"), client_id=run.client_id))
-    run.progress(f"  correction report: {target}")
+    run.progress(f"  correction report written: {target}")
     return target
