@@ -1096,6 +1096,25 @@ def test_a_hand_edited_sessionizer_note_stops_corrections_saying_what_to_do(
         sessionize.check_stream_settings(config)
 
 
+def test_an_events_log_the_checkpoint_did_not_read_stops_the_sessionizer_before_spark(
+    stream_config: Config, spark: SparkSession, capsys: pytest.CaptureFixture
+) -> None:
+    """A broker restarted empty (here: another one with the same topics): the source stopped
+    the query ~15 s in, after Spark's error log and two tracebacks; now refused first."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("a", start, "a1")])
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    topics = (stream_config.events_topic, stream_config.sessions_topic,
+              stream_config.attributions_topic)
+    with EmbeddedBroker(port=0, topics=dict.fromkeys(topics, 4)) as other:
+        moved = stream_config.replace(kafka_bootstrap_servers=other.bootstrap_servers)
+        capsys.readouterr()
+        with pytest.raises(DataLossError, match=f"^topic {stream_config.events_topic} is not "
+                                                "the log its stored offsets were read from"):
+            run_sessionizer(moved, until_caught_up=True, spark=spark)
+        assert "sessionize:" not in capsys.readouterr().out  # no query was started
+
+
 def test_a_restart_with_another_session_gap_is_refused(
     stream_config: Config, spark: SparkSession
 ) -> None:

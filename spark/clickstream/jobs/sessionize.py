@@ -192,7 +192,7 @@ from clickstream.io.kafka_changelog import (
     publish_attributions,
     publish_sessions,
 )
-from clickstream.io.kafka_clients import topic_watermarks
+from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, Holder, exclusive, exclusive_or_refuse, held
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
@@ -1089,8 +1089,20 @@ def run_sessionizer(
     # would publish its own sessions only to a topic that lost the others.
     topic_watermarks(config, config.events_topic)
     check_changelogs_answer(config)
+    _check_events_log(config)
     with sessionizer_lock(config):  # (Z15)
         return _run_sessionizer(config, until_caught_up, spark)
+
+
+def _check_events_log(config: Config) -> None:
+    """(``kafka_source`` K7) Fail if the events topic is not the log the checkpoint's offsets
+    were read from (the embedded broker restarted empty), before Spark starts: the source
+    finds it too, but only once the query ran, ~15 s in, after Spark's own error log and a
+    Java and a Python traceback. (Spark's native source records no topic id: not checked.)"""
+    progress = checkpoint_progress(config.checkpoint_path(JOB), config.events_topic)
+    if progress is not None and progress.topic_id is not None:
+        check_same_log(config.events_topic, progress.topic_id,
+                       topic_id(config, config.events_topic))
 
 
 def _run_sessionizer(config: Config, until_caught_up: bool, spark: SparkSession | None
