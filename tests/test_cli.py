@@ -25,7 +25,7 @@ CLI = [sys.executable, "-m", "clickstream.cli"]
 
 @pytest.mark.parametrize("command", [
     [], ["broker"], ["sessionize"], ["backfill"], ["backfill-step"], ["recompute"],
-    ["republish"], ["inspect"],
+    ["republish"], ["maintain"], ["inspect"],
     ["generate"],
     ["generate", "events"],
     ["generate", "history"],

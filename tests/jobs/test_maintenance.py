@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from clickstream.config import Config
-from clickstream.errors import ClickstreamError
+from clickstream.cli import main
+from clickstream.config import ENV_NAMES, Config
+from clickstream.errors import EXIT_NOT_RETRYABLE, ClickstreamError
 from clickstream.jobs.maintenance import checkpoint_tables, compact_tables, vacuum_tables
 from tests.io.test_delta_tables import age_the_log
 
@@ -51,6 +52,35 @@ def test_a_failed_compaction_still_compacts_every_other_table_then_fails(config:
     assert DeltaTable(str(quarantine)).to_pyarrow_table().num_rows == 3
     assert lines[0].startswith("compact pageviews: failed: ")
     assert lines[1] == "compact quarantine: 3 files into 1"
+
+
+def test_maintain_runs_the_dags_steps_from_the_command_line(
+    config: Config, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Maintenance had no command: a deployment without Airflow could not run it. Each step
+    tries every table and runs whatever the step before did, as the DAG's, then it fails."""
+    for name in ("warehouse", "home"):
+        monkeypatch.setenv(ENV_NAMES[name], str(getattr(config, name)))
+    quarantine = small_files(config, "quarantine", 3)
+    assert main(["maintain", "--retention-hours", "10"]) == EXIT_NOT_RETRYABLE
+    assert "vacuum retention 10 h is below the safe minimum" in capsys.readouterr().err
+    assert len(DeltaTable(str(quarantine)).file_uris()) == 3  # refused before any step
+
+    assert main(["maintain"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("maintain: 1 tables: 3 files compacted into 1, 0 deleted by vacuum, "
+                        "each log checkpointed\n")
+    assert "checkpoint quarantine: version 4" in out
+    assert list((quarantine / "_delta_log").glob("*.checkpoint.parquet"))
+
+    corrupt_one_file(small_files(config, "pageviews", 2))
+    assert main(["maintain"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("clickstream maintain: error: compact failed on 1 of 2 tables: "
+                          "pageviews (DeltaError: ")
+    for line in ("vacuum pageviews: 0 files", "checkpoint pageviews: version 2",
+                 "checkpoint quarantine: version 4"):
+        assert line in out
 
 
 def test_a_client_whose_folders_are_named_with_a_raw_tilde_is_compacted(config: Config):

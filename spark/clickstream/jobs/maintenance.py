@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from clickstream.config import Config
-from clickstream.errors import ConfigError, one_error_for
+from clickstream.errors import ClickstreamError, ConfigError, one_error_for
 from clickstream.io.delta_tables import (
     DEFAULT_LOG_RETENTION_HOURS,
     FILE_RETENTION,
@@ -133,16 +133,7 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
         ConfigError: ``retention_hours`` is below the safe minimum (M1) or above ten years.
         ClickstreamError: vacuum failed on some tables; the others were vacuumed (M2).
     """
-    if retention_hours < MIN_VACUUM_RETENTION_HOURS:
-        raise ConfigError(
-            f"vacuum retention {retention_hours} h is below the safe minimum of "
-            f"{MIN_VACUUM_RETENTION_HOURS} h: writers place files before committing them and "
-            "readers or time travel may still need removed files; use at least "
-            f"{MIN_VACUUM_RETENTION_HOURS}")
-    if retention_hours > MAX_VACUUM_RETENTION_HOURS:
-        raise ConfigError(
-            f"vacuum retention {retention_hours} h is above {MAX_VACUUM_RETENTION_HOURS} h (ten "
-            "years); a longer one keeps every file anyway")
+    check_retention(retention_hours)
     tables = _open(config)
 
     log_hours = max(retention_hours, DEFAULT_LOG_RETENTION_HOURS)
@@ -156,6 +147,21 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
         return deleted
 
     return each_table(tables, "vacuum", vacuum, progress)
+
+
+def check_retention(retention_hours: int) -> None:
+    """Raises ``ConfigError`` for a vacuum retention below the safe minimum (M1) or above ten
+    years."""
+    if retention_hours < MIN_VACUUM_RETENTION_HOURS:
+        raise ConfigError(
+            f"vacuum retention {retention_hours} h is below the safe minimum of "
+            f"{MIN_VACUUM_RETENTION_HOURS} h: writers place files before committing them and "
+            "readers or time travel may still need removed files; use at least "
+            f"{MIN_VACUUM_RETENTION_HOURS}")
+    if retention_hours > MAX_VACUUM_RETENTION_HOURS:
+        raise ConfigError(
+            f"vacuum retention {retention_hours} h is above {MAX_VACUUM_RETENTION_HOURS} h (ten "
+            "years); a longer one keeps every file anyway")
 
 
 def checkpoint_tables(config: Config, *, progress: Progress = print) -> dict[str, int]:
@@ -173,3 +179,33 @@ def checkpoint_tables(config: Config, *, progress: Progress = print) -> dict[str
         return version
 
     return each_table(tables, "checkpoint", checkpoint, progress)
+
+
+def maintain_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION_HOURS,
+                    progress: Progress = print) -> dict[str, dict[str, Any]]:
+    """Compact, vacuum and checkpoint every existing table, as the weekly DAG does: vacuum and
+    checkpoint run whatever compaction did (they do not depend on it); per step, its result.
+
+    Raises:
+        ConfigError: ``retention_hours`` is out of range (nothing was done).
+        ClickstreamError: a step failed on some tables (each step's failures named, the
+            first chained); every other table of every step was done (M2).
+    """
+    check_retention(retention_hours)  # before compaction: nothing done then
+    steps: dict[str, Callable[[], dict[str, Any]]] = {
+        "compact": lambda: compact_tables(config, progress=progress),
+        "vacuum": lambda: vacuum_tables(config, retention_hours=retention_hours,
+                                        progress=progress),
+        "checkpoint": lambda: checkpoint_tables(config, progress=progress),
+    }
+    done: dict[str, dict[str, Any]] = {}
+    failed: list[Exception] = []
+    for name, step in steps.items():
+        try:
+            done[name] = step()
+        except ClickstreamError as exc:  # raised below with the other steps' failures
+            failed.append(exc)
+    if failed:
+        raise one_error_for(failed, " ".join(str(exc) for exc in failed)) from failed[0]
+    return done
+
