@@ -2017,6 +2017,27 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
     assert_stored_once_and_folded_in(stream_config, spark)
 
 
+@pytest.mark.parametrize("moved", ["user", "time"])
+def test_a_record_a_backfill_moved_that_the_stream_then_receives_where_it_was_counts_once(
+    stream_config: Config, spark: SparkSession, moved: str
+) -> None:
+    """(Z11) The batch moves u's order and pageview (to user x, or 2 hours on) ahead of the
+    stream; their on-time copies then arrive where the client first sent them. Dropped from
+    the stored rows, the copies still reached the session state, which counted them in u's
+    session, and nothing queued that place: the order's revenue was counted in two sessions
+    (review, session 77). The copies' places are now queued for the recompute."""
+    produce(stream_config, STREAMED)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    user, later = ("x", 0) if moved == "user" else ("u", 120)
+    for kind, rows in (("pageviews", [pv_row("P1", user, 100 + later)]),
+                       ("orders", [order_row("O1", user, 101 + later)])):
+        run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
+                     path=write_rows(stream_config, kind, rows, "parquet"))
+    produce(stream_config, ON_TIME_COPIES)
+    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert_stored_once_and_folded_in(stream_config, spark)
+
+
 def test_the_dag_announces_the_rows_a_backfill_queues_for_the_stream(
     stream_config: Config, spark: SparkSession
 ) -> None:

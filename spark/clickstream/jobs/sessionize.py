@@ -69,6 +69,11 @@ Known edge cases, cited inline as (Z1)..(Z18):
       queues them for the recompute (corrections C4). When the stream then receives the same
       record on time, it is not stored again: on-time rows whose id a backfill queued are
       dropped from the stored rows (they still reach the session state, which owns them).
+      A copy at another place (user or time) than the backfill's row (the batch moved the
+      record) is counted by the state there, where nothing is stored: its place is queued
+      too (``queued_by`` ending in ``MOVED_AWAY``, counted in ``late_queued``), and the
+      recompute takes the record out of that session once the stream let it go. Unqueued,
+      a moved order's revenue stayed in its old session: counted twice.
       Once the recompute has folded such a record in and dequeued it, its session is closed,
       so a copy arriving after that is late and meets Z2. Nor does the stream write the
       attribution of an order a backfill queued: the recompute that folds the queued row in
@@ -203,6 +208,7 @@ from clickstream.spark_session import build_spark, driver_heap_mib
 from clickstream.tables import (
     ATTRIBUTIONS,
     BACKFILL_QUEUED_BY,
+    MOVED_AWAY,
     ORDERS,
     OTHER_EVENTS,
     PAGEVIEWS,
@@ -673,12 +679,22 @@ def _not_stored_by_another_delivery(tables: DeltaTables, late: Mapping[str, Data
 
 
 def _queued_by_backfills(tables: DeltaTables) -> DataFrame | None:
-    """(client_id, kind, record_id) a backfill stored and queued for the stream (Z11)."""
+    """(client_id, kind, record_id, user_id, ts) a backfill stored and queued for the stream
+    (Z11): where the record is now, and where it moved an order from (C10)."""
     if not tables.exists(RECOMPUTE_QUEUE.name):
         return None
-    return tables.read(RECOMPUTE_QUEUE.name, ["client_id", "kind", "record_id", "queued_by"]
+    return tables.read(RECOMPUTE_QUEUE.name, ["client_id", "kind", "record_id", "user_id", "ts",
+                                              "queued_by"]
                        ).where(F.col("queued_by").startswith(BACKFILL_QUEUED_BY)).drop(
         "queued_by")
+
+
+def _moved_by_backfills(copies: DataFrame, backfilled: DataFrame) -> DataFrame:
+    """(Z11) The on-time ``copies`` (queue rows' columns) of records a backfill queued, at a
+    place (user, time) other than the backfill's: the session state counts them there."""
+    ids = ["client_id", "kind", "record_id"]
+    return copies.join(F.broadcast(backfilled.select(*ids)), ids, "left_semi").join(
+        F.broadcast(backfilled), [*ids, "user_id", "ts"], "left_anti")
 
 
 def _stop_at_once(stop_now: threading.Event, where: str
@@ -876,18 +892,30 @@ class MicroBatchWriter:
         # A wave of its own after the records' (Z9): what it queues is already stored.
         queued: dict[str, Callable[[], int]] = {}
         late_kinds = {kind for kind, *_ in RECORD_TABLES if present.get(f"record:{kind}:late")}
-        if late_kinds:
-            late = {kind: kept[kind].where(is_late) for kind in late_kinds}
+        on_time_kinds = {kind for kind, *_ in RECORD_TABLES if present.get(f"record:{kind}")}
 
+        def as_queue_rows(rows: DataFrame, queued_by: str) -> DataFrame:
+            return rows.select(
+                "client_id", "user_id", F.col("event_type").alias("kind"),
+                F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
+                .otherwise(F.col("event_id")).alias("record_id"),
+                "ts", F.lit(queued_by).alias("queued_by"), "event_date",
+            ).dropDuplicates(["client_id", "kind", "record_id"])
+
+        if late_kinds or (on_time_kinds and backfilled is not None):
             def queue_late() -> int:
-                queue = _not_stored_by_another_delivery(
-                    self.tables, late, valid.where(is_late)).select(
-                    "client_id", "user_id", F.col("event_type").alias("kind"),
-                    F.when(F.col("event_type") == contract.ORDER, F.col("order_id"))
-                    .otherwise(F.col("event_id")).alias("record_id"),
-                    "ts", F.lit(f"{JOB} batch {batch_id}").alias("queued_by"), "event_date",
-                ).dropDuplicates(["client_id", "kind", "record_id"])
-                return self._append(RECOMPUTE_QUEUE, queue, batch_id, app_id)
+                parts = []
+                if late_kinds:
+                    late = {kind: kept[kind].where(is_late) for kind in late_kinds}
+                    parts.append(as_queue_rows(_not_stored_by_another_delivery(
+                        self.tables, late, valid.where(is_late)), f"{JOB} batch {batch_id}"))
+                if on_time_kinds and backfilled is not None:  # (Z11) their old places
+                    parts.append(_moved_by_backfills(as_queue_rows(reduce(
+                        DataFrame.unionByName, (kept[kind].where(~is_late)
+                                                for kind in on_time_kinds)),
+                        f"{JOB} batch {batch_id}{MOVED_AWAY}"), backfilled))
+                return self._append(RECOMPUTE_QUEUE, reduce(DataFrame.unionByName, parts),
+                                    batch_id, app_id)
 
             queued["late_queued"] = queue_late
 
