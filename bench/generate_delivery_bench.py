@@ -6,7 +6,8 @@ and bad records to the records in delivery order. Until session 77 each was inse
 placed both ways on a list of ints (the records' objects do not change the list's moves):
 the old loop, kept here as the reference, and the product's ``_interleaved``. Both must hold
 the same records (where several copies meet, or a copy lands past an earlier one, the two
-order them differently: either is a realistic delivery). Writes ``bench/results/generate-delivery-<stamp>.json``.
+order them differently: either is a realistic delivery). Writes
+``bench/results/generate-delivery-<stamp>.json``.
 
     .venv/bin/python bench/generate_delivery_bench.py    # ~2-3 min (the old loop at 4M)
 """
