@@ -145,6 +145,9 @@ def _cmd_maintain(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.maintenance import maintain_tables
 
     done = maintain_tables(config, retention_hours=args.retention_hours)
+    if not done["checkpoint"]:  # each step said why
+        print("maintain: no table yet: nothing done")
+        return 0
     compacted = done["compact"].values()
     print(f"maintain: {len(done['checkpoint'])} tables: "
           f"{sum(d['files_removed'] for d in compacted)} files compacted into "

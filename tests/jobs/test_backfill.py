@@ -54,7 +54,7 @@ from clickstream.jobs.sessionize import (
 )
 from clickstream.locks import exclusive
 from clickstream.quality import reports
-from clickstream.tables import PAGEVIEWS, SESSIONS
+from clickstream.tables import MOVED_AWAY, PAGEVIEWS, SESSIONS
 from tests.jobs.test_sessionize import order, pageview, probe_records_lock, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
@@ -2033,8 +2033,12 @@ def test_a_record_a_backfill_moved_that_the_stream_then_receives_where_it_was_co
                        ("orders", [order_row("O1", user, 101 + later)])):
         run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
                      path=write_rows(stream_config, kind, rows, "parquet"))
-    produce(stream_config, ON_TIME_COPIES)
-    run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    for _ in range(2):  # the copies, then a producer's retry of them: each place queued once
+        produce(stream_config, ON_TIME_COPIES)
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    assert sorted(r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
+                  if r["queued_by"].endswith(MOVED_AWAY)
+                  and r["queued_by"].startswith("sessionize")) == ["O1", "P1"]
     assert_stored_once_and_folded_in(stream_config, spark)
 
 

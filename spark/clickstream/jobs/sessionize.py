@@ -57,8 +57,9 @@ Known edge cases, cited inline as (Z1)..(Z18):
       nothing in and removed the row, and the replayed batch skipped its already committed
       queue write: the late record never reached a session. A crash after the records' wave
       replays the batch, which still queues them (Z8: the stored rows carry its own source).
-      The extra wave costs only micro-batches with late records. (Rows a backfill queues
-      ahead of its merge are the exception: Z11.)
+      The extra wave costs only micro-batches with late records, or with on-time records
+      while the queue holds a backfill's rows (Z11). (Rows a backfill queues ahead of its
+      merge are the exception to the order: Z11.)
   Z10. The checkpoint's state holds open sessions merged with the session gap of its first
       start: a later start with another CLICKSTREAM_SESSION_GAP would mix two gaps silently.
       The first start records the gap (and the state's bucket count) in the checkpoint folder
@@ -680,13 +681,15 @@ def _not_stored_by_another_delivery(tables: DeltaTables, late: Mapping[str, Data
 
 def _queued_by_backfills(tables: DeltaTables) -> DataFrame | None:
     """(client_id, kind, record_id, user_id, ts) a backfill stored and queued for the stream
-    (Z11): where the record is now, and where it moved an order from (C10)."""
+    (Z11): where the record is now, and where it moved an order from (C10); None when there
+    are none (most micro-batches: their joins and the queue wave are skipped)."""
     if not tables.exists(RECOMPUTE_QUEUE.name):
         return None
-    return tables.read(RECOMPUTE_QUEUE.name, ["client_id", "kind", "record_id", "user_id", "ts",
+    rows = tables.read(RECOMPUTE_QUEUE.name, ["client_id", "kind", "record_id", "user_id", "ts",
                                               "queued_by"]
                        ).where(F.col("queued_by").startswith(BACKFILL_QUEUED_BY)).drop(
         "queued_by")
+    return None if rows.isEmpty() else rows
 
 
 def _moved_by_backfills(copies: DataFrame, backfilled: DataFrame) -> DataFrame:
@@ -858,15 +861,20 @@ class MicroBatchWriter:
                                     is_late)
                 for kind, key, _, order in RECORD_TABLES}
 
+        def counted_on_time(kind: str, key: str) -> DataFrame:
+            """The on-time copies the state counted: not its retries of ids it held (Z3)."""
+            on_time = kept[kind].where(~is_late)
+            if counts.duplicates:  # (Z3) this type's ids only: ids of types may be equal
+                held = duplicates.where(F.col("record_type") == kind).select(
+                    "client_id", F.col("record_id").alias(key))
+                on_time = on_time.join(held, ["client_id", key], "left_anti")
+            return on_time
+
         def on_time_and_late(kind: str, key: str, spec: TableSpec) -> int:
             rows = kept[kind]
             parts = []
             if present.get(f"record:{kind}"):
-                on_time = rows.where(~is_late)
-                if counts.duplicates:  # (Z3) this type's ids only: ids of types may be equal
-                    held = duplicates.where(F.col("record_type") == kind).select(
-                        "client_id", F.col("record_id").alias(key))
-                    on_time = on_time.join(held, ["client_id", key], "left_anti")
+                on_time = counted_on_time(kind, key)
                 if backfilled is not None:  # (Z11)
                     stored_by_backfill = backfilled.where(F.col("kind") == kind).select(
                         "client_id", F.col("record_id").alias(key))
@@ -892,7 +900,8 @@ class MicroBatchWriter:
         # A wave of its own after the records' (Z9): what it queues is already stored.
         queued: dict[str, Callable[[], int]] = {}
         late_kinds = {kind for kind, *_ in RECORD_TABLES if present.get(f"record:{kind}:late")}
-        on_time_kinds = {kind for kind, *_ in RECORD_TABLES if present.get(f"record:{kind}")}
+        on_time_kinds = {kind: key for kind, key, *_ in RECORD_TABLES
+                         if present.get(f"record:{kind}")}
 
         def as_queue_rows(rows: DataFrame, queued_by: str) -> DataFrame:
             return rows.select(
@@ -909,11 +918,15 @@ class MicroBatchWriter:
                     late = {kind: kept[kind].where(is_late) for kind in late_kinds}
                     parts.append(as_queue_rows(_not_stored_by_another_delivery(
                         self.tables, late, valid.where(is_late)), f"{JOB} batch {batch_id}"))
-                if on_time_kinds and backfilled is not None:  # (Z11) their old places
-                    parts.append(_moved_by_backfills(as_queue_rows(reduce(
-                        DataFrame.unionByName, (kept[kind].where(~is_late)
-                                                for kind in on_time_kinds)),
-                        f"{JOB} batch {batch_id}{MOVED_AWAY}"), backfilled))
+                if on_time_kinds and backfilled is not None:  # (Z11) their places
+                    moved = _moved_by_backfills(as_queue_rows(reduce(
+                        DataFrame.unionByName, (counted_on_time(kind, key)
+                                                for kind, key in on_time_kinds.items())),
+                        f"{JOB} batch {batch_id}{MOVED_AWAY}"), backfilled)
+                    if parts or not moved.isEmpty():  # no empty commit per micro-batch
+                        parts.append(moved)
+                if not parts:
+                    return 0
                 return self._append(RECOMPUTE_QUEUE, reduce(DataFrame.unionByName, parts),
                                     batch_id, app_id)
 
