@@ -4,7 +4,7 @@
 and bad records to the records in delivery order. Until session 77 each was inserted with
 ``list.insert``, one at a time: time quadratic in the records. Per size, the same copies
 placed both ways on a list of ints (the records' objects do not change the list's moves):
-the old loop, kept here as the reference, and the product's ``_interleaved``. Both must hold
+the old loop, kept here as the reference, and the product's ``interleaved``. Both must hold
 the same records (where several copies meet, or a copy lands past an earlier one, the two
 order them differently: either is a realistic delivery). Writes
 ``bench/results/generate-delivery-<stamp>.json``.
@@ -21,7 +21,7 @@ import time
 import numpy as np
 from results_file import write_result
 
-from clickstream.jobs.generate import _interleaved
+from clickstream.jobs.generate import interleaved
 
 
 def one_at_a_time(records: list[int], copied: list[int], later: list[int]) -> list[int]:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         copied = rng.choice(n, int(n * args.copy_fraction), replace=False)
         later = np.minimum(n, copied + rng.integers(1, 50, size=len(copied)))
         started = time.perf_counter()
-        placed = _interleaved(records, [records[int(d)] for d in copied], later)
+        placed = interleaved(records, [records[int(d)] for d in copied], later)
         one_pass_s = time.perf_counter() - started
         started = time.perf_counter()
         reference = one_at_a_time(records, copied.tolist(), later.tolist())

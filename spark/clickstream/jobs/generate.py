@@ -229,17 +229,17 @@ def live_records(
     copied = np.asarray(copied, dtype=np.int64)
     # A producer's retry: the copy arrives 1-49 records after its original.
     later = np.minimum(n, copied + rng.integers(1, 50, size=len(copied)))
-    with_copies = _interleaved(out, [out[int(d)] for d in copied], later)
+    with_copies = interleaved(out, [out[int(d)] for d in copied], later)
     bad: list[tuple[str | None, str]] = []
     for _ in range(int(n * delivery.bad_fraction)):
         template = json.loads(with_copies[int(rng.integers(0, len(with_copies)))][1])
         template["event_id"] = "bad-" + str(int(rng.integers(0, 2**62)))
         bad.append((None, BAD_VALUES[int(rng.integers(0, len(BAD_VALUES)))](template)))
-    return _interleaved(with_copies, bad,
+    return interleaved(with_copies, bad,
                         rng.integers(0, len(with_copies) + 1, size=len(bad)))
 
 
-def _interleaved(records: list[T], extra: list[T], before: np.ndarray) -> list[T]:
+def interleaved(records: list[T], extra: list[T], before: np.ndarray) -> list[T]:
     """``records`` with each ``extra[j]`` placed before ``records[before[j]]`` (at the end for
     ``len(records)``), in one pass: inserting them one at a time took time quadratic in the
     records (minutes at ten million)."""
