@@ -145,7 +145,10 @@ def create_app() -> FastAPI:
         if error.status_code in (401, 403) and wants_page:
             from airflow.api_fastapi.app import get_auth_manager
 
-            login = get_auth_manager().get_url_login(next_url=str(request.url))
+            # Back to this page by its path: a full URL would take its host from the request's
+            # Host header, which a proxy may pass on as the client sent it.
+            back = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            login = get_auth_manager().get_url_login(next_url=back)
             return RedirectResponse(login, status_code=303)
         return JSONResponse({"detail": error.detail}, status_code=error.status_code,
                             headers=error.headers)

@@ -26,7 +26,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from clickstream.config import Config
+from clickstream.config import Config, parse_options
 from clickstream.errors import (
     BrokerError,
     BrokerUnavailableError,
@@ -402,8 +402,16 @@ def test_sends_linger_by_kind_unless_the_operator_chose_a_linger(config: Config)
 def test_a_setting_librdkafka_refuses_is_named_with_its_variable(config: Config) -> None:
     unknown = config.replace(kafka_options={"linger.ms": "5", "foo.bar": "1"})
     with pytest.raises(ConfigError, match=r"^CLICKSTREAM_KAFKA_OPTIONS: librdkafka refused "
-                                          r"'foo\.bar' \(No such configuration property"):
+                                          r"setting 2 \(after 'linger\.ms'; its name is not "
+                                          r".*\) \(No such configuration property\)"):
         make_consumer(unknown)
+    # A password cut at an unescaped comma before an "=" reads as a setting of its own: the
+    # name librdkafka does not know is part of the password, and is not repeated.
+    cut = config.replace(kafka_options=parse_options(
+        "sasl.password=Tr0ub4dor,Horse=Battery", "CLICKSTREAM_KAFKA_OPTIONS"))
+    with pytest.raises(ConfigError, match=r"refused setting 2 \(after 'sasl\.password'") as err:
+        make_producer(cut)
+    assert "Horse" not in str(err.value) and "Tr0ub4dor" not in str(err.value)
     java = config.replace(kafka_options={"sasl.jaas.config": "x"})  # the native source's name
     with pytest.raises(ConfigError, match=r"the Java client's names, for Spark's native source, "
                                           r"go in CLICKSTREAM_SPARK_KAFKA_OPTIONS\)$"):

@@ -4,7 +4,7 @@ $CLICKSTREAM_HOME/reports to logged-in users only."""
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
@@ -59,6 +59,10 @@ def test_a_browser_without_login_is_sent_to_the_login_page(client, reports: Path
     assert response.status_code == 303
     assert response.headers["location"].startswith("/auth/login")
     assert "next=" in response.headers["location"]
+    forged = client.get(f"{PREFIX}/backfills/run-1.html?x=1",
+                        headers={"Accept": "text/html", "Host": "evil.example"})
+    back = parse_qs(urlsplit(forged.headers["location"]).query)["next"]
+    assert back == [f"{PREFIX}/backfills/run-1.html?x=1"]  # by path, not the Host it was sent
 
 
 def test_an_invalid_token_is_refused(client, reports: Path) -> None:

@@ -336,6 +336,9 @@ class TrackedProducer(Producer):
             "again with a new producer")
 
 
+_UNKNOWN_SETTING = "No such configuration property"
+
+
 def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
              config: Config) -> ClientT:
     """``factory(settings)``, pointing at the operator's settings when librdkafka refuses one."""
@@ -347,9 +350,18 @@ def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
                 and config.kafka_options):
             raise
         text = cause.str()
-        named = [key for key in config.kafka_options if f'"{key}"' in text]
+        keys = list(config.kafka_options)
+        named = [key for key in keys if f'"{key}"' in text]
         culprit = (repr(named[0]) if named else  # aliases are reported by their canonical name
-                   f"one of {', '.join(map(repr, config.kafka_options))}")
+                   f"one of {', '.join(map(repr, keys))}")
+        if named and _UNKNOWN_SETTING in text:
+            # Named by its place, not quoted: a name librdkafka does not know may be the rest
+            # of a password cut at an unescaped comma ("p=ab,cd=ef"), as config.parse_options.
+            place = keys.index(named[0])
+            after = f"after {keys[place - 1]!r}; " if place else ""
+            culprit = (f"setting {place + 1} ({after}its name is not repeated here: it may be "
+                       "part of a value cut at an unescaped comma)")
+            text = _UNKNOWN_SETTING
         raise ConfigError(
             f"{ENV_NAMES['kafka_options']}: librdkafka refused {culprit} ({text}); fix or remove "
             "it (settings: https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md"

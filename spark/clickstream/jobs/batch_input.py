@@ -286,11 +286,12 @@ def resolve_in_landing(config: Config, path: str) -> Path:
         raise BatchRefusedError(
             f"batch path {path[:200]!r} cannot name a file here: {error}; pass the path of a "
             f"file or folder under the landing folder {landing}") from error
-    if not inside:
+    if not inside:  # where it resolves is not said: a form's user would learn where any
+        # link on the worker points (/proc/self/fd/3: a file the task holds open)
         raise BatchRefusedError(
-            f"batch path {path!r} resolves to {resolved}, which is outside the landing folder "
-            f"{landing}; copy the batch into the landing folder (CLICKSTREAM_LANDING) and pass "
-            "a path relative to it"
+            f"batch path {path!r} is outside the landing folder {landing} (or links out of "
+            "it); copy the batch into the landing folder (CLICKSTREAM_LANDING) and pass a path "
+            "relative to it"
         )
     if not exists:
         raise BatchRefusedError(
@@ -365,11 +366,12 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
         # FIFO or device would block its open for good (B21).
         target = candidate.resolve()
         if target != root and root not in target.parents:  # (B1) symlinked files
-            where = ("the batch folder" if config.in_landing(candidate)[1]
+            # Where a link out of the landing folder points is not said (as above).
+            where = (f"the batch folder (to {target})" if config.in_landing(target)[1]
                      else "the landing folder")
             raise BatchRefusedError(
-                f"batch file {candidate} links outside {where} (to {target}); copy the file "
-                "into the batch folder")
+                f"batch file {candidate} links outside {where}; copy the file into the batch "
+                "folder")
         if not target.is_file():  # (B21)
             raise BatchRefusedError(
                 f"batch file {candidate} is not a regular file (a FIFO, socket or device), "
