@@ -13,6 +13,7 @@ across lines is where a run hangs; "no Spark stage running" means the driver's o
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,3 +90,10 @@ def spark_activity() -> str:
 
 def _seconds(value: float) -> str:
     return f"{value:.0f}s" if value >= 10 else f"{value:.1f}s"
+
+
+def utc_text(ms: int | None) -> str:
+    """An epoch-millisecond time as the commands print it (the watermark, a commit)."""
+    if ms is None:
+        return "(unknown)"
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

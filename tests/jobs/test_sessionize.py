@@ -55,6 +55,7 @@ from clickstream.jobs.sessionize import (
     sessionizer_lock_path,
     warehouse_sessionizer_lock_path,
 )
+from clickstream.progress import utc_text
 from clickstream.sessions.batch_adapter import user_bucket
 from clickstream.tables import ORDERS, PAGEVIEWS
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
@@ -193,13 +194,26 @@ def test_duplicates_and_reordering_within_the_watermark_change_nothing(
 
 
 def test_late_events_are_stored_and_queued_for_the_recompute(
-    stream_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession, capsys: pytest.CaptureFixture
 ) -> None:
     records = live_records(SCALE, Delivery(late_fraction=0.05, late_minutes=240,
                                            duplicate_fraction=0, bad_fraction=0), seed=21)
     stream_config = stream_config.replace(max_events_per_trigger=60)  # several micro-batches
     produce(stream_config, records)
+    capsys.readouterr()
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    # A line counting late records says the watermark they were late for: one producer's
+    # clock ahead moves it, and an operator saw only "N late queued" (review, session 78).
+    lines = re.findall(r"^sessionize batch (\d+): .*?(\d+) late queued(.*)$",
+                       capsys.readouterr().out, re.MULTILINE)
+    late_lines = [(int(b), rest) for b, n, rest in lines if int(n)]
+    assert late_lines and len(late_lines) < len(lines)
+    checkpoint = stream_config.checkpoint_path("sessionize")
+    for batch_id, rest in late_lines:
+        watermark = utc_text(sessionize.checkpoint_watermark_ms(checkpoint, batch_id - 1))
+        assert rest.endswith(f"attributions (late: ts at or before the watermark {watermark})"
+                             f" ({rest.rsplit('(', 1)[1]}"), rest
+    assert not any("(late:" in rest for _, n, rest in lines if not int(n))
     events = valid_events(records)
     pageviews = {r["event_id"] for r in table_rows(stream_config, spark, "pageviews")}
     assert pageviews == {e["event_id"] for e in events if e["event_type"] == "pageview"}

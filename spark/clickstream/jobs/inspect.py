@@ -3,7 +3,6 @@ stands, without starting Spark."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from typing import Any
 
@@ -24,6 +23,7 @@ from clickstream.io.kafka_clients import (
     topic_watermarks,
 )
 from clickstream.jobs.sessionize import JOB, checkpoint_progress
+from clickstream.progress import utc_text
 from clickstream.tables import ALL_TABLES
 
 
@@ -89,11 +89,11 @@ def describe_sessionizer(config: Config) -> list[str]:
         lines.append("  no micro-batch committed yet")
     else:
         lines.append(f"  last committed micro-batch {progress.committed}, triggered "
-                     f"{_utc(progress.committed_at_ms)}")
+                     f"{utc_text(progress.committed_at_ms)}")
     if progress.planned > progress.committed:
         lines.append(f"  micro-batch {progress.planned} planned, not committed: in flight, or "
                      "replayed at the next start")
-    lines.append(f"  event-time watermark {_utc(progress.watermark_ms)}: a record with a ts at "
+    lines.append(f"  event-time watermark {utc_text(progress.watermark_ms)}: a record with a ts at "
                  "or before it is late (stored, and queued for `clickstream recompute`)")
     if progress.offsets:
         lines.append(f"  {config.events_topic}: next offsets " + ", ".join(
@@ -137,9 +137,3 @@ def describe_lag(config: Config) -> list[str]:
     return [f"  lag: {sum(behind.values())} records of {topic} not yet committed"
             + (f" ({by_partition})" if by_partition else ""), *facts,
             *(f"  {text}" for text in advice if text)]
-
-
-def _utc(ms: int | None) -> str:
-    if ms is None:
-        return "(unknown)"
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -201,6 +201,7 @@ from clickstream.io.kafka_changelog import (
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.locks import LOCKS_FOLDER, Holder, exclusive, exclusive_or_refuse, held
+from clickstream.progress import utc_text
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -438,7 +439,7 @@ def _session_settings(config: Config) -> dict[str, int]:
 
 
 def _minutes(ms: int) -> str:
-    return f"{ms / 60_000:g} minutes"
+    return f"{ms / 60_000:g} minute{'' if ms == 60_000 else 's'}"
 
 
 def pin_session_settings(checkpoint: Path, config: Config) -> None:
@@ -754,11 +755,19 @@ class MicroBatchWriter:
                     "nothing of it was written; the next start processes it")
             self._started = batch_id
         started = time.monotonic()
-        counts = self.write_micro_batch(batch, batch_id)
+        late_before = checkpoint_watermark_ms(self.checkpoint, batch_id - 1)  # (Z1)
+        counts = self.write_micro_batch(batch, batch_id, late_before)
         self.summary.batches += 1
         self.summary.totals.add(counts)
-        print(f"sessionize batch {batch_id}: {counts.describe()} "
+        print(f"sessionize batch {batch_id}: {counts.describe()}"
+              f"{self._why_late(late_before) if counts.late_queued else ''} "
               f"({time.monotonic() - started:.1f}s)", flush=True)
+
+    def _why_late(self, late_before_ms: int) -> str:
+        """What made records late, for an operator who sees only the count: one producer's
+        clock ahead carries the watermark with it (README, CLICKSTREAM_MAX_TS_AHEAD)."""
+        history = " or within the history the tables held at start (Z18)" if self.history else ""
+        return f" (late: ts at or before the watermark {utc_text(late_before_ms)}{history})"
 
     def stop_after(self, planned: int) -> int:
         """Refuse every micro-batch after ``planned`` (the offsets log's last) or after the
@@ -788,9 +797,8 @@ class MicroBatchWriter:
             "order_date": sorted({p.order_date for p in places})}).join(
             keys.drop("order_date"), ["client_id", "order_id"], "left_semi")
 
-    def write_micro_batch(self, batch: DataFrame, batch_id: int) -> BatchCounts:
+    def write_micro_batch(self, batch: DataFrame, batch_id: int, late_before: int) -> BatchCounts:
         app_id = f"{JOB}-{checkpoint_query_id(self.checkpoint)}"  # (Z4)
-        late_before = checkpoint_watermark_ms(self.checkpoint, batch_id - 1)  # (Z1)
         batch = batch.persist()
         try:
             with ExitStack() as records_lock_held:  # (Z14) _write takes it, and lets it go
