@@ -27,6 +27,7 @@ from clickstream.errors import (
     ClickstreamError,
     ConfigError,
     QueryFailedError,
+    carried_error,
     typed_error_line,
 )
 from clickstream.events.contract import EARLIEST_TS, LATEST_TS, client_id_problem
@@ -606,6 +607,11 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
         if isinstance(error, SystemError) and ctrl_c.is_set():  # the interrupt, lost
             print(f"clickstream {args.command}: interrupted", file=sys.stderr)
             return 130
+        carried = carried_error(error)  # the product's own, raised in a Spark worker
+        if carried is not None:
+            print(f"clickstream {args.command}: error: {carried}; "
+                  f"{_keep_traceback(config, args.command)}", file=sys.stderr)
+            return EXIT_NOT_RETRYABLE if isinstance(carried, NOT_RETRYABLE) else 1
         print(f"clickstream {args.command}: unexpected error: {typed_error_line(error)}; "
               f"{_keep_traceback(config, args.command)}", file=sys.stderr)
         return 1

@@ -63,6 +63,11 @@ class BatchRefusedError(ClickstreamError):
     """Raised when a historical batch is refused as a whole (path, schema or client mismatch)."""
 
 
+class RevenueOverflowError(ClickstreamError):
+    """Raised when a session's attributed orders add up to more than its revenue can hold:
+    the same stored orders give the same sum at every retry (README, Known limits)."""
+
+
 class QueryFailedError(ClickstreamError):
     """Raised when the streaming query stopped on a failure the product did not foresee (a bug,
     a full disk): the CLI keeps its traceback, as for any unexpected error."""
@@ -79,10 +84,29 @@ class PlanNotAppliedError(QualityGateFailedError):
 
 NOT_RETRYABLE: tuple[type[ClickstreamError], ...] = (
     BatchRefusedError, ConfigError, DataLossError, KafkaRefusedError, QualityGateFailedError,
-    TableRefusedError, VersionVacuumedError)
+    RevenueOverflowError, TableRefusedError, VersionVacuumedError)
 """Failures a retry cannot fix: the same input gives the same refusal (records the broker
 dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""
+
+
+_ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
+
+
+def carried_error(error: BaseException) -> ClickstreamError | None:
+    """The product's own error that a Spark error carries (raised in a Python worker, or in
+    the Kafka source), rebuilt with its type and caused by ``error``, or None. Spark hands the
+    driver its own wrapper, so a refusal no retry can fix read as an unexpected, retryable
+    failure (exit 1, retried by Airflow for nothing)."""
+    match = _ERROR_IN_TRACE.search(str(error))
+    if match is None:
+        return None
+    kind = globals().get(match.group(1))
+    if not (isinstance(kind, type) and issubclass(kind, ClickstreamError)):
+        kind = ClickstreamError
+    carried = kind(match.group(2).strip())
+    carried.__cause__ = error
+    return carried
 
 
 _PYTHON_TRACE = "Traceback (most recent call last):"

@@ -22,8 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark.sql import SparkSession
 
-from clickstream.config import Config
+from clickstream.cli import main
+from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import (
+    EXIT_NOT_RETRYABLE,
     BatchRefusedError,
     ClickstreamError,
     ConfigError,
@@ -54,6 +56,7 @@ from clickstream.jobs.sessionize import (
 )
 from clickstream.locks import exclusive
 from clickstream.quality import reports
+from clickstream.sessions.semantics import REVENUE_E4_MAX
 from clickstream.tables import MOVED_AWAY, PAGEVIEWS, SESSIONS
 from tests.jobs.test_sessionize import order, pageview, probe_records_lock, produce, table_rows
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
@@ -203,6 +206,29 @@ def backfill_rows(config: Config, spark: SparkSession, kind: str, name: str,
     """A whole backfill of ``rows`` of client-00, from a Parquet batch named ``name``."""
     run_backfill(config, kind=kind, client_id="client-00", spark=spark,
                  path=write_rows(config, name, rows, "parquet"))
+
+
+def test_orders_past_the_largest_session_revenue_fail_the_backfill_as_not_retryable(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """The session semantics refuse a revenue past 64 bits in Spark's Python worker, and the
+    driver got Spark's wrapper: the CLI said "unexpected error: OverflowError" and exited 1,
+    so Airflow retried, five times, a failure the same stored orders repeat (review, session
+    78). Now the product's reason, exit 3 (a recompute's: test_recompute)."""
+    backfill_rows(stream_config, spark, "pageviews", "p", [pv_row("p1", "u1", 0)])
+    largest = "999999999999.9999"
+    count = REVENUE_E4_MAX // (10**16 - 1) + 1  # 923 of the largest amount: past 64 bits
+    path = write_rows(stream_config, "big", [order_row(f"o{i}", "u1", 1 + i / 1000, largest)
+                                             for i in range(count)], "parquet")
+    for name, variable in ENV_NAMES.items():
+        if name not in ("kafka_options", "spark_kafka_options"):
+            monkeypatch.setenv(variable, str(getattr(stream_config, name)))
+    capsys.readouterr()
+    code = main(["backfill", "--kind", "orders", "--client", "client-00", "--path", path])
+    err = capsys.readouterr().err
+    assert code == EXIT_NOT_RETRYABLE, err
+    assert re.search(r"^clickstream backfill: error: session [0-9a-f]+: its attributed orders "
+                     r"add up to 922999999999999\.9077, above the largest revenue", err, re.M), err
 
 
 def test_a_changelog_the_broker_lost_is_refused_until_republish_makes_it_the_tables_again(

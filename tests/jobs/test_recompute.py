@@ -25,6 +25,7 @@ from clickstream.errors import (
     CommitConflictError,
     DeliveryError,
     QualityGateFailedError,
+    RevenueOverflowError,
 )
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_changelog import publish_sessions
@@ -34,7 +35,7 @@ from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.sessionize import run_sessionizer
 from clickstream.quality.reports import read_entries, reports_dir
-from clickstream.sessions.semantics import session_id
+from clickstream.sessions.semantics import REVENUE_E4_MAX, session_id
 from clickstream.tables import CORRECTIONS, ORDERS, PAGEVIEWS, RECOMPUTE_QUEUE, SESSIONS
 from tests.jobs.test_backfill import (
     START,
@@ -370,22 +371,41 @@ def test_a_resumed_recompute_keeps_the_report_and_counts_of_the_plan_it_publishe
     assert_topic_equals_table(stream_config, spark)
 
 
-def late_order(config: Config, spark: SparkSession, order_id: str, client: str, user: str,
-               minutes: int) -> None:
-    """An order as the sessionizer stores and queues it when its session is already closed."""
-    at = START + timedelta(minutes=minutes)
+def late_orders(config: Config, spark: SparkSession, client: str, user: str,
+                orders: list[tuple[str, float]], amount: str = "10.0000") -> None:
+    """Orders (id, minutes) as the sessionizer stores and queues them when their session is
+    already closed."""
+    at = {order_id: START + timedelta(minutes=minutes) for order_id, minutes in orders}
     tables = open_tables(config, spark)
     tables.append_once(ORDERS.name, spark.createDataFrame([{
-        "order_id": order_id, "client_id": client, "user_id": user, "ts": at,
-        "amount": Decimal("10.0000"), "currency": "EUR", "event_id": f"ev-{order_id}",
-        "source": "events/0/9", "event_date": at.date()}], ORDERS.schema),
+        "order_id": order_id, "client_id": client, "user_id": user, "ts": ts,
+        "amount": Decimal(amount), "currency": "EUR", "event_id": f"ev-{order_id}",
+        "source": "events/0/9", "event_date": ts.date()} for order_id, ts in at.items()],
+        ORDERS.schema),
         app_id="test-stream-orders", version=next(_steps), partition_by=ORDERS.partition_by,
         metadata={"run_id": "test", "cause": "test"})
     tables.append_once(RECOMPUTE_QUEUE.name, spark.createDataFrame([{
         "client_id": client, "user_id": user, "kind": "order", "record_id": order_id,
-        "ts": at, "queued_by": "sessionize batch 7", "event_date": at.date()}],
+        "ts": ts, "queued_by": "sessionize batch 7", "event_date": ts.date()}
+        for order_id, ts in at.items()],
         RECOMPUTE_QUEUE.schema), app_id="test-stream-queue", version=next(_steps),
         partition_by=RECOMPUTE_QUEUE.partition_by, metadata={"run_id": "test", "cause": "test"})
+
+
+def test_a_session_revenue_past_its_largest_fails_the_recompute_as_not_retryable(
+        stream_config: Config, spark: SparkSession) -> None:
+    """The session semantics refuse it in Spark's Python worker; the client's failure was
+    Spark's wrapper, so the run's error was retryable and the scheduled recompute retried a
+    failure the same stored orders repeat (review, session 78). It keeps the product's type:
+    not retryable (exit 3)."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    count = REVENUE_E4_MAX // (10**16 - 1) + 1  # 923 of the largest amount: past 64 bits
+    late_orders(stream_config, spark, "c1", "u1", [(f"o{i}", 1 + i / 1000) for i in range(count)],
+                amount="999999999999.9999")
+    with pytest.raises(RevenueOverflowError, match=r"^recompute failed for 1 of 1 clients, "
+                       r"whose rows stay queued \(c1: session [0-9a-f]+: its attributed orders "
+                       r"add up to 922999999999999\.9077, above the largest revenue"):
+        run_recompute(stream_config, spark=spark, progress=quiet)
 
 
 @pytest.mark.parametrize("killed", [False, True], ids=["uninterrupted", "resumed"])
@@ -398,7 +418,7 @@ def test_a_resumed_recompute_counts_the_orders_of_its_windows_once(
     and the two passes' tallies were summed: "orders attributed 2" where the run's correction
     report said 1."""
     late(stream_config, spark, [("p1", "c1", "u1", 0), ("p2", "c1", "u1", 90)])
-    late_order(stream_config, spark, "o1", "c1", "u1", 5)
+    late_orders(stream_config, spark, "c1", "u1", [("o1", 5)])
     if killed:
         killed_at(monkeypatch, corrections, "publish_changes",
                   lambda: run_recompute(stream_config, spark=spark, progress=quiet))

@@ -33,6 +33,7 @@ from clickstream.errors import (
     ClickstreamError,
     ConfigError,
     DataLossError,
+    RevenueOverflowError,
 )
 from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io.delta_tables import DeltaTables, open_tables
@@ -57,6 +58,7 @@ from clickstream.jobs.sessionize import (
 )
 from clickstream.progress import utc_text
 from clickstream.sessions.batch_adapter import user_bucket
+from clickstream.sessions.semantics import REVENUE_E4_MAX
 from clickstream.tables import ORDERS, PAGEVIEWS
 from tests.reference import reference_changelog_value, reference_sessions, valid_events
 
@@ -637,6 +639,24 @@ def test_a_replay_publishes_the_attribution_its_crashed_attempt_stored(
     assert read_compacted(stream_config, stream_config.attributions_topic) == table
 
 
+def test_orders_past_the_largest_session_revenue_stop_the_stream_as_not_retryable(
+    stream_config: Config, spark: SparkSession
+) -> None:
+    """The session state refuses a revenue past 64 bits in Spark's Python worker: the query
+    failed as "the sessionizer query failed: OverflowError ... it resumes from its checkpoint
+    when restarted" (exit 1, retried), though the state holds those orders and stops so at
+    every restart (review, session 78). Now the product's reason, not retryable."""
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    count = REVENUE_E4_MAX // (10**16 - 1) + 1  # 923 of the largest amount: past 64 bits
+    produce(stream_config, [pageview("u", start, "p1"), *(
+        order("u", start + timedelta(seconds=1 + i), f"o{i}", "999999999999.9999")
+        for i in range(count)), pageview("w", start + timedelta(hours=2), "closes-u")])
+    with pytest.raises(RevenueOverflowError, match=(
+            r"^session [0-9a-f]+: its attributed orders add up to 922999999999999\.9077, .*; "
+            r"the sessionizer's state holds those orders, so it stops so again at every")):
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+
+
 def order(user: str, at: datetime, order_id: str, amount: str = "10.00",
           event_id: str | None = None) -> tuple[str, str]:
     """One order record of client-00 as the events topic carries it."""
@@ -1174,7 +1194,7 @@ def test_a_restart_with_another_session_gap_is_refused(
 
 
 def test_a_new_checkpoint_reading_the_topic_again_stores_and_sessionizes_nothing_twice(
-    stream_config: Config, spark: SparkSession
+    stream_config: Config, spark: SparkSession, capsys: pytest.CaptureFixture
 ) -> None:
     """(Z18) The checkpoint is moved away and the sessionizer started again: the new one reads
     the topic from its start, and what the tables hold is history to it. It stored every
@@ -1195,12 +1215,14 @@ def test_a_new_checkpoint_reading_the_topic_again_stores_and_sessionizes_nothing
     checkpoint = stream_config.checkpoint_path("sessionize")
     checkpoint.rename(checkpoint.with_name("sessionize-moved-away"))
 
+    capsys.readouterr()
     summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert (summary.totals.pageviews, summary.totals.orders, summary.totals.sessions) == (
         0, 0, 0)
     for name, rows in kept.items():
         assert table_rows(stream_config, spark, name) == rows, name
     assert summary.totals.late_queued == len(kept["pageviews"]) + len(kept["orders"])
+    assert "or within the history the tables held at start (Z18)) (" in capsys.readouterr().out
 
     last = max(r["ts"] for r in kept["pageviews"])
     moved_on = [pageview("new", last + timedelta(hours=1), "n1"),

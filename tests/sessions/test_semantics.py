@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clickstream.errors import RevenueOverflowError
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     PAGEVIEW_COLUMNS,
@@ -154,7 +155,7 @@ def test_a_session_revenue_past_64_bits_stops_loudly_instead_of_wrapping() -> No
     """The int64 sum wrapped to a negative revenue, which was then stored and published."""
     count = REVENUE_E4_MAX // LARGEST_AMOUNT_E4 + 1
     big = orders(*((f"o{i}", i, LARGEST_AMOUNT_E4) for i in range(count)))
-    with pytest.raises(OverflowError, match=(
+    with pytest.raises(RevenueOverflowError, match=(
             r"^session [0-9a-f]+: its attributed orders add up to 922999999999999\.9077, "
             r"above the largest revenue a session can hold \(922337203685477\.5807: ")):
         sessionize(pageviews(("a", 0)), big, GAP)

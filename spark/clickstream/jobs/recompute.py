@@ -118,6 +118,7 @@ from clickstream.errors import (
     ClickstreamError,
     CommitConflictError,
     PlanNotAppliedError,
+    carried_error,
     error_line,
     one_error_for,
     typed_error_line,
@@ -270,6 +271,7 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
                                                             "left_anti")
             summary.dequeued[client] = dequeue(tables, run, folded_in, queue_version)  # (R1)
         except Exception as error:  # raised below, with every other client's failure (R10)
+            error = carried_error(error) or error  # a worker raised it: its type, retryable or not
             progress(f"recompute {client}: failed, its rows stay queued: {error}")
             failed[client] = error
             summary.failed.append(client)

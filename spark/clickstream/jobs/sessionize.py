@@ -168,7 +168,6 @@ Known edge cases, cited inline as (Z1)..(Z18):
 from __future__ import annotations
 
 import json
-import re
 import signal
 import threading
 import time
@@ -1025,20 +1024,20 @@ def _outputs_present(records: DataFrame, emitted: DataFrame, is_late: Column) ->
     return {r.output: r["count"] for r in outputs.groupBy("output").count().collect()}
 
 
-_ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
 def _reraise_product_error(error: Exception, checkpoint: Path) -> None:
     """Surface our own error (raised in the source or a task) instead of Spark's wrapper, or
     the Python error under Spark's wrapper. A data loss names the checkpoint: its remedies
     (start on a new checkpoint, or skip) are about that folder."""
-    text = str(error)
-    match = _ERROR_IN_TRACE.search(text)
-    if match:
-        kind = getattr(errors, match.group(1), errors.ClickstreamError)
-        message = match.group(2).strip()
-        if issubclass(kind, errors.DataLossError):
+    carried = errors.carried_error(error)
+    if carried is not None:
+        message = str(carried)
+        if isinstance(carried, errors.DataLossError):
             message += f" (the sessionizer's checkpoint: {checkpoint})"
-        raise kind(message) from None
-    cause = errors.error_line(text)
+        elif isinstance(carried, errors.RevenueOverflowError):  # the state holds its orders
+            message += ("; the sessionizer's state holds those orders, so it stops so again "
+                        "at every restart (README, Known limits: a new checkpoint)")
+        raise type(carried)(message) from None
+    cause = errors.error_line(str(error))
     raise errors.QueryFailedError(
         f"the sessionizer query failed: {cause}; it resumes from its checkpoint when restarted"
     ) from error

@@ -1,6 +1,7 @@
 """Session semantics: the one definition, shared by the stream and the batch recompute.
 
-Pure and vectorised (pandas/numpy only; no pyspark, kafka or deltalake imports), so Spark can
+Pure and vectorised (pandas/numpy and the product's errors only; no pyspark, kafka or
+deltalake imports), so Spark can
 apply it to whole Arrow batches of many users at once. Sessions are built by ``merge_spans``:
 the batch recompute (``batch_adapter``) merges one span per pageview, the stream's stateful
 processor (``stream_adapter``) merges new pageviews into its open sessions' spans. Property
@@ -44,6 +45,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from clickstream.errors import RevenueOverflowError
 
 SESSION_ID_VERSION = "v1"
 AMOUNT_SCALE = 10_000  # amounts travel as exact integers of 1/10000 (DECIMAL(20,4))
@@ -247,7 +250,7 @@ def _check_revenue_fits(owner_codes: np.ndarray, amounts: np.ndarray, uniques: n
         exact[code] = exact.get(code, 0) + amount
     code, total = max(exact.items(), key=lambda item: item[1])
     if total > REVENUE_E4_MAX:
-        raise OverflowError(
+        raise RevenueOverflowError(
             f"session {uniques[code]}: its attributed orders add up to "
             f"{Decimal(total) / AMOUNT_SCALE}, above the largest revenue a session can hold "
             f"({Decimal(REVENUE_E4_MAX) / AMOUNT_SCALE}: 64-bit integers of 1/{AMOUNT_SCALE}); "
