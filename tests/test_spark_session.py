@@ -108,17 +108,28 @@ parts = [spark.range(2).select((F.col("id") + i).alias("id")) for i in range(200
 union = reduce(DataFrame.unionByName, parts)
 assert union.count() == 400
 print("plan chars:", len(union._jdf.queryExecution().toString()))
+import tempfile, time
+query = (spark.readStream.format("rate").option("rowsPerSecond", 10).load().writeStream
+         .trigger(processingTime="10 milliseconds").option("checkpointLocation", tempfile.mkdtemp())
+         .foreachBatch(lambda batch, batch_id: time.sleep(0.3)).start())
+while (query.lastProgress or {}).get("batchId", -1) < 3:
+    time.sleep(0.1)
+query.stop()
+print("micro-batches run:", query.lastProgress["batchId"] + 1)
 """
 
 
-def test_plans_cut_to_the_products_length_are_not_warned_about(tmp_path: Path,
-                                                                 config: Config) -> None:
+def test_spark_does_not_warn_of_the_products_own_choices(tmp_path: Path, config: Config
+                                                           ) -> None:
     """Spark warned of every plan it cut to ``spark.sql.maxPlanStringLength`` (~39 lines of
-    a year's orders backfill), asking to raise the setting the product chose."""
+    a year's orders backfill), asking to raise the setting the product chose; and of every
+    continuous micro-batch longer than the trigger interval, which is each one here."""
     output, _ = submit_driver(tmp_path, config, job=LONG_PLAN_JOB)
     chars = int(output.split("plan chars: ")[1].split()[0])
     assert chars <= MAX_PLAN_STRING_CHARS, output  # the plan was cut: Spark had a warning
     assert "Truncated the string representation" not in output, output
+    assert int(output.split("micro-batches run: ")[1].split()[0]) >= 4, output  # each 0.3 s,
+    assert "falling behind" not in output, output  # against a 10 ms trigger: Spark had one
 
 
 def stored_rdds(spark: SparkSession) -> set[int]:
