@@ -113,6 +113,13 @@ def parse_bool(text: str, name: str) -> bool:
     return text.strip().lower() == "true"
 
 
+def option_place(number: int, previous: str) -> str:
+    """An option named by its place, not quoted: a malformed one, or a name the client does
+    not know, is most likely the rest of a password cut at an unescaped comma, and the message
+    reaches task logs and the command's one-line reason."""
+    return f"item {number}" + (f" (after {previous!r})" if previous else "")
+
+
 def parse_options(text: str, name: str) -> dict[str, str]:
     """Parse ``"a=1,b=2"`` into a mapping of extra Kafka client settings; ``\\,`` is a comma
     inside a value (list settings such as ``ssl.cipher.suites``, a password)."""
@@ -124,11 +131,9 @@ def parse_options(text: str, name: str) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            # Not quoted: it is most likely the rest of a password cut at an unescaped comma,
-            # and this message reaches task logs and the command's one-line reason.
-            after = f" (after {previous!r})" if previous else ""
-            raise ConfigError(f"{name}: item {number}{after} is not key=value (example: "
-                              "linger.ms=5,acks=all; write a comma inside a value as \\,)")
+            raise ConfigError(f"{name}: {option_place(number, previous)} is not key=value "
+                              "(example: linger.ms=5,acks=all; write a comma inside a value "
+                              "as \\,)")
         previous = key.strip()
         if previous in _BOOTSTRAP_OPTIONS:
             raise ConfigError(

@@ -90,15 +90,17 @@ dropped stay dropped). Airflow tasks fail at once on them instead of retrying
 (``clickstream.orchestration``, O1)."""
 
 
-_ERROR_IN_TRACE = re.compile(r"clickstream\.errors\.(\w+): ([^\n]+)")
+_PRODUCT_ERROR_LINE = re.compile(r"^clickstream\.errors\.(\w+): (.*)$")
 
 
 def carried_error(error: BaseException) -> ClickstreamError | None:
     """The product's own error that a Spark error carries (raised in a Python worker, or in
     the Kafka source), rebuilt with its type and caused by ``error``, or None. Spark hands the
     driver its own wrapper, so a refusal no retry can fix read as an unexpected, retryable
-    failure (exit 1, retried by Airflow for nothing)."""
-    match = _ERROR_IN_TRACE.search(str(error))
+    failure (exit 1, retried by Airflow for nothing). Only the error the worker raised counts
+    (its trace's last line, :func:`error_line`): not one it was handling, nor text quoted in a
+    message."""
+    match = _PRODUCT_ERROR_LINE.match(error_line(str(error)))
     if match is None:
         return None
     kind = globals().get(match.group(1))

@@ -56,6 +56,7 @@ from clickstream.jobs.sessionize import (
 )
 from clickstream.locks import exclusive
 from clickstream.quality import reports
+from clickstream.quality.checks import quarantined_source_prefix
 from clickstream.sessions.semantics import REVENUE_E4_MAX
 from clickstream.tables import MOVED_AWAY, PAGEVIEWS, SESSIONS
 from tests.jobs.test_sessionize import order, pageview, probe_records_lock, produce, table_rows
@@ -720,6 +721,17 @@ def test_bad_rows_are_quarantined_with_reasons(stream_config: Config, spark: Spa
     assert sorted(r["order_id"] for r in table_rows(stream_config, spark, "orders")) == [
         "good", "same"]
     assert summary.quarantined == 11 and summary.rows_merged == 2
+    # The run's page says why and where the rows are, as the step path's page did: a
+    # reviewer had "11 quarantined" alone (review, session 78).
+    (validate,) = [text for step, text in summary.lines() if step == "validate"]
+    prefix = quarantined_source_prefix(summary.run_id)
+    assert f"first reasons: {'; '.join(summary.first_reasons)}; the rows: `quarantine` " \
+           f"where source starts with {prefix!r})" in validate
+    assert len(summary.first_reasons) == 5
+    assert "appears 2 times in the batch with different content" in summary.first_reasons[0]
+    assert summary.first_reasons[0].endswith(" (2)")
+    assert len([r for r in table_rows(stream_config, spark, "quarantine")
+                if r["source"].startswith(prefix)]) == 11
 
 
 def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
@@ -2050,7 +2062,7 @@ def test_a_backfilled_record_the_stream_then_receives_on_time_is_stored_once(
 
 @pytest.mark.parametrize("moved", ["user", "time"])
 def test_a_record_a_backfill_moved_that_the_stream_then_receives_where_it_was_counts_once(
-    stream_config: Config, spark: SparkSession, moved: str
+    stream_config: Config, spark: SparkSession, moved: str, capsys: pytest.CaptureFixture
 ) -> None:
     """(Z11) The batch moves u's order and pageview (to user x, or 2 hours on) ahead of the
     stream; their on-time copies then arrive where the client first sent them. Dropped from
@@ -2064,9 +2076,13 @@ def test_a_record_a_backfill_moved_that_the_stream_then_receives_where_it_was_co
                        ("orders", [order_row("O1", user, 101 + later)])):
         run_backfill(stream_config, kind=kind, client_id="client-00", spark=spark,
                      path=write_rows(stream_config, kind, rows, "parquet"))
+    capsys.readouterr()
     for _ in range(2):  # the copies, then a producer's retry of them: each place queued once
         produce(stream_config, ON_TIME_COPIES)
         run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    lines = capsys.readouterr().out
+    assert re.search(r"^sessionize batch \d+: .* 2 late queued, .*attributions \(", lines, re.M)
+    assert "(late:" not in lines  # the places queued were of on-time copies: none was late
     assert sorted(r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")
                   if r["queued_by"].endswith(MOVED_AWAY)
                   and r["queued_by"].startswith("sessionize")) == ["O1", "P1"]

@@ -404,8 +404,9 @@ def test_a_session_revenue_past_its_largest_fails_the_recompute_as_not_retryable
                 amount="999999999999.9999")
     with pytest.raises(RevenueOverflowError, match=r"^recompute failed for 1 of 1 clients, "
                        r"whose rows stay queued \(c1: session [0-9a-f]+: its attributed orders "
-                       r"add up to 922999999999999\.9077, above the largest revenue"):
+                       r"add up to 922999999999999\.9077, above the largest revenue") as refused:
         run_recompute(stream_config, spark=spark, progress=quiet)
+    assert "Traceback" in str(refused.value.__cause__)  # the worker's, for the CLI to keep
 
 
 @pytest.mark.parametrize("killed", [False, True], ids=["uninterrupted", "resumed"])

@@ -3,6 +3,8 @@ every page resolves inside the folder."""
 
 from __future__ import annotations
 
+import html
+import json
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -97,10 +99,20 @@ def test_validations_are_rendered_indexed_and_every_link_resolves(config: Config
     assert (failed.report.parent / "result.json").is_file()
     text = failed.report.read_text()
     assert "retractions_without_tombstone" in text and "publish" in text
+    assert (f"clickstream verdict: <b>failed</b>: {len(failed.failures)} of "
+            f"{len(failed.outcomes)} expectations failed: the step refused its data") in text
+    # GX says "Failed" when a warning alone is unmet, where the step went on: the product's
+    # verdict tops the page (review, session 78).
+    warned = run_gate("raw_events", {**GOOD["raw_events"], "malformed_fraction": 0.9},
+                      config=config, job="sessionize", run_id="run-3")
+    assert warned.status == "warning" and warned.report is not None
+    assert (f"clickstream verdict: <b>warning</b>: 1 of {len(warned.outcomes)} expectations "
+            "unmet, all warnings: the step went on") in warned.report.read_text()
 
     index = root / "index.html"
     rows = [r for r in parse(index).rows if len(r) == 6]
-    assert [(r[1], r[2], r[4]) for r in rows] == [("recompute", "run-2", "failed"),
+    assert [(r[1], r[2], r[4]) for r in rows] == [("sessionize", "run-3", "warning"),
+                                                   ("recompute", "run-2", "failed"),
                                                    ("backfill", "run-1", "passed")]
     assert rows[0][0] >= rows[1][0]  # newest first
     linked = set(relative_links(index))
@@ -138,6 +150,10 @@ def test_a_rerun_that_passes_the_failed_gate_turns_its_run_green(config: Config)
     gates = re.findall(r"<li>(.*?)</li>", page.read_text().split("Quality gates of this run")[1])
     assert [("failed" in g, "superseded by a later attempt" in g) for g in gates] == [
         (True, True), (False, False)]
+    recorded = re.search(r"<summary>summary as recorded</summary><pre>(.*?)</pre>",
+                         page.read_text(), re.S)
+    assert recorded is not None  # JSON a reviewer can read (it was a Python dict's repr)
+    assert json.loads(html.unescape(recorded.group(1)))["sessions_updated"] == 1
 
 
 def test_a_real_run_supersedes_the_failed_dry_run_of_its_batch_not_the_converse(

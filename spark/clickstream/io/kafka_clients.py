@@ -48,7 +48,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from clickstream.config import ENV_NAMES, Config
+from clickstream.config import ENV_NAMES, Config, option_place
 from clickstream.errors import (
     BrokerUnavailableError,
     ClickstreamError,
@@ -337,11 +337,18 @@ class TrackedProducer(Producer):
 
 
 _UNKNOWN_SETTING = "No such configuration property"
+# Names librdkafka reports a setting by where it has an alias the operator may have used.
+_REPORTED_AS = {"linger.ms": "queue.buffering.max.ms", "acks": "request.required.acks",
+                "retries": "message.send.max.retries", "compression.type": "compression.codec",
+                "delivery.timeout.ms": "message.timeout.ms",
+                "max.in.flight": "max.in.flight.requests.per.connection"}
 
 
 def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
              config: Config) -> ClientT:
-    """``factory(settings)``, pointing at the operator's settings when librdkafka refuses one."""
+    """``factory(settings)``, pointing at the operator's settings when librdkafka refuses one.
+    A setting is quoted only where librdkafka knows its name: one it does not know, or one it
+    did not name, may be part of a password cut at an unescaped comma (``p=ab,cd=ef``)."""
     try:
         return factory(settings)
     except KafkaException as exc:
@@ -351,17 +358,19 @@ def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
             raise
         text = cause.str()
         keys = list(config.kafka_options)
-        named = [key for key in keys if f'"{key}"' in text]
-        culprit = (repr(named[0]) if named else  # aliases are reported by their canonical name
-                   f"one of {', '.join(map(repr, keys))}")
-        if named and _UNKNOWN_SETTING in text:
-            # Named by its place, not quoted: a name librdkafka does not know may be the rest
-            # of a password cut at an unescaped comma ("p=ab,cd=ef"), as config.parse_options.
-            place = keys.index(named[0])
-            after = f"after {keys[place - 1]!r}; " if place else ""
-            culprit = (f"setting {place + 1} ({after}its name is not repeated here: it may be "
-                       "part of a value cut at an unescaped comma)")
+        named = [place for place, key in enumerate(keys)
+                 if any(f"{quote}{name}{quote}" in text for quote in '"`'
+                        for name in (key, _REPORTED_AS.get(key, key)))]
+        unquoted = "not named here: it may be part of a value cut at an unescaped comma"
+        if not named:
+            culprit = (f"one of items 1-{len(keys)} ({unquoted})" if len(keys) > 1
+                       else f"item 1 ({unquoted})")
+        elif _UNKNOWN_SETTING in text:
+            place = named[0]
+            culprit = f"{option_place(place + 1, keys[place - 1] if place else '')} ({unquoted})"
             text = _UNKNOWN_SETTING
+        else:
+            culprit = repr(keys[named[0]])
         raise ConfigError(
             f"{ENV_NAMES['kafka_options']}: librdkafka refused {culprit} ({text}); fix or remove "
             "it (settings: https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md"

@@ -99,13 +99,15 @@ class BackfillSummary:
     rows_merged: int = 0
     duplicates_skipped: int = 0
     quarantined: int = 0
+    first_reasons: tuple[str, ...] = ()
     corrections: CorrectionSummary = field(default_factory=CorrectionSummary)
     seconds_by_step: dict[str, float] = field(default_factory=dict)
 
     def lines(self) -> list[tuple[str, str]]:
         """(step, what it did) per step done, for the run's summary page."""
         done = {
-            "validate": f"{self.rows_read} rows read, {self.quarantined} quarantined",
+            "validate": f"{self.rows_read} rows read, {self.quarantined} quarantined"
+                        + quarantine_reasons(self.run_id, self.first_reasons),
             "merge": f"{self.rows_merged} merged, {self.duplicates_skipped} duplicates skipped",
             "recompute and publish": self.corrections.describe()}
         return [(step, f"{done[step]} ({self.seconds_by_step[step]:.1f}s)") for step in RUN_STEPS
@@ -242,6 +244,25 @@ def scope_of(tables: DeltaTables, valid: DataFrame, kind: BatchKind, client_id: 
     if moved is not None:
         places.append(old_places(moved, "ts", now))
     return landing_scope(valid, *places)
+
+
+def first_reasons(bad: DataFrame, limit: int = 5) -> tuple[str, ...]:
+    """A batch's most frequent quarantine reasons, with their counts, for its summary page."""
+    reasons = bad.groupBy("error").count().orderBy(F.desc("count"), "error")
+    return tuple(f"{r.error} ({r['count']})" for r in reasons.limit(limit).collect())
+
+
+def quarantine_location(run_id: str) -> str:
+    """Where a run's quarantined rows are, for its summary page (a reviewer had the count
+    alone, and had to find the rows in the table)."""
+    return f"the rows: `quarantine` where source starts with {quarantined_source_prefix(run_id)!r}"
+
+
+def quarantine_reasons(run_id: str, reasons: tuple[str, ...]) -> str:
+    """Why a run's rows were quarantined, and where they are, for its summary page."""
+    if not reasons:
+        return ""
+    return f" (first reasons: {'; '.join(reasons)}; {quarantine_location(run_id)})"
 
 
 def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,
@@ -412,6 +433,8 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     batch, gate = gate_historical_batch(batch, raw.schema, kind=kind, key=KEY[kind],
                                         client_id=client_id, config=config, run_id=run_id)
     summary.quarantined = quarantine_or_refuse(tables, batch, gate, client_id, run_id, progress)
+    if summary.quarantined:
+        summary.first_reasons = first_reasons(batch.where(F.col("error").isNotNull()))
     valid = valid_rows(batch, kind)  # a filter of the persisted batch: see merge_pageviews
     valid_count = valid.count()
     step("validate", started)

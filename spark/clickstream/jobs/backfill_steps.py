@@ -75,10 +75,12 @@ from clickstream.jobs.backfill import (
     ahead_app_id,
     backfill_run_id,
     check_client_id,
+    first_reasons,
     gate_committed_merge,
     merge_valid_rows,
     merged_earlier,
     merged_source,
+    quarantine_location,
     quarantine_or_refuse,
 )
 from clickstream.jobs.batch_input import (
@@ -293,8 +295,7 @@ def check_batch(config: Config, *, kind: BatchKind, client_id: str, path: str,
                 verdict = gate.describe() + ("" if gate.success else
                                              " — a real run would refuse this batch")
         rows_read = batch.rows.count()
-        reasons = batch.bad().groupBy("error").count().orderBy(F.desc("count"), "error")
-        first = tuple(f"{r.error} ({r['count']})" for r in reasons.limit(5).collect())
+        first = first_reasons(batch.bad())
         valid = batch.valid()
         valid_rows = valid.count()
         batch_scope = BatchScope(batch.tables, valid, kind, client_id, batch.run_id)
@@ -632,8 +633,9 @@ def _summary_lines(config: Config, *, check: Mapping[str, Any], dry_run: bool,
     def took(step: str) -> str:
         return f" ({timed[step]:.1f}s)" if step in timed else ""
 
+    where = f"; {quarantine_location(str(check['run_id']))}" if check.get("quarantined") else ""
     lines = [("validate", BatchCheck(**{**check, "first_reasons": tuple(
-        check.get("first_reasons", ()))}).describe() + took("check"))]
+        check.get("first_reasons", ()))}).describe() + where + took("check"))]
     if dry_run:
         lines.append(("dry run", "nothing was written: merge, recompute and publish were "
                                  "skipped"))

@@ -283,9 +283,11 @@ def _recompute(config: Config, client_id: str | None, spark: SparkSession | None
     if failed:
         if summary.corrections:  # what the others did: the CLI prints no summary now
             progress(summary.describe())
-        # (R12) a bug's type and traceback: the CLI keeps the cause's traceback
-        unforeseen = next((e for e in failed.values() if not isinstance(e, ClickstreamError)),
-                          None)
+        # (R12) a bug's type and traceback: the CLI keeps the cause's traceback (of an error
+        # a worker raised, the Spark error that carried it)
+        unforeseen = next((cause for cause in (
+            e.__cause__ if isinstance(e, ClickstreamError) else e for e in failed.values())
+            if cause is not None and not isinstance(cause, ClickstreamError)), None)
         raise one_error_for(
             list(failed.values()),
             f"recompute failed for {len(failed)} of {len(clients)} clients, whose rows stay "

@@ -237,6 +237,9 @@ class BatchCounts:
     late_queued: int = 0
     sessions: int = 0
     attributions: int = 0
+    # Of the records, those late for the stream (the rest of late_queued are places of
+    # on-time copies a backfill moved, Z11): the progress line says what they were late for.
+    late_records: int = field(default=0, metadata={"shown": False})
 
     def add(self, other: BatchCounts) -> None:
         for item in fields(self):
@@ -244,7 +247,7 @@ class BatchCounts:
 
     def describe(self) -> str:
         return ", ".join(f"{getattr(self, f.name)} {f.name.replace('_', ' ')}"
-                         for f in fields(self))
+                         for f in fields(self) if f.metadata.get("shown", True))
 
 
 @dataclass
@@ -759,14 +762,16 @@ class MicroBatchWriter:
         self.summary.batches += 1
         self.summary.totals.add(counts)
         print(f"sessionize batch {batch_id}: {counts.describe()}"
-              f"{self._why_late(late_before) if counts.late_queued else ''} "
+              f"{self._why_late(late_before) if counts.late_records else ''} "
               f"({time.monotonic() - started:.1f}s)", flush=True)
 
     def _why_late(self, late_before_ms: int) -> str:
         """What made records late, for an operator who sees only the count: one producer's
         clock ahead carries the watermark with it (README, CLICKSTREAM_MAX_TS_AHEAD)."""
-        history = " or within the history the tables held at start (Z18)" if self.history else ""
-        return f" (late: ts at or before the watermark {utc_text(late_before_ms)}{history})"
+        why = [f"ts at or before the watermark {utc_text(late_before_ms)}"] * (late_before_ms > 0)
+        if self.history:
+            why.append("within the history the tables held at start (Z18)")
+        return f" (late: {' or '.join(why)})"
 
     def stop_after(self, planned: int) -> int:
         """Refuse every micro-batch after ``planned`` (the offsets log's last) or after the
@@ -828,6 +833,8 @@ class MicroBatchWriter:
         if gate is not None and (gate.failures or gate.report):
             print(f"  micro-batch {batch_id}: {gate.describe()}", flush=True)
         counts.records = sum(v for k, v in present.items() if k.startswith("record:"))
+        counts.late_records = sum(present.get(f"record:{kind}:late", 0)
+                                  for kind in (contract.PAGEVIEW, contract.ORDER))
         counts.duplicates = present.get("emitted:duplicate", 0)
         replayed: list[str] = []  # tables an earlier attempt of this micro-batch wrote
 

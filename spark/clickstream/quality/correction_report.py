@@ -17,6 +17,7 @@ history, old values are reported as unknown.
 from __future__ import annotations
 
 import html
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
@@ -220,7 +221,8 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
            if moved else "<p>No attribution changed.</p>")
         + f"<h2>Quality gates of this run</h2><ul>{gate_links}</ul>"
         + "<details><summary>summary as recorded</summary><pre>"
-        + html.escape(str(asdict(summary))) + "</pre></details>")
+        + html.escape(json.dumps(asdict(summary), indent=1, sort_keys=True, default=str))
+        + "</pre></details>")
     write_atomically(target, reports.page(f"Corrections of {job} {run_id}", body,
                                                   depth=DEPTH))
     reports.record(config, reports.ReportEntry(

@@ -327,6 +327,26 @@ def _render_as_text(document: Any) -> str:
     return _text_only_page_view().render(_as_text(document.to_json_dict()))
 
 
+_BODY_TAG = re.compile(r"<body[^>]*>")
+_VERDICT_COLOURS = {"failed": "#f8d7da", "warning": "#fff3cd", "passed": "#d4edda"}
+
+
+def _verdict_banner(result: GateResult) -> str:
+    """The product's verdict at the top of GX's page: GX says "Failed" whenever one
+    expectation is unmet, a warning's too, where the step went on (review, session 78)."""
+    if result.status == "failed":
+        what = (f"{len(result.failures)} of {len(result.outcomes)} expectations failed: the "
+                "step refused its data")
+    elif result.status == "warning":
+        what = (f"{len(result.warnings)} of {len(result.outcomes)} expectations unmet, all "
+                "warnings: the step went on (GX's status below counts them as failures)")
+    else:
+        what = f"all {len(result.outcomes)} expectations met"
+    return (f'<div style="background:{_VERDICT_COLOURS[result.status]};padding:8px 16px;'
+            f'font-family:sans-serif">clickstream verdict: <b>{result.status}</b>: '
+            f"{html.escape(what)}</div>")
+
+
 def write_validation(config: Config, result: GateResult, validation: Any, *,
                      client_id: str | None = None) -> Path:
     """Write the Data Docs page (and JSON) of one gate validation; add it to the index.
@@ -364,6 +384,7 @@ def write_validation(config: Config, result: GateResult, validation: Any, *,
     text = _render_as_text(document).replace(
         'href="../../../static/images/favicon.ico"',
         'href="../../../../static/images/favicon.ico"')  # (R2)
+    text = _BODY_TAG.sub(lambda tag: tag.group(0) + _verdict_banner(result), text, count=1)
     target = folder / "result.html"
     write_atomically(target, text)
     write_atomically(folder / "result.json", json.dumps(
