@@ -92,6 +92,16 @@ def test_broker_on_a_busy_port_fails_with_one_line() -> None:
     assert f"127.0.0.1:{port}" in result.stderr and "already in use" in result.stderr
 
 
+def test_kafka_transactions_are_off_unless_set_true_or_false() -> None:
+    assert Config.from_env({}).kafka_transactions is False
+    assert Config.from_env({"CLICKSTREAM_KAFKA_TRANSACTIONS": "True"}).kafka_transactions is True
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_KAFKA_TRANSACTIONS='yes' is not "
+                                          r"accepted; use true or false$"):
+        Config.from_env({"CLICKSTREAM_KAFKA_TRANSACTIONS": "yes"})
+    with pytest.raises(ConfigError, match="CLICKSTREAM_KAFKA_TRANSACTIONS must be true or "):
+        Config(kafka_transactions="false")  # type: ignore[arg-type]
+
+
 def test_durations_accept_units_and_reject_nonsense() -> None:
     config = Config.from_env({"CLICKSTREAM_SESSION_GAP": "45s",
                               "CLICKSTREAM_WATERMARK_DELAY": "1h", "CLICKSTREAM_MAX_TS_AHEAD": "2"})

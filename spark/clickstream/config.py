@@ -49,6 +49,7 @@ ENV_NAMES: dict[str, str] = {
     "quality_gates": "CLICKSTREAM_QUALITY_GATES",
     "driver_memory": "CLICKSTREAM_DRIVER_MEMORY",
     "fail_on_data_loss": "CLICKSTREAM_FAIL_ON_DATA_LOSS",
+    "kafka_transactions": "CLICKSTREAM_KAFKA_TRANSACTIONS",
     "jvm_class_archive": "CLICKSTREAM_JVM_CLASS_ARCHIVE",
     "driver_gc": "CLICKSTREAM_DRIVER_GC",
 }
@@ -193,6 +194,11 @@ class Config:
     # not read. False: it records each lost run of offsets in quarantine and reads on, keeping
     # its checkpoint and state (io.kafka_source K1, K2; Spark's failOnDataLoss=false).
     fail_on_data_loss: bool = True
+    # True: a correction run (backfill, recompute) publishes its sessions and attributions
+    # in one Kafka transaction, so a read_committed reader sees the run's changes to both
+    # topics together or none. Off by default: the embedded broker accepts transactions but
+    # does not hide open ones from readers; the cluster profile turns it on.
+    kafka_transactions: bool = False
     # "auto": drivers map the class archive scripts/setup.sh built for this environment, when
     # it is there (clickstream.jvm_class_archive: about half a short job's start-up CPU);
     # "off": they load every class from the jars.
@@ -209,9 +215,10 @@ class Config:
         _check_choice("quality_gates", self.quality_gates, QualityGatesMode)
         _check_choice("jvm_class_archive", self.jvm_class_archive, JvmClassArchiveMode)
         _check_choice("driver_gc", self.driver_gc, DriverGcKind)
-        if not isinstance(self.fail_on_data_loss, bool):  # a text "false" would be true
-            raise ConfigError(f"{ENV_NAMES['fail_on_data_loss']} must be true or false, got "
-                              f"{self.fail_on_data_loss!r}")
+        for name in ("fail_on_data_loss", "kafka_transactions"):
+            if not isinstance(getattr(self, name), bool):  # a text "false" would be true
+                raise ConfigError(f"{ENV_NAMES[name]} must be true or false, got "
+                                  f"{getattr(self, name)!r}")
         for name in ("shuffle_partitions", "max_events_per_trigger"):
             value = getattr(self, name)
             if value < 1:
@@ -316,7 +323,7 @@ def _convert(name: str, raw: object, source: str) -> object:
             raise ConfigError(f"{source}={raw!r} is not an integer") from None
     if name in ("kafka_options", "spark_kafka_options"):
         return parse_options(raw, source)
-    if name == "fail_on_data_loss":
+    if name in ("fail_on_data_loss", "kafka_transactions"):
         return parse_bool(raw, source)
     return raw
 

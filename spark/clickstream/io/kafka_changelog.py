@@ -8,9 +8,10 @@ so a batch replayed after a crash may simply publish again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,6 +25,7 @@ from clickstream.errors import ConfigError, DataLossError
 from clickstream.io.kafka_clients import (
     make_consumer,
     produce_records,
+    produce_to_topics,
     topic_ids,
     topic_watermarks,
 )
@@ -200,6 +202,23 @@ def publish_pairs(config: Config, topic: str, pairs: DataFrame) -> int:
     """Publish a frame of ``(key, value)`` string columns as it is (a null value is a
     tombstone), in the frame's order within each partition; returns how many records."""
     return produce_records(config, topic, local_pairs(pairs))
+
+
+def publish_correction(config: Config, client_id: str,
+                       pairs_by_topic: Sequence[tuple[str, DataFrame]]) -> int:
+    """Publish one correction's ``(key, value)`` frames, topic after topic; with
+    ``CLICKSTREAM_KAFKA_TRANSACTIONS`` in one Kafka transaction, so that a ``read_committed``
+    reader sees the correction's sessions and attributions together or not at all (mid-way,
+    a retracted session and its replacement were both live). The transactional id is the
+    client's within these topics: a client's corrections run one at a time, and a rerun
+    fences the producer of a run killed while it sent."""
+    transactional_id = None
+    if config.kafka_transactions:
+        digest = hashlib.sha256("\x1f".join(
+            (config.sessions_topic, config.attributions_topic, client_id)).encode()).hexdigest()
+        transactional_id = f"clickstream-corrections-{digest[:24]}"
+    return produce_to_topics(config, [(topic, local_pairs(pairs)) for topic, pairs in
+                                      pairs_by_topic], transactional_id=transactional_id)
 
 
 def publish_rows(config: Config, topic: str, rows: DataFrame, spec: TableSpec) -> int:

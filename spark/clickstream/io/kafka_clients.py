@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -488,8 +488,10 @@ def send_budget_s(config: Config, default_s: float) -> float:
     return default_s
 
 
-def produce_records(config: Config, topic: str,
-                    records: Iterable[tuple[str | bytes | None, str | bytes | None]], *,
+Records = Iterable[tuple[str | bytes | None, str | bytes | None]]
+
+
+def produce_records(config: Config, topic: str, records: Records, *,
                     rate_per_second: float | None = None, flush_timeout_s: float = 60.0) -> int:
     """Send already-serialised ``(key, value)`` records as they are (bad ones included).
 
@@ -517,47 +519,108 @@ def produce_records(config: Config, topic: str,
             producer's ``message.max.bytes``): no retry sends it.
         Any error of ``records``: raised once the producer dropped what it still queued.
     """
+    return produce_to_topics(config, [(topic, records)], rate_per_second=rate_per_second,
+                             flush_timeout_s=flush_timeout_s)
+
+
+# How long a transaction may stay open (librdkafka's default is 60 s): a correction's records
+# are computed by Spark while they are sent, a year's backfill for ~30 s here. Brokers cap it
+# at their transaction.max.timeout.ms (15 minutes by default); an operator's setting wins.
+TRANSACTION_TIMEOUT_MS = 600_000
+
+
+def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
+                      rate_per_second: float | None = None, flush_timeout_s: float = 60.0,
+                      transactional_id: str | None = None) -> int:
+    """:func:`produce_records` for several topics in turn, by one producer.
+
+    With ``transactional_id``, every record goes in one Kafka transaction: a ``read_committed``
+    reader sees all of them or none, and a failure aborts them all. The id fences an earlier
+    producer of the same id that is still sending (a run killed and rerun).
+
+    Raises:
+        DeliveryError: as :func:`produce_records`; for a transaction, also one Kafka could
+            not begin or commit (it is aborted: none of its records is visible to a
+            ``read_committed`` reader).
+        KafkaRefusedError: as :func:`produce_records`.
+    """
     # Each record's delivery timeout is the flush's budget, so when the flush gives up,
     # librdkafka has given up on every record too: none can reach the topic later, behind the
     # newer revisions a rerun sends. Its default (300 s) outlived the flush (60 s).
     budget_s = send_budget_s(config, flush_timeout_s)
+    extra: dict[str, Any] = {"message.timeout.ms": round(budget_s * 1000)}
+    if transactional_id is not None:
+        extra["transactional.id"] = transactional_id
+        if "transaction.timeout.ms" not in config.kafka_options:
+            extra["transaction.timeout.ms"] = max(TRANSACTION_TIMEOUT_MS, round(budget_s * 1000))
     producer = make_producer(config, **send_linger(config, paced=bool(rate_per_second)),
-                             **{"message.timeout.ms": round(budget_s * 1000)})
+                             **extra)
+    if transactional_id is not None:
+        _transaction_step(producer, "begin", lambda: (producer.init_transactions(budget_s),
+                                                      producer.begin_transaction()))
     started = time.monotonic()
     sent = 0
     try:
         with gc_paused():
-            for key, value in records:
-                if rate_per_second:  # a poll returns at its first delivery report: wait on
-                    while (ahead := sent / rate_per_second - (time.monotonic() - started)) > 0:
-                        producer.poll(max(ahead, 0.001))  # reports served meanwhile; a wait
-                        # under 1 ms is poll(0) to librdkafka, which would spin a core
-                if producer.failed:  # the broker is gone or refuses: the flush below raises
-                    producer.purge()  # stopped here, not after every record's own budget
-                    break
-                raw_key = key.encode() if isinstance(key, str) else key
-                raw_value = value.encode() if isinstance(value, str) else value
-                try:
-                    produce_waiting(producer, topic, key=raw_key, value=raw_value)
-                except KafkaException as exc:
-                    raise KafkaRefusedError(
-                        f"record {sent + 1} to {topic} (key {raw_key!r:.80}, "
-                        f"{len(raw_value or b'')} bytes) was refused by the producer: "
-                        f"{exc.args[0].str()}; records before it may have been sent, none "
-                        "after it. Fix the record or the producer's settings "
-                        f"({ENV_NAMES['kafka_options']}, e.g. message.max.bytes), then rerun"
-                    ) from exc
-                sent += 1
-                if sent % 1000 == 0:
-                    producer.poll(0)
+            for topic, records in sends:
+                for key, value in records:
+                    if rate_per_second:  # a poll returns at its first delivery report: wait
+                        while (ahead := sent / rate_per_second
+                               - (time.monotonic() - started)) > 0:
+                            producer.poll(max(ahead, 0.001))  # reports served meanwhile; a
+                            # wait under 1 ms is poll(0) to librdkafka, which would spin a core
+                    if producer.failed:  # the broker is gone or refuses: the flush raises
+                        producer.purge()  # stopped here, not after every record's own budget
+                        break
+                    raw_key = key.encode() if isinstance(key, str) else key
+                    raw_value = value.encode() if isinstance(value, str) else value
+                    try:
+                        produce_waiting(producer, topic, key=raw_key, value=raw_value)
+                    except KafkaException as exc:
+                        raise KafkaRefusedError(
+                            f"record {sent + 1} to {topic} (key {raw_key!r:.80}, "
+                            f"{len(raw_value or b'')} bytes) was refused by the producer: "
+                            f"{exc.args[0].str()}; records before it may have been sent, none "
+                            "after it. Fix the record or the producer's settings "
+                            f"({ENV_NAMES['kafka_options']}, e.g. message.max.bytes), then "
+                            "rerun") from exc
+                    sent += 1
+                    if sent % 1000 == 0:
+                        producer.poll(0)
     except BaseException:
         # Queued records must not reach the topic after this call failed (a rerun may send
-        # newer revisions of their keys); one already on the wire may still land.
+        # newer revisions of their keys); one already on the wire may still land (in a
+        # transaction: aborted, so a read_committed reader never sees it).
         producer.purge()
         producer.flush(0)
+        if transactional_id is not None:
+            with suppress(KafkaException):  # the error raised is the one above
+                producer.abort_transaction(budget_s)
         raise
+    if transactional_id is not None and producer.failed:  # flush_or_raise says which
+        with suppress(KafkaException):
+            producer.abort_transaction(budget_s)
+    elif transactional_id is not None:
+        _transaction_step(producer, "commit",
+                          lambda: producer.commit_transaction(budget_s + TIMED_OUT_REPORT_GRACE_S))
     flush_or_raise(producer, budget_s + TIMED_OUT_REPORT_GRACE_S)
     return sent
+
+
+def _transaction_step(producer: TrackedProducer, step: str, call: Callable[[], object]) -> None:
+    """``call`` (begin or commit a transaction), or a DeliveryError after aborting it."""
+    try:
+        call()
+    except KafkaException as exc:
+        error = exc.args[0]
+        if step == "commit":  # nothing of it is visible to a read_committed reader
+            with suppress(KafkaException):
+                producer.abort_transaction(30)
+        raise DeliveryError(
+            f"kafka could not {step} the transaction of {producer.bootstrap_servers}: "
+            f"{error.str() if isinstance(error, KafkaError) else error}; none of its records "
+            "is visible to a read_committed reader; run the command (or step) again: it sends "
+            "them again") from exc
 
 
 def flush_or_raise(producer: Producer, timeout_s: float = 60.0) -> None:

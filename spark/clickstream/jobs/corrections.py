@@ -152,7 +152,11 @@ from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.events import contract
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables
-from clickstream.io.kafka_changelog import check_changelogs_answer, publish_pairs, spark_row_value
+from clickstream.io.kafka_changelog import (
+    check_changelogs_answer,
+    publish_correction,
+    spark_row_value,
+)
 from clickstream.key_copies import COPIES_BY, COPY_COUNT, count_copies, pair_copies, same_columns
 from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.quality.correction_report import (
@@ -1255,11 +1259,10 @@ def publish_changes(run: Run, changes: DataFrame) -> int:
     """New revisions and tombstones, from the plan (idempotent by key and revision); then the
     publish gate reads them back from the topics."""
     since = publish_started(run.config)
-    sent = 0
-    for entity, topic in (("session", run.config.sessions_topic),
-                          ("attribution", run.config.attributions_topic)):
-        sent += publish_pairs(run.config, topic, changes.where(F.col("entity") == entity)
-                              .select("key", "new_value"))
+    sent = publish_correction(run.config, run.client_id, [
+        (topic, changes.where(F.col("entity") == entity).select("key", "new_value"))
+        for entity, topic in (("session", run.config.sessions_topic),
+                              ("attribution", run.config.attributions_topic))])
     gate_publish(run, changes, since)
     return sent
 
