@@ -51,6 +51,7 @@ from clickstream.io.kafka_clients import (
     make_producer,
     produce_json,
     produce_records,
+    produce_to_topics,
     produce_waiting,
     producer_config,
     read_compacted,
@@ -385,6 +386,29 @@ def test_the_next_gen_group_protocol_an_operator_chooses_starts_every_reader(
     with pytest.raises(ConfigError, match=r"librdkafka refused 'session\.timeout\.ms' "
                                           r"\(Failed to create consumer: `session\.timeout"):
         make_consumer(both)
+
+
+def test_a_transactional_send_covers_its_topics_and_one_that_fails_publishes_nothing(
+    kafka_config: Config, make_topic: Callable[..., str]
+) -> None:
+    """``produce_to_topics`` with a transactional id (CLICKSTREAM_KAFKA_TRANSACTIONS): both
+    topics' records in one transaction, whose commit marker takes an offset of each; a send
+    whose records fail midway raises their error, and what it queued reaches no topic; the
+    same id then sends again (a rerun after a crash)."""
+    first, second = make_topic(partitions=1), make_topic(partitions=1)
+
+    def failing() -> Iterator[tuple[str, str]]:
+        yield "lost", "queued, then purged"
+        raise RuntimeError("the frame being sent failed")
+
+    with pytest.raises(RuntimeError, match="the frame being sent failed"):
+        produce_to_topics(kafka_config, [(first, failing())], transactional_id="t-1")
+    assert produce_to_topics(kafka_config, [(first, [("a", "1"), ("b", None)]),
+                                            (second, [("c", "3")])], transactional_id="t-1") == 3
+    assert read_compacted(kafka_config, first, value_decoder=bytes) == {"a": b"1"}
+    assert read_compacted(kafka_config, second, value_decoder=bytes) == {"c": b"3"}
+    assert topic_watermarks(kafka_config, first) == {0: (0, 3)}  # 2 records and a marker
+    assert topic_watermarks(kafka_config, second) == {0: (0, 2)}
 
 
 def test_sends_linger_by_kind_unless_the_operator_chose_a_linger(config: Config) -> None:

@@ -587,6 +587,8 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
                     sent += 1
                     if sent % 1000 == 0:
                         producer.poll(0)
+                if producer.failed:  # nor the next topic's
+                    break
     except BaseException:
         # Queued records must not reach the topic after this call failed (a rerun may send
         # newer revisions of their keys); one already on the wire may still land (in a
