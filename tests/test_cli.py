@@ -100,6 +100,11 @@ def test_kafka_transactions_are_off_unless_set_true_or_false() -> None:
         Config.from_env({"CLICKSTREAM_KAFKA_TRANSACTIONS": "yes"})
     with pytest.raises(ConfigError, match="CLICKSTREAM_KAFKA_TRANSACTIONS must be true or "):
         Config(kafka_transactions="false")  # type: ignore[arg-type]
+    # A transactional id of the operator's made every send need a transaction: each failed
+    # as "Erroneous state" (review, session 78).
+    with pytest.raises(ConfigError, match=r"^CLICKSTREAM_KAFKA_OPTIONS: transactional\.id "
+                       r"would make every send .* set CLICKSTREAM_KAFKA_TRANSACTIONS=true"):
+        Config.from_env({"CLICKSTREAM_KAFKA_OPTIONS": "linger.ms=5,transactional.id=x"})
 
 
 def test_durations_accept_units_and_reject_nonsense() -> None:

@@ -136,6 +136,11 @@ def parse_options(text: str, name: str) -> dict[str, str]:
                               "(example: linger.ms=5,acks=all; write a comma inside a value "
                               "as \\,)")
         previous = key.strip()
+        if previous == "transactional.id":
+            raise ConfigError(
+                f"{name}: transactional.id would make every send of the product need a "
+                "transaction (each failed with 'Erroneous state'); set "
+                "CLICKSTREAM_KAFKA_TRANSACTIONS=true for corrections to publish in one")
         if previous in _BOOTSTRAP_OPTIONS:
             raise ConfigError(
                 f"{name}: {previous} is KAFKA_BOOTSTRAP_SERVERS' (--kafka-bootstrap-servers); "

@@ -212,13 +212,15 @@ def publish_correction(config: Config, client_id: str,
     a retracted session and its replacement were both live). The transactional id is the
     client's within these topics: a client's corrections run one at a time, and a rerun
     fences the producer of a run killed while it sent."""
-    transactional_id = None
-    if config.kafka_transactions:
-        digest = hashlib.sha256("\x1f".join(
-            (config.sessions_topic, config.attributions_topic, client_id)).encode()).hexdigest()
-        transactional_id = f"clickstream-corrections-{digest[:24]}"
-    return produce_to_topics(config, [(topic, local_pairs(pairs)) for topic, pairs in
-                                      pairs_by_topic], transactional_id=transactional_id)
+    if not config.kafka_transactions:  # each topic acknowledged before the next is sent
+        return sum(publish_pairs(config, topic, pairs) for topic, pairs in pairs_by_topic)
+    digest = hashlib.sha256("\x1f".join(
+        (config.sessions_topic, config.attributions_topic, client_id)).encode()).hexdigest()
+    # Computed before the transaction begins: while it is open, read_committed readers of its
+    # partitions (other clients' publish gates too) wait at its first record.
+    sends = [(topic, list(local_pairs(pairs))) for topic, pairs in pairs_by_topic]
+    return produce_to_topics(config, sends,
+                             transactional_id=f"clickstream-corrections-{digest[:24]}")
 
 
 def publish_rows(config: Config, topic: str, rows: DataFrame, spec: TableSpec) -> int:

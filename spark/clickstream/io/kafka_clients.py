@@ -523,10 +523,13 @@ def produce_records(config: Config, topic: str, records: Records, *,
                              flush_timeout_s=flush_timeout_s)
 
 
-# How long a transaction may stay open (librdkafka's default is 60 s): a correction's records
-# are computed by Spark while they are sent, a year's backfill for ~30 s here. Brokers cap it
-# at their transaction.max.timeout.ms (15 minutes by default); an operator's setting wins.
-TRANSACTION_TIMEOUT_MS = 600_000
+# How long a transaction may stay open at most (librdkafka's default): while it is open,
+# read_committed readers of its partitions stop at its first record, other clients' publish
+# gates included, and a transaction left by a kill -9 stays open that long (or until the
+# client's rerun fences it). Its records are computed before it begins (publish_correction).
+# Brokers cap it at transaction.max.timeout.ms (15 minutes by default).
+TRANSACTION_TIMEOUT_MS = 60_000
+TRANSACTION_TIMEOUT_MAX_MS = 900_000
 
 
 def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
@@ -548,11 +551,14 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
     # librdkafka has given up on every record too: none can reach the topic later, behind the
     # newer revisions a rerun sends. Its default (300 s) outlived the flush (60 s).
     budget_s = send_budget_s(config, flush_timeout_s)
-    extra: dict[str, Any] = {"message.timeout.ms": round(budget_s * 1000)}
-    if transactional_id is not None:
-        extra["transactional.id"] = transactional_id
-        if "transaction.timeout.ms" not in config.kafka_options:
-            extra["transaction.timeout.ms"] = max(TRANSACTION_TIMEOUT_MS, round(budget_s * 1000))
+    extra: dict[str, Any] = {}
+    if transactional_id is not None:  # a record's timeout may not pass the transaction's
+        chosen = config.kafka_options.get("transaction.timeout.ms")
+        timeout_ms = int(chosen) if chosen and str(chosen).isdigit() else min(
+            TRANSACTION_TIMEOUT_MAX_MS, max(TRANSACTION_TIMEOUT_MS, round(budget_s * 1000)))
+        budget_s = min(budget_s, timeout_ms / 1000)
+        extra = {"transactional.id": transactional_id, "transaction.timeout.ms": timeout_ms}
+    extra["message.timeout.ms"] = round(budget_s * 1000)
     producer = make_producer(config, **send_linger(config, paced=bool(rate_per_second)),
                              **extra)
     if transactional_id is not None:
@@ -560,6 +566,7 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
                                                       producer.begin_transaction()))
     started = time.monotonic()
     sent = 0
+    abortable = False  # a record of the transaction failed: it can only be aborted
     try:
         with gc_paused():
             for topic, records in sends:
@@ -577,6 +584,14 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
                     try:
                         produce_waiting(producer, topic, key=raw_key, value=raw_value)
                     except KafkaException as exc:
+                        if transactional_id is not None and (
+                                exc.args[0].txn_requires_abort()
+                                or exc.args[0].code() == KafkaError._STATE):
+                            # A record failed (its report not served yet): the transaction
+                            # must be aborted; flush_or_raise then names that failure.
+                            producer.poll(0)
+                            abortable = True
+                            break
                         raise KafkaRefusedError(
                             f"record {sent + 1} to {topic} (key {raw_key!r:.80}, "
                             f"{len(raw_value or b'')} bytes) was refused by the producer: "
@@ -587,7 +602,7 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
                     sent += 1
                     if sent % 1000 == 0:
                         producer.poll(0)
-                if producer.failed:  # nor the next topic's
+                if producer.failed or abortable:  # nor the next topic's
                     break
     except BaseException:
         # Queued records must not reach the topic after this call failed (a rerun may send
@@ -599,9 +614,14 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
             with suppress(KafkaException):  # the error raised is the one above
                 producer.abort_transaction(budget_s)
         raise
-    if transactional_id is not None and producer.failed:  # flush_or_raise says which
-        with suppress(KafkaException):
+    if transactional_id is not None and (producer.failed or abortable):
+        with suppress(KafkaException):  # flush_or_raise says which record failed
             producer.abort_transaction(budget_s)
+        flush_or_raise(producer, budget_s + TIMED_OUT_REPORT_GRACE_S)
+        raise DeliveryError(
+            f"kafka delivery failed: a record of the transaction to "
+            f"{producer.bootstrap_servers} failed, and the transaction was aborted; run the "
+            "command (or step) again: it sends them again")
     elif transactional_id is not None:
         _transaction_step(producer, "commit",
                           lambda: producer.commit_transaction(budget_s + TIMED_OUT_REPORT_GRACE_S))
@@ -609,20 +629,39 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
     return sent
 
 
+# Kafka's answers no rerun gets past (the transactional id's rights, the cluster's).
+_REFUSED_TRANSACTION = frozenset({KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                                  KafkaError.CLUSTER_AUTHORIZATION_FAILED})
+
+
 def _transaction_step(producer: TrackedProducer, step: str, call: Callable[[], object]) -> None:
-    """``call`` (begin or commit a transaction), or a DeliveryError after aborting it."""
+    """``call`` (begin or commit a transaction), or an error after aborting it.
+
+    Raises:
+        KafkaRefusedError: Kafka refuses the transactional id (its rights) or the producer
+            for good (fatal): a rerun gets no further.
+        DeliveryError: any other failure; a rerun sends the records again.
+    """
     try:
         call()
     except KafkaException as exc:
         error = exc.args[0]
-        if step == "commit":  # nothing of it is visible to a read_committed reader
-            with suppress(KafkaException):
-                producer.abort_transaction(30)
+        text = error.str() if isinstance(error, KafkaError) else str(error)
+        if isinstance(error, KafkaError) and (error.fatal()
+                                              or error.code() in _REFUSED_TRANSACTION):
+            raise KafkaRefusedError(
+                f"kafka refused to {step} the transaction of {producer.bootstrap_servers}: "
+                f"{text}; with ACLs the product's principal needs Write on the transactional "
+                "ids starting with 'clickstream-' (or set CLICKSTREAM_KAFKA_TRANSACTIONS=false)"
+            ) from exc
+        if step == "commit":
+            with suppress(KafkaException):  # refused while Kafka still commits it: its fate
+                producer.abort_transaction(30)  # is Kafka's, hence the wording below
         raise DeliveryError(
-            f"kafka could not {step} the transaction of {producer.bootstrap_servers}: "
-            f"{error.str() if isinstance(error, KafkaError) else error}; none of its records "
-            "is visible to a read_committed reader; run the command (or step) again: it sends "
-            "them again") from exc
+            f"kafka could not {step} the transaction of {producer.bootstrap_servers}: {text}; "
+            "it is aborted, unless Kafka finished committing it meanwhile; run the command (or "
+            "step) again: it sends the records again (by key and revision, so a committed copy "
+            "changes nothing)") from exc
 
 
 def flush_or_raise(producer: Producer, timeout_s: float = 60.0) -> None:
