@@ -542,10 +542,10 @@ def produce_to_topics(config: Config, sends: Iterable[tuple[str, Records]], *,
     producer of the same id that is still sending (a run killed and rerun).
 
     Raises:
-        DeliveryError: as :func:`produce_records`; for a transaction, also one Kafka could
-            not begin or commit (it is aborted: none of its records is visible to a
-            ``read_committed`` reader).
-        KafkaRefusedError: as :func:`produce_records`.
+        DeliveryError: as :func:`produce_records`; for a transaction, also one a record of
+            failed in (aborted), or one Kafka could not begin or commit.
+        KafkaRefusedError: as :func:`produce_records`; also Kafka refusing the transactional
+            id (its rights) or the producer for good.
     """
     # Each record's delivery timeout is the flush's budget, so when the flush gives up,
     # librdkafka has given up on every record too: none can reach the topic later, behind the
