@@ -412,25 +412,26 @@ def test_a_transactional_send_covers_its_topics_and_one_that_fails_publishes_not
 
 
 def test_a_transactional_send_whose_records_time_out_fails_as_retryable(
-    kafka_config: Config, broker: EmbeddedBroker, make_topic: Callable[..., str]
+    kafka_config: Config
 ) -> None:
     """A broker that cannot take records for a while (NOT_ENOUGH_REPLICAS until they time
     out): librdkafka then refuses the transaction's next record as 'Erroneous state', which
     read as the record itself refused (KafkaRefusedError, not retried) and hid the cause
     (review, session 78). Now the transaction is aborted and the failure is a DeliveryError
     (retried) naming the records' timeout."""
-    first, second = make_topic(partitions=1), make_topic(partitions=1)
-    quick = kafka_config.replace(kafka_options={"message.timeout.ms": "1500"})
-
     def slowly(count: int) -> Iterator[tuple[str, str]]:
         for number in range(count):
             time.sleep(0.05)
             yield f"k{number}", "v"
 
-    broker.fail_produces(19, 400)  # NOT_ENOUGH_REPLICAS: retried until the records time out
-    with pytest.raises(DeliveryError, match="Message timed out"):
-        produce_to_topics(quick, [(first, slowly(60)), (second, slowly(5))],
-                          transactional_id="t-slow")
+    # A broker of its own: the failures it is told to answer outlast the test.
+    with EmbeddedBroker(port=0, topics={"first": 1, "second": 1}) as failing:
+        quick = kafka_config.replace(kafka_bootstrap_servers=failing.bootstrap_servers,
+                                     kafka_options={"message.timeout.ms": "1500"})
+        failing.fail_produces(19, 400)  # NOT_ENOUGH_REPLICAS: retried until records time out
+        with pytest.raises(DeliveryError, match="Message timed out"):
+            produce_to_topics(quick, [("first", slowly(60)), ("second", slowly(5))],
+                              transactional_id="t-slow")
 
 
 def test_sends_linger_by_kind_unless_the_operator_chose_a_linger(config: Config) -> None:

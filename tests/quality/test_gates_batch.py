@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 from clickstream.cli import main
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
+from clickstream.io import kafka_changelog
 from clickstream.io.delta_tables import RECENT_COMMITS, open_tables
 from clickstream.io.kafka_clients import encode_json, produce_records, read_compacted
 from clickstream.jobs import backfill, backfill_steps, corrections
@@ -367,12 +368,12 @@ def publishing_without_tombstones(stream_config: Config, spark: SparkSession,
                  progress=lambda _: None,
                  path=write_rows(stream_config, "p1", [pv_row("a", "u", 0), pv_row("c", "u", 50)],
                                  "parquet"))
-    real_publish = corrections.publish_pairs
+    real_publish = kafka_changelog.publish_pairs
 
     def without_tombstones(config, topic, pairs):
         return real_publish(config, topic, pairs.where(F.col(pairs.columns[1]).isNotNull()))
 
-    monkeypatch.setattr(corrections, "publish_pairs", without_tombstones)
+    monkeypatch.setattr(kafka_changelog, "publish_pairs", without_tombstones)
     return write_rows(stream_config, "p2", [pv_row("b", "u", 25)], "parquet"), real_publish
 
 
@@ -390,7 +391,7 @@ def test_publish_gate_finds_a_missing_tombstone_and_a_rerun_republishes(
     assert json.loads(retraction["raw"])["change"] == "retracted"
     assert len(read_compacted(stream_config, stream_config.sessions_topic)) == 2  # stale view
 
-    monkeypatch.setattr(corrections, "publish_pairs", real_publish)
+    monkeypatch.setattr(kafka_changelog, "publish_pairs", real_publish)
     run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     topic = read_compacted(stream_config, stream_config.sessions_topic)
@@ -411,7 +412,7 @@ def test_a_full_recompute_does_not_supersede_a_plan_whose_publish_failed(
     with pytest.raises(QualityGateFailedError, match="quality gate publish failed"):
         run_full_recompute(stream_config, client_id="client-00", **quiet)
 
-    monkeypatch.setattr(corrections, "publish_pairs", real_publish)
+    monkeypatch.setattr(kafka_changelog, "publish_pairs", real_publish)
     run_full_recompute(stream_config, client_id="client-00", **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     topic = read_compacted(stream_config, stream_config.sessions_topic)
@@ -446,7 +447,7 @@ def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
     run_backfill(stream_config, kind="pageviews", client_id="client-00", **quiet,
                  path=write_rows(stream_config, "p1", [pv_row("a", "u", 0)], "parquet"))
     ((key, first),) = read_compacted(stream_config, stream_config.sessions_topic).items()
-    real_publish = corrections.publish_pairs
+    real_publish = kafka_changelog.publish_pairs
 
     def then_an_older_revision(config, topic, pairs):
         sent = real_publish(config, topic, pairs)
@@ -454,7 +455,7 @@ def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
             produce_records(config, topic, [(key, encode_json(first))])
         return sent
 
-    monkeypatch.setattr(corrections, "publish_pairs", then_an_older_revision)
+    monkeypatch.setattr(kafka_changelog, "publish_pairs", then_an_older_revision)
     merge = write_rows(stream_config, "p2", [pv_row("b", "u", 10)], "parquet")
     with pytest.raises(QualityGateFailedError, match=(
             r"quality gate publish failed for backfill pageviews-client-00-\w+: 1 of 3 "
@@ -462,7 +463,7 @@ def test_publish_gate_finds_an_older_revision_written_after_the_new_one(
         run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     assert read_compacted(stream_config, stream_config.sessions_topic)[key]["revision"] == 1
 
-    monkeypatch.setattr(corrections, "publish_pairs", real_publish)
+    monkeypatch.setattr(kafka_changelog, "publish_pairs", real_publish)
     run_backfill(stream_config, kind="pageviews", client_id="client-00", path=merge, **quiet)
     (session,) = table_rows(stream_config, spark, "sessions")
     assert read_compacted(stream_config, stream_config.sessions_topic)[key]["revision"] == (
