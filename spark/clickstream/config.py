@@ -68,6 +68,8 @@ FLAG_HELP: Mapping[str, str] = {
 }
 # ... and those only `sessionize` takes.
 _FLAGGED = {*FLAG_HELP, "fail_on_data_loss", "max_events_per_trigger"}
+# The settings that are true or false.
+_BOOLEANS = ("fail_on_data_loss", "kafka_transactions")
 
 # A unit is required: a bare number reaches the JVM's -Xmx/-Xms as bytes, too small to start.
 _MEMORY = re.compile(r"^[1-9]\d*[kmgt]$", re.IGNORECASE)
@@ -220,7 +222,7 @@ class Config:
         _check_choice("quality_gates", self.quality_gates, QualityGatesMode)
         _check_choice("jvm_class_archive", self.jvm_class_archive, JvmClassArchiveMode)
         _check_choice("driver_gc", self.driver_gc, DriverGcKind)
-        for name in ("fail_on_data_loss", "kafka_transactions"):
+        for name in _BOOLEANS:
             if not isinstance(getattr(self, name), bool):  # a text "false" would be true
                 raise ConfigError(f"{ENV_NAMES[name]} must be true or false, got "
                                   f"{getattr(self, name)!r}")
@@ -328,7 +330,7 @@ def _convert(name: str, raw: object, source: str) -> object:
             raise ConfigError(f"{source}={raw!r} is not an integer") from None
     if name in ("kafka_options", "spark_kafka_options"):
         return parse_options(raw, source)
-    if name in ("fail_on_data_loss", "kafka_transactions"):
+    if name in _BOOLEANS:
         return parse_bool(raw, source)
     return raw
 
