@@ -8,6 +8,7 @@ retry would fail the same way (a refused batch, a bad setting, a failed quality 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -279,13 +280,15 @@ def _cmd_generate_history(args: argparse.Namespace, config: Config) -> int:
 def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     from clickstream.jobs.inspect import (
         describe_lag,
+        describe_read_point,
         describe_sessionizer,
         describe_tables,
         describe_topic,
     )
 
     # Each part as soon as it is known: what needs no Kafka is shown when Kafka is down.
-    parts = [partial(describe_tables, config, args.sample), partial(describe_sessionizer, config)]
+    parts = [partial(describe_tables, config, args.sample), partial(describe_read_point, config),
+             partial(describe_sessionizer, config)]
     if args.lag:
         parts.append(partial(describe_lag, config))
     parts += [partial(describe_topic, config, topic, args.sample) for topic in args.topic or []]
@@ -293,6 +296,24 @@ def _cmd_inspect(args: argparse.Namespace, config: Config) -> int:
         lines = part()
         if lines:
             print("\n".join(lines), flush=True)
+    return 0
+
+
+def _cmd_read_point(args: argparse.Namespace, config: Config) -> int:
+    from clickstream.io import read_point
+    from clickstream.io.delta_tables import open_tables
+
+    if args.release:
+        # Versions need no Spark: the delta-rs reader reads delta-spark's tables too.
+        tables = open_tables(config.replace(delta_engine="deltalake"))
+        read_point.release(config, tables, args.release)
+        print(f"read-point: released {args.release}: what it committed is shown as it is",
+              file=sys.stderr)
+    point = read_point.current(config)
+    print(json.dumps({
+        "read_point": None if point is None else point.to_json(),
+        "open_groups": [group.describe() for group in read_point.open_groups(config)],
+        "file": str(read_point.folder(config) / read_point.READ_POINT_FILE)}, indent=1))
     return 0
 
 
@@ -491,6 +512,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print this many rows of each")
     _add_config_flags(inspect)
     inspect.set_defaults(handler=_cmd_inspect)
+
+    point = commands.add_parser(
+        "read-point", help="the table versions at which each client's tables agree (a "
+        "reader never sees half a backfill)",
+        description="Print the read point as JSON: per table, the Delta version to read "
+        "(\"versions\"), and for a client a backfill or correction is changing right now, the "
+        "versions it is read at until the change is whole (\"held\"), with the open groups "
+        "holding it. Read each table at its version (e.g. deltalake's DeltaTable(path, "
+        "version=v), Spark's versionAsOf) to see every client's tables agree.")
+    point.add_argument("--release", metavar="GROUP",
+                       help="give up on an open group that will never be rerun: what it "
+                       "committed becomes visible as it is")
+    _add_config_flags(point, only=("warehouse",))
+    point.set_defaults(handler=_cmd_read_point)
 
     generate = commands.add_parser("generate", help="write realistic synthetic data")
     kinds = generate.add_subparsers(dest="kind", required=True, metavar="KIND")

@@ -15,6 +15,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
+from clickstream.io import read_point
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import read_compacted
 from clickstream.jobs.backfill import run_backfill
@@ -30,7 +31,12 @@ from tests.jobs.test_backfill import (
     pv_row,
     write_rows,
 )
-from tests.jobs.test_sessionize import pageview, produce, table_rows
+from tests.jobs.test_sessionize import (
+    assert_read_point_is_latest,
+    pageview,
+    produce,
+    table_rows,
+)
 from tests.jobs.test_sessionize_crash import cli_env
 
 CRASH_POINTS = ("merge:", "record corrections:", "apply to tables:")
@@ -102,10 +108,15 @@ def test_kill_9_between_steps_then_rerun_matches_a_clean_run(
             env=cli_env(crashed), capture_output=True, text=True, timeout=600,
             start_new_session=True)
         assert child.returncode == -9, child.stdout + child.stderr
+        # Killed after its merge or its plan: readers still see the client as it was.
+        held = [g.client_id for g in read_point.open_groups(crashed)]
+        assert held == ([] if crash_after == "apply to tables:" else ["client-00"])
         run_backfill(crashed, kind=kind, client_id="client-00", path=path, spark=spark,
                      progress=lambda _: None)
+        assert read_point.open_groups(crashed) == []
 
     assert snapshot(crashed, spark) == snapshot(clean, spark)
+    assert_read_point_is_latest(crashed, spark)
     assert os.path.isdir(Path(crashed.warehouse) / "corrections")
 
 

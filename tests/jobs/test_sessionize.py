@@ -36,6 +36,7 @@ from clickstream.errors import (
     RevenueOverflowError,
 )
 from clickstream.events.contract import URL_MAX_BYTES
+from clickstream.io import read_point
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
@@ -135,8 +136,12 @@ def test_stream_gives_sessions_equal_to_a_straightforward_recomputation(
     records = live_records(SCALE, Delivery(late_fraction=0.0, duplicate_fraction=0.1,
                                            bad_fraction=0.03, jitter_seconds=120), seed=5)
     produce(stream_config, records)
+    # A killed sessionizer's micro-batch of a checkpoint deleted since: no replay closes it.
+    read_point.open_group(stream_config, open_tables(stream_config, spark),
+                          "sessionize-deleted", read_point.EVERY_CLIENT)
     summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     events = valid_events(records)
+    assert_read_point_is_latest(stream_config, spark)
 
     pageviews = table_rows(stream_config, spark, "pageviews")
     assert sorted(r["event_id"] for r in pageviews) == sorted(
@@ -163,6 +168,17 @@ def test_stream_gives_sessions_equal_to_a_straightforward_recomputation(
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     assert versions == {name: open_tables(stream_config, spark).version(name)
                         for name in versions}
+
+
+def assert_read_point_is_latest(config: Config, spark: SparkSession) -> None:
+    """Every micro-batch closed its read point group (Z19): readers are sent to the tables'
+    latest versions, no client held."""
+    assert read_point.open_groups(config) == []
+    point = read_point.current(config)
+    assert point is not None and point.held == {}
+    tables = open_tables(config, spark)
+    assert dict(point.versions) == {
+        spec.name: tables.version(spec.name) for spec in read_point.READ_POINT_TABLES}
 
 
 def test_duplicates_and_reordering_within_the_watermark_change_nothing(
@@ -584,9 +600,15 @@ def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_lat
         run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     monkeypatch.setattr(sessionize, "open_tables", open_tables)
     assert table_rows(stream_config, spark, "recompute_queue") == []
+    # The failed micro-batch holds every client at the read point until its replay (Z19).
+    (held,) = read_point.open_groups(stream_config)
+    assert held.client_id == read_point.EVERY_CLIENT and held.group.startswith("sessionize-")
+    stopped_at = read_point.current(stream_config)
 
     run_recompute(stream_config, spark=spark)  # scheduled, while the stream is down
+    assert read_point.current(stream_config) == stopped_at
     run_sessionizer(stream_config, until_caught_up=True, spark=spark)  # replays the batch
+    assert_read_point_is_latest(stream_config, spark)
     assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == [
         "late1"]
     run_recompute(stream_config, spark=spark)

@@ -25,6 +25,7 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError
 from clickstream.events import contract
+from clickstream.io import read_point
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import check_changelogs_answer
 from clickstream.jobs.batch_input import (
@@ -332,10 +333,8 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
         if merged is not None:
             progress(f"  merged by an earlier attempt of this run: {merged} rows; nothing "
                      "merged again")
-        elif kind == "pageviews":
-            merged = merge_pageviews(tables, valid, client_id, run_id, dates)
         else:
-            merged = merge_orders(tables, valid, client_id, run_id)
+            merged = _merge_in_group(tables, config, valid, kind, client_id, run_id, dates)
     stored = None
     if kind == "orders" and snapshots is not None and gates_enabled(config):
         version = run_commit_version(tables, ORDERS.name, run_id,
@@ -354,6 +353,23 @@ def merge_valid_rows(tables: DeltaTables, config: Config, valid: DataFrame, kind
     if gate is not None:
         progress(f"  {gate.describe()}")
     return merged
+
+
+def _merge_in_group(tables: DeltaTables, config: Config, valid: DataFrame, kind: BatchKind,
+                    client_id: str, run_id: str, dates: list | None) -> int:
+    """The merge opens the run's read point group: the client is read as it was until the
+    run's plan is applied (``read_point``; closed by ``corrections``). A merge that failed
+    without committing closes it again."""
+    group = backfill_app_id(run_id)  # the correction run's id, which closes it
+    read_point.open_group(config, tables, group, client_id)
+    try:
+        if kind == "pageviews":
+            return merge_pageviews(tables, valid, client_id, run_id, dates)
+        return merge_orders(tables, valid, client_id, run_id)
+    except BaseException:
+        if merged_earlier(tables, kind, run_id) is None:
+            read_point.close_group(config, tables, group)
+        raise
 
 
 def gate_committed_merge(tables: DeltaTables, config: Config, kind: BatchKind, client_id: str,

@@ -133,6 +133,13 @@ Known edge cases, cited inline as (C1)..(C15):
       (``superseded_by``). The plan's own steps, retried after it, said it was applied,
       checked and published, each record of it, and the run's page went green over the page
       that said it was superseded; they now say it was superseded, and publish nothing.
+  C16. A client's changes are shown together (issue #3): a plan's apply commits ``sessions``
+      then ``attributions`` (and a backfill's merge ``pageviews`` or ``orders`` before), so
+      the plan's run is a read point group of the client (``io.read_point``), opened by the
+      backfill's merge or by apply, and closed once apply committed both tables, or by a plan
+      that found nothing to apply. Readers of the read point see the client as it was until
+      then. A run killed part way leaves it open until a run of the client finishes the plan
+      (C6) or the backfill is rerun.
 """
 
 from __future__ import annotations
@@ -151,6 +158,7 @@ from pyspark.sql import functions as F
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
 from clickstream.events import contract
+from clickstream.io import read_point
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables
 from clickstream.io.kafka_changelog import (
     check_changelogs_answer,
@@ -985,9 +993,12 @@ def plan_scope(run: Run, read_scope: ScopeReader, orders_only: bool,
     after ``resume()`` found nothing to resume, under the client's lock (C6)."""
     scope = read_scope()
     try:
-        return plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
+        changes = plan(run, scope, orders_only, summary, timer, stream_watermark_ms, defer)
     finally:
         release(scope)
+    if changes is None:  # nothing to apply: a backfill's merge is all its group holds (C16)
+        read_point.close_group(run.config, run.tables, run.run_id)
+    return changes
 
 
 # The plan's totals the changes alone cannot give back, kept in the commit that records it,
@@ -1138,6 +1149,7 @@ def mark_published(run: Run, changes: DataFrame, *, superseded: bool = False) ->
         CORRECTIONS.name, run.spark.createDataFrame([], CORRECTIONS.schema),
         app_id=run.published_app_id, version=run_seq, partition_by=CORRECTIONS.partition_by,
         metadata=metadata)
+    read_point.publish(run.config, run.tables)  # no rows: the read point keeps up with it
 
 
 def superseded_by(run: Run, run_seq: int) -> str | None:
@@ -1248,10 +1260,14 @@ def _kept_rows(current: DataFrame, keys: DataFrame, new_rows: DataFrame, spec,
 
 
 def apply(run: Run, changes: DataFrame) -> None:
-    """One commit per table over the affected partitions; skipped if already applied."""
+    """One commit per table over the affected partitions; skipped if already applied. The
+    plan's run is a read point group (a backfill's opened at its merge): readers see the
+    client as it was until both tables are committed (C16)."""
     partitions = plan_partitions(changes)
+    read_point.open_group(run.config, run.tables, run.run_id, run.client_id)
     _apply_table(run, changes, "session", SESSIONS, "session_date", partitions)
     _apply_table(run, changes, "attribution", ATTRIBUTIONS, "order_date", partitions)
+    read_point.close_group(run.config, run.tables, run.run_id)
     run.release_snapshots()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from clickstream.config import Config
 from clickstream.errors import DataLossError
+from clickstream.io import read_point
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_changelog import (
     changelog_topics,
@@ -46,6 +47,17 @@ def describe_tables(config: Config, sample: int = 0) -> list[str]:
         for row in (tables.head_arrow(name, sample, version=version).to_pylist()
                     if sample else []):
             lines.append("      " + json.dumps(row, default=str))
+    return lines
+
+
+def describe_read_point(config: Config) -> list[str]:
+    """Where the read point stands, and what holds a client back (``io.read_point``)."""
+    point = read_point.current(config)
+    if point is None:
+        return ["read point: none yet (written by the first writer's commits)"]
+    versions = ", ".join(f"{name} {version}" for name, version in point.versions.items())
+    lines = [f"read point (written {point.written_at}): {versions}"]
+    lines += [f"  holds {group.describe()}" for group in read_point.open_groups(config)]
     return lines
 
 

@@ -9,7 +9,7 @@ it). Safe while the sessionizer, backfills and recomputes run: a compaction that
 with them fails with ``CommitConflictError`` and is simply retried later. Two compactions of
 one table never overlap: the second waits for the first (``delta_rs_engine`` edge case 15).
 
-Known edge cases, cited inline as (M1)..(M4):
+Known edge cases, cited inline as (M1)..(M5):
   M1. Vacuum retention below 168 hours is refused: writers put Parquet files in place before
       they commit them, and readers (and time travel) may still use files a newer version
       removed; Delta's own default retention is 7 days for these reasons. A backfill step
@@ -32,16 +32,22 @@ Known edge cases, cited inline as (M1)..(M4):
       longer retention, a file written long ago and removed 8 days ago went at the first
       vacuum after a checkpoint (the product's, or delta-rs' every 100 commits), and time
       travel within the retention failed. Vacuum first sets it to its own retention too.
+  M5. Readers of the read point (``io.read_point``) read versions as old as its oldest open
+      group's. Vacuum first moves the read point up to date, and leaves the read point's
+      tables alone while a group older than the retention holds one (a backfill killed a
+      week ago and never rerun), saying so: the files those versions name must stay.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from clickstream.config import Config
 from clickstream.errors import ClickstreamError, ConfigError, one_error_for
+from clickstream.io import read_point
 from clickstream.io.delta_tables import (
     DEFAULT_LOG_RETENTION_HOURS,
     FILE_RETENTION,
@@ -52,6 +58,7 @@ from clickstream.io.delta_tables import (
 from clickstream.progress import Progress
 from clickstream.tables import ALL_TABLES
 
+READ_POINT_NAMES = frozenset(spec.name for spec in read_point.READ_POINT_TABLES)
 MIN_VACUUM_RETENTION_HOURS = 168
 MAX_VACUUM_RETENTION_HOURS = 87_600  # ten years; delta-rs panics on ~2.5e12 h
 _T = TypeVar("_T")
@@ -138,7 +145,12 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
 
     log_hours = max(retention_hours, DEFAULT_LOG_RETENTION_HOURS)
 
+    kept_by = _read_point_older_than(config, tables, retention_hours)  # (M5)
+
     def vacuum(name: str) -> int:
+        if kept_by is not None and name in READ_POINT_NAMES:
+            progress(f"vacuum {name}: skipped: {kept_by}")
+            return 0
         if tables.set_retention(name, log_hours, retention_hours):  # (M3, M4)
             progress(f"vacuum {name}: commits now kept {log_hours} h ({LOG_RETENTION}), "
                      f"removed files {retention_hours} h ({FILE_RETENTION})")
@@ -147,6 +159,21 @@ def vacuum_tables(config: Config, *, retention_hours: int = MIN_VACUUM_RETENTION
         return deleted
 
     return each_table(tables, "vacuum", vacuum, progress)
+
+
+def _read_point_older_than(config: Config, tables: DeltaTables, retention_hours: int
+                           ) -> str | None:
+    """Why the read point's tables are not vacuumed now (M5), or None."""
+    read_point.publish(config, tables)  # up to date first: only an open group holds it back
+    oldest = read_point.oldest_read(config)
+    if oldest is None:
+        return None
+    written, what = oldest
+    if written > dt.datetime.now(dt.UTC) - dt.timedelta(hours=retention_hours):
+        return None
+    return (f"readers of the read point are sent to versions of {written:%Y-%m-%d %H:%M} UTC "
+            f"({what}), older than the {retention_hours} h retention; vacuumed once that "
+            "group closes (rerun it, or `clickstream read-point --release GROUP`)")
 
 
 def check_retention(retention_hours: int) -> None:

@@ -123,6 +123,7 @@ from clickstream.errors import (
     one_error_for,
     typed_error_line,
 )
+from clickstream.io import read_point
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import publish_pairs, publish_rows
 from clickstream.jobs.corrections import (
@@ -591,6 +592,32 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
     if planned:
         record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
     since = publish_started(config)
+    # Both tables' rewrites are one read point group (corrections C16); one whose plan is
+    # recorded is closed by the run that finishes the plan, if this one stops part way.
+    read_point.open_group(config, tables, run.run_id, client_id)
+    try:
+        _replace_rewritten(run, rewrites)
+    except BaseException:
+        if not planned:  # the rewrite changes nothing: a part of it is not half of a change
+            read_point.close_group(config, tables, run.run_id)
+        raise
+    read_point.close_group(config, tables, run.run_id)
+    if planned:
+        gate_publish(run, plan, since)  # (R11) failing, the plan stays to be finished (C6)
+        mark_published(run, plan)
+    counts = {r.spec.name: r.fresh.count() for r in rewrites}
+    gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)
+    held = active.count()
+    release(emitted, plan, active,
+            *(f for r in rewrites for f in (r.fresh, r.retracted, r.kept)))
+    return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
+                                time.monotonic() - started, gone, held)
+
+
+def _replace_rewritten(run: Run, rewrites: list[_Rewrite]) -> None:
+    """Each table's rewrite: tombstones, the replace, then its rows on the topic."""
+    config, tables, client_id = run.config, run.tables, run.client_id
+    mine = {"client_id": client_id}
     for rewrite in rewrites:
         spec, topic, stored, fresh, retracted = (rewrite.spec, rewrite.topic, rewrite.stored,
                                                  rewrite.fresh, rewrite.retracted)
@@ -622,13 +649,3 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         # order id's other copy, R14) goes out with fresh's revision, as planned.
         publish_rows(config, topic, fresh.unionByName(
             rewrite.kept.join(fresh.select(key), key, "left_anti")), spec)
-    if planned:
-        gate_publish(run, plan, since)  # (R11) failing, the plan stays to be finished (C6)
-        mark_published(run, plan)
-    counts = {r.spec.name: r.fresh.count() for r in rewrites}
-    gone = next(r.retracted.count() for r in rewrites if r.spec is SESSIONS)
-    held = active.count()
-    release(emitted, plan, active,
-            *(f for r in rewrites for f in (r.fresh, r.retracted, r.kept)))
-    return FullRecomputeSummary(client_id, counts[SESSIONS.name], counts[ATTRIBUTIONS.name],
-                                time.monotonic() - started, gone, held)

@@ -163,6 +163,12 @@ Known edge cases, cited inline as (Z1)..(Z18):
       (the old one deleted) queues what it reads again, stored by the same deliveries (Z8):
       the recompute that folds it in emits the sessions the old one held open, and changes
       nothing else.
+  Z19. A micro-batch commits its tables one by one, for every client: it is a read point
+      group of every client (``io.read_point``), opened before its first commit and closed
+      after its last, so the read point never shows part of one (it stays where it was while
+      one is open, and a backfill closing meanwhile is shown by the micro-batch's close). A
+      batch that fails stays open until its replay at the next start closes it; a start
+      closes the groups of other checkpoints (deleted: none will replay them).
 """
 
 from __future__ import annotations
@@ -191,6 +197,7 @@ from clickstream.atomic_files import write_atomically
 from clickstream.config import ENV_NAMES, Config
 from clickstream.events import contract
 from clickstream.events.parse import parse_kafka_records
+from clickstream.io import read_point
 from clickstream.io.delta_tables import AppendResult, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import (
     check_changelogs_answer,
@@ -747,6 +754,7 @@ class MicroBatchWriter:
         self._started = -1  # the last batch it began writing
         self._bound = threading.Lock()  # between a batch's start and a stop's bound
         self.stop_now = stop_now or threading.Event()  # a second signal: stop at once (Z13)
+        self._groups_checked = False  # stale read point groups closed (Z19)
         warm_up(config)  # Great Expectations takes seconds to import; overlap it with Spark
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
@@ -804,11 +812,24 @@ class MicroBatchWriter:
     def write_micro_batch(self, batch: DataFrame, batch_id: int, late_before: int) -> BatchCounts:
         app_id = f"{JOB}-{checkpoint_query_id(self.checkpoint)}"  # (Z4)
         batch = batch.persist()
+        # (Z19) A read point group of every client: it spans clients, and commits its tables
+        # one by one. Left open by a failure (replayed at the next start, which closes it).
+        if not self._groups_checked:
+            for stale in read_point.close_stale_stream_groups(self.config, self.tables, app_id):
+                print(f"sessionize: closed the read point group {stale} of a checkpoint "
+                      "deleted since (Z19)", flush=True)
+            self._groups_checked = True
+        read_point.open_group(self.config, self.tables, app_id, read_point.EVERY_CLIENT)
         try:
             with ExitStack() as records_lock_held:  # (Z14) _write takes it, and lets it go
-                return self._write(batch, batch_id, app_id, late_before, records_lock_held)
+                counts = self._write(batch, batch_id, app_id, late_before, records_lock_held)
+        except StopBeforeMicroBatch:  # raised before the batch's first commit (Z13)
+            read_point.close_group(self.config, self.tables, app_id)
+            raise
         finally:
             batch.unpersist()
+        read_point.close_group(self.config, self.tables, app_id)
+        return counts
 
     def _write(self, batch: DataFrame, batch_id: int, app_id: str, late_before_ms: int,
                records_lock_held: ExitStack) -> BatchCounts:
