@@ -15,7 +15,9 @@ from clickstream.config import Config
 from clickstream.errors import ClickstreamError
 from clickstream.io import read_point
 from clickstream.io.delta_tables import open_tables
+from clickstream.jobs import backfill as backfill_module
 from clickstream.jobs.backfill import run_backfill
+from clickstream.jobs.inspect import describe_read_point
 from clickstream.jobs.maintenance import vacuum_tables
 from clickstream.tables import PAGEVIEWS
 from tests.jobs.test_backfill import located, order_row, pv_row, write_rows
@@ -24,8 +26,9 @@ CLIENT, OTHER = "client-00", "client-01"
 
 
 def consistent(config: Config, spark: SparkSession, name: str,
-               clients: Iterable[str] | None = None) -> list[dict]:
-    point = read_point.current(config)
+               clients: Iterable[str] | None = None,
+               point: read_point.ReadPoint | None = None) -> list[dict]:
+    point = point or read_point.current(config)
     assert point is not None
     frame = read_point.read_consistent(open_tables(config, spark), point, name, clients)
     return [row.asDict() for row in frame.collect()]
@@ -40,18 +43,19 @@ def ids(rows: list[dict], key: str) -> set[str]:
     return {row[key] for row in rows}
 
 
-def assert_agree(config: Config, spark: SparkSession, client: str) -> None:
+def assert_agree(config: Config, spark: SparkSession, client: str,
+                 point: read_point.ReadPoint | None = None) -> None:
     """What the concurrent-reader review found broken between a backfill's commits: every
     pageview at the read point lies in one of its user's sessions there, and every
     attribution names a session that is there, with the session's order count."""
-    sessions = consistent(config, spark, "sessions", [client])
-    for pageview in consistent(config, spark, "pageviews", [client]):
+    sessions = consistent(config, spark, "sessions", [client], point)
+    for pageview in consistent(config, spark, "pageviews", [client], point):
         assert any(s["user_id"] == pageview["user_id"]
                    and s["session_start"] <= pageview["ts"] <= s["session_end"]
                    for s in sessions), pageview
     attributed: dict[str, int] = {}
     live = ids(sessions, "session_id")
-    for attribution in consistent(config, spark, "attributions", [client]):
+    for attribution in consistent(config, spark, "attributions", [client], point):
         if attribution["session_id"] is not None:
             assert attribution["session_id"] in live, attribution
             attributed[attribution["session_id"]] = attributed.get(
@@ -110,6 +114,43 @@ def test_a_reader_of_the_read_point_never_sees_half_a_backfill(
     assert ids(consistent(stream_config, spark, "pageviews", [OTHER]), "event_id") == {"c0"}
 
 
+def test_between_any_two_commits_of_a_backfill_the_read_point_agrees(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's backfill, checked before each of its commits (the tables' hook): the read
+    point's tables agree every time, where the latest versions do not (merged pageviews in no
+    session; sessions whose attributions are not written yet)."""
+    quiet = lambda _: None  # noqa: E731
+    run_backfill(stream_config, kind="pageviews", client_id=CLIENT, spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p1", [pv_row(f"a{i}", "u", i * 40)
+                                                       for i in range(4)], "parquet"))
+    run_backfill(stream_config, kind="orders", client_id=CLIENT, spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "o1", [order_row(f"o{i}", "u", i * 40 + 1)
+                                                       for i in range(4)], "parquet"))
+    checked: list[str] = []
+    latest_disagreed: list[str] = []
+
+    def check(table: str, attempt: int) -> None:
+        assert_agree(stream_config, spark, CLIENT)  # raised: the commit fails, and the run
+        checked.append(table)
+        latest = read_point.ReadPoint(
+            {spec.name: open_tables(stream_config, spark).version(spec.name)
+             for spec in read_point.READ_POINT_TABLES}, {}, [], "now")
+        try:
+            assert_agree(stream_config, spark, CLIENT, latest)
+        except AssertionError:
+            latest_disagreed.append(table)
+
+    monkeypatch.setattr(backfill_module, "open_tables", lambda config, spark: open_tables(
+        config, spark, before_commit=check))
+    run_backfill(stream_config, kind="pageviews", client_id=CLIENT, spark=spark, progress=quiet,
+                 path=write_rows(stream_config, "p2", [pv_row(f"b{i}", "u", i * 40 + 20)
+                                                       for i in range(3)], "parquet"))
+    assert {"pageviews", "sessions", "attributions"} <= set(checked)
+    assert {"sessions", "attributions"} <= set(latest_disagreed)  # before their commits
+    assert_agree(stream_config, spark, CLIENT)
+    assert len(consistent(stream_config, spark, "sessions", [CLIENT])) == 1
+
+
 def test_an_abandoned_group_holds_its_client_until_released(
         stream_config: Config, spark: SparkSession, capsys: pytest.CaptureFixture[str]) -> None:
     """A backfill whose merge committed and that is never rerun keeps its client where it was,
@@ -126,6 +167,7 @@ def test_an_abandoned_group_holds_its_client_until_released(
     assert shown["read_point"]["held"][CLIENT]["pageviews"] == -1  # before the table existed
     assert shown["open_groups"] == [read_point.open_groups(stream_config)[0].describe()]
     assert group in shown["open_groups"][0] and CLIENT in shown["open_groups"][0]
+    assert describe_read_point(stream_config)[1:] == [f"  holds {shown['open_groups'][0]}"]
 
     # A week and a day later: vacuum leaves the read point's tables alone, and says why.
     marker = next((read_point.folder(stream_config) / read_point.GROUPS_FOLDER).glob("*.json"))
@@ -144,6 +186,7 @@ def test_an_abandoned_group_holds_its_client_until_released(
     assert main(["read-point", "--release", group,
                  "--warehouse", str(stream_config.warehouse)]) == 0
     assert json.loads(capsys.readouterr().out)["open_groups"] == []
+    assert describe_read_point(stream_config)[1:] == []
     assert ids(consistent(stream_config, spark, "pageviews", [CLIENT]), "event_id") == {"a"}
 
 
@@ -164,21 +207,30 @@ def test_a_group_of_every_client_stops_the_read_point_and_a_client_keeps_its_old
 
     append("a0", CLIENT)
     read_point.publish(config, tables)
-    read_point.open_group(config, tables, "first", CLIENT)
+    assert read_point.open_group(config, tables, "first", CLIENT)
     append("a1", CLIENT)
-    read_point.open_group(config, tables, "second", CLIENT)
+    # Opened two days ago: a group opened while it holds the client holds it as long (vacuum).
+    (marker,) = (read_point.folder(config) / read_point.GROUPS_FOLDER).glob("*.json")
+    two_days_ago = f"{dt.datetime.now(dt.UTC) - dt.timedelta(days=2):%Y-%m-%d %H:%M:%S} UTC"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "as_of": two_days_ago}))
+    read_point.publish(config, tables)
+    assert read_point.open_group(config, tables, "second", CLIENT)
     append("a2", CLIENT)
-    read_point.close_group(config, tables, "second")
-    assert shown(CLIENT) == {"a0"}  # "first" still holds it where it opened
-    read_point.open_group(config, tables, "first", CLIENT)  # a rerun keeps the first versions
+    read_point.close_group(config, tables, "first")
+    assert shown(CLIENT) == {"a0"}  # "second" holds it where "first" did
+    assert read_point.oldest_read(config)[0].strftime("%Y-%m-%d %H:%M:%S UTC") == two_days_ago
+    # A rerun of an open group keeps its versions, and says it opened nothing.
+    assert not read_point.open_group(config, tables, "second", CLIENT)
     assert shown(CLIENT) == {"a0"}
 
     read_point.open_group(config, tables, "stream", read_point.EVERY_CLIENT)
     append("b0", OTHER)
-    read_point.close_group(config, tables, "first")  # closed while the micro-batch is open
+    read_point.close_group(config, tables, "second")  # closed while the micro-batch is open
     assert shown(CLIENT) == {"a0"} and shown(OTHER) == set()
+    assert read_point.oldest_read(config)[1].startswith(f"client {CLIENT}, held by a group")
     read_point.close_group(config, tables, "stream")
     assert shown(CLIENT) == {"a0", "a1", "a2"} and shown(OTHER) == {"b0"}
+    assert read_point.oldest_read(config)[1].startswith("the read point itself")
 
     read_point.open_group(config, tables, "sessionize-deleted", read_point.EVERY_CLIENT)
     append("b1", OTHER)
@@ -189,3 +241,32 @@ def test_a_group_of_every_client_stops_the_read_point_and_a_client_keeps_its_old
     assert shown(OTHER) == {"b0", "b1"}
     with pytest.raises(ClickstreamError, match="covers pageviews, orders"):
         read_point.read_consistent(tables, read_point.current(config), "quarantine")
+
+
+def test_a_backfill_failing_after_its_merge_says_readers_see_its_client_as_it_was(
+        stream_config: Config, spark: SparkSession) -> None:
+    """A run stopped between its merge and its correction leaves its group open: its failure
+    says what that means to readers and how it ends; its rerun ends it."""
+    lines: list[str] = []
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if line == "  recompute and publish ...":
+            raise RuntimeError("stopped between the merge and the correction")
+
+    path = write_rows(stream_config, "p", [pv_row("a", "u", 0)], "parquet")
+    with pytest.raises(RuntimeError, match="stopped between"):
+        run_backfill(stream_config, kind="pageviews", client_id=CLIENT, path=path, spark=spark,
+                     progress=progress)
+    (group,) = [g.group for g in read_point.open_groups(stream_config)]
+    assert lines[-1] == (
+        f"  readers of the read point see client {CLIENT} as it was before {group} until a "
+        f"rerun finishes it (or `clickstream read-point --release {group}`, which shows what "
+        "it committed as it is)")
+    assert consistent(stream_config, spark, "pageviews", [CLIENT]) == []
+
+    run_backfill(stream_config, kind="pageviews", client_id=CLIENT, path=path, spark=spark,
+                 progress=lambda _: None)
+    assert read_point.open_groups(stream_config) == []
+    assert ids(consistent(stream_config, spark, "pageviews", [CLIENT]), "event_id") == {"a"}
+    assert_agree(stream_config, spark, CLIENT)

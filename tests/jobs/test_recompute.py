@@ -28,6 +28,7 @@ from clickstream.errors import (
     QualityGateFailedError,
     RevenueOverflowError,
 )
+from clickstream.io import read_point
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_changelog import publish_sessions
 from clickstream.io.kafka_clients import make_consumer, read_compacted, topic_watermarks
@@ -550,8 +551,15 @@ def test_a_plan_whose_topics_do_not_answer_is_not_applied_and_the_rerun_publishe
     assert open_tables(stream_config, spark).version(SESSIONS.name) == sessions_version
     assert len(table_rows(stream_config, spark, "corrections")) == 1  # the plan, recorded
     assert read_compacted(stream_config, stream_config.sessions_topic) == {}
+    # Readers of the read point see neither the plan nor anything it describes (C16).
+    assert [g.client_id for g in read_point.open_groups(stream_config)] == ["c1"]
+    point = read_point.current(stream_config)
+    assert point is not None
+    assert read_point.read_consistent(open_tables(stream_config, spark), point, "corrections",
+                                      ["c1"]).count() == 0
 
     run_recompute(stream_config, spark=spark, progress=quiet)
+    assert read_point.open_groups(stream_config) == []
     assert users_with_sessions(stream_config, spark) == {("c1", "u1")}
     assert table_rows(stream_config, spark, "recompute_queue") == []
     assert_topic_equals_table(stream_config, spark)
@@ -563,6 +571,7 @@ def test_a_plan_interrupted_before_apply_goes_first_when_another_run_of_the_clie
     killed_at(monkeypatch, corrections, "apply",  # after the plan was recorded
               lambda: run_recompute(stream_config, spark=spark, progress=quiet))
     assert users_with_sessions(stream_config, spark) == set()
+    assert [g.client_id for g in read_point.open_groups(stream_config)] == ["c1"]
 
     messages: list[str] = []
     backfill = run_backfill(
@@ -570,6 +579,7 @@ def test_a_plan_interrupted_before_apply_goes_first_when_another_run_of_the_clie
         path=write_rows(stream_config, "p", [pv_row("x", "u9", 600, client="c1")], "parquet"))
     assert any("interrupted before publishing them: finishing them first" in m
                for m in messages), messages
+    assert read_point.open_groups(stream_config) == []  # it closed the killed run's group
     finished = backfill.corrections  # the tables it changed, for the DAG to announce
     assert (finished.finished_sessions, finished.sessions_created) == (1, 1)
     assert users_with_sessions(stream_config, spark) == {("c1", "u1"), ("c1", "u9")}

@@ -32,7 +32,7 @@ import datetime as dt
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,13 +88,19 @@ class ReadPoint:
     held: Mapping[str, Mapping[str, int]]
     holders: Sequence[OpenGroup]
     written_at: str
+    # When the versions a held client is read at were the read point's (vacuum keeps them).
+    held_since: Mapping[str, str] = field(default_factory=dict)
 
     def versions_of(self, client_id: str) -> Mapping[str, int]:
         return self.held.get(client_id, self.versions)
 
+    def as_of(self, client_id: str) -> str:
+        return self.held_since.get(client_id, self.written_at)
+
     def to_json(self) -> dict[str, object]:
         return {"written_at": self.written_at, "versions": dict(self.versions),
                 "held": {client: dict(v) for client, v in self.held.items()},
+                "held_since": dict(self.held_since),
                 "holders": [_group_json(g) for g in self.holders]}
 
     @classmethod
@@ -102,7 +108,8 @@ class ReadPoint:
         return cls(versions=dict(data["versions"]),  # type: ignore[arg-type]
                    held={c: dict(v) for c, v in data["held"].items()},  # type: ignore[union-attr]
                    holders=[_group_of(g) for g in data.get("holders", [])],  # type: ignore[union-attr]
-                   written_at=str(data["written_at"]))
+                   written_at=str(data["written_at"]),
+                   held_since=dict(data.get("held_since", {})))  # type: ignore[call-overload]
 
 
 def _group_json(group: OpenGroup) -> dict[str, object]:
@@ -142,7 +149,9 @@ def current(config: Config) -> ReadPoint | None:
     except (ValueError, KeyError, TypeError) as error:
         raise ClickstreamError(
             f"the read point {path} cannot be read ({error}): it is written in one rename, so "
-            "something else wrote it; delete it and the next writer writes it again") from error
+            "something else wrote it. Restore it from a backup; or, with the sessionizer "
+            "stopped after a micro-batch that committed (no group of every client open), "
+            "delete it and the next writer writes it again") from error
 
 
 def open_groups(config: Config) -> list[OpenGroup]:
@@ -168,13 +177,16 @@ def _publish_locked(config: Config, tables: DeltaTables, previous: ReadPoint | N
     if previous is not None and any(g.client_id == EVERY_CLIENT for g in groups):
         return previous
     held: dict[str, dict[str, int]] = {}
+    since: dict[str, str] = {}
     for group in groups:
         if group.client_id == EVERY_CLIENT:
             continue  # none before this read point: it would be the first
         versions = held.setdefault(group.client_id, dict(group.versions))
         for name, version in group.versions.items():  # the oldest of the client's groups
             versions[name] = min(versions.get(name, version), version)
-    point = ReadPoint(_latest(tables), held, groups, _now())
+        since[group.client_id] = min(since.get(group.client_id, group.as_of), group.as_of,
+                                     key=_parsed)
+    point = ReadPoint(_latest(tables), held, groups, _now(), since)
     write_atomically(folder(config) / READ_POINT_FILE, json.dumps(point.to_json(), indent=1))
     return point
 
@@ -186,20 +198,22 @@ def publish(config: Config, tables: DeltaTables) -> ReadPoint | None:
         return _publish_locked(config, tables, current(config))
 
 
-def open_group(config: Config, tables: DeltaTables, group: str, client_id: str) -> None:
+def open_group(config: Config, tables: DeltaTables, group: str, client_id: str) -> bool:
     """Hold ``client_id`` (``EVERY_CLIENT``: all) at the current read point until
     ``close_group(group)``; call before the group's first commit. Opening an open group (a
-    rerun of a killed one) keeps its first versions: they are older than its first commit."""
+    rerun of a killed one) keeps its first versions: they are older than its first commit.
+    True when this call opened it (nothing of the group is committed yet)."""
     path = _group_path(config, group)
     with exclusive(_lock_path(config)):
         if path.exists():
-            return
+            return False
         point = current(config) or _publish_locked(config, tables, None)
         assert point is not None  # written when there was none
         versions = dict(point.versions_of(client_id)) if client_id != EVERY_CLIENT else {}
         write_atomically(path, json.dumps(_group_json(OpenGroup(
-            group, client_id, _now(), versions, point.written_at))))
+            group, client_id, _now(), versions, point.as_of(client_id)))))
         _publish_locked(config, tables, point)  # says who holds the client (none committed)
+        return True
 
 
 def close_group(config: Config, tables: DeltaTables, group: str) -> ReadPoint | None:
@@ -215,6 +229,18 @@ def release(config: Config, tables: DeltaTables, group: str) -> ReadPoint | None
         known = ", ".join(g.group for g in open_groups(config)) or "none"
         raise ClickstreamError(f"no open group {group!r} to release (open: {known})")
     return close_group(config, tables, group)
+
+
+def still_holding(config: Config, group: str) -> str | None:
+    """For a run that failed: what its open group means to readers, or None."""
+    path = _group_path(config, group)
+    try:
+        opened = _group_of(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    return (f"readers of the read point see client {opened.client_id} as it was before "
+            f"{group} until a rerun finishes it (or `clickstream read-point --release "
+            f"{group}`, which shows what it committed as it is)")
 
 
 def held_clients(config: Config) -> dict[str, list[OpenGroup]]:
@@ -274,9 +300,14 @@ def oldest_read(config: Config) -> tuple[dt.datetime, str] | None:
     point = current(config)
     if point is None:
         return None
-    oldest = (_parsed(point.written_at), "the read point")
+    oldest = (_parsed(point.written_at), "the read point itself: a micro-batch of the "
+              "sessionizer has been open since (it closes when its replay commits)")
+    for client, since in point.held_since.items():
+        if _parsed(since) < oldest[0]:
+            oldest = (_parsed(since), f"client {client}, held by a group that closed while a "
+                      "micro-batch of the sessionizer was open")
     for group in open_groups(config):
-        if group.client_id != EVERY_CLIENT and _parsed(group.as_of) < oldest[0]:
+        if group.client_id != EVERY_CLIENT and _parsed(group.as_of) <= oldest[0]:
             oldest = (_parsed(group.as_of), f"open group {group.describe()}")
     return oldest
 

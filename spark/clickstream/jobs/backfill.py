@@ -412,6 +412,9 @@ def run_backfill(
     except Exception as error:
         failed = next((s for s in RUN_STEPS if s not in summary.seconds_by_step),
                       RUN_STEPS[-1])
+        held = read_point.still_holding(config, backfill_app_id(summary.run_id))
+        if held:
+            progress(f"  {held}")
         write_failure_safely(error, functools.partial(
             page, lines=[*summary.lines(), failure_line(failed, error)], failed=True))
         raise

@@ -68,6 +68,7 @@ from pyspark.sql import functions as F
 from clickstream.atomic_files import write_atomically
 from clickstream.config import Config
 from clickstream.errors import BatchRefusedError, ConfigError
+from clickstream.io import read_point
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_changelog import check_changelogs_answer
 from clickstream.jobs.backfill import (
@@ -842,6 +843,9 @@ def run_step(config: Config, step: str, *, kind: BatchKind, client_id: str, path
             kind=kind, client_id=client_id, path=path, dry_run=dry_run))
         if page is not None:
             progress(f"report: {page}")
+        held = None if dry_run else read_point.still_holding(config, backfill_app_id(run_id))
+        if held:
+            progress(held)
         raise
     target = step_result_path(config, run_id, step, dry_run)
     write_atomically(target, json.dumps(result, indent=1, default=str))

@@ -133,13 +133,15 @@ Known edge cases, cited inline as (C1)..(C15):
       (``superseded_by``). The plan's own steps, retried after it, said it was applied,
       checked and published, each record of it, and the run's page went green over the page
       that said it was superseded; they now say it was superseded, and publish nothing.
-  C16. A client's changes are shown together (issue #3): a plan's apply commits ``sessions``
-      then ``attributions`` (and a backfill's merge ``pageviews`` or ``orders`` before), so
-      the plan's run is a read point group of the client (``io.read_point``), opened by the
-      backfill's merge or by apply, and closed once apply committed both tables, or by a plan
-      that found nothing to apply. Readers of the read point see the client as it was until
-      then. A run killed part way leaves it open until a run of the client finishes the plan
-      (C6) or the backfill is rerun.
+  C16. A client's changes are shown together (issue #3): a plan is recorded in
+      ``corrections``, then apply commits ``sessions`` and ``attributions`` (and a backfill's
+      merge ``pageviews`` or ``orders`` before all), so the plan's run is a read point group
+      of the client (``io.read_point``), opened by the backfill's merge or by the plan's
+      record (apply opens it too, for a plan recorded by an older release), and closed once
+      apply committed both tables, or by a plan that found nothing to apply. Readers of the
+      read point see the client as it was until then. A run killed after its plan was
+      recorded leaves it open until a run of the client finishes the plan (C6); a backfill
+      killed between its merge and its plan's record, until its own rerun.
 """
 
 from __future__ import annotations
@@ -1013,17 +1015,32 @@ def record_plan(run: Run, changes: DataFrame, run_seq: int,
     (C6): then nothing is recorded, and it raises."""
     unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
     totals = {} if summary is None else {name: getattr(summary, name) for name in PLAN_TOTALS}
-    recorded = unchanged and run.tables.append_once(
-        CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
-        partition_by=CORRECTIONS.partition_by,
-        metadata={"run_id": run.run_id, "cause": run.cause, **totals})
+    # The plan's rows are the first commit of its group (C16): readers see them with the
+    # tables they describe, once apply committed those.
+    opened = read_point.open_group(run.config, run.tables, run.run_id, run.client_id)
+    try:
+        recorded = unchanged and run.tables.append_once(
+            CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
+            partition_by=CORRECTIONS.partition_by,
+            metadata={"run_id": run.run_id, "cause": run.cause, **totals})
+    except BaseException:
+        if opened and not plan_recorded(run, run_seq):  # nothing of the group committed
+            read_point.close_group(run.config, run.tables, run.run_id)
+        raise
     if not recorded:  # (C6)
+        if opened:
+            read_point.close_group(run.config, run.tables, run.run_id)
         release(changes)
         raise ClickstreamError(
             f"{run.run_id}: another correction run of client {run.client_id} recorded a plan "
             "while this one was planning (a process outside this machine's lock, C6); "
             "corrections of one client must run one at a time. Nothing of this run was "
             "recorded or applied: rerun it")
+
+
+def plan_recorded(run: Run, run_seq: int) -> bool:
+    """Whether the client's plan number ``run_seq`` is committed (by any run)."""
+    return (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) >= run_seq
 
 
 def _count_changes(counts: dict[tuple[str, str], int], summary: CorrectionSummary) -> None:

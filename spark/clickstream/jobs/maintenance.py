@@ -172,8 +172,9 @@ def _read_point_older_than(config: Config, tables: DeltaTables, retention_hours:
     if written > dt.datetime.now(dt.UTC) - dt.timedelta(hours=retention_hours):
         return None
     return (f"readers of the read point are sent to versions of {written:%Y-%m-%d %H:%M} UTC "
-            f"({what}), older than the {retention_hours} h retention; vacuumed once that "
-            "group closes (rerun it, or `clickstream read-point --release GROUP`)")
+            f"({what}), older than the {retention_hours} h retention; vacuumed once the "
+            "read point moves past them (`clickstream read-point` names what holds it: rerun "
+            "it, or `--release` its group)")
 
 
 def check_retention(retention_hours: int) -> None:

@@ -144,6 +144,7 @@ from clickstream.jobs.corrections import (
     next_plan_seq,
     one_run_at_a_time,
     plan_left_unpublished,
+    plan_recorded,
     record_plan,
     resume,
     unfinished_plan,
@@ -589,16 +590,18 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
         rewrites.append(_Rewrite(spec, topic, stored, kept, fresh, retracted, read_version))
     plan = keep(reduce(DataFrame.unionByName, changes))
     planned = not plan.isEmpty()
-    if planned:
-        record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
-    since = publish_started(config)
-    # Both tables' rewrites are one read point group (corrections C16); one whose plan is
-    # recorded is closed by the run that finishes the plan, if this one stops part way.
+    # The plan's record and both tables' rewrites are one read point group (corrections
+    # C16); one whose plan is recorded is closed by the run that finishes the plan, if this
+    # one stops part way (killed with an empty plan: by its own rerun).
     read_point.open_group(config, tables, run.run_id, client_id)
     try:
+        if planned:
+            record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
+        since = publish_started(config)
         _replace_rewritten(run, rewrites)
     except BaseException:
-        if not planned:  # the rewrite changes nothing: a part of it is not half of a change
+        # An empty plan: the rewrite changes nothing, a part of it is not half of a change.
+        if not planned or not plan_recorded(run, run_seq):
             read_point.close_group(config, tables, run.run_id)
         raise
     read_point.close_group(config, tables, run.run_id)

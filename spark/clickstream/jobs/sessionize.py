@@ -819,12 +819,14 @@ class MicroBatchWriter:
                 print(f"sessionize: closed the read point group {stale} of a checkpoint "
                       "deleted since (Z19)", flush=True)
             self._groups_checked = True
-        read_point.open_group(self.config, self.tables, app_id, read_point.EVERY_CLIENT)
+        opened = read_point.open_group(self.config, self.tables, app_id,
+                                       read_point.EVERY_CLIENT)
         try:
             with ExitStack() as records_lock_held:  # (Z14) _write takes it, and lets it go
                 counts = self._write(batch, batch_id, app_id, late_before, records_lock_held)
-        except StopBeforeMicroBatch:  # raised before the batch's first commit (Z13)
-            read_point.close_group(self.config, self.tables, app_id)
+        except StopBeforeMicroBatch:  # raised before this attempt's first commit (Z13)
+            if opened:  # else a failed attempt's, which may have committed part of the batch
+                read_point.close_group(self.config, self.tables, app_id)
             raise
         finally:
             batch.unpersist()
