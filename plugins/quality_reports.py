@@ -11,6 +11,9 @@ API client gets 401 (403 for an invalid token) and a browser is sent to the logi
 logged-in user also needs the auth manager's leave to see the "Quality reports" view: without
 it, 403 (a short page saying so for a browser: the login page would only lead back here).
 
+It also shows where the read point stands (``read-point``, a second nav entry): which table
+versions readers are sent to, and what holds a client back.
+
 Known edge cases, cited inline as (Q1)..(Q4):
   Q1. The folder is resolved per request from ``CLICKSTREAM_HOME`` (never at import), and a
       missing or empty folder gives a friendly page, not an error.
@@ -44,6 +47,7 @@ from fastapi.responses import (
 
 URL_PREFIX = "/clickstream-reports"
 VIEW_NAME = "Quality reports"  # the nav entry, and the resource auth managers grant
+READ_POINT_PATH = "read-point"  # no report has this name: the read point's page
 HEADERS = {"X-Content-Type-Options": "nosniff",
            # (Q4) Styles (inline and from CDNs) stay allowed: our pages and GX's need them.
            "Content-Security-Policy": "frame-ancestors 'self'; script-src 'none'; "
@@ -75,13 +79,47 @@ async def require_login(request: Request) -> object:
 
 
 def reports_root() -> Path:
-    """``$CLICKSTREAM_HOME/reports``, resolved now (Q1). Only that variable is read: a
-    malformed setting the pages do not use made every page an opaque 500."""
+    """``$CLICKSTREAM_HOME/reports``, resolved now (Q1)."""
+    return (_setting("home") / "reports").resolve()
+
+
+def _setting(name: str) -> Any:
+    """``Config``'s value of one setting from its variable alone (Q1): a malformed setting
+    the pages do not use made every page an opaque 500."""
     from clickstream.config import ENV_NAMES, Config
 
-    home = ENV_NAMES["home"]
-    return (Config.from_env({home: os.environ[home]} if home in os.environ else {}).home
-            / "reports").resolve()
+    variable = ENV_NAMES[name]
+    return getattr(Config.from_env({variable: os.environ[variable]}
+                                   if variable in os.environ else {}), name)
+
+
+def read_point_page() -> HTMLResponse:
+    """Where the read point stands and what holds a client back (``io.read_point``)."""
+    from clickstream.config import Config
+    from clickstream.io import read_point
+
+    config = Config().replace(warehouse=_setting("warehouse"))
+    point = read_point.current(config)
+    title = "Read point"
+    if point is None:
+        return _page(title, "<p>No read point yet: the first writer's commits write it "
+                     f"(<code>{html.escape(str(read_point.folder(config)))}</code>).</p>")
+    cells = "".join(f"<tr><td>{html.escape(name)}</td><td>{version}</td></tr>"
+                    for name, version in point.versions.items())
+    body = (f"<p>Written {html.escape(point.written_at)}. Readers read each table at its "
+            "version; a held client at its own (<code>clickstream read-point</code> prints "
+            f"them as JSON).</p><table><tr><th>table</th><th>version</th></tr>{cells}</table>")
+    groups = read_point.open_groups(config)
+    if groups:
+        items = "".join(f"<li>{html.escape(group.describe())}</li>" for group in groups)
+        body += ("<h2>Held back</h2><p>Each open group keeps its client (a micro-batch of the "
+                 "sessionizer: every client) where it was until its commits are all made. A "
+                 "group that stays open was stopped part way: rerun it (a backfill, the "
+                 "sessionizer), or give it up with <code>clickstream read-point --release "
+                 f"GROUP</code>.</p><ul>{items}</ul>")
+    else:
+        body += "<p>Nothing held back: every client is read at these versions.</p>"
+    return _page(title, body)
 
 
 def _page(title: str, body: str, status_code: int = 200) -> HTMLResponse:
@@ -153,6 +191,15 @@ def create_app() -> FastAPI:
         return JSONResponse({"detail": error.detail}, status_code=error.status_code,
                             headers=error.headers)
 
+    @app.get(f"/{READ_POINT_PATH}", response_model=None)
+    def show_read_point() -> Response:
+        from clickstream.errors import ClickstreamError
+
+        try:
+            return read_point_page()
+        except ClickstreamError as refused:  # a refused setting, an unreadable file
+            return _page("Read point unavailable", f"<p>{html.escape(str(refused))}</p>", 500)
+
     @app.get("/{path:path}", response_model=None)
     def serve(path: str, request: Request) -> Response:
         from clickstream.errors import ConfigError
@@ -192,5 +239,11 @@ class QualityReportsPlugin(AirflowPlugin):
         "href": URL_PREFIX.lstrip("/") + "/",  # relative to the UI's base URL
         "destination": "nav",
         "url_route": "quality-reports",
+        "nav_top_level": True,
+    }, {
+        "name": "Read point",
+        "href": f"{URL_PREFIX.lstrip('/')}/{READ_POINT_PATH}",
+        "destination": "nav",
+        "url_route": "read-point",
         "nav_top_level": True,
     }]

@@ -210,3 +210,30 @@ def test_quality_reports_is_an_entry_of_the_ui_navigation(client, token: str) ->
     assert entry["url_route"] == "quality-reports"
     apps = [a for plugin in response.json()["plugins"] for a in plugin["fastapi_apps"]]
     assert any(a["url_prefix"] == PREFIX for a in apps)
+    read_point_entry = next(view for view in views if view["name"] == "Read point")
+    assert read_point_entry["href"] == f"{PREFIX.lstrip('/')}/read-point"
+    assert read_point_entry["destination"] == "nav"
+
+
+def test_the_read_point_page_shows_the_versions_and_what_holds_a_client(
+        client, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator asking why a dashboard does not show a client's backfill yet finds the
+    group holding it, and what to do, in the UI."""
+    from clickstream.config import Config
+    from clickstream.io import read_point
+    from clickstream.io.delta_tables import open_tables
+
+    warehouse = tmp_path / "warehouse"
+    monkeypatch.setenv("CLICKSTREAM_WAREHOUSE", str(warehouse))
+    page = client.get(f"{PREFIX}/read-point", headers=bearer(token))
+    assert page.status_code == 200 and "No read point yet" in page.text
+
+    config = Config().replace(warehouse=warehouse, delta_engine="deltalake")
+    read_point.open_group(config, open_tables(config), "backfill-x<1>", "client-00")
+    page = client.get(f"{PREFIX}/read-point", headers=bearer(token))
+    assert page.status_code == 200
+    assert "<tr><td>pageviews</td><td>-1</td></tr>" in page.text
+    assert "backfill-x&lt;1&gt; (open since " in page.text
+    assert "holds client client-00)" in page.text
+    assert "clickstream read-point --release GROUP" in page.text
+    assert client.get(f"{PREFIX}/read-point").status_code == 401  # a login, as every page
