@@ -109,9 +109,9 @@ def read_point_page() -> HTMLResponse:
     body = (f"<p>Written {html.escape(point.written_at)}. Readers read each table at its "
             "version; a held client at its own (<code>clickstream read-point</code> prints "
             f"them as JSON).</p><table><tr><th>table</th><th>version</th></tr>{cells}</table>")
-    groups = read_point.open_groups(config)
+    groups = read_point.describe_open_groups(config)
     if groups:
-        items = "".join(f"<li>{html.escape(group.describe())}</li>" for group in groups)
+        items = "".join(f"<li>{html.escape(group)}</li>" for group in groups)
         body += ("<h2>Held back</h2><p>Each open group keeps its client (a micro-batch of the "
                  "sessionizer: every client) where it was until its commits are all made. A "
                  "group that stays open was stopped part way: rerun it (a backfill, the "

@@ -312,7 +312,7 @@ def _cmd_read_point(args: argparse.Namespace, config: Config) -> int:
     point = read_point.current(config)
     print(json.dumps({
         "read_point": None if point is None else point.to_json(),
-        "open_groups": [group.describe() for group in read_point.open_groups(config)],
+        "open_groups": read_point.describe_open_groups(config),
         "file": str(read_point.folder(config) / read_point.READ_POINT_FILE)}, indent=1))
     return 0
 

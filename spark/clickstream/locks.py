@@ -20,6 +20,11 @@ from typing import IO
 LOCKS_FOLDER = "_clickstream_locks"  # in the warehouse; no table is named with a leading "_"
 
 
+def warehouse_sessionizer_lock(warehouse: Path) -> Path:
+    """Held by the one sessionizer of a warehouse (``sessionize`` Z15), and by ``republish``."""
+    return warehouse / LOCKS_FOLDER / "sessionizer.lock"
+
+
 class _Flock(ctypes.Structure):
     """Linux's ``struct flock``, for open-file-description (OFD) locks."""
 

@@ -167,7 +167,9 @@ def test_an_abandoned_group_holds_its_client_until_released(
     assert shown["read_point"]["held"][CLIENT]["pageviews"] == -1  # before the table existed
     assert shown["open_groups"] == [read_point.open_groups(stream_config)[0].describe()]
     assert group in shown["open_groups"][0] and CLIENT in shown["open_groups"][0]
-    assert describe_read_point(stream_config)[1:] == [f"  holds {shown['open_groups'][0]}"]
+    assert describe_read_point(stream_config)[1:] == [
+        f"  client {CLIENT} read at pageviews -1, orders -1, other_events -1, sessions -1, "
+        "attributions -1, corrections -1", f"  held by {shown['open_groups'][0]}"]
 
     # A week and a day later: vacuum leaves the read point's tables alone, and says why.
     marker = next((read_point.folder(stream_config) / read_point.GROUPS_FOLDER).glob("*.json"))

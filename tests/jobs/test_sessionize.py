@@ -43,6 +43,7 @@ from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_com
 from clickstream.jobs import sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records
+from clickstream.jobs.inspect import describe_read_point
 from clickstream.jobs.recompute import run_full_recompute, run_recompute
 from clickstream.jobs.republish import REPUBLISH_ROLE, run_republish
 from clickstream.jobs.sessionize import (
@@ -142,6 +143,14 @@ def test_stream_gives_sessions_equal_to_a_straightforward_recomputation(
     summary = run_sessionizer(stream_config, until_caught_up=True, spark=spark)
     events = valid_events(records)
     assert_read_point_is_latest(stream_config, spark)
+    checkpoint = stream_config.checkpoint_path(sessionize.JOB)
+    last = max(int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit())
+    point = read_point.current(stream_config)
+    assert point is not None and point.stream_watermark_ms == sessionize.checkpoint_watermark_ms(
+        checkpoint, last) > 0
+    assert describe_read_point(stream_config)[1] == (
+        f"  sessionizer's watermark there {utc_text(point.stream_watermark_ms)}: a session "
+        "ending less than one gap before it may still be open")
 
     pageviews = table_rows(stream_config, spark, "pageviews")
     assert sorted(r["event_id"] for r in pageviews) == sorted(
@@ -603,6 +612,9 @@ def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_lat
     # The failed micro-batch holds every client at the read point until its replay (Z19).
     (held,) = read_point.open_groups(stream_config)
     assert held.client_id == read_point.EVERY_CLIENT and held.group.startswith("sessionize-")
+    assert read_point.describe_open_groups(stream_config) == [
+        f"{held.describe()}; no sessionizer is running: its next start replays the "
+        "micro-batch and closes it"]
     stopped_at = read_point.current(stream_config)
 
     run_recompute(stream_config, spark=spark)  # scheduled, while the stream is down

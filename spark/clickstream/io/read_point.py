@@ -8,9 +8,10 @@ sessions. Every writer that changes several tables together declares a *group* a
 commits, and the read point (a small JSON file in the warehouse) names, per table, the version
 a reader should read:
 
-* a client's group (a backfill from its merge to its plan's apply; a correction's apply; a
-  full recompute's rewrite) holds that client at the versions of the read point before the
-  group opened, until it closes: every other client's rows move on;
+* a client's group (a backfill from its merge to its plan's apply; a correction from its
+  plan's record in ``corrections`` to its apply; a full recompute's record and rewrite) holds
+  that client at the versions of the read point before the group opened, until it closes:
+  every other client's rows move on;
 * the sessionizer's micro-batch is a group of every client (its commits span clients): while
   one is open the read point does not move; it moves when the micro-batch closes, at most one
   trigger later.
@@ -39,7 +40,9 @@ from typing import TYPE_CHECKING
 from clickstream.atomic_files import write_atomically
 from clickstream.errors import ClickstreamError
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables
-from clickstream.locks import LOCKS_FOLDER, exclusive
+from clickstream.locks import LOCKS_FOLDER, exclusive, warehouse_sessionizer_lock
+from clickstream.locks import held as lock_held
+from clickstream.progress import utc_text
 from clickstream.tables import (
     ATTRIBUTIONS,
     CORRECTIONS,
@@ -86,10 +89,12 @@ class ReadPoint:
 
     versions: Mapping[str, int]
     held: Mapping[str, Mapping[str, int]]
-    holders: Sequence[OpenGroup]
     written_at: str
     # When the versions a held client is read at were the read point's (vacuum keeps them).
     held_since: Mapping[str, str] = field(default_factory=dict)
+    # The event-time watermark of the sessionizer's last micro-batch in these versions: a
+    # session ending less than one gap before it may still be open in the stream.
+    stream_watermark_ms: int | None = None
 
     def versions_of(self, client_id: str) -> Mapping[str, int]:
         return self.held.get(client_id, self.versions)
@@ -98,18 +103,20 @@ class ReadPoint:
         return self.held_since.get(client_id, self.written_at)
 
     def to_json(self) -> dict[str, object]:
+        watermark = self.stream_watermark_ms
         return {"written_at": self.written_at, "versions": dict(self.versions),
                 "held": {client: dict(v) for client, v in self.held.items()},
                 "held_since": dict(self.held_since),
-                "holders": [_group_json(g) for g in self.holders]}
+                "stream_watermark_ms": watermark,
+                "stream_watermark": None if watermark is None else utc_text(watermark)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> ReadPoint:
         return cls(versions=dict(data["versions"]),  # type: ignore[arg-type]
                    held={c: dict(v) for c, v in data["held"].items()},  # type: ignore[union-attr]
-                   holders=[_group_of(g) for g in data.get("holders", [])],  # type: ignore[union-attr]
                    written_at=str(data["written_at"]),
-                   held_since=dict(data.get("held_since", {})))  # type: ignore[call-overload]
+                   held_since=dict(data.get("held_since", {})),  # type: ignore[call-overload]
+                   stream_watermark_ms=data.get("stream_watermark_ms"))  # type: ignore[arg-type]
 
 
 def _group_json(group: OpenGroup) -> dict[str, object]:
@@ -169,10 +176,11 @@ def _latest(tables: DeltaTables) -> dict[str, int]:
     return {spec.name: tables.version(spec.name) for spec in READ_POINT_TABLES}
 
 
-def _publish_locked(config: Config, tables: DeltaTables, previous: ReadPoint | None
-                    ) -> ReadPoint | None:
+def _publish_locked(config: Config, tables: DeltaTables, previous: ReadPoint | None,
+                    stream_watermark_ms: int | None = None) -> ReadPoint | None:
     """A new read point from the latest versions, unless a group of every client is open
-    (then the last one stays: what the stream committed so far is half a micro-batch)."""
+    (then the last one stays: what the stream committed so far is half a micro-batch).
+    ``stream_watermark_ms``: the closing micro-batch's; others keep the last one."""
     groups = open_groups(config)
     if previous is not None and any(g.client_id == EVERY_CLIENT for g in groups):
         return previous
@@ -186,7 +194,9 @@ def _publish_locked(config: Config, tables: DeltaTables, previous: ReadPoint | N
             versions[name] = min(versions.get(name, version), version)
         since[group.client_id] = min(since.get(group.client_id, group.as_of), group.as_of,
                                      key=_parsed)
-    point = ReadPoint(_latest(tables), held, groups, _now(), since)
+    if stream_watermark_ms is None and previous is not None:
+        stream_watermark_ms = previous.stream_watermark_ms
+    point = ReadPoint(_latest(tables), held, _now(), since, stream_watermark_ms)
     write_atomically(folder(config) / READ_POINT_FILE, json.dumps(point.to_json(), indent=1))
     return point
 
@@ -216,11 +226,13 @@ def open_group(config: Config, tables: DeltaTables, group: str, client_id: str) 
         return True
 
 
-def close_group(config: Config, tables: DeltaTables, group: str) -> ReadPoint | None:
-    """The group's commits are all made: show them (with whatever else finished)."""
+def close_group(config: Config, tables: DeltaTables, group: str,
+                stream_watermark_ms: int | None = None) -> ReadPoint | None:
+    """The group's commits are all made: show them (with whatever else finished).
+    ``stream_watermark_ms``: a micro-batch's, which the read point then names."""
     with exclusive(_lock_path(config)):
         _group_path(config, group).unlink(missing_ok=True)
-        return _publish_locked(config, tables, current(config))
+        return _publish_locked(config, tables, current(config), stream_watermark_ms)
 
 
 def release(config: Config, tables: DeltaTables, group: str) -> ReadPoint | None:
@@ -243,12 +255,14 @@ def still_holding(config: Config, group: str) -> str | None:
             f"{group}`, which shows what it committed as it is)")
 
 
-def held_clients(config: Config) -> dict[str, list[OpenGroup]]:
-    """Open groups by the client they hold."""
-    by_client: dict[str, list[OpenGroup]] = {}
-    for group in open_groups(config):
-        by_client.setdefault(group.client_id, []).append(group)
-    return by_client
+def describe_open_groups(config: Config) -> list[str]:
+    """The open groups as an operator reads them: a micro-batch's says whether a sessionizer
+    is running to finish it (one killed left it, and holds every client until it restarts)."""
+    running = lock_held(warehouse_sessionizer_lock(config.warehouse))
+    return [group.describe() + ("" if group.client_id != EVERY_CLIENT or running else
+                                "; no sessionizer is running: its next start replays the "
+                                "micro-batch and closes it")
+            for group in open_groups(config)]
 
 
 def read_consistent(tables: DeltaTables, point: ReadPoint, name: str,

@@ -4,6 +4,7 @@ stands, without starting Spark."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from clickstream.config import Config
@@ -55,9 +56,16 @@ def describe_read_point(config: Config) -> list[str]:
     point = read_point.current(config)
     if point is None:
         return ["read point: none yet (written by the first writer's commits)"]
-    versions = ", ".join(f"{name} {version}" for name, version in point.versions.items())
-    lines = [f"read point (written {point.written_at}): {versions}"]
-    lines += [f"  holds {group.describe()}" for group in read_point.open_groups(config)]
+    def listed(versions: Mapping[str, int]) -> str:
+        return ", ".join(f"{name} {version}" for name, version in versions.items())
+
+    lines = [f"read point (written {point.written_at}): {listed(point.versions)}"]
+    if point.stream_watermark_ms is not None:
+        lines.append(f"  sessionizer's watermark there {utc_text(point.stream_watermark_ms)}: "
+                     "a session ending less than one gap before it may still be open")
+    lines += [f"  client {client} read at {listed(versions)}"
+              for client, versions in point.held.items()]
+    lines += [f"  held by {text}" for text in read_point.describe_open_groups(config)]
     return lines
 
 

@@ -206,7 +206,14 @@ from clickstream.io.kafka_changelog import (
 )
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
-from clickstream.locks import LOCKS_FOLDER, Holder, exclusive, exclusive_or_refuse, held
+from clickstream.locks import (
+    LOCKS_FOLDER,
+    Holder,
+    exclusive,
+    exclusive_or_refuse,
+    held,
+    warehouse_sessionizer_lock,
+)
 from clickstream.progress import utc_text
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
@@ -830,7 +837,8 @@ class MicroBatchWriter:
             raise
         finally:
             batch.unpersist()
-        read_point.close_group(self.config, self.tables, app_id)
+        read_point.close_group(self.config, self.tables, app_id, stream_watermark_ms=(
+            checkpoint_watermark_ms(self.checkpoint, batch_id)))
         return counts
 
     def _write(self, batch: DataFrame, batch_id: int, app_id: str, late_before_ms: int,
@@ -1113,7 +1121,7 @@ def sessionizer_lock_path(config: Config) -> Path:
 
 def warehouse_sessionizer_lock_path(config: Config) -> Path:
     """In the warehouse, as the correction runs' locks: one sessionizer per warehouse (Z15)."""
-    return config.warehouse / LOCKS_FOLDER / "sessionizer.lock"
+    return warehouse_sessionizer_lock(config.warehouse)
 
 
 SESSIONIZER_ROLE = "a sessionizer"  # written into its locks (``locks.Holder``)
