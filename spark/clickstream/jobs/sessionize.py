@@ -168,7 +168,9 @@ Known edge cases, cited inline as (Z1)..(Z18):
       after its last, so the read point never shows part of one (it stays where it was while
       one is open, and a backfill closing meanwhile is shown by the micro-batch's close). A
       batch that fails stays open until its replay at the next start closes it; a start
-      closes the groups of other checkpoints (deleted: none will replay them).
+      closes the groups of other checkpoints (deleted: none will replay them). The close
+      names the batch's watermark in the read point: a reader learns from it which sessions
+      may still be open in the state (no row yet), and which pageviews are in no session.
 """
 
 from __future__ import annotations
