@@ -344,6 +344,11 @@ _REPORTED_AS = {"linger.ms": "queue.buffering.max.ms", "acks": "request.required
                 "max.in.flight": "max.in.flight.requests.per.connection"}
 
 
+def _spellings(alias: str) -> tuple[str, str]:
+    """A setting's two names in ``kafka_options``: librdkafka's own, then ``alias``."""
+    return _REPORTED_AS[alias], alias
+
+
 def _created(factory: Callable[[KafkaConfig], ClientT], settings: KafkaConfig,
              config: Config) -> ClientT:
     """``factory(settings)``, pointing at the operator's settings when librdkafka refuses one.
@@ -462,7 +467,7 @@ def produce_json(producer: Producer, topic: str, key: str | bytes | None,
 def send_linger(config: Config, *, paced: bool) -> KafkaConfig:
     """The ``linger.ms`` of a paced or a bulk send (:data:`PACED_LINGER_MS`,
     :data:`BULK_LINGER_MS`), unless ``kafka_options`` sets one: the user's choice wins."""
-    if {"linger.ms", "queue.buffering.max.ms"} & set(config.kafka_options):
+    if set(_spellings("linger.ms")) & set(config.kafka_options):
         return {}
     return {"linger.ms": PACED_LINGER_MS if paced else BULK_LINGER_MS}
 
@@ -476,7 +481,7 @@ def send_budget_s(config: Config, default_s: float) -> float:
         ConfigError: the option is not a positive number of milliseconds (librdkafka's 0,
             no timeout, would leave a failed send's records pending for good).
     """
-    for name in ("message.timeout.ms", "delivery.timeout.ms"):
+    for name in _spellings("delivery.timeout.ms"):
         if name in config.kafka_options:
             value = str(config.kafka_options[name]).strip()
             if not value.isdigit() or int(value) == 0:

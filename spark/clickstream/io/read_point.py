@@ -229,9 +229,13 @@ def open_group(config: Config, tables: DeltaTables, group: str, client_id: str) 
 def close_group(config: Config, tables: DeltaTables, group: str,
                 stream_watermark_ms: int | None = None) -> ReadPoint | None:
     """The group's commits are all made: show them (with whatever else finished).
-    ``stream_watermark_ms``: a micro-batch's, which the read point then names."""
+    ``stream_watermark_ms``: a micro-batch's, which the read point then names. A group not
+    open (a correction that planned nothing) shows nothing new: the read point stays."""
     with exclusive(_lock_path(config)):
-        _group_path(config, group).unlink(missing_ok=True)
+        try:
+            _group_path(config, group).unlink()
+        except FileNotFoundError:
+            return current(config)
         return _publish_locked(config, tables, current(config), stream_watermark_ms)
 
 

@@ -1013,7 +1013,7 @@ def record_plan(run: Run, changes: DataFrame, run_seq: int,
     """Store ``changes`` as the client's plan number ``run_seq`` (C3), with the summary's
     ``PLAN_TOTALS`` if given, unless another run recorded one since ``run_seq`` was taken
     (C6): then nothing is recorded, and it raises."""
-    unchanged = (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) + 1 == run_seq
+    unchanged = next_plan_seq(run) == run_seq
     totals = {} if summary is None else {name: getattr(summary, name) for name in PLAN_TOTALS}
     # The plan's rows are the first commit of its group (C16): readers see them with the
     # tables they describe, once apply committed those.
@@ -1040,7 +1040,7 @@ def record_plan(run: Run, changes: DataFrame, run_seq: int,
 
 def plan_recorded(run: Run, run_seq: int) -> bool:
     """Whether the client's plan number ``run_seq`` is committed (by any run)."""
-    return (run.tables.app_version(CORRECTIONS.name, run.app_id) or 0) >= run_seq
+    return next_plan_seq(run) > run_seq
 
 
 def _count_changes(counts: dict[tuple[str, str], int], summary: CorrectionSummary) -> None:

@@ -56,6 +56,7 @@ def describe_read_point(config: Config) -> list[str]:
     point = read_point.current(config)
     if point is None:
         return ["read point: none yet (written by the first writer's commits)"]
+
     def listed(versions: Mapping[str, int]) -> str:
         return ", ".join(f"{name} {version}" for name, version in versions.items())
 
