@@ -640,6 +640,33 @@ def test_a_producer_stopped_by_a_fatal_error_raises_a_delivery_error(config: Con
         assert produce_records(own_config, "t", [("k", "v")]) == 1  # the rerun's producer
 
 
+def test_a_fatal_error_confluent_kafka_reports_as_a_bare_system_error_is_named(
+        config: Config) -> None:
+    """Under the suite's load confluent-kafka once raised the fatal error from flush() as a
+    ``SystemError`` with no ``KafkaException`` attached (not reproducible alone): the send
+    failed with a traceback instead of a DeliveryError. The producer's own failed delivery
+    report then names the cause. The reports here are real; only the racy bare
+    ``SystemError`` is raised by hand, in the call that would have served them."""
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:
+        producer = make_producer(config.replace(kafka_bootstrap_servers=own.bootstrap_servers))
+        own.fail_produces(OUT_OF_ORDER_SEQUENCE_NUMBER, 1)
+        for i in range(5):
+            producer.produce("t", key=f"k{i}", value=f"v{i}")
+        with pytest.raises(DeliveryError):  # the usual report: the fatal KafkaException
+            producer.flush(20)
+        assert producer.failed >= 1
+
+        def bare_system_error(*_: object) -> int:
+            raise SystemError("<built-in method flush> returned a result with an exception set")
+
+        with pytest.raises(DeliveryError, match=r"the producer to .* stopped on a fatal error: "
+                           r".*sequence .*\(OUT_OF_ORDER_SEQUENCE_NUMBER\)"):
+            producer._guarded(bare_system_error)
+        producer.reset_counts()  # no failed report: a bare SystemError is not ours to name
+        with pytest.raises(SystemError):
+            producer._guarded(bare_system_error)
+
+
 def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: Config) -> None:
     """When ``produce_records`` gives up, every record has failed, none is still queued: a
     producer still retrying could deliver it after a rerun's newer revision of its key."""

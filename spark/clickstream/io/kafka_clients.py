@@ -286,6 +286,7 @@ class TrackedProducer(Producer):
         self.delivered = 0
         self.failed = 0
         self.first_error: str | None = None
+        self._first_failure: KafkaError | None = None
         super().__init__(settings)
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
@@ -295,12 +296,14 @@ class TrackedProducer(Producer):
             self.failed += 1
             if self.first_error is None:
                 self.first_error = f"topic {msg.topic()} [{msg.partition()}]: {err.str()}"
+                self._first_failure = err
         if self._user_on_delivery is not None:
             self._user_on_delivery(err, msg)
 
     def reset_counts(self) -> None:
         self.delivered = self.failed = 0
         self.first_error = None
+        self._first_failure = None
 
     # confluent-kafka raises a fatal error (an idempotent producer's sequence broken by the
     # broker) from poll()/flush() with the delivery reports of that call still to run: each
@@ -323,10 +326,17 @@ class TrackedProducer(Producer):
             raise stopped from exc
 
     def _stopped(self, exc: Exception) -> DeliveryError | None:
-        """A :class:`DeliveryError` for the fatal error ``exc`` carries, if it carries one."""
+        """A :class:`DeliveryError` for the fatal error ``exc`` carries, if it carries one.
+
+        Under load confluent-kafka's ``SystemError`` sometimes carries no fatal error at all
+        (seen once in CI, not reproducible alone): then the failed delivery report of that
+        call names what stopped the producer, which a ``SystemError`` from a flush or poll
+        always means (the handle crashed inside its callbacks)."""
         fatal = next((e.args[0] for e in (exc, exc.__cause__, exc.__context__)
                       if isinstance(e, KafkaException) and e.args
                       and isinstance(e.args[0], KafkaError) and e.args[0].fatal()), None)
+        if fatal is None and isinstance(exc, SystemError):
+            fatal = self._first_failure
         if fatal is None:
             return None
         return DeliveryError(
