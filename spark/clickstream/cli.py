@@ -622,16 +622,10 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
         config = Config.from_env(environ, **overrides)
         return args.handler(args, config)
     except ClickstreamError as error:
-        # One line, always: a message carrying an engine's text (several lines) is cut to
-        # its first, and kept whole in the traceback file; so is one raised from a bug (a
-        # recompute's clients, R12).
-        first, *rest = str(error).strip().splitlines() or [""]
         unforeseen = error.__cause__ is not None and not isinstance(error.__cause__,
                                                                     ClickstreamError)
-        kept = (f"; {_keep_traceback(config, args.command)}"
-                if isinstance(error, QueryFailedError) or rest or unforeseen else "")
-        print(f"clickstream {args.command}: error: {first}{kept}", file=sys.stderr)
-        return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
+        return _failed(args.command, config, error,
+                       keep_traceback=isinstance(error, QueryFailedError) or unforeseen)
     except KeyboardInterrupt:
         print(f"clickstream {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -644,12 +638,21 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
             return 130
         carried = carried_error(error)  # the product's own, raised in a Spark worker
         if carried is not None:
-            print(f"clickstream {args.command}: error: {carried}; "
-                  f"{_keep_traceback(config, args.command)}", file=sys.stderr)
-            return EXIT_NOT_RETRYABLE if isinstance(carried, NOT_RETRYABLE) else 1
+            return _failed(args.command, config, carried, keep_traceback=True)
         print(f"clickstream {args.command}: unexpected error: {typed_error_line(error)}; "
               f"{_keep_traceback(config, args.command)}", file=sys.stderr)
         return 1
+
+
+def _failed(command: str, config: Config | None, error: ClickstreamError, *,
+            keep_traceback: bool) -> int:
+    """One line, always: a message carrying an engine's text (several lines) is cut to its
+    first, and kept whole in the traceback file; so is one raised from a bug (a recompute's
+    clients, R12)."""
+    first, *rest = str(error).strip().splitlines() or [""]
+    kept = f"; {_keep_traceback(config, command)}" if keep_traceback or rest else ""
+    print(f"clickstream {command}: error: {first}{kept}", file=sys.stderr)
+    return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
 
 
 def _keep_traceback(config: Config | None, command: str) -> str:

@@ -350,6 +350,10 @@ def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
         "backfill-orders-*.html")
     figures = orders_page.read_text().split("<h2>Revenue moved by day")[1].split("<h2>Quality")[0]
     assert "attributed to a session" in figures
+    # The changed session itself, and where every changed session is listed.
+    assert ("<h2>Sessions changed</h2><p class='muted'>1 of the 1 changed sessions" in figures
+            and "<code>run_id = 'backfill-orders-" in figures), figures
+    assert "<td>updated</td><td>u</td>" in figures, figures
     orders_page.unlink()  # as if the attempt that published stopped before its report
     rerun_orders = run_backfill(stream_config, kind="orders", client_id="client-00",
                                 path=opath, spark=spark)

@@ -207,6 +207,14 @@ def test_report_figures_from_the_snapshot_equal_those_by_time_travel(
     assert from_snapshot.old_known
     assert from_snapshot.by_day == [(START.date(), Decimal("17.5000"), Decimal("17.5000"))]
     assert from_snapshot.moved == {"moved to another session": 1}
+    # The report's sample of changed sessions: the merged one took o2's revenue, the one it
+    # swallowed was retracted with it; each with its user and start.
+    assert sorted((s.change, s.user_id, s.revenue_before, s.revenue_after)
+                  for s in from_snapshot.sessions) == [
+        ("retracted", "u", Decimal("7.5000"), Decimal(0)),
+        ("updated", "u", Decimal("10.0000"), Decimal("17.5000"))]
+    starts = {s.change: s.session_start for s in from_snapshot.sessions}
+    assert starts["updated"] == START.replace(tzinfo=None)
 
 
 def test_windows_read_orders_again_when_the_table_moved_after_the_merge_read(

@@ -183,6 +183,14 @@ def test_an_abandoned_group_holds_its_client_until_released(
     assert not [line for line in lines if line.startswith("vacuum pageviews: ")
                 and "skipped" not in line]
 
+    # A failed run's handler asks what its group means: a marker it cannot read is said, not
+    # raised over the run's own error.
+    assert "until a rerun finishes it" in read_point.still_holding(stream_config, group)
+    marker_text = marker.read_text()
+    marker.write_text(marker_text[:20])
+    assert "has a marker that cannot be read" in read_point.still_holding(stream_config, group)
+    marker.write_text(marker_text)
+
     with pytest.raises(ClickstreamError, match="no open group 'backfill-nope' to release"):
         read_point.release(stream_config, open_tables(stream_config, spark), "backfill-nope")
     assert main(["read-point", "--release", group,

@@ -19,6 +19,7 @@ from clickstream.quality.reports import (
     DRY_RUN,
     RUN_SUMMARY,
     ReportEntry,
+    client_index_name,
     read_entries,
     rebuild_index,
     record,
@@ -106,8 +107,17 @@ def test_validations_are_rendered_indexed_and_every_link_resolves(config: Config
     warned = run_gate("raw_events", {**GOOD["raw_events"], "malformed_fraction": 0.9},
                       config=config, job="sessionize", run_id="run-3")
     assert warned.status == "warning" and warned.report is not None
+    page_text = warned.report.read_text()
     assert (f"clickstream verdict: <b>warning</b>: 1 of {len(warned.outcomes)} expectations "
-            "unmet, all warnings: the step went on") in warned.report.read_text()
+            "unmet, all warnings: the step went on (GX&#x27;s status below counts them as "
+            "failures)<ul><li>warning: quality gate raw_events: "
+            "malformed_fraction = 0.9") in page_text
+    # Every figure judged is on the page, not only those GX's expectations name.
+    assert f"the {len(warned.checks)} figures the gate judged" in page_text
+    for name, value in warned.checks.items():
+        assert (f"<code>{html.escape(name)}</code></td><td style='text-align:right'>"
+                f"{html.escape(value if isinstance(value, str) else json.dumps(value))}"
+                ) in page_text
 
     index = root / "index.html"
     rows = [r for r in parse(index).rows if len(r) == 6]
@@ -115,6 +125,15 @@ def test_validations_are_rendered_indexed_and_every_link_resolves(config: Config
                                                    ("recompute", "run-2", "failed"),
                                                    ("backfill", "run-1", "passed")]
     assert rows[0][0] >= rows[1][0]  # newest first
+    # The index filtered, as static pages (no script runs in Airflow's view): by client, and
+    # the runs a reviewer must look at; each links to the others.
+    assert "index-failed.html" in relative_links(index)
+    failing = [(r[2], r[4]) for r in parse(root / "index-failed.html").rows if len(r) == 6]
+    assert failing == [("run-3", "warning"), ("run-2", "failed")]
+    for client, runs in (("client-00", ["run-1"]), ("client-01", ["run-2"])):
+        name = client_index_name(client)
+        assert name in relative_links(index) and name in relative_links(root / "index-failed.html")
+        assert [r[2] for r in parse(root / name).rows if len(r) == 6] == runs
     linked = set(relative_links(index))
     assert {e.href for e in read_entries(root)} <= linked
     assert {f"expectations/{gate}.html" for gate in GOOD} <= linked
@@ -179,6 +198,11 @@ def test_a_real_run_supersedes_the_failed_dry_run_of_its_batch_not_the_converse(
     # counted: a run with no gate's result (gates off) was in the total only
     assert ("2 runs: 1 failed, 0 with warnings, 0 passed, 1 without a gate's result"
             in index.read_text())
+    # A dry run shares its batch's run id: the index says which rows are (or hold) one.
+    entry("only-dry", 3, DRY_RUN, "passed")
+    jobs = {r[2]: r[1] for r in parse(index).rows if len(r) == 6}
+    assert jobs == {"fixed": "backfill (and a dry run)", "dry-after": "backfill (and a dry run)",
+                    "only-dry": "backfill (dry run)"}
 
 
 def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: Config) -> None:

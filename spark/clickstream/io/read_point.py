@@ -248,12 +248,16 @@ def release(config: Config, tables: DeltaTables, group: str) -> ReadPoint | None
 
 
 def still_holding(config: Config, group: str) -> str | None:
-    """For a run that failed: what its open group means to readers, or None."""
+    """For a run that failed: what its open group means to readers, or None. Called while
+    the run's own error is raised, so a marker it cannot read is said, not raised over it."""
     path = _group_path(config, group)
     try:
         opened = _group_of(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
+    except (OSError, ValueError, KeyError) as unreadable:
+        return (f"the read point group {group} left open has a marker that cannot be read "
+                f"({path}: {unreadable!r}); `clickstream read-point` says what readers see")
     return (f"readers of the read point see client {opened.client_id} as it was before "
             f"{group} until a rerun finishes it (or `clickstream read-point --release "
             f"{group}`, which shows what it committed as it is)")

@@ -47,6 +47,23 @@ class CorrectionFigures:
     by_day: list[tuple[Any, Decimal, Decimal]] = field(default_factory=list)  # day, before, after
     moved: dict[str, int] = field(default_factory=dict)  # what happened to the orders -> count
     old_known: bool = True
+    # The sessions whose revenue moved most (then by id), at most LISTED_SESSIONS of them.
+    sessions: list[ChangedSession] = field(default_factory=list)
+
+
+LISTED_SESSIONS = 25
+
+
+@dataclass(frozen=True)
+class ChangedSession:
+    """One changed session as the report lists it (a reviewer's sample of what moved)."""
+
+    session_id: str
+    change: str
+    user_id: str | None
+    session_start: Any
+    revenue_before: Decimal
+    revenue_after: Decimal
 
 
 def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: list,
@@ -68,24 +85,44 @@ def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: 
 
 def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
                    stored: Mapping[str, DataFrame] | None
-                   ) -> tuple[list[tuple[Any, Decimal, Decimal]], bool]:
-    """[(day, revenue before, revenue after)] of the changed sessions; False if the before
-    values are unknown (``updates``: some changes are not creations)."""
+                   ) -> tuple[tuple[list[tuple[Any, Decimal, Decimal]], list[ChangedSession]],
+                              bool]:
+    """[(day, revenue before, revenue after)] of the changed sessions, and the sessions whose
+    revenue moved most; False if the before values are unknown (``updates``: some changes
+    are not creations)."""
     money = "decimal(30,4)"
-    needed = "session_date date, revenue " + SESSIONS.schema["revenue"].dataType.simpleString()
+    needed = ("session_date date, user_id string, session_start timestamp, revenue "
+              + SESSIONS.schema["revenue"].dataType.simpleString())
+    columns = ["session_id", "session_date", "user_id", "session_start", "revenue"]
     frames = sessions.where(F.col("new_value").isNotNull()).select(
+        F.col("key").alias("session_id"), "change",
         F.from_json("new_value", needed).alias("v")).select(
-        F.col("v.session_date").alias("day"), F.lit(0).cast(money).alias("old"),
+        "session_id", "change", F.col("v.session_date").alias("day"), "v.user_id",
+        "v.session_start", F.lit(0).cast(money).alias("old"),
         F.col("v.revenue").cast(money).alias("new"))
-    old = _old_rows(run, SESSIONS, "session_date", sessions, dates,
-                    ["session_id", "session_date", "revenue"], stored) if updates else None
+    old = _old_rows(run, SESSIONS, "session_date", sessions, dates, columns,
+                    stored) if updates else None
     if old is not None:
-        frames = frames.unionByName(old.select(
-            F.col("session_date").alias("day"), F.col("revenue").cast(money).alias("old"),
+        frames = frames.unionByName(old.join(
+            sessions.where(F.col("new_value").isNull()).select(
+                F.col("key").alias("session_id"), "change"), "session_id", "left").select(
+            "session_id", "change", F.col("session_date").alias("day"), "user_id",
+            "session_start", F.col("revenue").cast(money).alias("old"),
             F.lit(0).cast(money).alias("new")))
-    rows = frames.groupBy("day").agg(F.sum("old").alias("old"), F.sum("new").alias("new")
-                                     ).orderBy("day").collect()
-    return ([(r.day, r.old or Decimal(0), r.new or Decimal(0)) for r in rows],
+    per_session = frames.groupBy("session_id", "day").agg(
+        F.max("change").alias("change"), F.max("user_id").alias("user_id"),
+        F.min("session_start").alias("session_start"), F.sum("old").alias("old"),
+        F.sum("new").alias("new")).persist()
+    try:
+        rows = per_session.groupBy("day").agg(F.sum("old").alias("old"),
+                                              F.sum("new").alias("new")).orderBy("day").collect()
+        listed = per_session.orderBy(F.abs(F.col("new") - F.col("old")).desc(),
+                                     "session_id").limit(LISTED_SESSIONS).collect()
+    finally:
+        per_session.unpersist()
+    return (([(r.day, r.old or Decimal(0), r.new or Decimal(0)) for r in rows],
+             [ChangedSession(r.session_id, r.change or "?", r.user_id, r.session_start,
+                             r.old or Decimal(0), r.new or Decimal(0)) for r in listed]),
             old is not None or not updates)
 
 
@@ -131,14 +168,35 @@ def correction_figures(run: Run, plan: DataFrame,
         F.count_if(F.col("change") != "created").alias("updates")).collect()}
     figures: dict[str, Any] = {}
     known = []
-    for entity, compute, name in (("session", revenue_by_day, "by_day"),
-                                  ("attribution", reattributions, "moved")):
-        if entity in shape:
-            figures[name], ok = compute(run, plan.where(F.col("entity") == entity),
-                                        list(shape[entity].dates), shape[entity].updates > 0,
-                                        stored)
-            known.append(ok)
+    if "session" in shape:
+        (figures["by_day"], figures["sessions"]), ok = revenue_by_day(
+            run, plan.where(F.col("entity") == "session"), list(shape["session"].dates),
+            shape["session"].updates > 0, stored)
+        known.append(ok)
+    if "attribution" in shape:
+        figures["moved"], ok = reattributions(
+            run, plan.where(F.col("entity") == "attribution"),
+            list(shape["attribution"].dates), shape["attribution"].updates > 0, stored)
+        known.append(ok)
     return CorrectionFigures(**figures, old_known=all(known))
+
+
+def _changed_sessions(listed: list[ChangedSession], summary: CorrectionSummary,
+                      run_id: str) -> str:
+    """A sample a reviewer can check by hand, and where every changed session is."""
+    changed = summary.sessions_created + summary.sessions_updated + summary.sessions_retracted
+    if not changed:
+        return ""
+    rows = [[s.session_id, s.change, s.user_id or "", str(s.session_start or "")[:19],
+             f"{s.revenue_before:,.4f}", f"{s.revenue_after:,.4f}",
+             f"{s.revenue_after - s.revenue_before:+,.4f}"] for s in listed]
+    return (f"<h2>Sessions changed</h2><p class='muted'>{len(listed)} of the {changed:,} "
+            "changed sessions, largest revenue change first. Every one is a row of the "
+            "<code>corrections</code> table with <code>entity = 'session'</code> and "
+            f"<code>run_id = '{html.escape(run_id)}'</code> (its new value as JSON; "
+            "<code>null</code> for a retraction).</p>"
+            + reports.table(["session", "change", "user", "start (UTC)", "revenue before",
+                             "revenue after", "change of revenue"], rows, {4, 5, 6}))
 
 
 def write_correction_report(run: Run, summary: CorrectionSummary,
@@ -215,6 +273,7 @@ def write_correction_report(run: Run, summary: CorrectionSummary,
         "revenue per session day (green up, red down; hover a bar for its value).</p>"
         + reports.svg_bar_chart(days)
         + (day_table if day_rows else "<p>No session revenue changed.</p>")
+        + _changed_sessions(figures.sessions, summary, run.run_id)
         + "<h2>Orders re-attributed</h2>"
         + (reports.table(["what happened to the order", "orders"],
                          [[k, v] for k, v in sorted(moved.items())], {1})

@@ -6,6 +6,7 @@ serve the folder as it is, and a browser can open ``index.html`` from disk)::
 
     reports/
       index.html                                   every run, newest first, pass/fail, links
+      index-failed.html, index-client-<client>.html   the index filtered (static: R3)
       runs.jsonl                                   the index's entries, one JSON per line
       expectations/<gate>.html                     each suite rendered by GX (what it checks)
       validations/<gate>/<job>-<run>/<time>/result.html   GX Data Docs page of one validation
@@ -203,20 +204,35 @@ def run_status(items: Sequence[ReportEntry], standing: set[int]) -> str:
     return _worst(e.status for e in items if id(e) in standing)
 
 
-def _rebuild_index(root: Path) -> Path:
-    entries = read_entries(root)
+FILTERED_PREFIX = "index-"  # index-failed.html, index-client-<client>.html: the index filtered
+
+
+@dataclass(frozen=True)
+class _RunRow:
+    time: str
+    status: str
+    clients: tuple[str, ...]
+    html: str
+
+
+def _run_label(job: str, items: Sequence[ReportEntry]) -> str:
+    """The job, and whether the row is a dry run's (which shares its batch's run id)."""
+    titles = {e.title for e in items}
+    if DRY_RUN not in titles:
+        return job
+    return f"{job} (and a dry run)" if RUN_SUMMARY in titles else f"{job} (dry run)"
+
+
+def _run_rows(entries: Sequence[ReportEntry]) -> list[_RunRow]:
     runs: dict[tuple[str, str], list[ReportEntry]] = {}
     for entry in entries:
         runs.setdefault((entry.job, entry.run_id), []).append(entry)
-    ordered = sorted(runs.items(), key=lambda item: max(e.time for e in item[1]), reverse=True)
     rows = []
-    statuses = []
-    for (job, run_id), items in ordered:
+    for (job, run_id), items in runs.items():
         items.sort(key=lambda e: e.time)
         standing = current_entries(items)
         status = run_status(items, standing)
-        statuses.append(status)
-        clients = sorted({e.client_id for e in items if e.client_id})
+        clients = tuple(sorted({e.client_id for e in items if e.client_id}))
         links = " ".join(
             f"<a class='gate {html.escape(e.status)}"
             f"{'' if id(e) in standing else ' superseded'}' href='{html.escape(e.href)}' "
@@ -224,11 +240,48 @@ def _rebuild_index(root: Path) -> Path:
             f"{'' if id(e) in standing else ' (superseded by a later attempt)'}'>"
             f"{html.escape(e.title)}</a>"
             for e in items)
-        rows.append(
-            f"<tr><td>{html.escape(max(e.time for e in items)[:19].replace('T', ' '))}</td>"
-            f"<td>{html.escape(job)}</td><td><code>{html.escape(run_id)}</code></td>"
-            f"<td>{html.escape(', '.join(clients))}</td><td>{status_badge(status)}</td>"
-            f"<td>{links}</td></tr>")
+        time = max(e.time for e in items)
+        rows.append(_RunRow(time, status, clients, (
+            f"<tr><td>{html.escape(time[:19].replace('T', ' '))}</td>"
+            f"<td>{html.escape(_run_label(job, items))}</td><td><code>{html.escape(run_id)}"
+            f"</code></td><td>{html.escape(', '.join(clients))}</td>"
+            f"<td>{status_badge(status)}</td><td>{links}</td></tr>")))
+    return sorted(rows, key=lambda row: row.time, reverse=True)
+
+
+def client_index_name(client_id: str) -> str:
+    return f"{FILTERED_PREFIX}client-{safe_name(client_id)}.html"
+
+
+def _filters(clients: Sequence[str], shown: str) -> str:
+    """Links to the index filtered (static pages: no script runs in the Airflow view, R3)."""
+    choices = [("all runs", INDEX), ("failed or with warnings", f"{FILTERED_PREFIX}failed.html"),
+               *((f"client {c}", client_index_name(c)) for c in clients)]
+    return "<p>Show: " + " · ".join(
+        f"<b>{html.escape(label)}</b>" if href == shown
+        else f"<a href='{html.escape(href)}'>{html.escape(label)}</a>"
+        for label, href in choices) + "</p>"
+
+
+def _runs_table(rows: Sequence[_RunRow]) -> str:
+    statuses = [row.status for row in rows]
+    counts = {s: statuses.count(s) for s in ("failed", "warning", "passed", "info")}
+    return (  # "info": a run with no gate's result (gates off, a summary page alone)
+        f"<p>{len(rows)} runs: {counts['failed']} failed, {counts['warning']} with warnings, "
+        f"{counts['passed']} passed, {counts['info']} without a gate's result. Newest "
+        "first; updated "
+        f"{html.escape(now_utc().strftime('%Y-%m-%d %H:%M:%S UTC'))}. Each link opens a "
+        "Great Expectations Data Docs page of one gate's validation, or a run's correction "
+        "report; colour = result.</p>"
+        "<table><tr><th>time (UTC)</th><th>job</th><th>run</th><th>client</th><th>status</th>"
+        f"<th>reports</th></tr>"
+        f"{''.join(row.html for row in rows) or '<tr><td colspan=6>no runs yet</td></tr>'}"
+        "</table>")
+
+
+def _rebuild_index(root: Path) -> Path:
+    rows = _run_rows(read_entries(root))
+    clients = sorted({client for row in rows for client in row.clients})
     suites_rows = []
     for gate in suites.GATES:
         meta = suites.suite_json(gate).get("meta", {}).get("clickstream", {})
@@ -239,20 +292,23 @@ def _rebuild_index(root: Path) -> Path:
             f"<tr><td>{name}</td><td class='num'>{html.escape(str(meta.get('version', '?')))}"
             f"</td><td>{html.escape(str(meta.get('step', '')))}</td>"
             f"<td>{html.escape(str(meta.get('on_failure', '')))}</td></tr>")
-    counts = {s: statuses.count(s) for s in ("failed", "warning", "passed", "info")}
-    body = (  # "info": a run with no gate's result (gates off, a summary page alone)
-        f"<p>{len(runs)} runs: {counts['failed']} failed, {counts['warning']} with warnings, "
-        f"{counts['passed']} passed, {counts['info']} without a gate's result. Newest "
-        "first; updated "
-        f"{html.escape(now_utc().strftime('%Y-%m-%d %H:%M:%S UTC'))}. Each link opens a "
-        "Great Expectations Data Docs page of one gate's validation, or a run's correction "
-        "report; colour = result.</p>"
-        "<table><tr><th>time (UTC)</th><th>job</th><th>run</th><th>client</th><th>status</th>"
-        f"<th>reports</th></tr>{''.join(rows) or '<tr><td colspan=6>no runs yet</td></tr>'}"
-        "</table><h2>Gates</h2><p>Each gate's expectation suite (versioned JSON in "
+    body = (
+        _filters(clients, INDEX) + _runs_table(rows) +
+        "<h2>Gates</h2><p>Each gate's expectation suite (versioned JSON in "
         "<code>expectations/</code>), rendered by Great Expectations.</p>"
         "<table><tr><th>gate</th><th>version</th><th>runs in</th><th>on failure</th></tr>"
         f"{''.join(suites_rows)}</table>")
+    filtered = {f"{FILTERED_PREFIX}failed.html": ("Quality reports: runs failed or with warnings",
+                                                  [r for r in rows
+                                                   if r.status in ("failed", "warning")])}
+    filtered.update({client_index_name(c): (f"Quality reports: client {c}",
+                                            [r for r in rows if c in r.clients])
+                     for c in clients})
+    for name, (title, shown) in filtered.items():
+        write_atomically(root / name, page(title, _filters(clients, name) + _runs_table(shown)))
+    for stale in root.glob(f"{FILTERED_PREFIX}*.html"):  # a client whose reports were deleted
+        if stale.name not in filtered:
+            stale.unlink(missing_ok=True)
     target = root / INDEX
     write_atomically(target, page("Quality reports", body).replace(
         f"<p class='muted'><a href='{INDEX}'>&larr; all quality reports</a></p>", ""))
@@ -342,9 +398,23 @@ def _verdict_banner(result: GateResult) -> str:
                 "warnings: the step went on (GX's status below counts them as failures)")
     else:
         what = f"all {len(result.outcomes)} expectations met"
+    unmet = "".join(f"<li>{html.escape(o.severity)}: {html.escape(o.reason)}</li>"
+                    for o in (*result.failures, *result.warnings))
     return (f'<div style="background:{_VERDICT_COLOURS[result.status]};padding:8px 16px;'
             f'font-family:sans-serif">clickstream verdict: <b>{result.status}</b>: '
-            f"{html.escape(what)}</div>")
+            f"{html.escape(what)}{f'<ul>{unmet}</ul>' if unmet else ''}"
+            f"{_judged_figures(result.checks)}</div>")
+
+
+def _judged_figures(checks: Mapping[str, Any]) -> str:
+    """Every figure the gate judged, on the page a reviewer opens (they were in
+    ``result.json`` only: GX's page shows only those an expectation names)."""
+    cells = "".join(
+        f"<tr><td><code>{html.escape(str(name))}</code></td><td style='text-align:right'>"
+        f"{html.escape(value if isinstance(value, str) else json.dumps(value, default=str))}"
+        "</td></tr>" for name, value in checks.items())
+    return (f"<details><summary>the {len(checks)} figures the gate judged</summary>"
+            f"<table style='border-collapse:collapse'>{cells}</table></details>")
 
 
 def write_validation(config: Config, result: GateResult, validation: Any, *,
