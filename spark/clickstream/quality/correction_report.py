@@ -103,14 +103,14 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
     old = _old_rows(run, SESSIONS, "session_date", sessions, dates, columns,
                     stored) if updates else None
     if old is not None:
-        frames = frames.unionByName(old.join(
-            sessions.where(F.col("new_value").isNull()).select(
-                F.col("key").alias("session_id"), "change"), "session_id", "left").select(
-            "session_id", "change", F.col("session_date").alias("day"), "user_id",
-            "session_start", F.col("revenue").cast(money).alias("old"),
-            F.lit(0).cast(money).alias("new")))
+        frames = frames.unionByName(old.select(
+            "session_id", F.lit(None).cast("string").alias("change"),
+            F.col("session_date").alias("day"), "user_id", "session_start",
+            F.col("revenue").cast(money).alias("old"), F.lit(0).cast(money).alias("new")))
     per_session = frames.groupBy("session_id", "day").agg(
-        F.max("change").alias("change"), F.max("user_id").alias("user_id"),
+        # A session the run left no new row of was retracted.
+        F.coalesce(F.max("change"), F.lit("retracted")).alias("change"),
+        F.max("user_id").alias("user_id"),
         F.min("session_start").alias("session_start"), F.sum("old").alias("old"),
         F.sum("new").alias("new")).persist()
     try:
@@ -121,7 +121,7 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
     finally:
         per_session.unpersist()
     return (([(r.day, r.old or Decimal(0), r.new or Decimal(0)) for r in rows],
-             [ChangedSession(r.session_id, r.change or "?", r.user_id, r.session_start,
+             [ChangedSession(r.session_id, r.change, r.user_id, r.session_start,
                              r.old or Decimal(0), r.new or Decimal(0)) for r in listed]),
             old is not None or not updates)
 
