@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from clickstream.atomic_files import write_atomically
@@ -67,9 +67,11 @@ class ChangedSession:
 
 
 def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: list,
-              columns: list[str], stored: Mapping[str, DataFrame] | None) -> DataFrame | None:
+              columns: list[str], stored: Mapping[str, DataFrame] | None,
+              carry: Sequence[Column] = ()) -> DataFrame | None:
     """Rows of ``spec`` for the changed keys as they were before the run's apply commit: from
-    ``stored`` (the plan's snapshot, before apply) or else by time travel."""
+    ``stored`` (the plan's snapshot, before apply) or else by time travel; with the
+    ``carry`` columns of their change (the same join: no second one to pair them)."""
     key = spec.key[0]
     if stored is not None:
         rows = stored[spec.name].select(*columns)
@@ -80,7 +82,8 @@ def _old_rows(run: Run, spec: Any, date_column: str, changes: DataFrame, dates: 
         rows = run.tables.read(spec.name, columns,
                                {"client_id": run.client_id, date_column: dates},
                                version=version - 1)
-    return rows.join(changes.select(F.col("key").alias(key)), key, "left_semi")
+    return rows.join(changes.select(F.col("key").alias(key), *carry), key,
+                     "inner" if carry else "left_semi")
 
 
 def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
@@ -93,26 +96,27 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
     money = "decimal(30,4)"
     needed = ("session_date date, user_id string, session_start timestamp, revenue "
               + SESSIONS.schema["revenue"].dataType.simpleString())
-    columns = ["session_id", "session_date", "user_id", "session_start", "revenue"]
-    frames = sessions.where(F.col("new_value").isNotNull()).select(
+    new_revenue = F.from_json("new_value", needed)["revenue"].cast(money)
+    old = _old_rows(run, SESSIONS, "session_date", sessions, dates,
+                    ["session_id", "session_date", "user_id", "session_start", "revenue"],
+                    stored, carry=[F.col("change"), new_revenue.alias("new")]
+                    ) if updates else None
+    # Each changed session once, before and after: an old row carries its change's new
+    # revenue (none when retracted); a created session (or any, when the old rows are
+    # unknown) has only its new row.
+    fresh = sessions if old is None else sessions.where(F.col("change") == "created")
+    per_session = fresh.where(F.col("new_value").isNotNull()).select(
         F.col("key").alias("session_id"), "change",
         F.from_json("new_value", needed).alias("v")).select(
         "session_id", "change", F.col("v.session_date").alias("day"), "v.user_id",
         "v.session_start", F.lit(0).cast(money).alias("old"),
         F.col("v.revenue").cast(money).alias("new"))
-    old = _old_rows(run, SESSIONS, "session_date", sessions, dates, columns,
-                    stored) if updates else None
     if old is not None:
-        frames = frames.unionByName(old.select(
-            "session_id", F.lit(None).cast("string").alias("change"),
-            F.col("session_date").alias("day"), "user_id", "session_start",
-            F.col("revenue").cast(money).alias("old"), F.lit(0).cast(money).alias("new")))
-    per_session = frames.groupBy("session_id", "day").agg(
-        # A session the run left no new row of was retracted.
-        F.coalesce(F.max("change"), F.lit("retracted")).alias("change"),
-        F.max("user_id").alias("user_id"),
-        F.min("session_start").alias("session_start"), F.sum("old").alias("old"),
-        F.sum("new").alias("new")).persist()
+        per_session = per_session.unionByName(old.select(
+            "session_id", "change", F.col("session_date").alias("day"), "user_id",
+            "session_start", F.col("revenue").cast(money).alias("old"),
+            F.coalesce("new", F.lit(0).cast(money)).alias("new")))
+    per_session = per_session.persist()
     try:
         rows = per_session.groupBy("day").agg(F.sum("old").alias("old"),
                                               F.sum("new").alias("new")).orderBy("day").collect()
