@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -638,6 +639,27 @@ def test_a_producer_stopped_by_a_fatal_error_raises_a_delivery_error(config: Con
                             flush_timeout_s=20)
         assert topic_watermarks(own_config, "t") == {0: (0, 0)}
         assert produce_records(own_config, "t", [("k", "v")]) == 1  # the rerun's producer
+
+
+def test_a_dropped_producer_is_destroyed_at_once_not_at_the_next_cyclic_gc(
+        config: Config) -> None:
+    """Its delivery callback was its own bound method: a reference cycle, so every dropped
+    producer kept librdkafka's threads and its connections, retrying a stopped broker's port,
+    until Python's cyclic GC ran. Such a client connects to whatever binds that port next: the
+    likely cause of a CI run's sessionizer query failing where Spark's Python worker callback
+    port met a connection that was not its worker ("Authentication failed")."""
+    with EmbeddedBroker(port=0, topics={"t": 1}) as own:
+        producer = make_producer(config.replace(kafka_bootstrap_servers=own.bootstrap_servers))
+        producer.produce("t", key="k", value="v")
+        flush_or_raise(producer, 20)
+        assert producer.delivered == 0  # counted, then reset by the flush that checked them
+        dropped = weakref.ref(producer)
+        gc.disable()
+        try:
+            del producer
+            assert dropped() is None
+        finally:
+            gc.enable()
 
 
 def test_a_fatal_error_confluent_kafka_reports_as_a_bare_system_error_is_named(

@@ -271,6 +271,34 @@ def consumer_config(config: Config, group_id: str | None = None, **extra: Any) -
 # --------------------------------------------------------------------------------------------
 
 
+class DeliveryCounts:
+    """A producer's delivery reports, counted apart from it: the callback librdkafka holds
+    must not hold the producer. A producer whose own bound method was its callback was a
+    reference cycle, so a dropped producer kept its threads and connections (retrying a
+    stopped broker's port) until Python's cyclic GC ran, not when its last user let go."""
+
+    def __init__(self, user_on_delivery: Callable[..., None] | None) -> None:
+        self._user_on_delivery = user_on_delivery
+        self.reset()
+
+    def reset(self) -> None:
+        self.delivered = 0
+        self.failed = 0
+        self.first_error: str | None = None
+        self.first_failure: KafkaError | None = None
+
+    def on_delivery(self, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            self.delivered += 1
+        else:
+            self.failed += 1
+            if self.first_error is None:
+                self.first_error = f"topic {msg.topic()} [{msg.partition()}]: {err.str()}"
+                self.first_failure = err
+        if self._user_on_delivery is not None:
+            self._user_on_delivery(err, msg)
+
+
 class TrackedProducer(Producer):
     """A ``confluent_kafka.Producer`` that counts delivery reports for :func:`flush_or_raise`.
 
@@ -280,30 +308,25 @@ class TrackedProducer(Producer):
 
     def __init__(self, conf: Mapping[str, Any]) -> None:
         settings = dict(conf)
-        self._user_on_delivery: Callable[..., None] | None = settings.pop("on_delivery", None)
-        settings["on_delivery"] = self._on_delivery
+        self.counts = DeliveryCounts(settings.pop("on_delivery", None))
+        settings["on_delivery"] = self.counts.on_delivery
         self.bootstrap_servers = str(settings.get("bootstrap.servers", "?"))
-        self.delivered = 0
-        self.failed = 0
-        self.first_error: str | None = None
-        self._first_failure: KafkaError | None = None
         super().__init__(settings)
 
-    def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
-        if err is None:
-            self.delivered += 1
-        else:
-            self.failed += 1
-            if self.first_error is None:
-                self.first_error = f"topic {msg.topic()} [{msg.partition()}]: {err.str()}"
-                self._first_failure = err
-        if self._user_on_delivery is not None:
-            self._user_on_delivery(err, msg)
+    @property
+    def delivered(self) -> int:
+        return self.counts.delivered
+
+    @property
+    def failed(self) -> int:
+        return self.counts.failed
+
+    @property
+    def first_error(self) -> str | None:
+        return self.counts.first_error
 
     def reset_counts(self) -> None:
-        self.delivered = self.failed = 0
-        self.first_error = None
-        self._first_failure = None
+        self.counts.reset()
 
     # confluent-kafka raises a fatal error (an idempotent producer's sequence broken by the
     # broker) from poll()/flush() with the delivery reports of that call still to run: each
@@ -336,7 +359,7 @@ class TrackedProducer(Producer):
                       if isinstance(e, KafkaException) and e.args
                       and isinstance(e.args[0], KafkaError) and e.args[0].fatal()), None)
         if fatal is None and isinstance(exc, SystemError):
-            fatal = self._first_failure
+            fatal = self.counts.first_failure
         if fatal is None:
             return None
         return DeliveryError(
