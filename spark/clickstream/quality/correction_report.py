@@ -97,14 +97,16 @@ def revenue_by_day(run: Run, sessions: DataFrame, dates: list, updates: bool,
     needed = ("session_date date, user_id string, session_start timestamp, revenue "
               + SESSIONS.schema["revenue"].dataType.simpleString())
     new_revenue = F.from_json("new_value", needed)["revenue"].cast(money)
-    old = _old_rows(run, SESSIONS, "session_date", sessions, dates,
+    created = F.col("change") == "created"
+    # A created session has no old row: only the other changes meet (and parse) in the join.
+    old = _old_rows(run, SESSIONS, "session_date", sessions.where(~created), dates,
                     ["session_id", "session_date", "user_id", "session_start", "revenue"],
                     stored, carry=[F.col("change"), new_revenue.alias("new")]
                     ) if updates else None
     # Each changed session once, before and after: an old row carries its change's new
     # revenue (none when retracted); a created session (or any, when the old rows are
     # unknown) has only its new row.
-    fresh = sessions if old is None else sessions.where(F.col("change") == "created")
+    fresh = sessions if old is None else sessions.where(created)
     per_session = fresh.where(F.col("new_value").isNotNull()).select(
         F.col("key").alias("session_id"), "change",
         F.from_json("new_value", needed).alias("v")).select(
