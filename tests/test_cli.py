@@ -276,6 +276,23 @@ def test_fail_on_data_loss_refuses_anything_else(capsys: pytest.CaptureFixture) 
         "false"]
 
 
+@pytest.mark.parametrize(("text", "ms"), [
+    ("off", 0), ("OFF", 0), ("0", 0), ("0.0", 0), ("0s", 0), ("90s", 90_000), ("5", 300_000)])
+def test_the_idle_clock_takes_a_duration_or_off(text: str, ms: int) -> None:
+    assert Config.from_env({"CLICKSTREAM_IDLE_CLOCK_AFTER": text}).idle_clock_after_ms == ms
+    assert Config.from_env({}, idle_clock_after_minutes=text).idle_clock_after_ms == ms
+
+
+def test_the_idle_clock_refuses_what_is_no_duration(capsys: pytest.CaptureFixture) -> None:
+    assert Config().idle_clock_after_ms == 300_000
+    with pytest.raises(ConfigError, match="is negative; give a duration, or off"):
+        Config(idle_clock_after_minutes=-1.0)
+    assert main(["sessionize", "--idle-clock-after", "soon"]) == EXIT_NOT_RETRYABLE
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "clickstream sessionize: error: --idle-clock-after='soon' is not a duration; use "
+        "minutes (30) or a unit: 500ms, 45s, 30m, 2h"]
+
+
 @pytest.mark.parametrize(("step", "run_id"), [
     ("report", []), ("publish", ["--run-id", "orders-client-00-typo"]),
     ("check-applied", ["--run-id", "orders-client-00-typo"])])

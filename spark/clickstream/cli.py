@@ -416,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="true|false",
         help="false: go on when the broker dropped records not read yet, recording each lost "
         f"run of offsets in quarantine (default true: stop) [env {ENV_NAMES['fail_on_data_loss']}]")
+    sessionize.add_argument(
+        cli_flag("idle_clock_after_minutes"), dest="idle_clock_after_minutes", default=None,
+        metavar="DURATION",
+        help="after this long with no new event, the stream's event time runs on at the wall "
+        "clock's pace so that the sessions open when it went quiet close; off: they wait for "
+        f"the next events (default {Config().idle_clock_after_minutes:g} minutes) "
+        f"[env {ENV_NAMES['idle_clock_after_minutes']}]")
     _add_config_flags(sessionize)
     sessionize.set_defaults(handler=_cmd_sessionize)
 

@@ -34,6 +34,7 @@ ENV_NAMES: dict[str, str] = {
     "session_gap_minutes": "CLICKSTREAM_SESSION_GAP",
     "watermark_delay_minutes": "CLICKSTREAM_WATERMARK_DELAY",
     "max_ts_ahead_minutes": "CLICKSTREAM_MAX_TS_AHEAD",
+    "idle_clock_after_minutes": "CLICKSTREAM_IDLE_CLOCK_AFTER",
     "events_topic": "CLICKSTREAM_EVENTS_TOPIC",
     "sessions_topic": "CLICKSTREAM_SESSIONS_TOPIC",
     "attributions_topic": "CLICKSTREAM_ATTRIBUTIONS_TOPIC",
@@ -67,7 +68,10 @@ FLAG_HELP: Mapping[str, str] = {
     "quality_gates": "data-quality gates: enforce (default) or off",
 }
 # ... and those only `sessionize` takes.
-_FLAGGED = {*FLAG_HELP, "fail_on_data_loss", "max_events_per_trigger"}
+_FLAGGED = {*FLAG_HELP, "fail_on_data_loss", "max_events_per_trigger",
+            "idle_clock_after_minutes"}
+# The durations that also take "off" (or 0).
+_MAY_BE_OFF = ("idle_clock_after_minutes",)
 # The settings that are true or false.
 _BOOLEANS = ("fail_on_data_loss", "kafka_transactions")
 
@@ -172,6 +176,10 @@ class Config:
     # and every open session would close early.
     # Such an event is quarantined (events.parse.ts_ahead_error).
     max_ts_ahead_minutes: float = 10.0
+    # After this long with no new record on the events topic, the continuous sessionizer's
+    # event time runs on at the wall clock's pace, so the sessions open when the stream went
+    # quiet close (io.stream_clock); 0 ("off"): they wait for the next events.
+    idle_clock_after_minutes: float = 5.0
     events_topic: str = "events"
     sessions_topic: str = "sessions"
     attributions_topic: str = "attributions"
@@ -226,6 +234,10 @@ class Config:
             if not isinstance(getattr(self, name), bool):  # a text "false" would be true
                 raise ConfigError(f"{ENV_NAMES[name]} must be true or false, got "
                                   f"{getattr(self, name)!r}")
+        idle_after = self.idle_clock_after_minutes
+        if idle_after < 0:
+            raise ConfigError(f"{_setting_value('idle_clock_after_minutes', idle_after)} is "
+                              "negative; give a duration, or off")
         for name in ("shuffle_partitions", "max_events_per_trigger"):
             value = getattr(self, name)
             if value < 1:
@@ -261,6 +273,10 @@ class Config:
     @property
     def max_ts_ahead_ms(self) -> int:
         return round(self.max_ts_ahead_minutes * 60_000)
+
+    @property
+    def idle_clock_after_ms(self) -> int:
+        return round(self.idle_clock_after_minutes * 60_000)
 
     def table_path(self, table: str) -> Path:
         """Folder of one Delta table under the warehouse."""
@@ -319,6 +335,8 @@ def _convert(name: str, raw: object, source: str) -> object:
         return raw
     if not raw.strip():  # an unset shell variable passed as a flag, not "the current folder"
         raise ConfigError(f"{source} is empty; give a value or leave it out for the default")
+    if name in _MAY_BE_OFF and _is_off(raw):
+        return 0.0
     if name.endswith("_minutes"):
         return parse_minutes(raw, source)
     if name.endswith("_seconds"):
@@ -333,6 +351,12 @@ def _convert(name: str, raw: object, source: str) -> object:
     if name in _BOOLEANS:
         return parse_bool(raw, source)
     return raw
+
+
+def _is_off(text: str) -> bool:
+    """``off``, or a zero duration (``0``, ``0s``; ``0.0`` is how a script passes the float)."""
+    match = _DURATION.match(text)
+    return text.strip().lower() == "off" or (match is not None and float(match.group(1)) == 0)
 
 
 def _setting_value(name: str, value: object) -> str:

@@ -12,7 +12,13 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.events.contract import ID_MAX_BYTES, LOST_OFFSETS_HEADER, URL_MAX_BYTES
+from clickstream.events.contract import (
+    CLOCK_PARTITION,
+    CLOCK_SOURCE,
+    ID_MAX_BYTES,
+    LOST_OFFSETS_HEADER,
+    URL_MAX_BYTES,
+)
 from clickstream.events.parse import parse_kafka_records
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -336,6 +342,22 @@ def test_a_producer_clock_ahead_is_caught_though_it_stamped_the_record_too(
     value = json.dumps({**PAGEVIEW, "ts": wrong_clock.isoformat()})
     (row,) = parse(spark, (KEY, value), received=wrong_clock)
     assert "is more than 10 minutes ahead of its arrival at the stream" in row["error"]
+
+
+def test_a_clock_tick_is_a_row_of_its_own_with_its_time_and_no_error(
+    spark: SparkSession
+) -> None:
+    """A quiet stream's clock tick (io.stream_clock): no record, so no reason to quarantine it;
+    its time is the tick's. An empty record of a Kafka partition is refused as ever."""
+    at = T0 + timedelta(hours=3)
+    rows = [(None, None, "events", CLOCK_PARTITION, 0, at, 0, None),
+            (None, None, "events", 1, 7, at, 0, None)]
+    tick, empty = [r.asDict() for r in parse_kafka_records(
+        spark.createDataFrame(rows, KAFKA_SCHEMA), max_ts_ahead_ms=AHEAD_MS).orderBy(
+        "source").collect()]
+    assert (tick["source"], tick["error"], tick["event_type"], tick["ts"]) == (
+        CLOCK_SOURCE, None, None, at.replace(tzinfo=None))
+    assert (empty["source"], empty["error"]) == ("kafka:events/1/7", "value is empty")
 
 
 def test_a_marker_of_lost_offsets_is_quarantined_before_any_other_rule(

@@ -24,7 +24,7 @@ from clickstream.errors import (
     DataLossError,
     KafkaRefusedError,
 )
-from clickstream.events.contract import LOST_OFFSETS_HEADER
+from clickstream.events.contract import CLOCK_PARTITION, LOST_OFFSETS_HEADER
 from clickstream.io import kafka_source
 from clickstream.io.kafka_broker import EmbeddedBroker
 from clickstream.io.kafka_clients import (
@@ -39,6 +39,7 @@ from clickstream.io.kafka_clients import (
 from clickstream.io.kafka_source import (
     PLANNED_FROM,
     TOPIC_ID,
+    ClockTick,
     KafkaRange,
     KafkaStreamReader,
     _rate_limit,
@@ -47,6 +48,7 @@ from clickstream.io.kafka_source import (
     read_kafka_stream,
     read_range,
 )
+from clickstream.io.stream_clock import CLOCK_OFFSET, IdleClock
 from clickstream.tables import KAFKA_SCHEMA
 
 CREATED_MS = 1_763_640_000_000  # the producer's timestamps: CREATED_MS + i for record i
@@ -143,6 +145,42 @@ def _two_partitions_of_four_records(kafka_config: Config, make_topic
         producer.produce(topic, value=f"v{i}".encode(), partition=i % 2)
     flush_or_raise(producer, 30)
     return topic, KafkaStreamReader(_source_options(kafka_config, topic))
+
+
+def test_a_quiet_topics_reader_plans_a_clock_tick_once_and_a_catch_up_none(
+    kafka_config: Config, make_topic, tmp_path: Path
+) -> None:
+    """(stream_clock T1, T6) Nothing new for a period: the end offsets name a tick, whose
+    micro-batch reads one row and no record (not the first micro-batch's range again, K9);
+    later end offsets carry it on without reading it again; a catch-up never ticks."""
+    topic, _ = _two_partitions_of_four_records(kafka_config, make_topic)
+    clock = IdleClock(after_ms=1, delay_ms=1_000, gap_ms=60_000, checkpoint=tmp_path)
+    (tmp_path / "commits").mkdir()
+    (tmp_path / "commits" / "0").write_text('v1\n{"nextBatchWatermarkMs":5000}')
+    reader = KafkaStreamReader(_source_options(kafka_config, topic, **clock.options()))
+    first = reader.initialOffset()
+    end = reader.latestOffset(first, ReadAllAvailable())
+    assert PLANNED_FROM in end and CLOCK_OFFSET not in end  # records: no tick
+    time.sleep(0.01)
+    ticked = reader.latestOffset(end, ReadAllAvailable())
+    assert {k: v for k, v in ticked.items() if k != CLOCK_OFFSET} == {
+        k: v for k, v in end.items() if k != PLANNED_FROM}
+    assert ticked[CLOCK_OFFSET] > 6_000  # the latest event time (5,000 + the delay), and on
+    tasks = reader.partitions(end, ticked)
+    assert [type(task) for task in tasks] == [ClockTick]
+    assert pa.Table.from_batches(list(reader.read(tasks[0]))).to_pylist() == [{
+        "key": None, "value": None, "topic": topic, "partition": CLOCK_PARTITION, "offset": 0,
+        "timestamp": datetime.fromtimestamp(ticked[CLOCK_OFFSET] / 1000, UTC),
+        "timestampType": 0, "headers": None}]
+    producer = make_producer(kafka_config)
+    producer.produce(topic, value=b"v8", partition=0)
+    flush_or_raise(producer, 30)
+    after = reader.latestOffset(ticked, ReadAllAvailable())
+    assert after[CLOCK_OFFSET] == ticked[CLOCK_OFFSET]
+    assert [task.ranges for task in reader.partitions(ticked, after)] == [{0: (4, 5)}]
+    reader.prepareForTriggerAvailableNow()
+    time.sleep(0.01)
+    assert reader.latestOffset(after, ReadAllAvailable()) is after
 
 
 def test_a_partition_the_planned_start_does_not_know_is_read_from_offset_0(

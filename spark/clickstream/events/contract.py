@@ -101,3 +101,9 @@ CURRENCIES = frozenset(
 # before they were read, when told to go on (CLICKSTREAM_FAIL_ON_DATA_LOSS=false; io.kafka_source
 # K1, K2); its value names the lost run, b"<first>-<last>". The parser quarantines the marker.
 LOST_OFFSETS_HEADER = "clickstream-lost-offsets"
+
+# A clock tick: the row the Kafka source puts in a micro-batch of a quiet stream so that its
+# event time runs on (io.stream_clock). Its partition is one no Kafka record has; the parser
+# gives it this ``source`` (a record's is ``kafka:<topic>/<partition>/<offset>``) and no error.
+CLOCK_PARTITION = -1
+CLOCK_SOURCE = "clickstream-clock"

@@ -411,12 +411,23 @@ def _arrival(kafka_timestamp: Column) -> Column:
     return F.least(known, F.current_timestamp())  # least() skips a null
 
 
+def is_clock_tick() -> Column:
+    """Whether a parsed row is a quiet stream's clock tick (``io.stream_clock``), not a record:
+    no error, no event, ``ts`` the event time the stream's clock moves on to. Told by its
+    ``source``, which Spark computes from the partition alone when it pushes this filter
+    below the parse (an ``event_type`` test there would parse each record's JSON again)."""
+    return F.col("source") == contract.CLOCK_SOURCE
+
+
 def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFrame:
     """Turn Kafka-layout rows (key, value, topic, partition, offset, timestamp, ...) into parsed
-    events; ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``."""
+    events; ``max_ts_ahead_ms`` is ``Config.max_ts_ahead_ms``. A clock tick of the Kafka source
+    becomes a row of its own (:func:`is_clock_tick`)."""
     text = F.col("value").cast("string")  # Spark's cast keeps the bytes as they are
     key = F.col("key").cast("string")
-    source = F.format_string("kafka:%s/%d/%d", "topic", "partition", "offset")
+    tick = F.col("partition") == contract.CLOCK_PARTITION  # a quiet stream's clock tick
+    source = F.when(tick, F.lit(contract.CLOCK_SOURCE)).otherwise(
+        F.format_string("kafka:%s/%d/%d", "topic", "partition", "offset"))
     base = records.select(
         text.alias("raw"),
         bytes_unless_utf8(text).alias("_raw_bytes"),
@@ -426,10 +437,11 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         F.try_parse_json(text).alias("v"),
         F.from_json(text, _FIELDS_AS_TEXT).alias("_fields"),
         lost_offsets_error(records).alias("_lost"),
+        tick.alias("_tick"),
     )
     v = F.col("v")
     events = base.select(F.coalesce("_raw_bytes", "raw").alias("raw"), "_raw_bytes", "_key",
-                         "source", "_received", v, "_fields.*", "_lost")
+                         "source", "_received", v, "_fields.*", "_lost", "_tick")
     is_order = F.col("event_type") == contract.ORDER
     events = events.withColumn("amount", F.when(is_order, amount_text(v)))
     events = events.withColumn("ts_value", ts_from_text(F.col("ts"))).withColumnRenamed(
@@ -442,7 +454,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         missing = check if missing is None else F.coalesce(missing, check)
 
     is_pageview = F.col("event_type") == contract.PAGEVIEW
-    error = F.coalesce(
+    error = F.when(~F.col("_tick"), F.coalesce(
         F.col("_lost"),
         F.when(F.col("_raw_bytes").isNotNull(), F.lit(not_utf8_reason("value"))),
         F.when(_blank(F.col("raw")), F.lit("value is empty")),
@@ -474,7 +486,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         F.when(is_order, id_error(F.col("order_id"), "order_id")),
         F.when(is_order, amount_error(F.col("amount"))),
         F.when(is_order, currency_error(F.col("currency"))),
-    )
+    ))
     return events.select(
         "raw",
         "source",
@@ -482,7 +494,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         "client_id",
         "user_id",
         "event_type",
-        F.col("ts_value").alias("ts"),
+        F.when(F.col("_tick"), F.col("_received")).otherwise(F.col("ts_value")).alias("ts"),
         "url",
         "referrer",
         "order_id",

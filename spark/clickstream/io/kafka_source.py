@@ -144,6 +144,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from clickstream.config import Config
+from clickstream.events.contract import CLOCK_PARTITION
 from clickstream.io.kafka_clients import (
     check_no_data_loss,
     check_same_log,
@@ -151,6 +152,7 @@ from clickstream.io.kafka_clients import (
     topic_id,
     topic_watermarks,
 )
+from clickstream.io.stream_clock import CLOCK_OFFSET, IdleClock, QuietTimer
 from clickstream.tables import KAFKA_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,22 @@ class KafkaRange(InputPartition):
     @property
     def rows(self) -> int:
         return sum(end - start for start, end in self.ranges.values())
+
+
+class ClockTick(InputPartition):
+    """A quiet stream's clock tick (``io.stream_clock``): one row, no key or value, in a
+    partition no record has, timed at the event time the stream's clock moves on to."""
+
+    def __init__(self, topic: str, event_time_ms: int) -> None:
+        super().__init__((topic, CLOCK_OFFSET, event_time_ms))
+        self.topic = topic
+        self.event_time_ms = event_time_ms
+
+    def record_batch(self) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pylist([{
+            "key": None, "value": None, "topic": self.topic, "partition": CLOCK_PARTITION,
+            "offset": 0, "timestamp": self.event_time_ms * 1000, "timestampType": 0,
+            "headers": None}], schema=_ARROW_SCHEMA)
 
 
 def group_ranges(topic: str, ranges: Mapping[int, tuple[int, int]], tasks: int,
@@ -229,6 +247,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._warned_log_starts: set[tuple[int, int]] = set()  # (K8) once each
         self._initial: dict | None = None  # what initialOffset() last answered (K9)
         self._first_planned: dict | None = None  # the first micro-batch this run planned (K10)
+        clock = IdleClock.from_options(self.options)
+        self._quiet = QuietTimer(clock) if clock is not None else None
 
     def _same_log(self, *planned: dict) -> str | None:
         """The topic's id now (asked before its offsets, so that offsets read from a new log
@@ -292,18 +312,35 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if isinstance(limit, ReadMaxRows):
             latest = _rate_limit(counted_from, latest, limit.max_rows)
         if all(stop == int(planned_from.get(key, 0)) for key, stop in latest.items()):
-            return start  # nothing new: no micro-batch (K9)
+            tick = self._clock_tick(start)
+            if tick is None:
+                return start  # nothing new: no micro-batch (K9)
+            # A quiet stream's clock ticks (T1): the records' ends as they are. Not where the
+            # first micro-batch started (K9): ``partitions`` would read its records again.
+            return {**{k: v for k, v in start.items() if k != PLANNED_FROM}, CLOCK_OFFSET: tick}
+        if self._quiet is not None:
+            self._quiet.moved()
         end = _with_topic_id(latest, current)
+        if CLOCK_OFFSET in start:  # carried on (T1)
+            end[CLOCK_OFFSET] = start[CLOCK_OFFSET]
         if first:  # its start goes with it (K9), as moved (K10)
             end[PLANNED_FROM] = planned_from
             self._first_planned = end
         return end
 
+    def _clock_tick(self, start: dict) -> int | None:
+        """The event time of a quiet stream's clock tick to plan now, or None (T3, T5, T6)."""
+        if self._quiet is None or self._target is not None:
+            return None
+        return self._quiet.tick(start.get(CLOCK_OFFSET))
+
     def reportLatestOffset(self) -> dict | None:
         return {str(p): high for p, (_low, high) in _watermarks(self.options, self.topic).items()}
 
-    def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         self._same_log(start, end)  # a restart replays its last batch from here (K7)
+        tick = end.get(CLOCK_OFFSET)
+        ticks = [ClockTick(self.topic, tick)] if tick not in (None, start.get(CLOCK_OFFSET)) else []
         stops = _partition_offsets(end)
         # The first micro-batch's start as planned, not as initialOffset() now answers (K9).
         start = end.get(PLANNED_FROM, start)
@@ -313,9 +350,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = {p: (begin, stop) for p, (begin, stop) in ranges.items() if stop > begin}
         # Planned by this run just now, not replayed from the checkpoint (K10).
         first_read = PLANNED_FROM in end and end == self._first_planned
-        return group_ranges(self.topic, ranges, self.read_tasks or len(ranges), first_read)
+        return [*group_ranges(self.topic, ranges, self.read_tasks or len(ranges), first_read),
+                *ticks]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if isinstance(partition, ClockTick):
+            yield partition.record_batch()
+            return
         assert isinstance(partition, KafkaRange)
         yield from read_range(self.options, partition, fail_on_data_loss=self.fail_on_data_loss)
 
@@ -550,12 +591,15 @@ def native_client_options(config: Config) -> dict[str, str]:
 
 
 def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
-                      share_reads: bool = False) -> DataFrame:
+                      share_reads: bool = False, idle_clock: IdleClock | None = None
+                      ) -> DataFrame:
     """The events stream in Kafka layout, from the source the configuration selects.
 
     Args:
         share_reads: the query scans each micro-batch twice (the sessionizer's two branches):
             the second read takes the first's batches (K6). The native source reads Kafka.
+        idle_clock: a quiet stream's clock ticks (``io.stream_clock``); not with the native
+            source (T6).
     """
     if config.kafka_source == "native":
         reader = (
@@ -579,5 +623,6 @@ def read_kafka_stream(spark: SparkSession, config: Config, topic: str, *,
         .option("kafkaOptions", json.dumps(dict(config.kafka_options)))
         .option("readTasks", str(spark.sparkContext.defaultParallelism))  # (K5)
         .option("shareReads", uuid.uuid4().hex if share_reads else "")  # (K6)
+        .options(**(idle_clock.options() if idle_clock is not None else {}))
         .load()
     )

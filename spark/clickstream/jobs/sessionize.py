@@ -171,6 +171,10 @@ Known edge cases, cited inline as (Z1)..(Z18):
       closes the groups of other checkpoints (deleted: none will replay them). The close
       names the batch's watermark in the read point: a reader learns from it which sessions
       may still be open in the state (no row yet), and which pageviews are in no session.
+  Z20. A quiet stream's clock tick (``io.stream_clock``) passes the session branch's
+      watermark and stops there, and the record branch drops it: it moves the watermark and
+      is neither stored, counted as a record, nor seen by the session state. The micro-batch
+      that reads it says so in its progress line; the next one emits what it closed.
 """
 
 from __future__ import annotations
@@ -198,7 +202,7 @@ from clickstream import errors
 from clickstream.atomic_files import write_atomically
 from clickstream.config import ENV_NAMES, Config
 from clickstream.events import contract
-from clickstream.events.parse import parse_kafka_records
+from clickstream.events.parse import is_clock_tick, parse_kafka_records
 from clickstream.io import read_point
 from clickstream.io.delta_tables import AppendResult, DeltaTables, open_tables
 from clickstream.io.kafka_changelog import (
@@ -208,6 +212,7 @@ from clickstream.io.kafka_changelog import (
 )
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
+from clickstream.io.stream_clock import IdleClock, planned_tick_ms
 from clickstream.locks import (
     LOCKS_FOLDER,
     Holder,
@@ -321,8 +326,11 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
     what that saves: ``bench/sessionizer_bench.py stages``). ``history``: what the checkpoint
     pinned (``history_until``), which the session state never counts (Z18).
     """
+    idle_clock = IdleClock(config.idle_clock_after_ms, config.watermark_delay_ms,
+                           config.session_gap_ms, config.checkpoint_path(JOB))
     records = parse_kafka_records(
-        read_kafka_stream(spark, config, config.events_topic, share_reads=share_reads),
+        read_kafka_stream(spark, config, config.events_topic, share_reads=share_reads,
+                          idle_clock=idle_clock if config.idle_clock_after_ms else None),
         max_ts_ahead_ms=config.max_ts_ahead_ms)
     # One predicate, not a conjunction: Spark would push a conjunct on ``event_type`` alone
     # below the parse, where it parses every record's JSON a second time to read that field.
@@ -330,7 +338,13 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
         F.col("error").isNull()
         & F.col("event_type").isin(contract.PAGEVIEW, contract.ORDER)
         & raw_events_admitted(config),  # what the sink's gate quarantines
-        F.lit(False))
+        F.lit(False)) | is_clock_tick()
+    # Past the watermark, only records reach the state: a clock tick (the one row without an
+    # event type here) moved the watermark and stops (Z20), and so does history (Z18, late as
+    # the sink takes it). One predicate on ``ts``: Spark pushes a filter that
+    # does not read the event time below the watermark, where the ticks would move nothing.
+    reaches_state = F.when(F.col("event_type").isNull(), F.col("ts").isNull()).otherwise(
+        ~is_history(history))
     session_input = (
         records.where(is_session_input)
         .select(
@@ -340,7 +354,7 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
             _amount_e4().alias("amount_e4"), "currency",
         )
         .withWatermark("ts", f"{config.watermark_delay_ms} milliseconds")
-        .where(~is_history(history))  # (Z18) late, as the sink takes it; the clock saw it
+        .where(reaches_state)
     )
     emitted = session_input.groupBy("bucket").transformWithStateInPandas(
         statefulProcessor=SessionProcessor(config.session_gap_ms),
@@ -353,7 +367,7 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
         F.lit("emitted").alias("branch"),
         F.struct(*emitted.columns).alias("emitted"),
         F.lit(None).cast(record_type).alias("record"),
-    ).unionByName(records.select(
+    ).unionByName(records.where(~is_clock_tick()).select(  # (Z20)
         F.lit("record").alias("branch"),
         F.lit(None).cast(OUTPUT_SCHEMA).alias("emitted"),
         F.struct(*records.columns).alias("record"),
@@ -778,9 +792,16 @@ class MicroBatchWriter:
         counts = self.write_micro_batch(batch, batch_id, late_before)
         self.summary.batches += 1
         self.summary.totals.add(counts)
+        tick = planned_tick_ms(self.checkpoint, batch_id)
         print(f"sessionize batch {batch_id}: {counts.describe()}"
-              f"{self._why_late(late_before) if counts.late_records else ''} "
+              f"{self._why_late(late_before) if counts.late_records else ''}"
+              f"{'' if tick is None else self._clock_moved(tick)} "
               f"({time.monotonic() - started:.1f}s)", flush=True)
+
+    def _clock_moved(self, tick_ms: int) -> str:
+        return (f" (no new events for {self.config.idle_clock_after_ms / 1000:g}s or more: "
+                f"the quiet stream's clock moved on to {utc_text(tick_ms)}, closing the "
+                "sessions it passes in the next micro-batch)")
 
     def _why_late(self, late_before_ms: int) -> str:
         """What made records late, for an operator who sees only the count: one producer's
