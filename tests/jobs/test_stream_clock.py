@@ -15,6 +15,7 @@ from pyspark.sql import SparkSession
 
 from clickstream.config import Config
 from clickstream.io.stream_clock import IdleClock, QuietTimer
+from clickstream.jobs.inspect import describe_sessionizer
 from tests.jobs.test_sessionize import (
     assert_topic_equals_table,
     ms,
@@ -124,3 +125,5 @@ def test_a_quiet_stream_closes_its_last_sessions_and_a_later_event_of_their_time
     assert table_rows(config, spark, "sessions") == sessions  # the late one did not reopen it
     assert_topic_equals_table(config, sessions)
     assert logged(config, "commits")[-1] >= 2  # the pageviews' micro-batch, a tick, its close
+    assert any(line.startswith("  the quiet stream's clock moved event time on to ")
+               for line in describe_sessionizer(config))

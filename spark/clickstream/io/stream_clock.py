@@ -113,16 +113,18 @@ class QuietTimer:
         return latest + quiet_ms
 
 
-def planned_tick_ms(checkpoint: Path, batch_id: int) -> int | None:
-    """The clock tick micro-batch ``batch_id`` of the query at ``checkpoint`` reads, or None:
-    its sources' end offsets name a later tick than the previous micro-batch's (T1)."""
-    def latest_tick(batch: int) -> int | None:
-        logged = checkpoint / "offsets" / str(batch)
-        if batch < 0 or not logged.exists():
-            return None
-        ticks = [json.loads(line).get(CLOCK_OFFSET) for line in
-                 logged.read_text().splitlines()[2:] if line.strip() not in ("", "-")]
-        return max((tick for tick in ticks if tick is not None), default=None)
+def logged_tick_ms(checkpoint: Path, batch_id: int) -> int | None:
+    """The latest clock tick the end offsets of micro-batch ``batch_id`` carry (T1), or None."""
+    logged = checkpoint / "offsets" / str(batch_id)
+    if batch_id < 0 or not logged.exists():
+        return None
+    ticks = [json.loads(line).get(CLOCK_OFFSET) for line in logged.read_text().splitlines()[2:]
+             if line.strip() not in ("", "-")]
+    return max((tick for tick in ticks if tick is not None), default=None)
 
-    tick, before = latest_tick(batch_id), latest_tick(batch_id - 1)
+
+def planned_tick_ms(checkpoint: Path, batch_id: int) -> int | None:
+    """The clock tick micro-batch ``batch_id`` reads, or None: its end offsets name a later
+    tick than the previous micro-batch's (T1)."""
+    tick, before = logged_tick_ms(checkpoint, batch_id), logged_tick_ms(checkpoint, batch_id - 1)
     return tick if tick is not None and (before is None or tick > before) else None

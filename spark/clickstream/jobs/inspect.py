@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from clickstream.config import Config
+from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import DataLossError
 from clickstream.io import read_point
 from clickstream.io.delta_tables import open_tables
@@ -24,6 +24,7 @@ from clickstream.io.kafka_clients import (
     topic_id,
     topic_watermarks,
 )
+from clickstream.io.stream_clock import logged_tick_ms
 from clickstream.jobs.sessionize import JOB, checkpoint_progress
 from clickstream.progress import utc_text
 from clickstream.tables import ALL_TABLES
@@ -116,6 +117,10 @@ def describe_sessionizer(config: Config) -> list[str]:
                      "replayed at the next start")
     lines.append(f"  event-time watermark {utc_text(progress.watermark_ms)}: a record with a ts at "
                  "or before it is late (stored, and queued for `clickstream recompute`)")
+    tick = logged_tick_ms(checkpoint, progress.committed)
+    if tick is not None:
+        lines.append(f"  the quiet stream's clock moved event time on to {utc_text(tick)} at its "
+                     f"last tick ({ENV_NAMES['idle_clock_after_minutes']})")
     if progress.offsets:
         lines.append(f"  {config.events_topic}: next offsets " + ", ".join(
             f"p{p} {o}" for p, o in sorted(progress.offsets.items())))
