@@ -168,6 +168,10 @@ def test_a_quiet_topics_reader_plans_a_clock_tick_once_and_a_catch_up_none(
     assert ticked[CLOCK_OFFSET] > 6_000  # the latest event time (5,000 + the delay), and on
     tasks = reader.partitions(end, ticked)
     assert [type(task) for task in tasks] == [ClockTick]
+    # A restart replaying that micro-batch from the checkpoint's offsets reads the same tick.
+    restarted = KafkaStreamReader(_source_options(kafka_config, topic, **clock.options()))
+    assert [(type(t), t.event_time_ms) for t in restarted.partitions(end, ticked)] == [
+        (ClockTick, ticked[CLOCK_OFFSET])]
     assert pa.Table.from_batches(list(reader.read(tasks[0]))).to_pylist() == [{
         "key": None, "value": None, "topic": topic, "partition": CLOCK_PARTITION, "offset": 0,
         "timestamp": datetime.fromtimestamp(ticked[CLOCK_OFFSET] / 1000, UTC),

@@ -113,6 +113,9 @@ def test_a_quiet_stream_closes_its_last_sessions_and_a_later_event_of_their_time
             time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
+        # Its progress line says what made it late.
+        assert "where the quiet stream's clock moved it (CLICKSTREAM_IDLE_CLOCK_AFTER)" in (
+            log.read_text())
         assert group_ends(process.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):

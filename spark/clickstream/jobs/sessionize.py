@@ -212,7 +212,7 @@ from clickstream.io.kafka_changelog import (
 )
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
-from clickstream.io.stream_clock import IdleClock, planned_tick_ms
+from clickstream.io.stream_clock import IdleClock, logged_tick_ms, planned_tick_ms
 from clickstream.locks import (
     LOCKS_FOLDER,
     Holder,
@@ -794,7 +794,7 @@ class MicroBatchWriter:
         self.summary.totals.add(counts)
         tick = planned_tick_ms(self.checkpoint, batch_id)
         print(f"sessionize batch {batch_id}: {counts.describe()}"
-              f"{self._why_late(late_before) if counts.late_records else ''}"
+              f"{self._why_late(late_before, batch_id) if counts.late_records else ''}"
               f"{'' if tick is None else self._clock_moved(tick)} "
               f"({time.monotonic() - started:.1f}s)", flush=True)
 
@@ -803,10 +803,15 @@ class MicroBatchWriter:
                 f"the quiet stream's clock moved on to {utc_text(tick_ms)}, closing the "
                 "sessions it passes in the next micro-batch)")
 
-    def _why_late(self, late_before_ms: int) -> str:
+    def _why_late(self, late_before_ms: int, batch_id: int) -> str:
         """What made records late, for an operator who sees only the count: one producer's
-        clock ahead carries the watermark with it (README, CLICKSTREAM_MAX_TS_AHEAD)."""
+        clock ahead carries the watermark with it (README, CLICKSTREAM_MAX_TS_AHEAD), or the
+        quiet stream's clock did (io.stream_clock T4)."""
         why = [f"ts at or before the watermark {utc_text(late_before_ms)}"] * (late_before_ms > 0)
+        tick = logged_tick_ms(self.checkpoint, batch_id - 1)
+        if why and tick is not None and tick - self.config.watermark_delay_ms >= late_before_ms:
+            why[0] += (", where the quiet stream's clock moved it "
+                       f"({ENV_NAMES['idle_clock_after_minutes']})")
         if self.history:
             why.append("within the history the tables held at start (Z18)")
         return f" (late: {' or '.join(why)})"
