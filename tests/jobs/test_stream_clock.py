@@ -16,6 +16,7 @@ from pyspark.sql import SparkSession
 from clickstream.config import Config
 from clickstream.io.stream_clock import IdleClock, QuietTimer
 from clickstream.jobs.inspect import describe_sessionizer
+from clickstream.jobs.recompute import run_recompute
 from tests.jobs.test_sessionize import (
     assert_topic_equals_table,
     ms,
@@ -130,3 +131,10 @@ def test_a_quiet_stream_closes_its_last_sessions_and_a_later_event_of_their_time
     assert logged(config, "commits")[-1] >= 2  # the pageviews' micro-batch, a tick, its close
     assert any(line.startswith("  the quiet stream's clock moved event time on to ")
                for line in describe_sessionizer(config))
+    # Late, not lost: the recompute folds it into the session, at its next revision.
+    run_recompute(config, spark=spark)
+    assert table_rows(config, spark, "recompute_queue") == []
+    (session,) = table_rows(config, spark, "sessions")
+    assert (ms(session["session_start"]), ms(session["session_end"]), session["pageview_count"],
+            session["revision"]) == (ms(start), ms(start) + 2_000, 3, 2)
+    assert_topic_equals_table(config, [session])
