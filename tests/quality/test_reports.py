@@ -224,6 +224,37 @@ def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: C
     assert assert_every_link_resolves(root) > 0
 
 
+def test_an_entry_rewrites_only_the_filtered_pages_it_changes(config: Config) -> None:
+    """(R5) A run of one client leaves every other client's page as it was, unless a new
+    client joins the filter bar every page carries."""
+    root = reports_dir(config)
+
+    def run_page(run_id: str, client: str, status: str = "passed") -> ReportEntry:
+        href = f"backfills/{run_id}.html"
+        (root / "backfills").mkdir(parents=True, exist_ok=True)
+        (root / href).write_text(f"<p>{run_id}</p>")
+        return ReportEntry(time=f"2026-12-06T10:00:0{len(read_entries(root))}+00:00",
+                           job="backfill", run_id=run_id, kind="report", title=RUN_SUMMARY,
+                           status=status, href=href, client_id=client)
+
+    def written(client: str) -> tuple[int, int]:
+        found = (root / client_index_name(client)).stat()
+        return found.st_ino, found.st_mtime_ns
+
+    record(config, run_page("run-a", "client-a"))
+    record(config, run_page("run-b", "client-b"))
+    b_page = written("client-b")
+    record(config, run_page("run-a2", "client-a", status="failed"))
+    assert written("client-b") == b_page
+    assert [r[2] for r in parse(root / client_index_name("client-a")).rows if len(r) == 6] == [
+        "run-a2", "run-a"]
+    assert [r[2] for r in parse(root / "index-failed.html").rows if len(r) == 6] == ["run-a2"]
+    record(config, run_page("run-c", "client-c"))
+    assert written("client-b") != b_page
+    assert client_index_name("client-c") in relative_links(root / client_index_name("client-b"))
+    assert assert_every_link_resolves(root) > 0
+
+
 def test_bar_chart_is_inline_svg_with_one_bar_per_day() -> None:
     svg = svg_bar_chart([("2026-11-01", 12.5), ("2026-11-02", -4.0), ("2026-11-03", 0.0)])
     assert svg.startswith("<svg") and svg.endswith("</svg>")

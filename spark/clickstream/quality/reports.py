@@ -16,7 +16,7 @@ serve the folder as it is, and a browser can open ``index.html`` from disk)::
       backfills/<run>.finished.html                who published its plan, if another run did
       static/images/favicon.ico
 
-Known edge cases, cited inline as (R1)..(R4):
+Known edge cases, cited inline as (R1)..(R5):
   R1. Several processes write reports at once (the stream, a backfill, Airflow tasks): an
       entry is appended and the index rebuilt under an exclusive file lock, and the index is
       replaced atomically, so a reader never sees half a page.
@@ -32,6 +32,11 @@ Known edge cases, cited inline as (R1)..(R4):
       pages on its own origin, so a ``<script>`` among them would run as the logged-in user.
       GX escapes only its string templates' parameters, not table cells or the page header,
       so every other string of a GX document is escaped here before GX renders it.
+  R5. A new entry changes the index, the failed runs' page and the pages of its run's
+      clients, and only those while the clients stay the same (every filtered page links to
+      every client's): the rest are left as they were. Rewritten at every entry, a
+      sessionizer's reports (its failures, every micro-batch with bad data) rewrote a page per
+      client each time.
 """
 
 from __future__ import annotations
@@ -134,7 +139,7 @@ def record(config: Config, entry: ReportEntry) -> Path:
     with _locked(root):
         with (root / ENTRIES).open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(asdict(entry)) + "\n")
-        return _rebuild_index(root)
+        return _rebuild_index(root, touched=(entry.job, entry.run_id))
 
 
 def rebuild_index(config: Config) -> Path:
@@ -209,6 +214,7 @@ FILTERED_PREFIX = "index-"  # index-failed.html, index-client-<client>.html: the
 
 @dataclass(frozen=True)
 class _RunRow:
+    run: tuple[str, str]  # job, run id
     time: str
     status: str
     clients: tuple[str, ...]
@@ -241,7 +247,7 @@ def _run_rows(entries: Sequence[ReportEntry]) -> list[_RunRow]:
             f"{html.escape(e.title)}</a>"
             for e in items)
         time = max(e.time for e in items)
-        rows.append(_RunRow(time, status, clients, (
+        rows.append(_RunRow((job, run_id), time, status, clients, (
             f"<tr><td>{html.escape(time[:19].replace('T', ' '))}</td>"
             f"<td>{html.escape(_run_label(job, items))}</td><td><code>{html.escape(run_id)}"
             f"</code></td><td>{html.escape(', '.join(clients))}</td>"
@@ -279,7 +285,9 @@ def _runs_table(rows: Sequence[_RunRow]) -> str:
         "</table>")
 
 
-def _rebuild_index(root: Path) -> Path:
+def _rebuild_index(root: Path, touched: tuple[str, str] | None = None) -> Path:
+    """Write the index and its filtered pages; with ``touched`` (the job and run id of a new
+    entry), only the filtered pages it changed (R5)."""
     rows = _run_rows(read_entries(root))
     clients = sorted({client for row in rows for client in row.clients})
     suites_rows = []
@@ -304,11 +312,15 @@ def _rebuild_index(root: Path) -> Path:
     filtered.update({client_index_name(c): (f"Quality reports: client {c}",
                                             [r for r in rows if c in r.clients])
                      for c in clients})
+    written = {path.name for path in root.glob(f"{FILTERED_PREFIX}*.html")}
+    for stale in written - set(filtered):  # a client whose reports were deleted
+        (root / stale).unlink(missing_ok=True)
+    if touched is not None and written == set(filtered):  # the same clients (R5)
+        unchanged = {client_index_name(c) for c in clients} - {
+            client_index_name(c) for row in rows if row.run == touched for c in row.clients}
+        filtered = {name: shown for name, shown in filtered.items() if name not in unchanged}
     for name, (title, shown) in filtered.items():
         write_atomically(root / name, page(title, _filters(clients, name) + _runs_table(shown)))
-    for stale in root.glob(f"{FILTERED_PREFIX}*.html"):  # a client whose reports were deleted
-        if stale.name not in filtered:
-            stale.unlink(missing_ok=True)
     target = root / INDEX
     write_atomically(target, page("Quality reports", body).replace(
         f"<p class='muted'><a href='{INDEX}'>&larr; all quality reports</a></p>", ""))
