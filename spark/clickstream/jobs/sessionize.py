@@ -808,8 +808,10 @@ class MicroBatchWriter:
         clock ahead carries the watermark with it (README, CLICKSTREAM_MAX_TS_AHEAD), or the
         quiet stream's clock did (io.stream_clock T4)."""
         why = [f"ts at or before the watermark {utc_text(late_before_ms)}"] * (late_before_ms > 0)
-        tick = logged_tick_ms(self.checkpoint, batch_id - 1)
-        if why and tick is not None and tick - self.config.watermark_delay_ms >= late_before_ms:
+        # The watermark of micro-batch N - 1 (Z1) is what N - 2 and the batches before it
+        # saw: a tick among them set it when the watermark is that tick less the delay.
+        tick = logged_tick_ms(self.checkpoint, batch_id - 2)
+        if why and tick is not None and tick - self.config.watermark_delay_ms == late_before_ms:
             why[0] += (", where the quiet stream's clock moved it "
                        f"({ENV_NAMES['idle_clock_after_minutes']})")
         if self.history:
