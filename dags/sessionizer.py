@@ -44,8 +44,15 @@ to the `sessions` table and topic. Late events go to `recompute_queue`
   this DAG streams (or the other way round) is refused at once, naming the pid that holds
   the checkpoint; this task then retries (5 times), and the DAG pauses after 6 failed runs
   (about an hour): unpause it once the other one stopped.
+* **A quiet stream's sessions close:** once no record arrives for
+  `CLICKSTREAM_IDLE_CLOCK_AFTER` (5 minutes; `off` disables it), the stream's event time runs
+  on at the wall clock's pace, so the sessions open when traffic stopped close one gap plus the
+  watermark delay later; the task log says `the quiet stream's clock moved on to ...`. Events
+  that come afterwards for the quiet time are late: stored and queued for
+  `scheduled_recompute` (README, "A quiet stream").
 * Param `until_caught_up` (off by default): process what is available now, commit, and end
-  the run — for demos and tests; the next continuous run streams again.
+  the run — for demos and tests; the next continuous run streams again (a catch-up never
+  moves the clock).
 """
 
 
