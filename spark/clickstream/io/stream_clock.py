@@ -41,6 +41,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from clickstream.io.spark_checkpoint import last_logged_batch
+
 CLOCK_OFFSET = "clock"  # in the source's end offsets: the latest tick's event time, ms (T1)
 
 
@@ -69,11 +71,10 @@ class IdleClock:
 
     def latest_event_time_ms(self) -> int | None:
         """The latest event time the query's watermark has taken in, ticks included (T2)."""
-        commits = self.checkpoint / "commits"
-        batches = [int(p.name) for p in commits.glob("[0-9]*")] if commits.is_dir() else []
-        if not batches:
+        committed = last_logged_batch(self.checkpoint, "commits")
+        if committed < 0:
             return None
-        lines = (commits / str(max(batches))).read_text().splitlines()
+        lines = (self.checkpoint / "commits" / str(committed)).read_text().splitlines()
         watermark = int(json.loads(lines[1]).get("nextBatchWatermarkMs", 0))
         return watermark + self.delay_ms if watermark > 0 else None
 

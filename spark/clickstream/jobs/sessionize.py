@@ -212,6 +212,7 @@ from clickstream.io.kafka_changelog import (
 )
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
+from clickstream.io.spark_checkpoint import last_logged_batch
 from clickstream.io.stream_clock import IdleClock, logged_tick_ms, planned_tick_ms
 from clickstream.locks import (
     LOCKS_FOLDER,
@@ -327,10 +328,11 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
     pinned (``history_until``), which the session state never counts (Z18).
     """
     idle_clock = IdleClock(config.idle_clock_after_ms, config.watermark_delay_ms,
-                           config.session_gap_ms, config.checkpoint_path(JOB))
+                           config.session_gap_ms, config.checkpoint_path(JOB)
+                           ) if config.idle_clock_after_ms else None
     records = parse_kafka_records(
         read_kafka_stream(spark, config, config.events_topic, share_reads=share_reads,
-                          idle_clock=idle_clock if config.idle_clock_after_ms else None),
+                          idle_clock=idle_clock),
         max_ts_ahead_ms=config.max_ts_ahead_ms)
     # One predicate, not a conjunction: Spark would push a conjunct on ``event_type`` alone
     # below the parse, where it parses every record's JSON a second time to read that field.
@@ -403,7 +405,7 @@ def stream_watermark_ms(config: Config, client_id: str) -> int | None:
         if history is None or not held(sessionizer_lock_path(config)):
             return None
         return history.get(client_id, 0)
-    return checkpoint_watermark_ms(checkpoint, _last_logged_batch(checkpoint, "commits"))
+    return checkpoint_watermark_ms(checkpoint, last_logged_batch(checkpoint, "commits"))
 
 
 @dataclass(frozen=True)
@@ -425,7 +427,7 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
     takes, per partition, the lower of the query's two scans of the topic."""
     if not _planned_a_batch(checkpoint):
         return None
-    committed = _last_logged_batch(checkpoint, "commits")
+    committed = last_logged_batch(checkpoint, "commits")
     offsets: dict[int, int] = {}
     committed_at = read_id = None
     # Before the first commit, where the first micro-batch starts, as its source keeps it
@@ -445,17 +447,9 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
             for partition, offset in by_partition.items():
                 if partition.isdigit():
                     offsets[int(partition)] = min(offset, offsets.get(int(partition), offset))
-    return CheckpointProgress(committed, _last_logged_batch(checkpoint, "offsets"),
+    return CheckpointProgress(committed, last_logged_batch(checkpoint, "offsets"),
                               committed_at, checkpoint_watermark_ms(checkpoint, committed),
                               offsets, read_id)
-
-
-def _last_logged_batch(checkpoint: Path, log: str) -> int:
-    """The last batch id in one of the checkpoint's logs (``offsets``: planned, ``commits``:
-    committed); -1 if none."""
-    folder = checkpoint / log
-    ids = [int(p.name) for p in folder.glob("[0-9]*")] if folder.exists() else []
-    return max(ids, default=-1)
 
 
 SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
@@ -657,7 +651,7 @@ def _refuse_another_gap(checkpoint: Path, recorded_ms: int, config: Config, why:
 
 
 def _planned_a_batch(checkpoint: Path) -> bool:
-    return _last_logged_batch(checkpoint, "offsets") >= 0
+    return last_logged_batch(checkpoint, "offsets") >= 0
 
 
 def checkpoint_query_id(checkpoint: Path) -> str:
@@ -1271,15 +1265,15 @@ def _start_query(spark: SparkSession, config: Config, writer: MicroBatchWriter,
 def _stop_after_planned_micro_batches(query: StreamingQuery, writer: MicroBatchWriter,
                                       checkpoint: Path, now: threading.Event) -> None:
     """Let the micro-batches planned so far commit, then stop the query (Z13)."""
-    last = writer.stop_after(_last_logged_batch(checkpoint, "offsets"))
-    if last > _last_logged_batch(checkpoint, "commits"):
+    last = writer.stop_after(last_logged_batch(checkpoint, "offsets"))
+    if last > last_logged_batch(checkpoint, "commits"):
         print(f"sessionize: stopping after micro-batch {last} (signal again to stop at once)",
               flush=True)
     while (query.isActive and not now.is_set()
-           and _last_logged_batch(checkpoint, "commits") < last):
+           and last_logged_batch(checkpoint, "commits") < last):
         now.wait(0.2)
     query.stop()
-    committed = _last_logged_batch(checkpoint, "commits")
+    committed = last_logged_batch(checkpoint, "commits")
     print("sessionize: stopped; " + (f"micro-batches up to {committed} are committed"
                                      if committed >= 0 else "no micro-batch committed yet"),
           flush=True)
