@@ -234,6 +234,27 @@ def test_progress_reaches_a_pipe_as_it_is_printed() -> None:
         process.wait()
 
 
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_line_is_written_whole_even_unbuffered(stream: str) -> None:
+    """The sessionizer's log holds its JVM's lines too (one file for stdout and stderr):
+    unbuffered (PYTHONUNBUFFERED, as Spark's runner and CI set it) a print wrote its text and
+    its newline apart, and a JVM warning landed inside "sessionize: stopped; ..." (a CI
+    failure). Here another writer's bytes go to the same descriptor mid-line: they must come
+    before the line, not inside it."""
+    fd = 1 if stream == "stdout" else 2
+    script = ("import os, sys\nfrom clickstream.cli import main\n"
+              "try:\n    main(['broker', '--help'])\nexcept SystemExit:\n    pass\n"
+              f"print('start of line', end='', file=sys.{stream})\n"
+              f"os.write({fd}, b'[jvm]')\n"
+              f"print(' end of line', file=sys.{stream})\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    output = getattr(done, stream)
+    assert output.endswith("[jvm]start of line end of line\n"), output[-200:]
+
+
 @pytest.mark.parametrize("name", ["wh[1]", "wh{a,b}", "wh*", "wh:1"])
 @pytest.mark.parametrize("variable", ["CLICKSTREAM_WAREHOUSE", "CLICKSTREAM_HOME",
                                       "CLICKSTREAM_LANDING"])

@@ -607,10 +607,13 @@ def _noting_interrupts() -> Iterator[threading.Event]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Progress lines reach a log file or a pipe as they are printed, not when a block fills
-    # (lost at a kill -9, when they matter most); Spark's runner sets PYTHONUNBUFFERED itself.
-    reconfigure = getattr(sys.stdout, "reconfigure", None)  # absent on a StringIO
-    if reconfigure is not None:
-        reconfigure(line_buffering=True)
+    # (lost at a kill -9, when they matter most), and each in one write: unbuffered (Spark's
+    # runner sets PYTHONUNBUFFERED) a print wrote its text and its newline apart, and the JVM's
+    # log lines, in the same file, landed between them.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # absent on a StringIO
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, write_through=False)
     parser = build_parser()
     args = parser.parse_args(argv)
     with _noting_interrupts() as ctrl_c:
