@@ -35,13 +35,16 @@ Known edge cases, cited inline as (T1)..(T6):
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from clickstream.io.spark_checkpoint import last_logged_batch
+from clickstream.io.spark_checkpoint import (
+    last_logged_batch,
+    logged_metadata,
+    logged_source_offsets,
+)
 
 CLOCK_OFFSET = "clock"  # in the source's end offsets: the latest tick's event time, ms (T1)
 
@@ -74,8 +77,8 @@ class IdleClock:
         committed = last_logged_batch(self.checkpoint, "commits")
         if committed < 0:
             return None
-        lines = (self.checkpoint / "commits" / str(committed)).read_text().splitlines()
-        watermark = int(json.loads(lines[1]).get("nextBatchWatermarkMs", 0))
+        watermark = int(logged_metadata(self.checkpoint, "commits", committed)
+                        .get("nextBatchWatermarkMs", 0))
         return watermark + self.delay_ms if watermark > 0 else None
 
 
@@ -116,11 +119,9 @@ class QuietTimer:
 
 def logged_tick_ms(checkpoint: Path, batch_id: int) -> int | None:
     """The latest clock tick the end offsets of micro-batch ``batch_id`` carry (T1), or None."""
-    logged = checkpoint / "offsets" / str(batch_id)
-    if batch_id < 0 or not logged.exists():
+    if batch_id < 0 or not (checkpoint / "offsets" / str(batch_id)).exists():
         return None
-    ticks = [json.loads(line).get(CLOCK_OFFSET) for line in logged.read_text().splitlines()[2:]
-             if line.strip() not in ("", "-")]
+    ticks = [source.get(CLOCK_OFFSET) for source in logged_source_offsets(checkpoint, batch_id)]
     return max((tick for tick in ticks if tick is not None), default=None)
 
 

@@ -212,7 +212,11 @@ from clickstream.io.kafka_changelog import (
 )
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
-from clickstream.io.spark_checkpoint import last_logged_batch
+from clickstream.io.spark_checkpoint import (
+    last_logged_batch,
+    logged_metadata,
+    logged_source_offsets,
+)
 from clickstream.io.stream_clock import IdleClock, logged_tick_ms, planned_tick_ms
 from clickstream.locks import (
     LOCKS_FOLDER,
@@ -380,9 +384,7 @@ def checkpoint_watermark_ms(checkpoint: Path, batch_id: int) -> int:
     """The event-time watermark Spark recorded for ``batch_id`` (0 before the first batch)."""
     if batch_id < 0:
         return 0
-    path = checkpoint / "offsets" / str(batch_id)
-    lines = path.read_text().splitlines()
-    return int(json.loads(lines[1]).get("batchWatermarkMs", 0))
+    return int(logged_metadata(checkpoint, "offsets", batch_id).get("batchWatermarkMs", 0))
 
 
 def stream_watermark_ms(config: Config, client_id: str) -> int | None:
@@ -432,15 +434,10 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
     committed_at = read_id = None
     # Before the first commit, where the first micro-batch starts, as its source keeps it
     # (``kafka_source`` K9): its replay reads from there.
-    logged = checkpoint / "offsets" / str(max(committed, 0))
-    if committed >= 0 or logged.exists():
-        lines = logged.read_text().splitlines()
+    if committed >= 0 or (checkpoint / "offsets" / "0").exists():
         if committed >= 0:
-            committed_at = json.loads(lines[1]).get("batchTimestampMs")
-        for line in lines[2:]:
-            if line.strip() in ("", "-"):
-                continue
-            source = json.loads(line)
+            committed_at = logged_metadata(checkpoint, "offsets", committed).get("batchTimestampMs")
+        for source in logged_source_offsets(checkpoint, max(committed, 0)):
             read_id = read_id or source.get(TOPIC_ID)
             by_partition = (source.get(PLANNED_FROM, {}) if committed < 0  # (K9)
                             else source.get(topic, source))  # native: {topic: {p: offset}}
