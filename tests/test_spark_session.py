@@ -56,6 +56,15 @@ def test_the_driver_runs_the_configured_collector(spark: SparkSession,
     assert collectors(spark) == COLLECTOR_BEANS[spark_config.driver_gc]
 
 
+def test_the_driver_compiles_the_large_methods_spark_generates(spark: SparkSession) -> None:
+    """The parser's generated projection is larger than HotSpot compiles by default: it ran
+    interpreted, and parsing took ~1.6x as long (BENCHMARKS.md, session 82)."""
+    jvm = spark.sparkContext._jvm
+    diagnostics = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    assert diagnostics.getVMOption("DontCompileHugeMethods").getValue() == "false"
+
+
 def test_a_collector_the_environment_chooses_wins(tmp_path: Path, config: Config,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     assert collector_options(config.replace(driver_gc="g1")) == ["-XX:+UseG1GC"]

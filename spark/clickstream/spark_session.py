@@ -123,7 +123,7 @@ def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[st
     """
     # Quoted: Spark splits extraJavaOptions at spaces, and paths may hold some.
     deployments = spark_defaults_java_options()
-    java_options = [f'"-Dderby.system.home={config.home}"',
+    java_options = [f'"-Dderby.system.home={config.home}"', COMPILE_HUGE_METHODS,
                     *jvm_class_archive.launch_options(config),
                     *([] if _SELECTS_COLLECTOR.search(deployments) else collector_options(config))]
     if long_running:
@@ -168,6 +168,13 @@ def broadcast_up_to_cap(keys: DataFrame, how_many: int) -> DataFrame:
     return F.broadcast(keys) if how_many <= BROADCAST_KEYS_MAX else keys
 
 
+# HotSpot leaves a method of more than 8,000 bytecodes to the interpreter. Whole-stage codegen
+# puts a stage's whole projection in one method, and the stream's parser and checks (one
+# reason per rule, every rule evaluated for a valid record) make it larger than that: parsing
+# 1M records took 15.5 s interpreted and 9.4 s compiled (BENCHMARKS.md, session 82). On a
+# cluster, executors run that code: give them the flag too (spark-defaults.conf's
+# spark.executor.extraJavaOptions; README, Cluster profile).
+COMPILE_HUGE_METHODS = "-XX:-DontCompileHugeMethods"
 COLLECTOR_FLAGS = {"parallel": "-XX:+UseParallelGC", "g1": "-XX:+UseG1GC"}
 # Variables whose JVM options every JVM started here reads (the java launcher, the JVM itself).
 JVM_OPTION_VARIABLES = ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS")
