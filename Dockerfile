@@ -15,11 +15,14 @@ RUN pip install --no-cache-dir -r requirements.lock \
     && pip install --no-cache-dir "psycopg2-binary==2.9.10" "asyncpg==0.30.0"
 
 # Spark's native Kafka source and delta-spark come from Maven (reachable in the cluster);
-# spark-defaults.conf applies to spark-submit and to in-process sessions alike.
+# spark-defaults.conf applies to spark-submit and to in-process sessions alike. Executors
+# compile the large methods Spark generates, as the product's drivers do
+# (spark_session.COMPILE_HUGE_METHODS): the stream parser's projection ran interpreted.
 ENV SPARK_CONF_DIR=/opt/spark-conf
 RUN mkdir -p "$SPARK_CONF_DIR" && printf '%s\n' \
     "spark.jars.packages org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0,io.delta:delta-spark_2.13:4.4.1" \
-    "spark.jars.ivy /opt/ivy" > "$SPARK_CONF_DIR/spark-defaults.conf"
+    "spark.jars.ivy /opt/ivy" \
+    "spark.executor.extraJavaOptions -XX:-DontCompileHugeMethods" > "$SPARK_CONF_DIR/spark-defaults.conf"
 
 COPY spark ./spark
 COPY dags ./dags
