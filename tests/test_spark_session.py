@@ -20,6 +20,7 @@ from clickstream.spark_session import (
     collector_options,
     driver_heap_mib,
     driver_launch_conf,
+    jvm_option,
     keep,
     release,
     releases_cache,
@@ -59,10 +60,7 @@ def test_the_driver_runs_the_configured_collector(spark: SparkSession,
 def test_the_driver_compiles_the_large_methods_spark_generates(spark: SparkSession) -> None:
     """The parser's generated projection is larger than HotSpot compiles by default: it ran
     interpreted, and parsing took ~1.6x as long (BENCHMARKS.md, session 82)."""
-    jvm = spark.sparkContext._jvm
-    diagnostics = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
-        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
-    assert diagnostics.getVMOption("DontCompileHugeMethods").getValue() == "false"
+    assert jvm_option(spark, "DontCompileHugeMethods") == "false"
 
 
 def test_a_collector_the_environment_chooses_wins(tmp_path: Path, config: Config,

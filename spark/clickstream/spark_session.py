@@ -194,10 +194,15 @@ def driver_heap_mib(spark: SparkSession) -> int:
     """The running driver JVM's maximum heap (its -Xmx), in MiB. Read as the JVM's
     ``MaxHeapSize``: ``Runtime.maxMemory()`` leaves out a survivor space under the parallel
     collector (3,641 MiB of a 4 GiB heap)."""
+    return int(jvm_option(spark, "MaxHeapSize")) // 2**20
+
+
+def jvm_option(spark: SparkSession, name: str) -> str:
+    """The running driver JVM's value of HotSpot option ``name`` (``-XX:``), as text."""
     jvm = spark.sparkContext._jvm
     diagnostics = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
         jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
-    return int(diagnostics.getVMOption("MaxHeapSize").getValue()) // 2**20
+    return str(diagnostics.getVMOption(name).getValue())
 
 
 def submitted_master() -> str | None:
