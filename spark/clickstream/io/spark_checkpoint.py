@@ -9,6 +9,7 @@ as JSON, or "-" for a source that had none yet.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +22,22 @@ def last_logged_batch(checkpoint: Path, log: str) -> int:
     return max(ids, default=-1)
 
 
-def logged_metadata(checkpoint: Path, log: str, batch_id: int) -> dict[str, Any]:
-    """The metadata line of ``batch_id`` in ``log`` (``batchWatermarkMs``,
-    ``batchTimestampMs`` in offsets; ``nextBatchWatermarkMs`` in commits)."""
-    return json.loads(_lines(checkpoint, log, batch_id)[1])
+@dataclass(frozen=True)
+class LogEntry:
+    """One batch's entry in a checkpoint log, read once."""
+
+    metadata: dict[str, Any]  # offsets: ``batchWatermarkMs``, ``batchTimestampMs``;
+    # commits: ``nextBatchWatermarkMs``
+    source_offsets: list[dict[str, Any]]  # offsets: each source's end offsets, if it had some
 
 
-def logged_source_offsets(checkpoint: Path, batch_id: int) -> list[dict[str, Any]]:
-    """The end offsets of each source that had some in micro-batch ``batch_id``."""
-    return [json.loads(line) for line in _lines(checkpoint, "offsets", batch_id)[2:]
-            if line.strip() not in ("", "-")]
+def has_log_entry(checkpoint: Path, log: str, batch_id: int) -> bool:
+    """Whether ``log`` holds ``batch_id`` (Spark deletes the entries of old batches)."""
+    return batch_id >= 0 and (checkpoint / log / str(batch_id)).exists()
 
 
-def _lines(checkpoint: Path, log: str, batch_id: int) -> list[str]:
-    return (checkpoint / log / str(batch_id)).read_text().splitlines()
+def log_entry(checkpoint: Path, log: str, batch_id: int) -> LogEntry:
+    """The entry of ``batch_id`` in ``log``."""
+    lines = (checkpoint / log / str(batch_id)).read_text().splitlines()
+    return LogEntry(json.loads(lines[1]), [json.loads(line) for line in lines[2:]
+                                           if line.strip() not in ("", "-")])

@@ -40,11 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from clickstream.io.spark_checkpoint import (
-    last_logged_batch,
-    logged_metadata,
-    logged_source_offsets,
-)
+from clickstream.io.spark_checkpoint import has_log_entry, last_logged_batch, log_entry
 
 CLOCK_OFFSET = "clock"  # in the source's end offsets: the latest tick's event time, ms (T1)
 
@@ -77,8 +73,8 @@ class IdleClock:
         committed = last_logged_batch(self.checkpoint, "commits")
         if committed < 0:
             return None
-        watermark = int(logged_metadata(self.checkpoint, "commits", committed)
-                        .get("nextBatchWatermarkMs", 0))
+        watermark = int(log_entry(self.checkpoint, "commits", committed)
+                        .metadata.get("nextBatchWatermarkMs", 0))
         return watermark + self.delay_ms if watermark > 0 else None
 
 
@@ -119,9 +115,10 @@ class QuietTimer:
 
 def logged_tick_ms(checkpoint: Path, batch_id: int) -> int | None:
     """The latest clock tick the end offsets of micro-batch ``batch_id`` carry (T1), or None."""
-    if batch_id < 0 or not (checkpoint / "offsets" / str(batch_id)).exists():
+    if not has_log_entry(checkpoint, "offsets", batch_id):
         return None
-    ticks = [source.get(CLOCK_OFFSET) for source in logged_source_offsets(checkpoint, batch_id)]
+    ticks = [source.get(CLOCK_OFFSET)
+             for source in log_entry(checkpoint, "offsets", batch_id).source_offsets]
     return max((tick for tick in ticks if tick is not None), default=None)
 
 

@@ -213,9 +213,10 @@ from clickstream.io.kafka_changelog import (
 from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
 from clickstream.io.spark_checkpoint import (
+    LogEntry,
+    has_log_entry,
     last_logged_batch,
-    logged_metadata,
-    logged_source_offsets,
+    log_entry,
 )
 from clickstream.io.stream_clock import IdleClock, logged_tick_ms, planned_tick_ms
 from clickstream.locks import (
@@ -382,9 +383,11 @@ def build_stream(spark: SparkSession, config: Config, *, share_reads: bool = Tru
 
 def checkpoint_watermark_ms(checkpoint: Path, batch_id: int) -> int:
     """The event-time watermark Spark recorded for ``batch_id`` (0 before the first batch)."""
-    if batch_id < 0:
-        return 0
-    return int(logged_metadata(checkpoint, "offsets", batch_id).get("batchWatermarkMs", 0))
+    return _watermark_ms(log_entry(checkpoint, "offsets", batch_id)) if batch_id >= 0 else 0
+
+
+def _watermark_ms(offsets_entry: LogEntry) -> int:
+    return int(offsets_entry.metadata.get("batchWatermarkMs", 0))
 
 
 def stream_watermark_ms(config: Config, client_id: str) -> int | None:
@@ -432,12 +435,15 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
     committed = last_logged_batch(checkpoint, "commits")
     offsets: dict[int, int] = {}
     committed_at = read_id = None
+    watermark = 0
     # Before the first commit, where the first micro-batch starts, as its source keeps it
     # (``kafka_source`` K9): its replay reads from there.
-    if committed >= 0 or (checkpoint / "offsets" / "0").exists():
+    if committed >= 0 or has_log_entry(checkpoint, "offsets", 0):
+        entry = log_entry(checkpoint, "offsets", max(committed, 0))
         if committed >= 0:
-            committed_at = logged_metadata(checkpoint, "offsets", committed).get("batchTimestampMs")
-        for source in logged_source_offsets(checkpoint, max(committed, 0)):
+            committed_at = entry.metadata.get("batchTimestampMs")
+            watermark = _watermark_ms(entry)
+        for source in entry.source_offsets:
             read_id = read_id or source.get(TOPIC_ID)
             by_partition = (source.get(PLANNED_FROM, {}) if committed < 0  # (K9)
                             else source.get(topic, source))  # native: {topic: {p: offset}}
@@ -445,8 +451,7 @@ def checkpoint_progress(checkpoint: Path, topic: str) -> CheckpointProgress | No
                 if partition.isdigit():
                     offsets[int(partition)] = min(offset, offsets.get(int(partition), offset))
     return CheckpointProgress(committed, last_logged_batch(checkpoint, "offsets"),
-                              committed_at, checkpoint_watermark_ms(checkpoint, committed),
-                              offsets, read_id)
+                              committed_at, watermark, offsets, read_id)
 
 
 SETTINGS_FILE = "clickstream-settings.json"  # in the checkpoint folder, beside Spark's (Z10)
