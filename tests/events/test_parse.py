@@ -62,6 +62,8 @@ def error_of(spark: SparkSession, value: str | None, key: str | None = KEY) -> s
     (json.dumps(PAGEVIEW) + " x", "value is not valid JSON: text follows its first value"),
     (json.dumps(PAGEVIEW) + "]", "value is not valid JSON: text follows its first value"),
     (json.dumps(PAGEVIEW) + ",0]", "value is not valid JSON: text follows its first value"),
+    # An object and one brace more: it begins and ends as one object does
+    (json.dumps(PAGEVIEW) + "}", "value is not valid JSON: text follows its first value"),
     ('"text"', "value is not a JSON object"),
     (json.dumps({k: v for k, v in PAGEVIEW.items() if k != "user_id"}),
      "missing field user_id"),

@@ -753,6 +753,7 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
         return json.dumps({**order_row(order_id, "u", 1), "ts": START.isoformat(), **fields})
 
     bad = {line("j1") + line("j2"): "line is not one JSON object",
+           line("j3") + "}": "line is not one JSON object",  # one brace more than it closes
            "[]": "line is not one JSON object", "5": "line is not one JSON object",
            '{"order_id": "cut", "client_id": "client-00"': "line is not valid JSON",
            # valid JSON the parser refuses (its reason goes on after the colon); a key
@@ -775,7 +776,7 @@ def test_json_lines_that_are_not_one_object_each_are_quarantined_as_they_are(
                       "number": Decimal("12345678.5"), "end": Decimal("10.00")}
     reasons = {r["raw"]: r["reason"] for r in table_rows(stream_config, spark, "quarantine")}
     assert {raw: reason.split(":")[0] for raw, reason in reasons.items()} == bad
-    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (11, 7, 4)
+    assert (summary.rows_read, summary.quarantined, summary.rows_merged) == (12, 8, 4)
 
 
 def test_a_binary_id_that_is_not_utf8_is_said_to_show_in_base64(
