@@ -4,6 +4,7 @@ a Config rooted in a temp folder."""
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,6 +69,17 @@ def config(tmp_path: Path) -> Config:
     return Config(home=tmp_path / "home", warehouse=tmp_path / "warehouse",
                   landing=tmp_path / "landing", spark_master="local[2]", shuffle_partitions=2,
                   trigger_interval_seconds=0.5)
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A 127.0.0.1 port that refuses connections for the whole test: bound, never listening.
+    A port merely released could be handed to another worker's JVM (Spark's one-shot result
+    sockets), and a Kafka client's reconnects would land there: a crash test's ``collect()``
+    failed in CI with "Authentication failed" from such a stranger."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        yield int(holder.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -392,10 +392,9 @@ def test_a_ctrl_c_a_c_extension_lost_is_still_an_interrupt(
         assert status == 1 and "unexpected error: SystemError" in error
 
 
-def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(tmp_path) -> None:
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def test_sessionize_without_kafka_fails_in_one_line_before_spark_starts(
+        tmp_path, refusing_port: int) -> None:
+    port = refusing_port
     env = {"CLICKSTREAM_HOME": str(tmp_path / "home"), "PATH": "",
            "CLICKSTREAM_WAREHOUSE": str(tmp_path / "warehouse"),
            "KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port}"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from types import ModuleType
@@ -65,10 +64,8 @@ def test_a_dag_id_airflow_does_not_know_is_named_with_the_ones_it_knows(trigger_
 
 
 def test_an_api_that_does_not_answer_or_a_missing_passwords_file_is_one_line(
-        trigger_script, tmp_path) -> None:
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        trigger_script, tmp_path, refusing_port: int) -> None:
+    url = f"http://127.0.0.1:{refusing_port}"
     passwords = tmp_path / "passwords.json"
     passwords.write_text(json.dumps({"admin": "x"}))
     with pytest.raises(SystemExit) as down:

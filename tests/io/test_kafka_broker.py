@@ -74,10 +74,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _closed_port_config(config: Config) -> Config:
-    return config.replace(kafka_bootstrap_servers=f"127.0.0.1:{_free_port()}")
-
-
 def _consume(config: Config, topic: str, count: int, timeout_s: float = 20.0) -> list:
     consumer = Consumer(consumer_config(config))
     partitions = topic_watermarks(config, topic)
@@ -591,8 +587,9 @@ def test_partition_size_cap_drops_old_records_and_is_detected(
 
 
 def test_unreachable_broker_gives_clear_errors(config: Config, caplog: pytest.LogCaptureFixture,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    unreachable = _closed_port_config(config)
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              refusing_port: int) -> None:
+    unreachable = config.replace(kafka_bootstrap_servers=f"127.0.0.1:{refusing_port}")
     attempted: list[str] = []  # every librdkafka log record, before the repeat filter
 
     def count(record: logging.LogRecord) -> bool:
@@ -689,10 +686,11 @@ def test_a_fatal_error_confluent_kafka_reports_as_a_bare_system_error_is_named(
             producer._guarded(bare_system_error)
 
 
-def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(config: Config) -> None:
+def test_a_send_the_broker_never_acknowledged_leaves_no_record_pending(
+        config: Config, refusing_port: int) -> None:
     """When ``produce_records`` gives up, every record has failed, none is still queued: a
     producer still retrying could deliver it after a rerun's newer revision of its key."""
-    unreachable = _closed_port_config(config)
+    unreachable = config.replace(kafka_bootstrap_servers=f"127.0.0.1:{refusing_port}")
     started = time.monotonic()
     with pytest.raises(DeliveryError) as failed:
         produce_records(unreachable, "sessions", [("s1", "{}"), ("s2", None)],
