@@ -19,9 +19,13 @@ def _stat(path: Path) -> tuple[str, list[str]] | None:
     return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
 
 
-def _cpu_s(fields: list[str]) -> float:
-    # fields from "state" on: utime and stime are the 12th and 13th
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+def _cpu_s(fields: list[str], *, reaped: bool = False) -> float:
+    # fields from "state" on: utime and stime are the 12th and 13th; cutime and cstime (the
+    # children it has waited for) the 14th and 15th
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / TICKS_PER_S
 
 
 def process_cpu_s(pid: int) -> float:
@@ -32,10 +36,16 @@ def process_cpu_s(pid: int) -> float:
     return _cpu_s(stat[1])
 
 
-def process_tree(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+def process_tree(root: int, *, reaped: bool = False
+                 ) -> dict[tuple[int, int], tuple[str, float]]:
     """(command name, CPU seconds) of ``root`` and each live descendant, by (pid, start time):
-    per process and without ``cutime``, so nothing is counted twice, and a reused pid is
-    another key."""
+    per process, so nothing is counted twice, and a reused pid is another key.
+
+    ``reaped``: each process's seconds include those of the children it has waited for
+    (``cutime``), such as the Python workers a Spark JVM's daemon forked and reaped, which no
+    live process shows any more. Compare two readings then: a process's reaped children may
+    have run before the first one. (Still missed: the orphans of a killed process, which
+    pid 1 reaps.)"""
     stats = {int(entry.name): stat for entry in Path("/proc").iterdir()
              if entry.name.isdigit() and (stat := _stat(entry / "stat")) is not None}
     children: dict[int, list[int]] = {}
@@ -46,7 +56,7 @@ def process_tree(root: int) -> dict[tuple[int, int], tuple[str, float]]:
         pid = todo.pop()
         if pid in stats:
             name, fields = stats[pid]
-            tree[(pid, int(fields[19]))] = (name, _cpu_s(fields))  # starttime: the 20th
+            tree[(pid, int(fields[19]))] = (name, _cpu_s(fields, reaped=reaped))  # 20th: start
         todo += children.get(pid, [])
     return tree
 

@@ -31,14 +31,9 @@ _rows: list[tuple[str, float, float]] = []
 
 
 def _tree_cpu_s() -> dict[tuple[int, int], float]:
-    """CPU seconds of this process's live descendants, and of this process plus every child
-    it has reaped (``os.times``: a test's ended subprocesses), under one key."""
-    live = {key: cpu_s for key, (_, cpu_s) in process_tree(os.getpid()).items()
-            if key[0] != os.getpid()}
-    times = os.times()
-    live[(os.getpid(), 0)] = times.user + times.system + times.children_user \
-        + times.children_system
-    return live
+    """CPU seconds of this process and its live descendants, each with the children it
+    reaped: a test's ended subprocesses, the Python workers Spark's daemon forked."""
+    return {key: cpu_s for key, (_, cpu_s) in process_tree(os.getpid(), reaped=True).items()}
 
 
 @pytest.hookimpl(hookwrapper=True)
