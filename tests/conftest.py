@@ -75,8 +75,8 @@ def config(tmp_path: Path) -> Config:
 def refusing_port() -> Iterator[int]:
     """A 127.0.0.1 port that refuses connections for the whole test: bound, never listening.
     A port merely released could be handed to another worker's JVM (Spark's one-shot result
-    sockets), and a Kafka client's reconnects would land there: a crash test's ``collect()``
-    failed in CI with "Authentication failed" from such a stranger."""
+    sockets), and a Kafka client's reconnects would land there: the likely cause of a crash
+    test's ``collect()`` failing in CI with "Authentication failed" from a stranger."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         yield int(holder.getsockname()[1])
