@@ -4,6 +4,7 @@ keeps."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -103,6 +104,57 @@ def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(
     spark.range(1).select(F.col("id") + 1).collect()
     assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
     assert is_debugging_enabled() is False
+
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (its socket fds, found in the kernel's tables)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed while listed
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_python_workers_and_results_reach_the_jvm_on_no_loopback_tcp_port(
+        spark: SparkSession) -> None:
+    """A collect's result, a DataFrame from pandas and a Python UDF's worker each met the JVM on
+    a fresh loopback TCP port: a local client dialling that port number first took their place
+    (CI: "Python worker failed to connect back", "Authentication failed"). Watched while they
+    run, the driver's JVM listens on no port it did not listen on before (``build_spark``:
+    Unix domain sockets)."""
+    import pandas as pd
+    from pyspark.sql import functions as F
+
+    jvm_pid = spark._jvm.java.lang.ProcessHandle.current().pid()
+    before = listening_tcp_ports(jvm_pid)
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(listening_tcp_ports(jvm_pid))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        plus_one = F.udf(lambda value: value + 1, "long")
+        for rows in range(1, 21):
+            assert spark.range(rows).select(plus_one("id")).collect()[-1][0] == rows
+            frame = spark.createDataFrame(pd.DataFrame({"id": range(rows)}))
+            assert frame.toPandas()["id"].sum() == rows * (rows - 1) // 2
+    finally:
+        done.set()
+        watcher.join()
+    assert seen - before == set()
 
 
 LONG_PLAN_JOB = """

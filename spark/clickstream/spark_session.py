@@ -81,6 +81,13 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # build plans from many small calls: off, the backfill tests took 2-5% less CPU and
         # 5% less time (BENCHMARKS.md, session 34). Errors keep their Python traceback.
         .config("spark.python.sql.dataFrameDebugging.enabled", "false")
+        # The JVM and its Python processes (workers, a streaming source's runner, a collect's
+        # result) meet on Unix domain sockets, not on a fresh loopback TCP port each time: any
+        # local client dialling that port number first (a Kafka client still reconnecting to a
+        # stopped broker whose port it was) took the worker's place, and the query failed with
+        # "Python worker failed to connect back" or "Authentication failed" (BENCHMARKS.md,
+        # session 85). A socket file only this user's processes can open has no such strangers.
+        .config("spark.python.unix.domain.socket.enabled", "true")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stateStore.providerClass",
