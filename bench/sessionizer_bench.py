@@ -1607,7 +1607,8 @@ def cmd_state(args: argparse.Namespace) -> int:
     import pandas as pd
     from pyspark.sql.streaming.tws_tester import TwsTester
 
-    from clickstream.sessions.stream_adapter import INPUT_COLUMNS, SessionProcessor
+    from clickstream.sessions.stream_adapter import INPUT_COLUMNS
+    from clickstream.sessions.stream_processor import SessionProcessor
 
     gap_ms, delay_ms = 30 * 60_000, 10 * 60_000
     started = time.perf_counter()

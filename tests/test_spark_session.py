@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
+from clickstream.errors import ConfigError
 from clickstream.spark_session import (
     MAX_PLAN_STRING_CHARS,
     build_spark,
@@ -23,8 +27,10 @@ from clickstream.spark_session import (
     driver_launch_conf,
     jvm_option,
     keep,
+    python_socket_folder,
     release,
     releases_cache,
+    remove_dead_sockets,
 )
 from tests.child_jvm import DRIVER_JOB, submit_driver, temp_folders_in
 
@@ -155,6 +161,47 @@ def test_python_workers_and_results_reach_the_jvm_on_no_loopback_tcp_port(
         done.set()
         watcher.join()
     assert seen - before == set()
+
+
+
+def test_the_sockets_folder_is_this_users_own_and_short_enough(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket's path fits in 107 bytes: a temporary folder deep in a job's folder (the crash
+    tests' JVMs) failed Spark's start with "AF_UNIX path too long"; and a folder others can
+    open would let them take a Python worker's place."""
+    short = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))  # tmp_path is already too long
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(short))
+        folder = short / f"clickstream-sockets-{os.getuid()}"
+        folder.mkdir()
+        folder.chmod(0o755)
+        with pytest.raises(ConfigError, match="is not a folder only this user can open"):
+            python_socket_folder()
+        folder.chmod(0o700)
+        assert python_socket_folder() == folder
+    finally:
+        shutil.rmtree(short)
+    deep = tmp_path / ("a-job's-own-temporary-folder" * 3)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert python_socket_folder() == Path("/tmp") / f"clickstream-sockets-{os.getuid()}"
+
+
+
+def test_the_sockets_a_killed_process_left_are_removed_and_live_ones_kept() -> None:
+    folder = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))  # tmp_path is too long a path
+    live, dead = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    try:
+        live.bind(str(folder / ".live.sock"))
+        live.listen()
+        dead.bind(str(folder / ".dead.sock"))
+        dead.close()  # its file stays, as a process killed with -9 leaves it
+        (folder / ".notes.txt").write_text("not a socket of Spark's")
+        remove_dead_sockets(folder)
+        assert sorted(path.name for path in folder.iterdir()) == [".live.sock", ".notes.txt"]
+    finally:
+        live.close()
+        shutil.rmtree(folder)
 
 
 LONG_PLAN_JOB = """

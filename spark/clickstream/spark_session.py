@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import stat
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -16,6 +18,7 @@ from pyspark.sql import functions as F
 
 from clickstream import interrupts, jvm_class_archive
 from clickstream.config import ENV_NAMES, Config
+from clickstream.errors import ConfigError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -81,13 +84,6 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
         # build plans from many small calls: off, the backfill tests took 2-5% less CPU and
         # 5% less time (BENCHMARKS.md, session 34). Errors keep their Python traceback.
         .config("spark.python.sql.dataFrameDebugging.enabled", "false")
-        # The JVM and its Python processes (workers, a streaming source's runner, a collect's
-        # result) meet on Unix domain sockets, not on a fresh loopback TCP port each time: any
-        # local client dialling that port number first (a Kafka client still reconnecting to a
-        # stopped broker whose port it was) took the worker's place, and the query failed with
-        # "Python worker failed to connect back" or "Authentication failed" (BENCHMARKS.md,
-        # session 85). A socket file only this user's processes can open has no such strangers.
-        .config("spark.python.unix.domain.socket.enabled", "true")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stateStore.providerClass",
@@ -99,6 +95,15 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
     if local:
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1")
+        # The JVM and its Python processes (workers, a streaming source's runner, a collect's
+        # result) meet on Unix domain sockets, not on a fresh loopback TCP port each time:
+        # any local client dialling that port number first took the worker's place, and the
+        # query failed with "Python worker failed to connect back" or "Authentication failed"
+        # (BENCHMARKS.md, session 85). A socket in a folder only this user can open has no
+        # such strangers. Local masters only: a cluster's executors would need the folder on
+        # their own hosts (unverified here; they keep Spark's default).
+        builder = builder.config("spark.python.unix.domain.socket.enabled", "true").config(
+            "spark.python.unix.domain.socket.dir", str(python_socket_folder()))
     spark = builder.getOrCreate()
     interrupts.note_sigint()  # pyspark put its own SIGINT handler in place: noted too
     log4j = spark._jvm.org.apache.logging.log4j
@@ -112,6 +117,50 @@ def build_spark(config: Config, app_name: str = "clickstream", *, ui: bool = Fal
               "existed); pass --conf spark.driver.memory=... to spark-submit or set it in "
               "spark-defaults.conf", file=sys.stderr, flush=True)
     return spark
+
+
+# A socket's path fits in 107 bytes (sockaddr_un); Spark names its sockets "." + a UUID + ".sock".
+MAX_SOCKET_PATH_CHARS = 107
+SPARK_SOCKET_NAME_CHARS = len("/.00000000-0000-0000-0000-000000000000.sock")
+
+
+def python_socket_folder() -> Path:
+    """The folder of the sockets between a local JVM and its Python processes: this user's
+    own (mode 0700) under the temporary folder, or under ``/tmp`` when that folder's path is
+    too long for a socket's (a JVM's temporary folder deep in a job's own folder: Spark's
+    default place, it failed with "AF_UNIX path too long")."""
+    name = f"clickstream-sockets-{os.getuid()}"
+    folder = Path(tempfile.gettempdir()) / name
+    if len(str(folder)) + SPARK_SOCKET_NAME_CHARS > MAX_SOCKET_PATH_CHARS:
+        folder = Path("/tmp") / name
+    folder.mkdir(mode=0o700, exist_ok=True)
+    found = folder.lstat()
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise ConfigError(
+            f"{folder} is not a folder only this user can open (mode "
+            f"{stat.filemode(found.st_mode)}, owner uid {found.st_uid}): Spark's Python "
+            "processes would meet the JVM through it; remove it, or set TMPDIR to another "
+            "temporary folder")
+    remove_dead_sockets(folder)
+    return folder
+
+
+def remove_dead_sockets(folder: Path) -> None:
+    """Remove the socket files in ``folder`` no process holds: a JVM or Python daemon killed
+    with -9 leaves its sockets behind (the crash tests left ~20 in six minutes). A socket is
+    held while the kernel lists its path in ``/proc/net/unix``; probing it by connecting
+    instead would be a stranger at a live socket. Elsewhere than Linux they stay."""
+    # Listed first: a socket bound after the kernel's table was read is not in this list.
+    files = list(folder.glob(".*.sock"))
+    try:
+        table = Path("/proc/net/unix").read_text()
+    except FileNotFoundError:
+        return
+    held = {fields[7] for fields in (line.split(maxsplit=7) for line in table.splitlines()[1:])
+            if len(fields) == 8}
+    for path in files:
+        if str(path) not in held:
+            path.unlink(missing_ok=True)
 
 
 def driver_launch_conf(config: Config, *, long_running: bool = False) -> dict[str, str]:

@@ -19,11 +19,11 @@ from clickstream.sessions.semantics import ORDER_COLUMNS, PAGEVIEW_COLUMNS, sess
 from clickstream.sessions.stream_adapter import (
     INPUT_COLUMNS,
     OUTPUT_COLUMNS,
-    SessionProcessor,
     decode_table,
     encode_frame,
     encode_table,
 )
+from clickstream.sessions.stream_processor import SessionProcessor
 
 GAP = 30 * 60_000
 DELAY = 10 * 60_000

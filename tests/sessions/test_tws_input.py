@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import itertools
 import pickle
+import subprocess
+import sys
 
 import pandas as pd
 import pyarrow as pa
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 from pyspark.sql.pandas.serializers import TransformWithStateInPandasSerializer
 
 from clickstream.sessions import tws_input
-from clickstream.sessions.stream_adapter import SessionProcessor
+from clickstream.sessions.stream_processor import SessionProcessor
 
 MAX_RECORDS = 4
 
@@ -108,3 +110,25 @@ def test_a_worker_unpickling_the_processor_reads_by_key_runs(monkeypatch) -> Non
     processor = pickle.loads(pickle.dumps(SessionProcessor(gap_ms=1_000)))
     assert processor.gap_ms == 1_000
     assert TransformWithStateInPandasSerializer.load_stream is tws_input.load_stream_by_key_runs
+
+
+UNPICKLE_IN_A_FRESH_WORKER = """
+import sys
+import pyspark.sql.streaming.transform_with_state_driver_worker  # what Spark starts
+from pyspark import cloudpickle
+from pyspark.sql.pandas.serializers import TransformWithStateInPandasSerializer
+processor = cloudpickle.loads(sys.stdin.buffer.read())
+print(processor.gap_ms, TransformWithStateInPandasSerializer.load_stream.__module__)
+print(sorted({"numpy", "pandas", "pyarrow"} & set(sys.modules)))
+"""
+
+
+def test_a_query_starts_python_worker_unpickles_the_processor_without_pandas() -> None:
+    """Spark unpickles the processor in a fresh Python process at every query start, to run
+    its ``init``: importing pandas, NumPy and Arrow there was most of that process's time."""
+    from pyspark import cloudpickle
+
+    done = subprocess.run([sys.executable, "-c", UNPICKLE_IN_A_FRESH_WORKER],
+                          input=cloudpickle.dumps(SessionProcessor(gap_ms=1_000)),
+                          capture_output=True, check=True)
+    assert done.stdout.decode().splitlines() == ["1000 clickstream.sessions.tws_input", "[]"]

@@ -231,7 +231,8 @@ from clickstream.progress import utc_text
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
-from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA, SessionProcessor
+from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA
+from clickstream.sessions.stream_processor import SessionProcessor
 from clickstream.spark_session import build_spark, driver_heap_mib
 from clickstream.tables import (
     ATTRIBUTIONS,

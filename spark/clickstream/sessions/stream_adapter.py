@@ -1,5 +1,9 @@
 """The streaming adapter: applies ``semantics`` inside Spark's ``transformWithStateInPandas``.
 
+What ``stream_processor.SessionProcessor`` (the processor Spark pickles) does when Spark calls
+it: :func:`handle_input_rows` and :func:`handle_expired_timer`, on the state variables its
+``init`` declared.
+
 State is keyed by a *bucket* of users (a hash of client_id/user_id), not by user: Spark calls
 the processor once per bucket with a pandas frame of many users, and ``semantics`` works on it
 vectorised. Per-user keys would cost a state round trip per user per batch (measured: ~10k
@@ -68,15 +72,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql.streaming.stateful_processor import (
-    ExpiredTimerInfo,
-    StatefulProcessor,
-    StatefulProcessorHandle,
-    TimerValues,
-)
-from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.streaming.stateful_processor import TimerValues
+from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-from clickstream.sessions import tws_input
 from clickstream.sessions.semantics import (
     ORDER_COLUMNS,
     ORDER_COPY_ORDER,
@@ -95,6 +93,7 @@ from clickstream.sessions.semantics import (
     reattribute,
     with_session_ids,
 )
+from clickstream.sessions.stream_processor import SessionProcessor
 
 # Input columns the processor expects (times in epoch ms, amounts in 1/10000).
 INPUT_COLUMNS = ("bucket", "client_id", "user_id", "event_type", "event_id", "ts_ms", "url",
@@ -119,13 +118,10 @@ OUTPUT_SCHEMA = StructType([
     StructField("record_type", StringType(), True),
 ])
 OUTPUT_COLUMNS = OUTPUT_SCHEMA.fieldNames()
-STATE_SCHEMA = StructType([StructField("blob", BinaryType(), True)])
 
 
 RECENT_IDS_SCHEMA = pa.schema([("event_id", pa.string()), ("ts_ms", pa.int64()),
                                ("client_id", pa.string())])  # (S8) null: any client
-ID_SLICE_KEY_SCHEMA = StructType([StructField("min_ts_ms", LongType(), False),
-                                  StructField("max_ts_ms", LongType(), False)])  # (S6)
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
@@ -297,115 +293,98 @@ class BucketState:
         return rows, next_wakeup(open_spans, pending, self.gap_ms)
 
 
-class SessionProcessor(StatefulProcessor):
-    """``transformWithStateInPandas`` processor keyed by user bucket, event-time mode."""
+def _blob(holder: Any) -> bytes | None:
+    value = holder.get() if holder.exists() else None
+    return value[0] if value else None
 
-    def __init__(self, gap_ms: int) -> None:
-        self.gap_ms = gap_ms
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Unpickled in the Python worker, before it reads any input: read it by key runs.
-        tws_input.install()
-        self.__dict__.update(state)
+def _slices(processor: SessionProcessor) -> list[tuple[int, int]]:
+    keys = processor.recent_id_slices.keys()  # a MapState, not a dict: no iteration of its own
+    return [(int(low), int(high)) for low, high in keys]
 
-    def init(self, handle: StatefulProcessorHandle) -> None:
-        self.handle = handle
-        self.span_state = handle.getValueState("open_sessions", STATE_SCHEMA)
-        self.order_state = handle.getValueState("open_orders", STATE_SCHEMA)
-        self.recent_id_slices = handle.getMapState("recent_pageview_id_slices",
-                                                   ID_SLICE_KEY_SCHEMA, STATE_SCHEMA)
-        self.legacy_recent_id_state = handle.getValueState("recent_pageview_ids", STATE_SCHEMA)
-        self.legacy_pageview_state = handle.getValueState("open_pageviews", STATE_SCHEMA)
 
-    @staticmethod
-    def _blob(holder: Any) -> bytes | None:
-        value = holder.get() if holder.exists() else None
-        return value[0] if value else None
-
-    def _slices(self) -> list[tuple[int, int]]:
-        keys = self.recent_id_slices.keys()  # a MapState, not a dict: no iteration of its own
-        return [(int(low), int(high)) for low, high in keys]
-
-    def _load(self, slices: list[tuple[int, int]],
-              events: pd.DataFrame | None = None) -> BucketState:
-        """The bucket's state, with the held ids when ``events`` has pageviews (S6)."""
-        spans = self._blob(self.span_state)
-        held = []
-        if events is not None and (events["event_type"] != "order").any():
-            for key in slices:
-                value = self.recent_id_slices.getValue(key)
-                if value and value[0]:
-                    held.append(recent_ids(decode_table(value[0])))
-        state = BucketState(decode_table(spans) if spans else SPANS_SCHEMA.empty_table(),
-                            decode_frame(self._blob(self.order_state), empty_orders()),
-                            pa.concat_tables(held) if held else RECENT_IDS_SCHEMA.empty_table(),
-                            self.gap_ms)
-        legacy_ids = self._blob(self.legacy_recent_id_state)
-        if legacy_ids:  # (S6) saved with this call's slice
-            state.remember_ids(decode_table(legacy_ids))
-            self.legacy_recent_id_state.clear()
-        legacy = self._blob(self.legacy_pageview_state)
-        if legacy:  # (S4)
-            state.add_pageviews(decode_frame(legacy, empty_pageviews()))
-            self.legacy_pageview_state.clear()
-        return state
-
-    def _save_ids(self, new_ids: pa.Table, slices: list[tuple[int, int]],
-                  watermark_ms: int) -> None:
-        """Store the call's new ids as one slice; drop the slices the watermark passed (S6)."""
-        if new_ids.num_rows:
-            key = (pc.min(new_ids["ts_ms"]).as_py(), pc.max(new_ids["ts_ms"]).as_py())
-            if key in slices:  # the same range again: keep both calls' ids
-                earlier = self.recent_id_slices.getValue(key)
-                new_ids = pa.concat_tables([recent_ids(decode_table(earlier[0])), new_ids])
-            self.recent_id_slices.updateValue(key, (encode_table(new_ids),))
+def _load(processor: SessionProcessor, slices: list[tuple[int, int]],
+          events: pd.DataFrame | None = None) -> BucketState:
+    """The bucket's state, with the held ids when ``events`` has pageviews (S6)."""
+    spans = _blob(processor.span_state)
+    held = []
+    if events is not None and (events["event_type"] != "order").any():
         for key in slices:
-            if key[1] < watermark_ms:  # (S3) ids of the watermark's millisecond stay
-                self.recent_id_slices.removeKey(key)
+            value = processor.recent_id_slices.getValue(key)
+            if value and value[0]:
+                held.append(recent_ids(decode_table(value[0])))
+    state = BucketState(decode_table(spans) if spans else SPANS_SCHEMA.empty_table(),
+                        decode_frame(_blob(processor.order_state), empty_orders()),
+                        pa.concat_tables(held) if held else RECENT_IDS_SCHEMA.empty_table(),
+                        processor.gap_ms)
+    legacy_ids = _blob(processor.legacy_recent_id_state)
+    if legacy_ids:  # (S6) saved with this call's slice
+        state.remember_ids(decode_table(legacy_ids))
+        processor.legacy_recent_id_state.clear()
+    legacy = _blob(processor.legacy_pageview_state)
+    if legacy:  # (S4)
+        state.add_pageviews(decode_frame(legacy, empty_pageviews()))
+        processor.legacy_pageview_state.clear()
+    return state
 
-    def _save(self, state: BucketState, slices: list[tuple[int, int]], wakeup: int | None,
-              watermark_ms: int, closed_through_watermark: bool) -> None:
-        """Write the state back and leave one timer, at ``wakeup``. After input rows the state
-        is closed through the watermark, so a timer the watermark already passed would only
-        wake the bucket again in this batch for nothing (Spark fires timers after input):
-        it is deleted too (S5)."""
-        for holder, blob in ((self.span_state,
-                              state.spans.num_rows and encode_table(state.spans)),
-                             (self.order_state, len(state.orders) and encode_frame(state.orders))):
-            if blob:
-                holder.update((blob,))
-            else:
-                holder.clear()
-        self._save_ids(state.new_ids, slices, watermark_ms)
-        for timer in list(self.handle.listTimers()):
-            if timer != wakeup and (timer > watermark_ms or closed_through_watermark):
-                self.handle.deleteTimer(timer)  # a firing timer is deleted by Spark
-        if wakeup is not None and wakeup not in set(self.handle.listTimers()):
-            self.handle.registerTimer(wakeup)
 
-    def handleInputRows(
-        self, key: Any, rows: Iterator[pd.DataFrame], timerValues: TimerValues
-    ) -> Iterator[pd.DataFrame]:
-        events = pd.concat(list(rows), ignore_index=True)
-        events["ts_ms"] = events["ts_ms"].astype(np.int64)
-        slices = self._slices()
-        state = self._load(slices, events)
-        events["amount_e4"] = events["amount_e4"].fillna(0).astype(np.int64)
-        duplicates = state.add(events)
-        watermark = timerValues.getCurrentWatermarkInMs()
-        emitted, wakeup = state.close(watermark)  # (S1)
-        self._save(state, slices, wakeup, watermark, closed_through_watermark=True)
-        yield _output(pd.concat([duplicates, emitted], ignore_index=True))
+def _save_ids(processor: SessionProcessor, new_ids: pa.Table, slices: list[tuple[int, int]],
+              watermark_ms: int) -> None:
+    """Store the call's new ids as one slice; drop the slices the watermark passed (S6)."""
+    if new_ids.num_rows:
+        key = (pc.min(new_ids["ts_ms"]).as_py(), pc.max(new_ids["ts_ms"]).as_py())
+        if key in slices:  # the same range again: keep both calls' ids
+            earlier = processor.recent_id_slices.getValue(key)
+            new_ids = pa.concat_tables([recent_ids(decode_table(earlier[0])), new_ids])
+        processor.recent_id_slices.updateValue(key, (encode_table(new_ids),))
+    for key in slices:
+        if key[1] < watermark_ms:  # (S3) ids of the watermark's millisecond stay
+            processor.recent_id_slices.removeKey(key)
 
-    def handleExpiredTimer(
-        self, key: Any, timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
-    ) -> Iterator[pd.DataFrame]:
-        slices = self._slices()
-        state = self._load(slices)
-        watermark = timerValues.getCurrentWatermarkInMs()
-        emitted, wakeup = state.close(watermark)
-        self._save(state, slices, wakeup, watermark, closed_through_watermark=False)
-        yield _output(emitted)
 
-    def close(self) -> None:
-        """No resources to release."""
+def _save(processor: SessionProcessor, state: BucketState, slices: list[tuple[int, int]],
+          wakeup: int | None, watermark_ms: int, closed_through_watermark: bool) -> None:
+    """Write the state back and leave one timer, at ``wakeup``. After input rows the state
+    is closed through the watermark, so a timer the watermark already passed would only
+    wake the bucket again in this batch for nothing (Spark fires timers after input):
+    it is deleted too (S5)."""
+    for holder, blob in ((processor.span_state,
+                          state.spans.num_rows and encode_table(state.spans)),
+                         (processor.order_state, len(state.orders) and encode_frame(state.orders))):
+        if blob:
+            holder.update((blob,))
+        else:
+            holder.clear()
+    _save_ids(processor, state.new_ids, slices, watermark_ms)
+    handle = processor.handle
+    for timer in list(handle.listTimers()):
+        if timer != wakeup and (timer > watermark_ms or closed_through_watermark):
+            handle.deleteTimer(timer)  # a firing timer is deleted by Spark
+    if wakeup is not None and wakeup not in set(handle.listTimers()):
+        handle.registerTimer(wakeup)
+
+
+def handle_input_rows(processor: SessionProcessor, rows: Iterator[pd.DataFrame],
+                      timer_values: TimerValues) -> Iterator[pd.DataFrame]:
+    """``SessionProcessor.handleInputRows``: fold a bucket's new events in, emit what closes."""
+    events = pd.concat(list(rows), ignore_index=True)
+    events["ts_ms"] = events["ts_ms"].astype(np.int64)
+    slices = _slices(processor)
+    state = _load(processor, slices, events)
+    events["amount_e4"] = events["amount_e4"].fillna(0).astype(np.int64)
+    duplicates = state.add(events)
+    watermark = timer_values.getCurrentWatermarkInMs()
+    emitted, wakeup = state.close(watermark)  # (S1)
+    _save(processor, state, slices, wakeup, watermark, closed_through_watermark=True)
+    yield _output(pd.concat([duplicates, emitted], ignore_index=True))
+
+
+def handle_expired_timer(processor: SessionProcessor, timer_values: TimerValues
+                         ) -> Iterator[pd.DataFrame]:
+    """``SessionProcessor.handleExpiredTimer``: emit what the watermark closed since."""
+    slices = _slices(processor)
+    state = _load(processor, slices)
+    watermark = timer_values.getCurrentWatermarkInMs()
+    emitted, wakeup = state.close(watermark)
+    _save(processor, state, slices, wakeup, watermark, closed_through_watermark=False)
+    yield _output(emitted)

@@ -14,6 +14,10 @@ own method runs: slower, same result. What differs, by design: the frames keep t
 PySpark's vectorised Arrow conversion (as every other pandas UDF gets them) instead of dtypes
 re-inferred from Python objects, and a key's frames are cut at Arrow batch boundaries as well
 as every ``arrow_max_records_per_batch`` rows.
+
+Installing imports no pandas or NumPy (the reader imports them when it first reads): the
+processor installs it as it is unpickled, also in the Python process that only runs its
+``init`` at each query start (``stream_processor``).
 """
 
 from __future__ import annotations
@@ -22,16 +26,18 @@ import collections
 import itertools
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import pandas as pd
 import pyspark
 from pyspark.sql.pandas.serializers import (
     ArrowStreamSerializer,
     TransformWithStateInPandasSerializer,
 )
 from pyspark.sql.streaming.stateful_processor_util import TransformWithStateInPandasFuncMode
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
 
 # PySpark versions whose ``TransformWithStateInPandasSerializer.load_stream`` this replaces.
 VERIFIED_PYSPARK = frozenset({"4.2.0"})
@@ -40,6 +46,9 @@ UPSTREAM_LOAD_STREAM = TransformWithStateInPandasSerializer.load_stream
 
 def _run_starts(keys: pd.DataFrame) -> np.ndarray:
     """Row positions where the grouping key differs from the row before (0 included)."""
+    import numpy as np
+    import pandas as pd
+
     changed = np.zeros(len(keys), dtype=bool)
     changed[0] = True
     for column in range(keys.shape[1]):
@@ -61,6 +70,9 @@ def _chunk_rows(serializer: TransformWithStateInPandasSerializer) -> int:
 def _frames_by_key(serializer: TransformWithStateInPandasSerializer,
                    stream: Any) -> Iterator[tuple[tuple[Any, ...], pd.DataFrame]]:
     """(key, frame) for each run of one key in each Arrow batch, in stream order."""
+    import numpy as np
+    import pandas as pd
+
     for batch in ArrowStreamSerializer.load_stream(serializer, stream):
         serializer._update_batch_size_stats(batch)
         if batch.num_rows == 0:
