@@ -112,7 +112,6 @@ def test_dataframe_calls_do_not_send_their_python_call_site_to_the_jvm(
     assert is_debugging_enabled() is False
 
 
-
 def listening_tcp_ports(pid: int) -> set[int]:
     """The TCP ports process ``pid`` listens on (its socket fds, found in the kernel's tables)."""
     inodes = set()
@@ -163,7 +162,6 @@ def test_python_workers_and_results_reach_the_jvm_on_no_loopback_tcp_port(
     assert seen - before == set()
 
 
-
 def test_the_sockets_folder_is_this_users_own_and_short_enough(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A socket's path fits in 107 bytes: a temporary folder deep in a job's folder (the crash
@@ -185,7 +183,6 @@ def test_the_sockets_folder_is_this_users_own_and_short_enough(
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     assert python_socket_folder() == Path("/tmp") / f"clickstream-sockets-{os.getuid()}"
-
 
 
 def test_the_sockets_a_killed_process_left_are_removed_and_live_ones_kept() -> None:

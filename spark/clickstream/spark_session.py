@@ -127,8 +127,8 @@ SPARK_SOCKET_NAME_CHARS = len("/.00000000-0000-0000-0000-000000000000.sock")
 def python_socket_folder() -> Path:
     """The folder of the sockets between a local JVM and its Python processes: this user's
     own (mode 0700) under the temporary folder, or under ``/tmp`` when that folder's path is
-    too long for a socket's (a JVM's temporary folder deep in a job's own folder: Spark's
-    default place, it failed with "AF_UNIX path too long")."""
+    too long for a socket's. Spark's default place, the JVM's temporary folder, can be too
+    deep: the crash tests' JVMs failed to start with "AF_UNIX path too long"."""
     name = f"clickstream-sockets-{os.getuid()}"
     folder = Path(tempfile.gettempdir()) / name
     if len(str(folder)) + SPARK_SOCKET_NAME_CHARS > MAX_SOCKET_PATH_CHARS:

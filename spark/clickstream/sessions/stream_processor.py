@@ -5,7 +5,7 @@ starts, only to run ``init`` and learn the state variables (PySpark's
 ``transform_with_state_driver_worker``). So this module imports no pandas, NumPy or Arrow, and
 neither does unpickling: the calls' work, which needs them, is in ``stream_adapter``, imported
 by the first call, in the executors' Python workers. Importing ``stream_adapter`` there cost
-the driver worker ~0.4-0.5 CPU-s per query start, most of its time (BENCHMARKS.md, session 85).
+the driver worker ~0.34 CPU-s per query start, a third of its time (BENCHMARKS.md, session 85).
 """
 
 from __future__ import annotations
