@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,43 +163,46 @@ def test_python_workers_and_results_reach_the_jvm_on_no_loopback_tcp_port(
     assert seen - before == set()
 
 
+@pytest.fixture
+def short_folder() -> Iterator[Path]:
+    """A folder under ``/tmp`` for socket paths: pytest's ``tmp_path`` is already too long
+    for a socket's 107 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder)
+
+
 def test_the_sockets_folder_is_this_users_own_and_short_enough(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, short_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A socket's path fits in 107 bytes: a temporary folder deep in a job's folder (the crash
     tests' JVMs) failed Spark's start with "AF_UNIX path too long"; and a folder others can
     open would let them take a Python worker's place."""
-    short = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))  # tmp_path is already too long
-    try:
-        monkeypatch.setattr(tempfile, "tempdir", str(short))
-        folder = short / f"clickstream-sockets-{os.getuid()}"
-        folder.mkdir()
-        folder.chmod(0o755)
-        with pytest.raises(ConfigError, match="is not a folder only this user can open"):
-            python_socket_folder()
-        folder.chmod(0o700)
-        assert python_socket_folder() == folder
-    finally:
-        shutil.rmtree(short)
+    monkeypatch.setattr(tempfile, "tempdir", str(short_folder))
+    folder = short_folder / f"clickstream-sockets-{os.getuid()}"
+    folder.mkdir()
+    folder.chmod(0o755)
+    with pytest.raises(ConfigError, match="is not a folder only this user can open"):
+        python_socket_folder()
+    folder.chmod(0o700)
+    assert python_socket_folder() == folder
     deep = tmp_path / ("a-job's-own-temporary-folder" * 3)
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     assert python_socket_folder() == Path("/tmp") / f"clickstream-sockets-{os.getuid()}"
 
 
-def test_the_sockets_a_killed_process_left_are_removed_and_live_ones_kept() -> None:
-    folder = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))  # tmp_path is too long a path
+def test_the_sockets_a_killed_process_left_are_removed_and_live_ones_kept(
+        short_folder: Path) -> None:
     live, dead = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
-    try:
-        live.bind(str(folder / ".live.sock"))
+    with live:
+        live.bind(str(short_folder / ".live.sock"))
         live.listen()
-        dead.bind(str(folder / ".dead.sock"))
+        dead.bind(str(short_folder / ".dead.sock"))
         dead.close()  # its file stays, as a process killed with -9 leaves it
-        (folder / ".notes.txt").write_text("not a socket of Spark's")
-        remove_dead_sockets(folder)
-        assert sorted(path.name for path in folder.iterdir()) == [".live.sock", ".notes.txt"]
-    finally:
-        live.close()
-        shutil.rmtree(folder)
+        (short_folder / ".notes.txt").write_text("not a socket of Spark's")
+        remove_dead_sockets(short_folder)
+        assert sorted(path.name for path in short_folder.iterdir()) == [
+            ".live.sock", ".notes.txt"]
 
 
 LONG_PLAN_JOB = """

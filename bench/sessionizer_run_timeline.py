@@ -1,0 +1,96 @@
+"""Where a small ``sessionize --until-caught-up`` run's time goes: the moments of its query's
+start and of each micro-batch, with Spark's own durations per micro-batch.
+
+Each round is a fresh warehouse and topics: 12 pageviews of three users, a run, 6 more
+pageviews five hours later, a second run (which closes the first run's sessions). All in one
+process and one SparkSession, set up as a test worker's (``tests/conftest.py``: interpreted
+expressions), so the numbers are those of the test suite's sessionizer runs; the first round
+pays the cold JVM.
+
+    .venv/bin/python bench/sessionizer_run_timeline.py [--rounds 3]
+
+Prints one line per query event (seconds since the run was called) and per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    from clickstream.config import Config
+    from clickstream.io.kafka_broker import EmbeddedBroker
+    from clickstream.jobs.sessionize import run_sessionizer
+    from clickstream.spark_session import build_spark
+    from tests.conftest import INTERPRETED
+    from tests.jobs.test_sessionize import pageview, produce
+
+    root = Path(tempfile.mkdtemp(prefix="sessionizer-run-timeline-"))
+    base = Config(home=root / "home", warehouse=root / "warehouse", landing=root / "landing",
+                  spark_master="local[2]", shuffle_partitions=2, trigger_interval_seconds=0.5)
+    spark = build_spark(base, "clickstream-bench-sessionizer-run-timeline")
+    for key, value in INTERPRETED.items():
+        spark.conf.set(key, value)
+    called = time.monotonic()
+
+    def at() -> str:
+        return f"{time.monotonic() - called:6.2f} s"
+
+    class Timeline(StreamingQueryListener):
+        def onQueryStarted(self, event) -> None:
+            print(f"  {at()} query started", flush=True)
+
+        def onQueryProgress(self, event) -> None:
+            progress = event.progress
+            print(f"  {at()} micro-batch {progress.batchId} done: {progress.numInputRows} "
+                  f"input rows, {dict(progress.durationMs)} ms", flush=True)
+
+        def onQueryIdle(self, event) -> None:
+            pass
+
+        def onQueryTerminated(self, event) -> None:
+            print(f"  {at()} query ended", flush=True)
+
+    spark.streams.addListener(Timeline())
+    start = datetime(2026, 3, 1, 9, tzinfo=UTC)
+    with EmbeddedBroker(port=0) as broker:
+        for round_number in range(args.rounds):
+            folder = root / f"round-{round_number}"
+            suffix = uuid.uuid4().hex[:8]
+            config = base.replace(home=folder / "home", warehouse=folder / "warehouse",
+                                  landing=folder / "landing",
+                                  kafka_bootstrap_servers=broker.bootstrap_servers,
+                                  events_topic=f"events-{suffix}",
+                                  sessions_topic=f"sessions-{suffix}",
+                                  attributions_topic=f"attributions-{suffix}")
+            for topic in (config.events_topic, config.sessions_topic,
+                          config.attributions_topic):
+                broker.create_topic(topic, 4)
+            produce(config, [pageview(f"u{i % 3}", start + timedelta(minutes=7 * i))
+                             for i in range(12)])
+            for run in (1, 2):
+                called = time.monotonic()
+                summary = run_sessionizer(config, until_caught_up=True, spark=spark)
+                print(f"round {round_number} run {run}: {at()}; {summary.describe()}",
+                      flush=True)
+                produce(config, [pageview(f"u{i % 3}", start + timedelta(hours=5, minutes=7 * i))
+                                 for i in range(6)])
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
