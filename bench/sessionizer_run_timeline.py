@@ -18,11 +18,12 @@ import argparse
 import sys
 import tempfile
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers
+from round_config import round_config
 
 
 def main() -> None:
@@ -69,17 +70,8 @@ def main() -> None:
     start = datetime(2026, 3, 1, 9, tzinfo=UTC)
     with EmbeddedBroker(port=0) as broker:
         for round_number in range(args.rounds):
-            folder = root / f"round-{round_number}"
-            suffix = uuid.uuid4().hex[:8]
-            config = base.replace(home=folder / "home", warehouse=folder / "warehouse",
-                                  landing=folder / "landing",
-                                  kafka_bootstrap_servers=broker.bootstrap_servers,
-                                  events_topic=f"events-{suffix}",
-                                  sessions_topic=f"sessions-{suffix}",
-                                  attributions_topic=f"attributions-{suffix}")
-            for topic in (config.events_topic, config.sessions_topic,
-                          config.attributions_topic):
-                broker.create_topic(topic, 4)
+            config = round_config(base, broker, root / f"round-{round_number}",
+                                  events_topic=True)
             produce(config, [pageview(f"u{i % 3}", start + timedelta(minutes=7 * i))
                              for i in range(12)])
             for run in (1, 2):

@@ -21,12 +21,12 @@ import pstats
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import REPO, git_dirty, git_head, write_result
+from round_config import round_config
 
 sys.path.insert(0, str(REPO))  # the tests' batch builders
 ACTIONS = ("collect", "count", "first", "take", "isEmpty", "localCheckpoint", "toArrow",
@@ -67,15 +67,7 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with EmbeddedBroker(port=0) as broker:
         for round_number in range(args.rounds):
-            folder = root / f"round-{round_number}"
-            suffix = uuid.uuid4().hex[:8]
-            config = base.replace(home=folder / "home", warehouse=folder / "warehouse",
-                                  landing=folder / "landing",
-                                  kafka_bootstrap_servers=broker.bootstrap_servers,
-                                  sessions_topic=f"sessions-{suffix}",
-                                  attributions_topic=f"attributions-{suffix}")
-            for topic in (config.sessions_topic, config.attributions_topic):
-                broker.create_topic(topic, 4)
+            config = round_config(base, broker, root / f"round-{round_number}")
             pageviews = write_rows(config, "p", [pv_row("a", "u", 0), pv_row("b", "v", 1)],
                                    "csv")
             orders = write_rows(config, "o", [order_row("o1", "u", 2)], "jsonl")
