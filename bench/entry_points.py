@@ -1,6 +1,7 @@
 """Which product runs a test's time goes to: a pytest plugin timing, per test, the calls of the
 product's entry points (a backfill, a recompute, a sessionizer run, ...) the test makes in its
-own process, outermost calls only (a recompute inside a backfill counts as the backfill's).
+own process, outermost calls only (a recompute inside a backfill counts as the backfill's, and
+so does a run a test's other thread makes meanwhile).
 
 The scenario tests are sequences of product runs on a few rows, so the suite's time is what
 those runs cost at that size; this says which runs, and how many of each.
@@ -48,7 +49,8 @@ def _timed(function: Callable[..., Any], name: str) -> Callable[..., Any]:
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
         global _depth
-        if _depth:  # inside another entry point: its time is the outer one's
+        if _depth:  # inside another entry point, or beside it in another thread: its time
+            # is the outer one's
             return function(*args, **kwargs)
         _depth += 1
         started = time.monotonic()

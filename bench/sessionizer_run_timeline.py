@@ -9,7 +9,9 @@ pays the cold JVM.
 
     .venv/bin/python bench/sessionizer_run_timeline.py [--rounds 3]
 
-Prints one line per query event (seconds since the run was called) and per run.
+Prints one line per query event (seconds since the run was called, as the listener hears it:
+Spark posts the events a few milliseconds late, so the last micro-batch's line may follow the
+run's) and per run.
 """
 
 from __future__ import annotations
