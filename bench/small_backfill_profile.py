@@ -5,10 +5,13 @@ to do), each on a fresh warehouse and topics, ``--rounds`` times in one process 
 SparkSession (as a test worker runs them; the first round pays the cold JVM). Per run: wall
 time, Spark jobs (a job group per run) and, with ``--profile``, the Spark actions the product
 called (``collect``, ``count``, ``first``, ``localCheckpoint``, ...) with their time, taken by
-``cProfile`` on the Python side. Most of the test suite's time is runs like these
+``cProfile`` on the Python side, and with ``--jobs`` the Spark jobs by the call site Spark
+names them after (the product's line for an action; adaptive execution runs each shuffle or
+broadcast stage of a query as a job of its own, named after a JVM thread pool's frame, listed
+here as ``adaptive query stage``). Most of the test suite's time is runs like these
 (BENCHMARKS.md, "The test suite's cost", session 55).
 
-    .venv/bin/python bench/small_backfill_profile.py [--rounds 3] [--profile]
+    .venv/bin/python bench/small_backfill_profile.py [--rounds 3] [--profile] [--jobs]
 
 Writes ``bench/results/small-backfill-<UTC stamp>.json`` and prints one line per run.
 """
@@ -21,6 +24,7 @@ import pstats
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,8 @@ from round_config import round_config
 sys.path.insert(0, str(REPO))  # the tests' batch builders
 ACTIONS = ("collect", "count", "first", "take", "isEmpty", "localCheckpoint", "toArrow",
            "toPandas", "toLocalIterator", "checkpoint")
+ADAPTIVE_STAGE = "adaptive query stage"
+ADAPTIVE_STAGE_FRAME = "withThreadLocalCaptured"  # the frame Spark names these jobs after
 
 
 def spark_actions(profile: cProfile.Profile) -> list[dict[str, Any]]:
@@ -46,11 +52,25 @@ def spark_actions(profile: cProfile.Profile) -> list[dict[str, Any]]:
     return sorted(found, key=lambda a: -a["seconds"])
 
 
+def jobs_by_call_site(tracker: Any, group: str) -> dict[str, int]:
+    """The job group's Spark jobs counted by call site: the name of each job's last stage."""
+    sites: Counter[str] = Counter()
+    for job_id in tracker.getJobIdsForGroup(group):
+        info = tracker.getJobInfo(job_id)
+        stages = [tracker.getStageInfo(stage) for stage in info.stageIds] if info else []
+        names = [stage.name for stage in stages if stage is not None]
+        site = names[-1] if names else "(stage info gone)"
+        sites[ADAPTIVE_STAGE if ADAPTIVE_STAGE_FRAME in site else site] += 1
+    return dict(sites.most_common())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the runs of the last round and list their Spark actions")
+    parser.add_argument("--jobs", action="store_true",
+                        help="count the last round's Spark jobs by call site")
     args = parser.parse_args()
 
     from clickstream.config import Config
@@ -90,9 +110,13 @@ def main() -> None:
                        "spark_jobs": len(tracker.getJobIdsForGroup(group))}
                 if profile is not None:
                     run["spark_actions"] = spark_actions(profile)
+                if args.jobs and round_number == args.rounds - 1:
+                    run["jobs_by_call_site"] = jobs_by_call_site(tracker, group)
                 runs.append(run)
                 print(f"round {round_number} {name}: {run['wall_s']} s, "
                       f"{run['spark_jobs']} Spark jobs", flush=True)
+                for site, count in run.get("jobs_by_call_site", {}).items():
+                    print(f"  {count:4d}  {site}", flush=True)
     spark.stop()
     path = write_result("small-backfill", {"git_head": git_head(), "git_dirty": git_dirty(),
                                            "rounds": args.rounds, "runs": runs})
