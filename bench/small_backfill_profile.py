@@ -6,10 +6,11 @@ SparkSession (as a test worker runs them; the first round pays the cold JVM). Pe
 time, Spark jobs (a job group per run) and, with ``--profile``, the Spark actions the product
 called (``collect``, ``count``, ``first``, ``localCheckpoint``, ...) with their time, taken by
 ``cProfile`` on the Python side, and with ``--jobs`` the Spark jobs by the call site Spark
-names them after (the product's line for an action; adaptive execution runs each shuffle or
-broadcast stage of a query as a job of its own, named after a JVM thread pool's frame, listed
-here as ``adaptive query stage``). Most of the test suite's time is runs like these
-(BENCHMARKS.md, "The test suite's cost", session 55).
+names them after. Adaptive execution runs each shuffle stage of a query as a job of its own,
+named like the action's: the product's line where PySpark records it (``collect``, ``first``),
+else a frame of the Spark SQL thread pool that submitted it (``count``, ``localCheckpoint``,
+broadcasts), listed here as ``NO_CALL_SITE``. Most of the test suite's time is runs like
+these (BENCHMARKS.md, "The test suite's cost", session 55).
 
     .venv/bin/python bench/small_backfill_profile.py [--rounds 3] [--profile] [--jobs]
 
@@ -35,8 +36,8 @@ from round_config import round_config
 sys.path.insert(0, str(REPO))  # the tests' batch builders
 ACTIONS = ("collect", "count", "first", "take", "isEmpty", "localCheckpoint", "toArrow",
            "toPandas", "toLocalIterator", "checkpoint")
-ADAPTIVE_STAGE = "adaptive query stage"
-ADAPTIVE_STAGE_FRAME = "withThreadLocalCaptured"  # the frame Spark names these jobs after
+NO_CALL_SITE = "(no call site: a count, a local checkpoint or a broadcast, from Spark's pool)"
+POOL_FRAME = "withThreadLocalCaptured"  # the frame Spark names a pool thread's jobs after
 
 
 def spark_actions(profile: cProfile.Profile) -> list[dict[str, Any]]:
@@ -60,7 +61,7 @@ def jobs_by_call_site(tracker: Any, group: str) -> dict[str, int]:
         stages = [tracker.getStageInfo(stage) for stage in info.stageIds] if info else []
         names = [stage.name for stage in stages if stage is not None]
         site = names[-1] if names else "(stage info gone)"
-        sites[ADAPTIVE_STAGE if ADAPTIVE_STAGE_FRAME in site else site] += 1
+        sites[NO_CALL_SITE if POOL_FRAME in site else site] += 1
     return dict(sites.most_common())
 
 
