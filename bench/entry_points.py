@@ -35,7 +35,7 @@ ENTRY_POINTS = (
     ("clickstream.jobs.recompute", "run_full_recompute"),
     ("clickstream.jobs.sessionize", "run_sessionizer"),
     ("clickstream.cli", "main"),
-    ("clickstream.io.kafka_clients", "read_compacted"),
+    ("clickstream.io.kafka_read", "read_compacted"),
     ("tests.jobs.test_backfill", "assert_tables_equal_from_scratch"),
 )
 

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from clickstream.config import Config
     from clickstream.io.kafka_broker import EmbeddedBroker
-    from clickstream.io.kafka_clients import flush_or_raise, make_producer, produce_waiting
+    from clickstream.io.kafka_clients import make_producer
+    from clickstream.io.kafka_produce import flush_or_raise, produce_waiting
     from clickstream.quality.checks import read_published, topic_ends
 
     def paced_send(config: Config, linger_ms: int) -> float:

@@ -63,12 +63,9 @@ import results_file
 from results_file import REPO, git_dirty, git_head, source_sha256
 
 from clickstream.config import Config
-from clickstream.io.kafka_clients import (
-    PACED_LINGER_MS,
-    make_producer,
-    produce_waiting,
-    topic_watermarks,
-)
+from clickstream.io.kafka_clients import make_producer
+from clickstream.io.kafka_produce import PACED_LINGER_MS, produce_waiting
+from clickstream.io.kafka_topics import topic_watermarks
 
 VENV_BIN = Path(sys.executable).parent
 TOPIC = "events"

@@ -206,7 +206,7 @@ def _cmd_generate_events(args: argparse.Namespace, config: Config) -> int:
         # On stderr: with ``--out /dev/stdout`` stdout holds only the records, for a pipe.
         print(f"wrote {len(records)} records to {path}", file=sys.stderr)
         return 0
-    from clickstream.io.kafka_clients import produce_records
+    from clickstream.io.kafka_produce import produce_records
 
     sent = produce_records(config, config.events_topic, records, rate_per_second=args.rate)
     print(f"produced {sent} records to topic {config.events_topic} "

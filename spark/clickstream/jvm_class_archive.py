@@ -183,7 +183,7 @@ def _warm_up(workdir: Path) -> None:
     from datetime import UTC, datetime
 
     from clickstream.io.kafka_broker import EmbeddedBroker
-    from clickstream.io.kafka_clients import produce_records
+    from clickstream.io.kafka_produce import produce_records
     from clickstream.jobs.backfill import run_backfill
     from clickstream.jobs.generate import Delivery, Scale, live_records, simulate, write_table
     from clickstream.jobs.recompute import run_recompute

@@ -11,7 +11,7 @@ import pytest
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import read_compacted
+from clickstream.io.kafka_read import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.backfill_steps import locate_batch, run_step
 from clickstream.jobs.generate import Scale, simulate, write_table

@@ -8,7 +8,7 @@ import pytest
 
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import produce_records
+from clickstream.io.kafka_produce import produce_records
 from clickstream.jobs.generate import Delivery, Scale, live_records, simulate
 
 

@@ -39,27 +39,27 @@ from clickstream.errors import (
 )
 from clickstream.io.kafka_broker import DEFAULT_TOPICS, EmbeddedBroker, _Forwarder, main
 from clickstream.io.kafka_clients import (
-    BULK_LINGER_MS,
     LIBRDKAFKA_LOG,
-    PACED_LINGER_MS,
-    TIMED_OUT_REPORT_GRACE_S,
     RepeatedLogFilter,
-    check_no_data_loss,
     consumer_config,
-    flush_or_raise,
     gc_paused,
     make_consumer,
     make_producer,
+    producer_config,
+)
+from clickstream.io.kafka_produce import (
+    BULK_LINGER_MS,
+    PACED_LINGER_MS,
+    TIMED_OUT_REPORT_GRACE_S,
+    flush_or_raise,
     produce_json,
     produce_records,
     produce_to_topics,
     produce_waiting,
-    producer_config,
-    read_compacted,
     send_linger,
-    topic_id,
-    topic_watermarks,
 )
+from clickstream.io.kafka_read import check_no_data_loss, read_compacted
+from clickstream.io.kafka_topics import topic_id, topic_watermarks
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from clickstream.io.kafka_changelog import (
     recorded_changelog_ids,
     spark_row_value,
 )
-from clickstream.io.kafka_clients import read_offset_ranges
+from clickstream.io.kafka_read import read_offset_ranges
 from clickstream.quality.checks import topic_ends
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
 from tests.reference import reference_changelog_value

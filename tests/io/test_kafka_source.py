@@ -27,14 +27,13 @@ from clickstream.errors import (
 from clickstream.events.contract import CLOCK_PARTITION, LOST_OFFSETS_HEADER
 from clickstream.io import kafka_source
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import (
+from clickstream.io.kafka_clients import make_producer
+from clickstream.io.kafka_produce import flush_or_raise
+from clickstream.io.kafka_read import (
     ReadErrors,
-    flush_or_raise,
-    make_producer,
     read_compacted,
     read_offset_range,
     read_offset_ranges,
-    topic_watermarks,
 )
 from clickstream.io.kafka_source import (
     PLANNED_FROM,
@@ -48,6 +47,7 @@ from clickstream.io.kafka_source import (
     read_kafka_stream,
     read_range,
 )
+from clickstream.io.kafka_topics import topic_watermarks
 from clickstream.io.stream_clock import CLOCK_OFFSET, IdleClock
 from clickstream.tables import KAFKA_SCHEMA
 
@@ -342,7 +342,7 @@ def test_a_new_checkpoints_first_read_starts_where_the_log_starts_when_it_reads(
     assert (f"topic {topic} partition 0: the broker dropped records 0..1 while a new "
             "checkpoint planned its first micro-batch") in caplog.text
     broker.delete_records(topic, 0, 4)  # after it: the read starts at 4
-    with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+    with caplog.at_level("WARNING", logger="clickstream.io.kafka_read"):
         (task,) = reader.partitions(first, end)
         offsets = [o for batch in reader.read(task) for o in batch.column("offset").to_pylist()]
     assert offsets == list(range(4, 10))
@@ -425,7 +425,7 @@ def test_fetch_errors_the_client_gets_past_are_waited_out_and_permanent_ones_sto
         every_offset = [(p, o) for p, (start, end) in sorted(ranges.items())
                         for o in range(start, end)]
         own.fail_fetches(REQUEST_TIMED_OUT, 4)
-        with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+        with caplog.at_level("WARNING", logger="clickstream.io.kafka_read"):
             read = sorted((m.partition(), m.offset())
                           for batch in read_offset_ranges(own_config, "t", ranges) for m in batch)
         assert read == every_offset
@@ -455,7 +455,7 @@ def test_an_out_of_range_answer_at_an_offset_the_log_holds_is_fetched_again(
         ranges = {0: (0, 10)}
 
         own.fail_fetches(OFFSET_OUT_OF_RANGE, 1)
-        with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+        with caplog.at_level("WARNING", logger="clickstream.io.kafka_read"):
             read = [m for batch in read_offset_ranges(own_config, "t", ranges, idle_timeout_s=20)
                     for m in batch]
         assert [m.offset() for m in read] == list(range(10))
@@ -505,7 +505,7 @@ def test_accepting_data_loss_a_range_below_the_log_start_reads_a_marker_then_the
         return _offsets([m for batch in read_offset_range(
             kafka_config, topic, 0, start, end, fail_on_data_loss=False) for m in batch])
 
-    with caplog.at_level("WARNING", logger="clickstream.io.kafka_clients"):
+    with caplog.at_level("WARNING", logger="clickstream.io.kafka_read"):
         got = read(2, 10)
     assert got == [_marker(2, 3), *((i, f"v{i}".encode(), [("h", f"{i}".encode())] if i % 2 == 0
                                      else None) for i in range(4, 10))]

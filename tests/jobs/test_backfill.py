@@ -37,7 +37,9 @@ from clickstream.errors import (
 from clickstream.events.contract import ID_MAX_BYTES, URL_MAX_BYTES
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import make_producer, produce_json, read_compacted
+from clickstream.io.kafka_clients import make_producer
+from clickstream.io.kafka_produce import produce_json
+from clickstream.io.kafka_read import read_compacted
 from clickstream.jobs import backfill as backfill_module
 from clickstream.jobs import backfill_steps, batch_input
 from clickstream.jobs import sessionize as sessionize_module

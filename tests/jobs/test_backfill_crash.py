@@ -17,7 +17,7 @@ from pyspark.sql import SparkSession
 from clickstream.config import Config
 from clickstream.io import read_point
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import read_compacted
+from clickstream.io.kafka_read import read_compacted
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.sessionize import run_sessionizer, stream_watermark_ms
 from tests.jobs.test_backfill import (

@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 from clickstream import spark_session
 from clickstream.config import Config
 from clickstream.io.delta_tables import open_tables
-from clickstream.io.kafka_clients import read_compacted
+from clickstream.io.kafka_read import read_compacted
 from clickstream.jobs import backfill_steps, corrections, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.backfill_steps import locate_batch, merge_batch

@@ -11,7 +11,8 @@ import pytest
 from clickstream.errors import ClickstreamError
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import produce_records, topic_id, topic_watermarks
+from clickstream.io.kafka_produce import produce_records
+from clickstream.io.kafka_topics import topic_id, topic_watermarks
 from clickstream.jobs import sessionize
 from clickstream.jobs.inspect import (
     describe_lag,

@@ -31,7 +31,9 @@ from clickstream.errors import (
 from clickstream.io import read_point
 from clickstream.io.delta_tables import open_tables
 from clickstream.io.kafka_changelog import publish_sessions
-from clickstream.io.kafka_clients import make_consumer, read_compacted, topic_watermarks
+from clickstream.io.kafka_clients import make_consumer
+from clickstream.io.kafka_read import read_compacted
+from clickstream.io.kafka_topics import topic_watermarks
 from clickstream.jobs import backfill_steps, corrections, recompute, sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute, run_recompute

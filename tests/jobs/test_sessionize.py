@@ -39,7 +39,9 @@ from clickstream.events.contract import URL_MAX_BYTES
 from clickstream.io import read_point
 from clickstream.io.delta_tables import DeltaTables, open_tables
 from clickstream.io.kafka_broker import EmbeddedBroker
-from clickstream.io.kafka_clients import flush_or_raise, make_producer, read_compacted
+from clickstream.io.kafka_clients import make_producer
+from clickstream.io.kafka_produce import flush_or_raise
+from clickstream.io.kafka_read import read_compacted
 from clickstream.jobs import sessionize
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.generate import Delivery, Scale, live_records

@@ -22,7 +22,8 @@ from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import EXIT_NOT_RETRYABLE, QualityGateFailedError
 from clickstream.io import kafka_changelog
 from clickstream.io.delta_tables import RECENT_COMMITS, open_tables
-from clickstream.io.kafka_clients import encode_json, produce_records, read_compacted
+from clickstream.io.kafka_produce import encode_json, produce_records
+from clickstream.io.kafka_read import read_compacted
 from clickstream.jobs import backfill, backfill_steps, corrections
 from clickstream.jobs.backfill import run_backfill
 from clickstream.jobs.recompute import run_full_recompute

@@ -10,7 +10,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from clickstream.config import Config
-from clickstream.io.kafka_clients import encode_json
+from clickstream.io.kafka_produce import encode_json
 from clickstream.quality.checks import _revision, publish_checks
 
 VALUES = [

@@ -39,12 +39,12 @@ Known limits (measured with librdkafka 2.16.0; limit 2 is exercised by the io te
    bulk kept the newest 65,577 (lz4 packs a random-id event to ~80 bytes); fed one event per
    batch (a slow trickle) it kept 16,900. With 16 partitions per topic that is ~1M (bulk) to
    ~270k (trickle) events a reader may lag behind before the oldest are dropped. Readers
-   detect a drop with :func:`clickstream.io.kafka_clients.check_no_data_loss` and fail, as
+   detect a drop with :func:`clickstream.io.kafka_read.check_no_data_loss` and fail, as
    Spark's ``failOnDataLoss`` does, instead of skipping silently (or, for the sessionizer with
    ``CLICKSTREAM_FAIL_ON_DATA_LOSS=false``, record the lost offsets in quarantine and go on).
 3. There is no log compaction: the ``sessions``/``attributions`` changelogs keep every
    revision, so their compacted view is complete only while nothing was dropped (partition
-   low watermark 0); :func:`clickstream.io.kafka_clients.read_compacted` checks that.
+   low watermark 0); :func:`clickstream.io.kafka_read.read_compacted` checks that.
 4. Topics are created through the mock API only (:meth:`EmbeddedBroker.create_topic`); admin
    CreateTopics and DeleteRecords are unsupported; a producer writing to an unknown topic
    auto-creates it with 4 partitions.
@@ -63,7 +63,7 @@ Known limits (measured with librdkafka 2.16.0; limit 2 is exercised by the io te
    against 0.02 s for the same records produced in bulk; in the sessionizer's memory
    benchmark the mock's thread spent 82% of its time in that scan and the sessionizer,
    starved of records, fell behind at 2,500 events/s. Producers therefore linger
-   (:data:`clickstream.io.kafka_clients.PACED_LINGER_MS`, and ``BULK_LINGER_MS`` for sends
+   (:data:`clickstream.io.kafka_produce.PACED_LINGER_MS`, and ``BULK_LINGER_MS`` for sends
    fed from Spark: with 5 ms, the full backfill benchmark's publish gate read its 1M records
    back in 16.6 s, with 100 ms in 6.2 s); real Kafka returns many batches per fetch and
    indexes its log.

@@ -22,13 +22,9 @@ from pyspark.sql.types import DecimalType, StructType
 from clickstream.atomic_files import write_atomically
 from clickstream.config import ENV_NAMES, Config
 from clickstream.errors import ConfigError, DataLossError
-from clickstream.io.kafka_clients import (
-    make_consumer,
-    produce_records,
-    produce_to_topics,
-    topic_ids,
-    topic_watermarks,
-)
+from clickstream.io.kafka_clients import make_consumer
+from clickstream.io.kafka_produce import produce_records, produce_to_topics
+from clickstream.io.kafka_topics import topic_ids, topic_watermarks
 from clickstream.locks import LOCKS_FOLDER, exclusive
 from clickstream.tables import ATTRIBUTIONS, SESSIONS, TableSpec
 

@@ -19,7 +19,7 @@ Known edge cases, cited inline as (K1)..(K11):
       With ``failOnDataLoss=false`` (CLICKSTREAM_FAIL_ON_DATA_LOSS) records dropped before we
       read them are accepted (also for K3): planning still starts the range at the old
       offset, and the read puts one marker record in place of each lost run of offsets
-      (``kafka_clients.lost_offsets_marker``: no key or value, offset = the first lost one, a
+      (``kafka_read.lost_offsets_marker``: no key or value, offset = the first lost one, a
       ``clickstream-lost-offsets`` header ``<first>-<last>``), logs a warning and reads on
       from the log start. The parser quarantines the marker, so the loss reaches the
       quarantine table with the micro-batch that planned those offsets, and a replayed
@@ -106,7 +106,7 @@ Known edge cases, cited inline as (K1)..(K11):
   K11. A broker may answer 'offset out of range' at an offset its log still holds (around a
       leader change); librdkafka then fetches that partition no more (``auto.offset.reset``
       is ``error``). When the log's start and end show the offset is held, the readers
-      (``kafka_clients.read_offset_ranges``, ``read_compacted``) fetch the partition again
+      (``kafka_read.read_offset_ranges``, ``read_compacted``) fetch the partition again
       from it, up to ``OUT_OF_RANGE_RETRIES`` answers in a row. Taken for any other error,
       the range read waited out its time limit and said Kafka was unreachable, and the
       changelog read (``clickstream inspect``) reported data loss.
@@ -145,13 +145,8 @@ from pyspark.sql.types import StructType
 
 from clickstream.config import Config
 from clickstream.events.contract import CLOCK_PARTITION
-from clickstream.io.kafka_clients import (
-    check_no_data_loss,
-    check_same_log,
-    read_offset_ranges,
-    topic_id,
-    topic_watermarks,
-)
+from clickstream.io.kafka_read import check_no_data_loss, read_offset_ranges
+from clickstream.io.kafka_topics import check_same_log, topic_id, topic_watermarks
 from clickstream.io.stream_clock import CLOCK_OFFSET, IdleClock, QuietTimer
 from clickstream.tables import KAFKA_SCHEMA
 

@@ -16,14 +16,8 @@ from clickstream.io.kafka_changelog import (
     recorded_changelog_ids,
     replaced_log_reason,
 )
-from clickstream.io.kafka_clients import (
-    TOMBSTONE,
-    check_no_data_loss,
-    check_same_log,
-    read_compacted,
-    topic_id,
-    topic_watermarks,
-)
+from clickstream.io.kafka_read import TOMBSTONE, check_no_data_loss, read_compacted
+from clickstream.io.kafka_topics import check_same_log, topic_id, topic_watermarks
 from clickstream.io.stream_clock import logged_tick_ms
 from clickstream.jobs.sessionize import JOB, checkpoint_progress
 from clickstream.progress import utc_text

@@ -35,7 +35,8 @@ from clickstream.io.kafka_changelog import (
     publish_rows,
     record_changelog_ids,
 )
-from clickstream.io.kafka_clients import read_compacted, topic_ids
+from clickstream.io.kafka_read import read_compacted
+from clickstream.io.kafka_topics import topic_ids
 from clickstream.jobs.corrections import one_run_at_a_time
 from clickstream.jobs.sessionize import warehouse_sessionizer_lock_path
 from clickstream.locks import Holder, exclusive_or_refuse

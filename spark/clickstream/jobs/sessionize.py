@@ -210,8 +210,8 @@ from clickstream.io.kafka_changelog import (
     publish_attributions,
     publish_sessions,
 )
-from clickstream.io.kafka_clients import check_same_log, topic_id, topic_watermarks
 from clickstream.io.kafka_source import PLANNED_FROM, TOPIC_ID, read_kafka_stream
+from clickstream.io.kafka_topics import check_same_log, topic_id, topic_watermarks
 from clickstream.io.spark_checkpoint import (
     LogEntry,
     has_log_entry,

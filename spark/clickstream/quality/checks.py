@@ -476,7 +476,7 @@ def recomputed_sessions_checks(*, gap_ms: int, sessions: DataFrame, attributions
 
 def topic_ends(config: Config, topics: Sequence[str]) -> dict[str, dict[int, int]]:
     """The next offset to be written, per partition of each topic (K5)."""
-    from clickstream.io.kafka_clients import topic_watermarks
+    from clickstream.io.kafka_topics import topic_watermarks
 
     return {topic: {p: high for p, (_low, high) in topic_watermarks(config, topic).items()}
             for topic in topics}
@@ -489,7 +489,8 @@ def read_published(config: Config, since: Mapping[str, Mapping[int, int]]
     lives in one partition, whose records come in offset order, so the last one read wins.
     Returned as the pairs of one dict (a set view): at a million records per-key sets of
     revisions cost more than reading them."""
-    from clickstream.io.kafka_clients import PUBLISHED_LOSS_ADVICE, gc_paused, read_offset_ranges
+    from clickstream.io.kafka_clients import gc_paused
+    from clickstream.io.kafka_read import PUBLISHED_LOSS_ADVICE, read_offset_ranges
 
     now = topic_ends(config, list(since))
     seen: dict[str, AbstractSet[tuple[str, int | None]]] = {}
