@@ -1,12 +1,12 @@
 """The ``deltalake`` (delta-rs) engine: Spark writes the Parquet files, delta-rs commits them.
 
 How a write works: Spark executors write Parquet files straight into the table folder (unique
-names, Hive-style partition folders, statistics gathered while writing) and return one small
-row per file; the driver turns those rows into Delta ``add`` actions and commits them with
-``DeltaTable.create_write_transaction``, together with an application transaction and commit
-metadata. Upserts collect the (modest) batch to Arrow and rewrite, on the driver, only the files
-that hold its keys (edge case 14). Reads go through the log's active files, never through a
-folder listing.
+names, Hive-style partition folders, statistics gathered while writing: ``delta_rs_files``)
+and return one small row per file; the driver turns those rows into Delta ``add`` actions
+and commits them with ``DeltaTable.create_write_transaction``, together with an application
+transaction and commit metadata. Upserts collect the (modest) batch to Arrow and rewrite, on
+the driver, only the files that hold its keys (edge case 14). Reads go through the log's
+active files, never through a folder listing.
 
 Known edge cases (cited inline as "edge case N"):
 
@@ -123,12 +123,10 @@ Known edge cases (cited inline as "edge case N"):
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import functools
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -155,6 +153,7 @@ from clickstream.errors import (
     TableRefusedError,
     VersionVacuumedError,
 )
+from clickstream.io.delta_rs_files import HIVE_NULL, WRITTEN_FILE_ROWS, spark_unescape, write_task
 from clickstream.io.delta_tables import (
     LOG_RETENTION,
     TABLE_MISSING,
@@ -186,15 +185,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 WRITE_ID = "write_id"  # commit metadata: the call that made the commit (edge case 17)
 _SKIPPED = object()  # an attempt's result when the (app_id, version) step was already committed
-HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 _PARTITION_TYPES = {"string", "integer", "long", "short", "byte", "boolean", "date"}
-_MAX_STAT_STRING = 64
-# Spark's ExternalCatalogUtils.escapePathName set, plus '}' so no folder looks like a glob,
-# and '~', which deltalake's compaction cannot find raw (edge case 19).
-_ESCAPE = set(map(chr, range(1, 32))) | set("\"#%'*/:=?\\\x7f{}[]^~")
-_FILE_ROWS = "path string, size long, partition_values string, modification_time long, stats string"
-ROW_GROUP_ROWS = 1_000_000  # pyarrow's default row group cap
-ROW_GROUP_BYTES = 64 * 2**20  # Arrow bytes buffered per file before a row group is written (13)
 OPTIMIZE_LOCK = "_clickstream_optimize.lock"  # in the table folder: one compaction at a time (15)
 COMPACTED_HERE_BYTES = 128 * 2**20  # files the driver compacts per commit (edge case 19)
 
@@ -928,19 +919,19 @@ class DeltaRsTables(DeltaTables):
         """Executors write Parquet files into the table folder; returns what they wrote."""
         parts = _partition_columns(table)
         task = functools.partial(
-            _write_task, root=self.table_path(name), partition_by=parts,
+            write_task, root=self.table_path(name), partition_by=parts,
             file_schema=_file_schema(table),
         )
         # Sorted by partition within each task: one open file at a time, whole row groups (13).
         spark_df = df.repartition(*parts).sortWithinPartitions(*parts) if parts else df
-        return self._written(name, table, spark_df.mapInArrow(task, _FILE_ROWS).collect())
+        return self._written(name, table, spark_df.mapInArrow(task, WRITTEN_FILE_ROWS).collect())
 
     def _write_arrow(self, name: str, rows: pa.Table, table: DeltaTable) -> list[_WrittenFile]:
         """The driver writes rows it holds, as one Spark task would (edge case 13)."""
         parts = _partition_columns(table)
         if parts:
             rows = rows.sort_by([(c, "ascending") for c in parts])
-        out = pa.Table.from_batches(list(_write_task(
+        out = pa.Table.from_batches(list(write_task(
             iter(rows.to_batches(max_chunksize=65_536)), root=self.table_path(name),
             partition_by=parts, file_schema=_file_schema(table),
         )))
@@ -1179,166 +1170,6 @@ class DeltaRsTables(DeltaTables):
 # Executor side: runs inside Spark tasks (mapInArrow), so it imports only pyarrow.
 
 
-class _OpenFile:
-    """A Parquet file being written by one task, with running statistics (edge case 7)."""
-
-    def __init__(self, root: str, rel: str, schema: pa.Schema) -> None:
-        self.rel = rel
-        self.full = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(self.full), exist_ok=True)
-        self.writer = pq.ParquetWriter(self.full, schema, compression="snappy")
-        self.pending: list[pa.Table] = []  # rows of the next row group (edge case 13)
-        self.pending_rows = 0
-        self.pending_bytes = 0
-        self.rows = 0
-        self.nulls = dict.fromkeys(schema.names, 0)
-        self.low: dict[str, Any] = {}
-        self.high: dict[str, Any] = {}
-        self.skip: set[str] = set()
-
-    def write(self, table: pa.Table) -> None:
-        self.pending.append(table)
-        self.pending_rows += table.num_rows
-        self.pending_bytes += table.nbytes
-        if self.pending_rows >= ROW_GROUP_ROWS or self.pending_bytes >= ROW_GROUP_BYTES:
-            self.flush()
-        self.rows += table.num_rows
-        for name in table.column_names:
-            column = table.column(name)
-            self.nulls[name] += column.null_count
-            if name in self.skip or not _has_exact_stats(column.type):
-                continue
-            bounds = pc.min_max(column).as_py()
-            if bounds["min"] is None:
-                continue
-            low, high = bounds["min"], bounds["max"]
-            if isinstance(low, str) and max(len(low), len(high)) > _MAX_STAT_STRING:
-                self.skip.add(name)
-                continue
-            self.low[name] = low if name not in self.low else min(self.low[name], low)
-            self.high[name] = high if name not in self.high else max(self.high[name], high)
-
-    def flush(self) -> None:
-        """Write the buffered rows as one row group."""
-        if self.pending:
-            self.writer.write_table(pa.concat_tables(self.pending),
-                                    row_group_size=max(self.pending_rows, 1))
-            self.pending, self.pending_rows, self.pending_bytes = [], 0, 0
-
-    def close(self) -> tuple[int, int, str]:
-        self.flush()
-        self.writer.close()
-        kept = [n for n in self.low if n not in self.skip]
-        stats = {
-            "numRecords": self.rows,
-            "minValues": {n: _stat_json(self.low[n]) for n in kept},
-            "maxValues": {n: _stat_json(self.high[n]) for n in kept},
-            "nullCount": self.nulls,
-        }
-        info = os.stat(self.full)
-        return info.st_size, int(info.st_mtime * 1000), json.dumps(stats)
-
-
-def _write_task(
-    batches: Iterator[pa.RecordBatch],
-    *,
-    root: str,
-    partition_by: list[str],
-    file_schema: pa.Schema,
-) -> Iterator[pa.RecordBatch]:
-    """Write one Spark partition's rows as one Parquet file per table partition (sorted by
-    partition, a file is complete once a batch holds none of its rows)."""
-    from pyspark import TaskContext
-
-    context = TaskContext.get()
-    task = context.partitionId() if context is not None else 0
-    files: dict[tuple, _OpenFile] = {}
-    keys: dict[tuple, dict[str, str | None]] = {}
-    out: dict[str, list] = {"path": [], "size": [], "partition_values": [],
-                            "modification_time": [], "stats": []}
-
-    def finish(key: tuple) -> None:
-        handle = files.pop(key)
-        size, mtime, stats = handle.close()
-        out["path"].append(handle.rel)
-        out["size"].append(size)
-        out["partition_values"].append(json.dumps(keys.pop(key)))
-        out["modification_time"].append(mtime)
-        out["stats"].append(stats)
-
-    try:
-        for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            table = pa.Table.from_batches([batch])
-            groups = (
-                table.select(partition_by).group_by(partition_by).aggregate([]).to_pylist()
-                if partition_by else [{}]
-            )
-            touched = set()
-            for group in groups:
-                values = {c: partition_string(group[c]) for c in partition_by}
-                key = tuple(values.values())
-                touched.add(key)
-                if key not in files:
-                    folder = "/".join(
-                        f"{_hive_escape(c)}={HIVE_NULL if v is None else _hive_escape(v)}"
-                        for c, v in values.items()
-                    )
-                    name = f"part-{task:05d}-{uuid.uuid4()}.c000.snappy.parquet"
-                    rel = f"{folder}/{name}" if folder else name
-                    files[key] = _OpenFile(root, rel, file_schema)
-                    keys[key] = values
-                rows = table.filter(_group_mask(table, group)) if partition_by else table
-                files[key].write(rows.select(file_schema.names).cast(file_schema))
-            for key in [k for k in files if k not in touched]:  # its rows ended (13)
-                finish(key)
-        for key in list(files):
-            finish(key)
-        yield pa.RecordBatch.from_pydict(
-            out,
-            schema=pa.schema([
-                ("path", pa.string()), ("size", pa.int64()), ("partition_values", pa.string()),
-                ("modification_time", pa.int64()), ("stats", pa.string()),
-            ]),
-        )
-    finally:
-        for handle in files.values():  # a failed task: close what it opened (edge case 1)
-            handle.writer.close()
-
-
-def _group_mask(table: pa.Table, group: Mapping[str, Any]) -> pa.ChunkedArray:
-    mask = None
-    for column, value in group.items():
-        values = table.column(column)
-        if value is None:
-            test = pc.is_null(values)
-        else:
-            test = pc.fill_null(pc.equal(values, pa.scalar(value, values.type)), False)
-        mask = test if mask is None else pc.and_(mask, test)
-    return mask
-
-
-def _hive_escape(text: str) -> str:
-    """Escape a partition folder component like Spark (``%XX``), so Spark parses it back."""
-    return "".join(f"%{ord(ch):02X}" if ch in _ESCAPE else ch for ch in text)
-
-
-def _spark_unescape(text: str) -> str:
-    """Spark's ExternalCatalogUtils.unescapePathName: ``%XX`` (hex) becomes one char."""
-    out, i = [], 0
-    while i < len(text):
-        code = text[i + 1 : i + 3] if text[i] == "%" and i + 2 < len(text) else ""
-        # Java's Integer.parseInt(code, 16) also takes a sign; negative codes stay literal.
-        if re.fullmatch(r"[+-]?[0-9A-Fa-f]+", code) and int(code, 16) >= 0:
-            out.append(chr(int(code, 16)))
-            i += 3
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
-
-
 def _spark_reads_same(f: _ActiveFile, parts: list[str]) -> bool:
     """Would Spark's partition discovery give this file the log's partition values?"""
     folders = f.path.split("/")[:-1]
@@ -1346,32 +1177,12 @@ def _spark_reads_same(f: _ActiveFile, parts: list[str]) -> bool:
         return False
     for folder, column in zip(folders, parts, strict=True):
         name, sep, raw = folder.partition("=")
-        if not sep or not raw or _spark_unescape(name) != column:
+        if not sep or not raw or spark_unescape(name) != column:
             return False
-        parsed = None if raw == HIVE_NULL else _spark_unescape(raw)
+        parsed = None if raw == HIVE_NULL else spark_unescape(raw)
         if parsed != f.partition_values.get(column):
             return False
     return True
-
-
-def _has_exact_stats(kind: pa.DataType) -> bool:
-    return (
-        pa.types.is_integer(kind)
-        or pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_date32(kind)
-        or (pa.types.is_timestamp(kind) and kind.unit == "us")
-    )
-
-
-def _stat_json(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is not None:
-            return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        return value.strftime("%Y-%m-%dT%H:%M:%S.%f")
-    if isinstance(value, dt.date):
-        return value.isoformat()
-    return value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -352,8 +352,8 @@ def make_consumer(config: Config, **extra: Any) -> Consumer:
 
 
 def make_admin(config: Config) -> AdminClient:
-    """Create an admin client (the connection settings of :func:`consumer_config`, no
-    consumer defaults).
+    """Create an admin client (the address and ``kafka_options``, none of the producers' or
+    consumers' defaults).
 
     Raises:
         ConfigError: librdkafka refused a setting of ``CLICKSTREAM_KAFKA_OPTIONS``.
@@ -381,7 +381,7 @@ PERMANENT_READ_ERRORS = frozenset({
 
 # Metadata errors no retry gets past (an unknown topic may be being created: retried).
 PERMANENT_METADATA_ERRORS = PERMANENT_READ_ERRORS - {KafkaError._UNKNOWN_TOPIC,
-                                                       KafkaError._UNKNOWN_PARTITION}
+                                                     KafkaError._UNKNOWN_PARTITION}
 PERMANENT_FIX = (f"fix the cause (the topic, or the client's credentials and ACLs in "
                   f"{ENV_NAMES['kafka_options']}), then rerun")
 

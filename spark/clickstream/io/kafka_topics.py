@@ -39,8 +39,8 @@ class _UnknownTopic(Exception):
     """The broker answers but does not know the topic (yet: it may be being created)."""
 
 
-def ask_broker(config: Config, topic: str, ask: Callable[[], T], attempts: int, timeout_s: float
-           ) -> T:
+def ask_broker(config: Config, topic: str, ask: Callable[[], T], attempts: int,
+               timeout_s: float) -> T:
     """``ask()``, tried again with backoff (0.5 s, doubling, at most 5 s) while the broker
     cannot be reached or does not know the topic.
 
@@ -156,7 +156,7 @@ def topic_ids(config: Config, topics: Sequence[str], *, attempts: int = 5,
     topic built a client per topic)."""
     admin = make_admin(config)
     return {topic: ask_broker(config, topic, functools.partial(_described_id, admin, topic,
-                                                           timeout_s), attempts, timeout_s)
+                                                               timeout_s), attempts, timeout_s)
             for topic in topics}
 
 
