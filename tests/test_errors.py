@@ -7,11 +7,13 @@ from pyspark.errors import PythonException
 
 from clickstream.errors import (
     NOT_RETRYABLE,
+    BatchRefusedError,
     ClickstreamError,
     CommitConflictError,
     ConfigError,
     PlanNotAppliedError,
     error_line,
+    noted_on,
     one_error_for,
     typed_error_line,
 )
@@ -64,3 +66,24 @@ def test_a_trace_line_that_is_only_a_group_margin_is_skipped() -> None:
             "  |   File \"job.py\", line 3, in run\n"
             "  | ExceptionGroup: two rows refused (2 sub-exceptions)\n")
     assert error_line(text) == "ExceptionGroup: two rows refused (2 sub-exceptions)"
+
+
+def close_group_on_a_full_disk() -> None:
+    raise OSError(28, "No space left on device")
+
+
+def test_a_cleanup_failing_beside_an_error_is_a_note_on_it_not_a_replacement() -> None:
+    refused = BatchRefusedError("batch refused: 2 rows of another client")
+    with pytest.raises(BatchRefusedError, match="another client") as raised:
+        try:
+            raise refused
+        except BatchRefusedError as error:
+            with noted_on(error, "closing its read point group"):
+                close_group_on_a_full_disk()
+            raise
+    assert raised.value.__notes__ == [
+        "closing its read point group failed as well: OSError: [Errno 28] No space left on "
+        "device"]
+    with noted_on(refused, "a cleanup that works"):
+        pass
+    assert len(refused.__notes__) == 1

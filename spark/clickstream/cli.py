@@ -29,6 +29,7 @@ from clickstream.errors import (
     ConfigError,
     QueryFailedError,
     carried_error,
+    error_line,
     typed_error_line,
 )
 from clickstream.events.contract import EARLIEST_TS, LATEST_TS, client_id_problem
@@ -649,6 +650,7 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
         carried = carried_error(error)  # the product's own, raised in a Spark worker
         if carried is not None:
             return _failed(args.command, config, carried, keep_traceback=True)
+        _print_notes(args.command, error)
         print(f"clickstream {args.command}: unexpected error: {typed_error_line(error)}; "
               f"{_keep_traceback(config, args.command)}", file=sys.stderr)
         return 1
@@ -658,11 +660,19 @@ def _failed(command: str, config: Config | None, error: ClickstreamError, *,
             keep_traceback: bool) -> int:
     """One line, always: a message carrying an engine's text (several lines) is cut to its
     first, and kept whole in the traceback file; so is one raised from a bug (a recompute's
-    clients, R12)."""
+    clients, R12). Above it, a line per failure noted on the way (``add_note``: a failed
+    run's summary page that could not be written): not part of ``str(error)``, they were
+    never shown."""
+    _print_notes(command, error)
     first, *rest = str(error).strip().splitlines() or [""]
     kept = f"; {_keep_traceback(config, command)}" if keep_traceback or rest else ""
     print(f"clickstream {command}: error: {first}{kept}", file=sys.stderr)
     return EXIT_NOT_RETRYABLE if isinstance(error, NOT_RETRYABLE) else 1
+
+
+def _print_notes(command: str, error: BaseException) -> None:
+    for note in getattr(error, "__notes__", ()):
+        print(f"clickstream {command}: also: {error_line(str(note))}", file=sys.stderr)
 
 
 def _keep_traceback(config: Config | None, command: str) -> str:

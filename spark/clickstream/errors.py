@@ -7,6 +7,8 @@ Bad stream records are never exceptions: they become quarantine rows.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class ClickstreamError(Exception):
@@ -137,6 +139,18 @@ def typed_error_line(error: BaseException) -> str:
     if line != (text.strip().splitlines() or [""])[0]:
         return line
     return f"{type(error).__name__}: {line}"
+
+
+@contextmanager
+def noted_on(error: BaseException, what: str) -> Iterator[None]:
+    """Run a cleanup (or a record of the failure) while ``error`` propagates: ``error`` is the
+    one to raise, so the cleanup's own failure becomes a note on it (``what failed as well:
+    ...``; the CLI prints it above the error's line) instead of replacing it, its message and
+    its exit status (a full disk turned a refused batch into a retried ``OSError``)."""
+    try:
+        yield
+    except Exception as failed:
+        error.add_note(f"{what} failed as well: {typed_error_line(failed)}")
 
 
 def one_error_for(failures: list[BaseException], message: str) -> ClickstreamError:

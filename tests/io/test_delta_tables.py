@@ -1245,8 +1245,9 @@ def test_two_compactions_at_once_do_not_store_the_rows_twice(config, spark):
 def test_delta_spark_engine_without_jars_says_what_to_set(config, spark):
     if delta_jars_loadable(spark):
         pytest.skip("io.delta jars are on the classpath; the missing-jars message cannot show")
-    with pytest.raises(ConfigError, match=r"delta-spark JVM jars .* are not loadable.*"
-                       r"CLICKSTREAM_DELTA_ENGINE=deltalake"):
+    with pytest.raises(ConfigError, match=r"delta-spark JVM jars .* are not loadable in this "
+                       r"Spark session \(java\.lang\.ClassNotFoundException: "
+                       r"io\.delta\.tables\.DeltaTable\)\. .*CLICKSTREAM_DELTA_ENGINE=deltalake"):
         open_tables(config.replace(delta_engine="delta-spark"), spark)
 
 

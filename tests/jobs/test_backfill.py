@@ -234,6 +234,27 @@ def test_orders_past_the_largest_session_revenue_fail_the_backfill_as_not_retrya
                      r"add up to 922999999999999\.9077, above the largest revenue", err, re.M), err
 
 
+def test_a_failed_runs_summary_page_that_cannot_be_written_is_said_above_the_error(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """The page's own failure was a note on the run's error, and the CLI prints one line of
+    it: nothing said that the quality index lacks the failed run (review, session 88)."""
+    path = write_rows(stream_config, "bad", [{**pv_row("b", "u", 0), "ts": "soon"}], "parquet")
+    blocked = reports.reports_dir(stream_config) / "backfills"  # where the page goes
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("a file where the summaries' folder would be")
+    for name, variable in ENV_NAMES.items():
+        if name not in ("kafka_options", "spark_kafka_options"):
+            monkeypatch.setenv(variable, str(getattr(stream_config, name)))
+    capsys.readouterr()
+    code = main(["backfill", "--kind", "pageviews", "--client", "client-00", "--path", path])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_NOT_RETRYABLE, lines
+    assert re.match(r"clickstream backfill: also: writing the run's failure report failed as "
+                    rf"well: \w+Error: .*{re.escape(str(blocked))}", lines[-2]), lines
+    assert re.match(r"clickstream backfill: error: .*bad_ts_fraction = 1", lines[-1]), lines
+
+
 def test_a_changelog_the_broker_lost_is_refused_until_republish_makes_it_the_tables_again(
         stream_config: Config, spark: SparkSession) -> None:
     """A broker restarted empty (a new embedded broker, the same topic names: new logs): a

@@ -277,6 +277,31 @@ def test_a_client_that_failed_after_finishing_another_runs_plan_has_its_tables_a
         "attributions", "corrections", "sessions"]
 
 
+def test_a_failed_recompute_whose_result_cannot_be_saved_fails_with_its_own_reason(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last save ran in a ``finally``: failing as well (a full disk), its ``OSError``
+    replaced the recompute's own error, and its exit status: 1, which Airflow retries, for a
+    failed gate's 3 (review, session 88). It is a note on that error now."""
+    late(stream_config, spark, [("p1", "c1", "u1", 0)])
+    save = recompute.save_result
+
+    def gate_fails(run, *args, **kwargs):
+        raise QualityGateFailedError(f"{run.run_id}: recomputed_sessions failed")
+
+    def disk_full_at_the_end(*args, working_on=None, **kwargs):
+        if working_on is None:
+            raise OSError(28, "No space left on device")
+        return save(*args, working_on=working_on, **kwargs)
+
+    monkeypatch.setattr(corrections, "gate_recomputed_sessions", gate_fails)
+    monkeypatch.setattr(recompute, "save_result", disk_full_at_the_end)
+    with pytest.raises(QualityGateFailedError, match="failed for 1 of 1 clients") as raised:
+        run_recompute(stream_config, spark=spark, progress=quiet, result_name="night")
+    assert raised.value.__notes__ == [
+        "saving the tables it changed (--save-result-as night) failed as well: OSError: "
+        "[Errno 28] No space left on device"]
+
+
 def test_a_client_whose_rows_could_not_be_dequeued_is_not_described_as_folded_in(
         stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """(R10) c1's corrections were applied, then removing its rows from the queue failed:
@@ -839,8 +864,12 @@ def test_a_plan_recorded_by_another_run_while_this_one_planned_stops_this_one(
     assert [r["record_id"] for r in table_rows(stream_config, spark, "recompute_queue")] == ["p1"]
 
 
+@pytest.mark.parametrize("put_back_fails", [False, True], ids=["sent back", "send fails"])
 def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retracted(
-        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+        put_back_fails: bool) -> None:
+    """Sending them back failing too replaced the refusal with a bare delivery error, which
+    said nothing of the topic now lacking rows the table holds (review, session 88)."""
     run_backfill(stream_config, kind="pageviews", client_id="c1", spark=spark, progress=quiet,
                  path=write_rows(stream_config, "p", [pv_row("a", "u", 0, client="c1"),
                                                       pv_row("b", "u", 40, client="c1")],
@@ -862,13 +891,39 @@ def test_a_full_recompute_refused_by_a_concurrent_commit_sends_back_what_it_retr
         return sent
 
     monkeypatch.setattr(recompute, "publish_pairs", tombstones_then_the_stream_commits)
-    with pytest.raises(ClickstreamError, match="table 'sessions' changed while it ran"):
+    if put_back_fails:
+        def broker_gone(*_args, **_kwargs):
+            raise DeliveryError("kafka delivery failed: the broker stopped answering")
+
+        monkeypatch.setattr(recompute, "publish_rows", broker_gone)
+    refused = "table 'sessions' changed while it ran"
+    if put_back_fails:
+        refused += (rf".*; sending back to {stream_config.sessions_topic} the rows its "
+                    r"tombstones retracted failed as well \(DeliveryError: kafka delivery "
+                    r"failed: .*\): until that run, the topic lacks rows table 'sessions' holds$")
+    with pytest.raises(ClickstreamError, match=refused):
         run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
-    table = {r["session_id"]: r["revision"] for r in table_rows(stream_config, spark, "sessions")
-             if r["user_id"] == "u"}
-    topic = {k: v["revision"] for k, v in
-             read_compacted(stream_config, stream_config.sessions_topic).items()}
-    assert len(table) == 2 and topic == table  # u's two sessions, not rewritten, still live
+
+    def u_sessions() -> tuple[dict, dict]:
+        table = {r["session_id"]: r["revision"] for r in
+                 table_rows(stream_config, spark, "sessions") if r["user_id"] == "u"}
+        topic = {k: v["revision"] for k, v in
+                 read_compacted(stream_config, stream_config.sessions_topic).items()
+                 if v["user_id"] == "u"}
+        return table, topic
+
+    table, topic = u_sessions()
+    assert len(table) == 2  # u's two sessions, not rewritten
+    if not put_back_fails:
+        assert topic == table  # still live
+        return
+    # u's second session, which "between" merges into the first, was tombstoned: the
+    # topic lacks a row the table holds, as the message says.
+    assert topic.items() < table.items(), (topic, table)
+    monkeypatch.undo()  # the broker answers again: the client's next correction run
+    run_full_recompute(stream_config, client_id="c1", spark=spark, progress=quiet)
+    table, topic = u_sessions()
+    assert len(table) == 1 and topic == table  # merged by "between", and on the topic
 
 
 def test_a_client_with_nothing_queued_is_said_so(stream_config: Config,

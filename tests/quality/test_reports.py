@@ -224,6 +224,23 @@ def test_the_index_survives_deleted_reports_and_lists_other_jobs_pages(config: C
     assert assert_every_link_resolves(root) > 0
 
 
+def test_a_cut_line_of_the_index_is_named_and_the_next_entry_is_kept(config: Config) -> None:
+    """An append cut by a full disk or a kill left a line without its end: the next entry was
+    glued to it, and the index left both runs out without a word (review, session 88)."""
+    first = run_gate("publish", GOOD["publish"], config=config, job="recompute", run_id="first")
+    assert first.report is not None
+    entries = reports_dir(config) / "runs.jsonl"
+    with entries.open("a", encoding="utf-8") as handle:
+        handle.write('{"time": "2026-12-07T00:00:00+00:00", "job": "backf')  # cut here
+    run_gate("publish", GOOD["publish"], config=config, job="recompute", run_id="after")
+    index = (reports_dir(config) / "index.html").read_text()
+    assert sorted(r[2] for r in parse(reports_dir(config) / "index.html").rows
+                  if len(r) == 6) == ["after", "first"]
+    cut = len(entries.read_text().splitlines()) - 1  # the line before the last entry's
+    assert re.search(rf"1 line\(s\) of <code>runs\.jsonl</code> could not be read \(line "
+                     rf"{cut}\): the runs they record are not listed", index), index
+
+
 def test_an_entry_rewrites_only_the_filtered_pages_it_changes(config: Config) -> None:
     """(R5) A run of one client leaves every other client's page as it was, unless a new
     client joins the filter bar every page carries."""

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError
+from clickstream.errors import ClickstreamError, CommitConflictError, ConfigError, typed_error_line
 from clickstream.io.delta_tables import (
     TABLE_MISSING,
     AppendResult,
@@ -70,15 +70,22 @@ WRITE_NONCE = "write_nonce"  # in an append's userMetadata (edge case 3)
 
 def delta_jars_loadable(spark: SparkSession | None) -> bool:
     """True when ``io.delta`` classes load in ``spark``'s JVM (classic, non-Connect session)."""
+    return _delta_jars_refusal(spark) is None
+
+
+def _delta_jars_refusal(spark: SparkSession | None) -> str | None:
+    """Why ``io.delta`` classes do not load in ``spark``'s JVM (the JVM's own words: a class
+    missing, or one built for a newer Java), or None when they do."""
     if spark is None:
-        return False
+        return "no SparkSession"
     try:
         jvm = spark.sparkContext._jvm  # type: ignore[union-attr]
         loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
         jvm.java.lang.Class.forName(DELTA_CLASS, False, loader)
-    except Exception:  # Py4JJavaError (class missing), Connect sessions without a JVM
-        return False
-    return True
+    except Exception as refused:  # Py4JJavaError, Connect sessions without a JVM
+        java = getattr(refused, "java_exception", None)  # Py4J's first line names the call
+        return str(java.toString()) if java is not None else typed_error_line(refused)
+    return None
 
 
 def require_delta_jars(spark: SparkSession | None) -> None:
@@ -88,11 +95,12 @@ def require_delta_jars(spark: SparkSession | None) -> None:
             "CLICKSTREAM_DELTA_ENGINE=delta-spark needs a SparkSession; "
             "pass spark= to open_tables()"
         )
-    if not delta_jars_loadable(spark):
+    refusal = _delta_jars_refusal(spark)
+    if refusal is not None:
         raise ConfigError(
             "CLICKSTREAM_DELTA_ENGINE=delta-spark, but the delta-spark JVM jars (class "
             f"{DELTA_CLASS}, artifact io.delta:delta-spark_2.13:4.x) are not loadable in this "
-            "Spark session. Put them on the classpath (spark.jars / --jars, or "
+            f"Spark session ({refusal}). Put them on the classpath (spark.jars / --jars, or "
             "spark.jars.packages where Maven is reachable) and set "
             f"spark.sql.extensions={DELTA_EXTENSION} and "
             f"spark.sql.catalog.spark_catalog={DELTA_CATALOG}; or set "

@@ -23,7 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import BatchRefusedError
+from clickstream.errors import BatchRefusedError, noted_on
 from clickstream.events import contract
 from clickstream.io import read_point
 from clickstream.io.delta_tables import DeltaTables, open_tables
@@ -366,9 +366,10 @@ def _merge_in_group(tables: DeltaTables, config: Config, valid: DataFrame, kind:
         if kind == "pageviews":
             return merge_pageviews(tables, valid, client_id, run_id, dates)
         return merge_orders(tables, valid, client_id, run_id)
-    except BaseException:
-        if merged_earlier(tables, kind, run_id) is None:
-            read_point.close_group(config, tables, group)
+    except BaseException as error:
+        with noted_on(error, "closing its read point group"):
+            if merged_earlier(tables, kind, run_id) is None:
+                read_point.close_group(config, tables, group)
         raise
 
 

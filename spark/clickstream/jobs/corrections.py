@@ -158,7 +158,12 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from clickstream.config import Config
-from clickstream.errors import ClickstreamError, CommitConflictError, PlanNotAppliedError
+from clickstream.errors import (
+    ClickstreamError,
+    CommitConflictError,
+    PlanNotAppliedError,
+    noted_on,
+)
 from clickstream.events import contract
 from clickstream.io import read_point
 from clickstream.io.delta_tables import TABLE_MISSING, DeltaTables
@@ -1023,9 +1028,10 @@ def record_plan(run: Run, changes: DataFrame, run_seq: int,
             CORRECTIONS.name, changes, app_id=run.app_id, version=run_seq,
             partition_by=CORRECTIONS.partition_by,
             metadata={"run_id": run.run_id, "cause": run.cause, **totals})
-    except BaseException:
-        if opened and not plan_recorded(run, run_seq):  # nothing of the group committed
-            read_point.close_group(run.config, run.tables, run.run_id)
+    except BaseException as error:
+        with noted_on(error, "closing its read point group"):
+            if opened and not plan_recorded(run, run_seq):  # nothing of the group committed
+                read_point.close_group(run.config, run.tables, run.run_id)
         raise
     if not recorded:  # (C6)
         if opened:

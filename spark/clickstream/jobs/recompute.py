@@ -120,6 +120,7 @@ from clickstream.errors import (
     PlanNotAppliedError,
     carried_error,
     error_line,
+    noted_on,
     one_error_for,
     typed_error_line,
 )
@@ -232,9 +233,13 @@ def run_recompute(
         save_result(config, result_name, summary, earlier=earlier, working_on=working_on)
 
     try:
-        return _recompute(config, client_id, spark, progress, summary, starting=save)
-    finally:
-        save(None)
+        done = _recompute(config, client_id, spark, progress, summary, starting=save)
+    except BaseException as error:
+        with noted_on(error, f"saving the tables it changed (--save-result-as {result_name})"):
+            save(None)
+        raise
+    save(None)
+    return done
 
 
 def _recompute(config: Config, client_id: str | None, spark: SparkSession | None,
@@ -599,10 +604,11 @@ def _rewrite_client(run: Run, started: float) -> FullRecomputeSummary:
             record_plan(run, plan, run_seq)  # a crash from here on leaves it to be finished (C6)
         since = publish_started(config)
         _replace_rewritten(run, rewrites)
-    except BaseException:
+    except BaseException as error:
         # An empty plan: the rewrite changes nothing, a part of it is not half of a change.
-        if not planned or not plan_recorded(run, run_seq):
-            read_point.close_group(config, tables, run.run_id)
+        with noted_on(error, "closing its read point group"):
+            if not planned or not plan_recorded(run, run_seq):
+                read_point.close_group(config, tables, run.run_id)
         raise
     read_point.close_group(config, tables, run.run_id)
     if planned:
@@ -636,17 +642,23 @@ def _replace_rewritten(run: Run, rewrites: list[_Rewrite]) -> None:
                 read_version=rewrite.read_version,
                 metadata={"run_id": f"full-{version}", "cause": f"full recompute of {client_id}"})
         except CommitConflictError as exc:
-            # The table keeps the rows the tombstones retracted: the topic gets them back.
-            publish_rows(config, topic, stored.join(
-                retracted.select(F.col("key").alias(key)), key, "left_semi"), spec)
-            raise ClickstreamError(
+            refused = (
                 f"full recompute of {client_id}: table {spec.name!r} changed while it ran (the "
                 "sessionizer or a correction run on another machine committed into the "
                 f"client's rows); it was not rewritten"
                 f"{' (sessions were, and published)' if spec is ATTRIBUTIONS else ''}. Its "
                 "changes are recorded as the client's unpublished plan: the next correction "
-                "run of the client (a rerun of this one too) applies and publishes them"
-            ) from exc
+                "run of the client (a rerun of this one too) applies and publishes them")
+            # The table keeps the rows the tombstones retracted: the topic gets them back.
+            try:
+                publish_rows(config, topic, stored.join(
+                    retracted.select(F.col("key").alias(key)), key, "left_semi"), spec)
+            except Exception as put_back:
+                raise ClickstreamError(
+                    f"{refused}; sending back to {topic} the rows its tombstones retracted "
+                    f"failed as well ({typed_error_line(put_back)}): until that run, the "
+                    f"topic lacks rows table {spec.name!r} holds") from put_back
+            raise ClickstreamError(refused) from exc
         # Each table's view once it is committed; with the rows it left to the stream too: a
         # superseded plan (R7) may have applied some unpublished. A key fresh also has (an
         # order id's other copy, R14) goes out with fresh's revision, as planned.

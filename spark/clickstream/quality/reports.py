@@ -47,6 +47,7 @@ import functools
 import hashlib
 import html
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
@@ -137,8 +138,14 @@ def record(config: Config, entry: ReportEntry) -> Path:
     """Add ``entry`` to the index and rebuild ``index.html``; returns the index's path."""
     root = reports_dir(config)
     with _locked(root):
-        with (root / ENTRIES).open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(asdict(entry)) + "\n")
+        with (root / ENTRIES).open("a+b") as handle:  # appends go to the end, read or not
+            end = handle.seek(0, os.SEEK_END)
+            cut = False
+            if end:  # a line an earlier append left cut (a full disk, a kill): this entry
+                handle.seek(end - 1)  # starts a line of its own, or the two were glued into
+                cut = handle.read(1) != b"\n"  # one that does not parse, both lost
+            line = json.dumps(asdict(entry)) + "\n"
+            handle.write((("\n" if cut else "") + line).encode())
         return _rebuild_index(root, touched=(entry.job, entry.run_id))
 
 
@@ -151,16 +158,30 @@ def rebuild_index(config: Config) -> Path:
 
 def read_entries(root: Path) -> list[ReportEntry]:
     """The index's entries, the latest one per page."""
+    return _entries_and_unreadable(root)[0]
+
+
+def _entries_and_unreadable(root: Path) -> tuple[list[ReportEntry], list[int]]:
+    """The index's entries, the latest one per page; and the numbers of the lines of
+    ``runs.jsonl`` that are no entry (cut by a full disk or a kill, or written by another
+    release of the product), which the index names rather than leaving their runs out
+    without a word."""
     path = root / ENTRIES
     if not path.exists():
-        return []
+        return [], []
     by_href: dict[str, ReportEntry] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(ValueError, TypeError):
+    unreadable: list[int] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
             entry = ReportEntry(**json.loads(line))
-            if (root / entry.href).exists():
-                by_href[entry.href] = entry
-    return list(by_href.values())
+        except (ValueError, TypeError):
+            unreadable.append(number)
+            continue
+        if (root / entry.href).exists():
+            by_href[entry.href] = entry
+    return list(by_href.values()), unreadable
 
 
 def page(title: str, body: str, *, depth: int = 0) -> str:
@@ -288,7 +309,8 @@ def _runs_table(rows: Sequence[_RunRow]) -> str:
 def _rebuild_index(root: Path, touched: tuple[str, str] | None = None) -> Path:
     """Write the index and its filtered pages; with ``touched`` (the job and run id of a new
     entry), only the filtered pages it changed (R5)."""
-    rows = _run_rows(read_entries(root))
+    entries, unreadable = _entries_and_unreadable(root)
+    rows = _run_rows(entries)
     clients = sorted({client for row in rows for client in row.clients})
     suites_rows = []
     for gate in suites.GATES:
@@ -301,7 +323,7 @@ def _rebuild_index(root: Path, touched: tuple[str, str] | None = None) -> Path:
             f"</td><td>{html.escape(str(meta.get('step', '')))}</td>"
             f"<td>{html.escape(str(meta.get('on_failure', '')))}</td></tr>")
     body = (
-        _filters(clients, INDEX) + _runs_table(rows) +
+        _unreadable_note(unreadable) + _filters(clients, INDEX) + _runs_table(rows) +
         "<h2>Gates</h2><p>Each gate's expectation suite (versioned JSON in "
         "<code>expectations/</code>), rendered by Great Expectations.</p>"
         "<table><tr><th>gate</th><th>version</th><th>runs in</th><th>on failure</th></tr>"
@@ -325,6 +347,16 @@ def _rebuild_index(root: Path, touched: tuple[str, str] | None = None) -> Path:
     write_atomically(target, page("Quality reports", body).replace(
         f"<p class='muted'><a href='{INDEX}'>&larr; all quality reports</a></p>", ""))
     return target
+
+
+def _unreadable_note(numbers: list[int]) -> str:
+    if not numbers:
+        return ""
+    shown = ", ".join(map(str, numbers[:10])) + (" and more" if len(numbers) > 10 else "")
+    return (f"<p>{status_badge('warning')} {len(numbers)} line(s) of <code>{ENTRIES}</code> "
+            f"could not be read (line {shown}): the runs they record are not listed. A line "
+            "cut by a full disk or a kill, or one another release wrote; fix or delete it: "
+            "the next run's report rebuilds this page.</p>")
 
 
 # --- Great Expectations Data Docs ------------------------------------------------------------

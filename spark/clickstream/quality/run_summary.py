@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from clickstream.atomic_files import write_atomically
 from clickstream.config import Config
-from clickstream.errors import typed_error_line
+from clickstream.errors import noted_on, typed_error_line
 from clickstream.quality import reports
 from clickstream.quality.gates import split_run_id
 
@@ -117,8 +117,6 @@ def _write(config: Config, *, run_id: str, client_id: str, lines: Lines, failed:
 def write_failure_safely(error: BaseException, write: Callable[[], T]) -> T | None:
     """Call ``write()`` (a failure page's writer) while ``error`` propagates: the step's own
     error is the one to raise, so a failure to write the page becomes a note on it."""
-    try:
+    with noted_on(error, "writing the run's failure report"):
         return write()
-    except Exception as report_error:
-        error.add_note(f"the run's failure report could not be written: {report_error}")
-        return None
+    return None
