@@ -1804,14 +1804,29 @@ def test_a_json_lines_batch_without_one_object_is_read_as_its_lines(
 def test_files_under_hidden_folders_are_not_part_of_a_batch(
     stream_config: Config, spark: SparkSession
 ) -> None:
+    """Left out as Spark leaves them, and named: a file named so by mistake (``_part2``) was
+    skipped without a word, its rows neither merged nor quarantined (review, session 88)."""
     write_rows(stream_config, "h/orders.jsonl", [
         {**order_row("h1", "u", 1), "ts": START.isoformat()}], "jsonl")
     for hidden in ("_temporary", ".ipynb_checkpoints"):
         (stream_config.landing / "h" / hidden).mkdir()
         (stream_config.landing / "h" / hidden / "part.jsonl").write_text("{not json\n")
+    (stream_config.landing / "h" / "_part2.jsonl").write_text("{not json\n")
+    (stream_config.landing / "h" / "_SUCCESS").write_text("")  # of no batch format: not named
+    lines: list[str] = []
     summary = run_backfill(stream_config, kind="orders", client_id="client-00", spark=spark,
-                           path="h")
+                           path="h", progress=lines.append)
     assert (summary.rows_read, summary.rows_merged, summary.quarantined) == (1, 1, 0)
+    assert ("  not read: 3 file(s) of an accepted format whose names (or folders' names) start "
+            "with '.' or '_', which Spark skips as hidden: .ipynb_checkpoints/part.jsonl, "
+            "_part2.jsonl, _temporary/part.jsonl; rename any that belongs to the batch and "
+            "rerun") in lines, lines
+    located = backfill_steps.locate_batch(stream_config, kind="orders", client_id="client-00",
+                                          path="h")
+    assert located["not_read"] == lines[lines.index(f"  {located['not_read']}")].strip()
+    assert backfill_steps.locate_batch(  # a batch without any: nothing to say
+        stream_config, kind="orders", client_id="client-00", path="h/orders.jsonl",
+    )["not_read"] is None
 
 
 def test_csv_files_must_share_one_header_and_rows_must_match_it(

@@ -433,6 +433,8 @@ def _merge_and_correct(config: Config, files: BatchFiles, kind: BatchKind, clien
     warm_up(config)  # Great Expectations takes seconds to import; overlap it with the reads
     progress(f"backfill {run_id}: {len(files.files)} {files.file_format} files under "
              f"{files.root}")
+    if (hidden := files.hidden_line()) is not None:
+        progress(f"  {hidden}")
 
     def start(name: str) -> float:
         progress(f"  {name} ...")  # a long step's liveness lines follow it (cli's heartbeat)

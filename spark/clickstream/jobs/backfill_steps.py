@@ -674,7 +674,8 @@ def locate_batch(config: Config, *, kind: BatchKind, client_id: str, path: str
                  ) -> dict[str, Any]:
     """The batch's files and run id, without Spark: the path check (inside the landing
     folder, no traversal, no symlinks out), formats, and the fingerprint that pins every
-    later step to these exact files (S1).
+    later step to these exact files (S1). ``not_read`` names the hidden files of an
+    accepted format the batch leaves out (``BatchFiles.hidden``), or is None.
 
     Raises:
         BatchRefusedError: the path leaves the landing folder, is missing or empty, or mixes
@@ -683,7 +684,8 @@ def locate_batch(config: Config, *, kind: BatchKind, client_id: str, path: str
     check_client_id(client_id)
     files = list_batch_files(config, path)
     return {"run_id": backfill_run_id(kind, client_id, files), "root": str(files.root),
-            "file_count": len(files.files), "file_format": files.file_format}
+            "file_count": len(files.files), "file_format": files.file_format,
+            "not_read": files.hidden_line()}
 
 
 def step_result_path(config: Config, run_id: str, step: str, dry_run: bool = False) -> Path:

@@ -262,6 +262,20 @@ class BatchFiles:
     root: Path
     files: tuple[Path, ...]
     file_format: str
+    hidden: tuple[Path, ...] = ()
+    """Files of an accepted format the batch leaves out, as Spark does, for names starting
+    with '.' or '_' (theirs or a folder's): said, so a file named so by mistake is not lost
+    without a word (a macOS copy's ``._orders.csv`` is one to leave out)."""
+
+    def hidden_line(self) -> str | None:
+        """What the progress says of :attr:`hidden`, if any."""
+        if not self.hidden:
+            return None
+        names = ", ".join(str(p.relative_to(self.root)) for p in self.hidden[:5])
+        more = f" and {len(self.hidden) - 5} more" if len(self.hidden) > 5 else ""
+        return (f"not read: {len(self.hidden)} file(s) of an accepted format whose names (or "
+                f"folders' names) start with '.' or '_', which Spark skips as hidden: {names}"
+                f"{more}; rename any that belongs to the batch and rerun")
 
     @property
     def fingerprint(self) -> str:
@@ -323,10 +337,11 @@ def _unlisted(error: OSError) -> None:
         "would be left out of the batch; give this process read access to it") from error
 
 
-def _files_under(root: Path) -> list[Path]:
+def _files_under(root: Path) -> tuple[list[Path], list[Path]]:
     """The batch files of a folder: none under hidden folders; linked folders refused (B5);
-    a folder that is (or holds) a Delta table refused (B20)."""
-    found = []
+    a folder that is (or holds) a Delta table refused (B20). And the hidden files of an
+    accepted format, left out (``BatchFiles.hidden``)."""
+    found: list[Path] = []
     for folder, subfolders, names in os.walk(root, onerror=_unlisted):
         if "_delta_log" in subfolders:
             _refuse_a_delta_table(Path(folder))
@@ -338,7 +353,19 @@ def _files_under(root: Path) -> list[Path]:
                     "files would not be read; copy them into the batch folder or pass the "
                     "linked folder's path instead")
         found += [Path(folder) / name for name in names if not _hidden(name)]
-    return sorted(found)
+    return sorted(found), _hidden_batch_files(root)
+
+
+def _hidden_batch_files(root: Path) -> list[Path]:
+    """The files of an accepted format under ``root`` that the batch leaves out as hidden: by
+    their name, or a folder's between them and ``root``."""
+    hidden: list[Path] = []
+    for folder, subfolders, names in os.walk(root, onerror=_unlisted):
+        subfolders[:] = [name for name in subfolders if name != "_delta_log"]
+        in_hidden = any(_hidden(part) for part in Path(folder).relative_to(root).parts)
+        hidden += [Path(folder) / name for name in names
+                   if Path(name).suffix.lower() in FORMATS and (in_hidden or _hidden(name))]
+    return sorted(hidden)
 
 
 def list_batch_files(config: Config, path: str) -> BatchFiles:
@@ -353,7 +380,7 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             break
         if (folder / "_delta_log").is_dir():
             _refuse_a_delta_table(folder)
-    candidates = _files_under(root) if root.is_dir() else [root]  # a FIFO too: B21 below
+    candidates, hidden = _files_under(root) if root.is_dir() else ([root], [])  # B21 below
     for candidate in candidates:
         reason = unreadable_path_reason(str(candidate))
         if reason:
@@ -400,7 +427,7 @@ def list_batch_files(config: Config, path: str) -> BatchFiles:
             raise BatchRefusedError(
                 f"batch file {p} is {utf16} text, not UTF-8; re-encode it as UTF-8 (e.g. "
                 f"iconv -f {utf16} -t UTF-8, dropping a byte-order mark) and load it again")
-    return BatchFiles(root, tuple(candidates), file_format)
+    return BatchFiles(root, tuple(candidates), file_format, tuple(hidden))
 
 
 def csv_header(batch: BatchFiles) -> list[str]:
