@@ -658,11 +658,11 @@ def _run(args: argparse.Namespace, ctrl_c: threading.Event) -> int:
 
 def _failed(command: str, config: Config | None, error: ClickstreamError, *,
             keep_traceback: bool) -> int:
-    """One line, always: a message carrying an engine's text (several lines) is cut to its
-    first, and kept whole in the traceback file; so is one raised from a bug (a recompute's
-    clients, R12). Above it, a line per failure noted on the way (``add_note``: a failed
-    run's summary page that could not be written): not part of ``str(error)``, they were
-    never shown."""
+    """The error in one line, always: a message carrying an engine's text (several lines) is
+    cut to its first, and kept whole in the traceback file; so is one raised from a bug (a
+    recompute's clients, R12). Above it, a line per failure noted on the way (``add_note``:
+    a failed run's summary page that could not be written): not part of ``str(error)``, they
+    were never shown."""
     _print_notes(command, error)
     first, *rest = str(error).strip().splitlines() or [""]
     kept = f"; {_keep_traceback(config, command)}" if keep_traceback or rest else ""

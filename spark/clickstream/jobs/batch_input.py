@@ -360,7 +360,9 @@ def _hidden_batch_files(root: Path) -> list[Path]:
     """The files of an accepted format under ``root`` that the batch leaves out as hidden: by
     their name, or a folder's between them and ``root``."""
     hidden: list[Path] = []
-    for folder, subfolders, names in os.walk(root, onerror=_unlisted):
+    # Folders it cannot list are passed over: a hidden one's files are not the batch's, and
+    # a batch folder that cannot be listed was refused by the walk that found the batch.
+    for folder, subfolders, names in os.walk(root):
         subfolders[:] = [name for name in subfolders if name != "_delta_log"]
         in_hidden = any(_hidden(part) for part in Path(folder).relative_to(root).parts)
         hidden += [Path(folder) / name for name in names
