@@ -33,7 +33,9 @@ gates of `clickstream.quality.gates` and reports under **Quality reports**):
 1. `locate_batch` — the path must stay inside the landing folder; formats; the batch's
    fingerprint becomes the run id, and every later step refuses files that changed since.
    A refused path fails the run at once with the reason (no retries), as does a conf key
-   this DAG has no parameter for (from the REST API: Airflow would ignore it).
+   this DAG has no parameter for (from the REST API: Airflow would ignore it). Its result's
+   `not_read` names the folder's hidden files of an accepted format (names starting with
+   `.` or `_`), which the batch leaves out as Spark does.
 2. `validate_batch` — columns, types and values; counts bad rows (with reasons), rows that
    are new or changed, users and stored sessions in reach. In a dry run it also runs the
    `historical_batch` gate and reports its verdict. Writes nothing.
