@@ -323,4 +323,4 @@ def test_a_job_whose_jvm_ended_shows_its_own_error(tmp_path: Path, config: Confi
              "CLICKSTREAM_WAREHOUSE": str(config.warehouse), **temp_folders_in(tmp_path)},
         capture_output=True, text=True, timeout=300)
     assert "escaped: ValueError the job's own error" in finished.stdout, finished.stderr[-3000:]
-    assert "notes: freeing the job's cached frames failed too: " in finished.stdout
+    assert "notes: freeing the job's cached frames failed as well: " in finished.stdout

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 
 from clickstream import interrupts, jvm_class_archive
 from clickstream.config import ENV_NAMES, Config
-from clickstream.errors import ConfigError
+from clickstream.errors import ConfigError, noted_on
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -337,11 +337,9 @@ def releases_cache(job: Callable[P, R]) -> Callable[P, R]:
         try:
             result = job(*args, **kwargs)
         except BaseException as error:
-            try:  # fails too when the job's error was the JVM's end: the job's error is shown
+            # fails too when the job's error was the JVM's end: the job's error is shown
+            with noted_on(error, "freeing the job's cached frames"):
                 _free_cache()
-            except Exception as freeing_error:
-                error.add_note(f"freeing the job's cached frames failed too: "
-                               f"{type(freeing_error).__name__}: {freeing_error}")
             raise
         _free_cache()
         return result

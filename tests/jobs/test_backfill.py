@@ -394,6 +394,44 @@ def test_rerunning_the_same_batch_changes_nothing(stream_config: Config,
     assert page.read_text() == written
 
 
+def test_a_rerun_under_a_stricter_setting_quarantines_what_the_first_attempt_passed(
+        stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attempt quarantined its bad rows and stopped before its merge; the rerun,
+    under a stricter CLICKSTREAM_MAX_TS_AHEAD, refused one row more. The quarantine write was
+    once per run, so that row went to neither ``pageviews`` nor ``quarantine`` (review,
+    session 88). Every row is now in one of them, and a rerun like it writes nothing."""
+    written = datetime(2026, 11, 2, tzinfo=UTC)
+    rows = [pv_row("kept", "u", 0), {**pv_row("no-url", "u", 1), "url": ""},
+            {**pv_row("ahead", "u", 2), "ts": written + timedelta(minutes=5)}]
+    path = write_rows(stream_config, "p", rows, "parquet")
+    for file in (stream_config.landing / path).iterdir():
+        os.utime(file, (written.timestamp(), written.timestamp()))
+
+    def stopped(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("stopped after the quarantine write, before the merge")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(backfill_module, "merge_valid_rows", stopped)
+        with pytest.raises(RuntimeError, match="before the merge"):
+            run_backfill(stream_config, kind="pageviews", client_id="client-00", spark=spark,
+                         path=path)
+    assert ["no-url" in r["raw"] for r in table_rows(stream_config, spark, "quarantine")
+            ] == [True]
+
+    stricter = stream_config.replace(max_ts_ahead_minutes=1.0)
+    summary = run_backfill(stricter, kind="pageviews", client_id="client-00", spark=spark,
+                           path=path)
+    reasons = {json.loads(r["raw"])["event_id"]: r["reason"]
+               for r in table_rows(stream_config, spark, "quarantine")}
+    assert sorted(reasons) == ["ahead", "no-url"], reasons
+    assert "ahead of the time its file was last modified" in reasons["ahead"], reasons
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["kept"]
+    assert (summary.quarantined, summary.rows_merged) == (2, 1)
+    after = versions(stream_config, spark)
+    run_backfill(stricter, kind="pageviews", client_id="client-00", spark=spark, path=path)
+    assert versions(stream_config, spark) == after
+
+
 def test_a_rerun_of_a_batch_that_merged_nothing_does_not_undo_a_later_update(
         stream_config: Config, spark: SparkSession) -> None:
     """A run whose orders were all stored already committed nothing, so a rerun after a

@@ -268,9 +268,13 @@ def quarantine_reasons(run_id: str, reasons: tuple[str, ...]) -> str:
 
 def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult | None,
                          client_id: str, run_id: str, progress: Callable[[str], None]) -> int:
-    """Quarantine the batch's rows with an ``error`` (one transaction per run: a rerun adds
-    none), then refuse the whole batch if its ``historical_batch`` gate failed; when most of
-    its rows are another client's than ``client_id``, the error names that client.
+    """Quarantine the batch's rows with an ``error`` once each, then refuse the whole batch
+    if its ``historical_batch`` gate failed; when most of its rows are another client's than
+    ``client_id``, the error names that client.
+
+    A rerun quarantines only the rows no earlier attempt of the run did: those a validation
+    setting changed since (a stricter ``CLICKSTREAM_MAX_TS_AHEAD``) now refuses. Skipping the
+    write on a rerun, as before, left such rows out of both their table and ``quarantine``.
 
     Raises:
         QualityGateFailedError: the gate failed; nothing is merged, the rows are quarantined.
@@ -278,13 +282,25 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
     bad = batch.where(F.col("error").isNotNull())
     quarantined = bad.count()
     if quarantined:
-        tables.append_once(QUARANTINE.name, bad.select(
-            "raw", F.concat(F.lit(quarantined_source_prefix(run_id)), "source").alias("source"),
+        prefix = quarantined_source_prefix(run_id)
+        rows = bad.select(
+            "raw", F.concat(F.lit(prefix), "source").alias("source"),
             F.col("error").alias("reason"), "client_id",
             F.current_timestamp().alias("quarantined_at"),
-            F.current_date().alias("quarantine_date")),
-            app_id=backfill_app_id(run_id), version=1, partition_by=QUARANTINE.partition_by,
-            metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+            F.current_date().alias("quarantine_date"))
+        app_id = backfill_app_id(run_id)
+        attempts = tables.app_version(QUARANTINE.name, app_id)
+        if attempts is not None:  # a rerun: only the rows no attempt quarantined (a
+            # source is the row's file: its text tells the rows of a file apart)
+            stored = tables.read(QUARANTINE.name).where(F.col("source").startswith(prefix))
+            rows = rows.alias("row").join(stored.alias("stored"), (
+                F.col("row.source") == F.col("stored.source")) & F.col("row.raw").eqNullSafe(
+                F.col("stored.raw")), "left_anti")
+        if attempts is None or not rows.isEmpty():  # a rerun's empty write commits nothing
+            tables.append_once(QUARANTINE.name, rows, app_id=app_id,
+                               version=(attempts or 0) + 1,
+                               partition_by=QUARANTINE.partition_by,
+                               metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
     if gate is not None:
         progress(f"  {gate.describe()}")
         main_client = gate.checks.get("main_client_id")
