@@ -579,6 +579,43 @@ def test_a_second_signal_stops_a_batch_waiting_for_a_merge_at_once(
         *stored, "u1"]
 
 
+def test_a_replay_under_a_stricter_setting_quarantines_what_the_first_attempt_passed(
+    stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Z21) The micro-batch dies at its pageviews commit, its quarantine committed; it is
+    replayed under a stricter CLICKSTREAM_MAX_TS_AHEAD, which refuses a pageview the first
+    attempt passed. The replay skipped its committed quarantine write, so that pageview went
+    to neither table (review, session 88). Each record is now in one of them, once."""
+    sent = datetime(2026, 11, 1, tzinfo=UTC)
+    produce(stream_config, [pageview("u", sent, "kept"),
+                            pageview("u", sent + timedelta(minutes=5), "ahead"),
+                            ("client-00/u", "not json")], timestamp=sent)
+
+    def crash_at_the_pageviews_commit(table: str, attempt: int) -> None:
+        if table != "pageviews":
+            return
+        deadline = time.monotonic() + 15  # written side by side: the quarantine's first
+        while not table_rows(stream_config, spark, "quarantine") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        raise RuntimeError("killed before the pageviews commit")
+
+    monkeypatch.setattr(sessionize, "open_tables", lambda config, spark: open_tables(
+        config, spark, before_commit=crash_at_the_pageviews_commit))
+    with pytest.raises(ClickstreamError):
+        run_sessionizer(stream_config, until_caught_up=True, spark=spark)
+    monkeypatch.setattr(sessionize, "open_tables", open_tables)
+    assert [r["raw"] for r in table_rows(stream_config, spark, "quarantine")] == ["not json"]
+    assert table_rows(stream_config, spark, "pageviews") == []
+
+    stricter = stream_config.replace(max_ts_ahead_minutes=1.0)
+    run_sessionizer(stricter, until_caught_up=True, spark=spark)  # replays the micro-batch
+    quarantined = table_rows(stream_config, spark, "quarantine")
+    assert sorted(json.loads(r["raw"])["event_id"] if r["raw"] != "not json" else r["raw"]
+                  for r in quarantined) == ["ahead", "not json"], quarantined
+    assert len({r["source"] for r in quarantined}) == 2
+    assert [r["event_id"] for r in table_rows(stream_config, spark, "pageviews")] == ["kept"]
+
+
 def test_a_crash_before_the_pageviews_commit_cannot_let_a_recompute_drop_the_late_pageview(
     stream_config: Config, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

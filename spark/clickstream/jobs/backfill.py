@@ -52,6 +52,7 @@ from clickstream.jobs.sessionize import check_stream_settings, records_lock, str
 from clickstream.quality.checks import (
     backfill_app_id,
     merged_source,
+    not_yet_quarantined,
     quarantined_source_prefix,
     run_commit_version,
 )
@@ -290,12 +291,9 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
             F.current_date().alias("quarantine_date"))
         app_id = backfill_app_id(run_id)
         attempts = tables.app_version(QUARANTINE.name, app_id)
-        if attempts is not None:  # a rerun: only the rows no attempt quarantined (a
-            # source is the row's file: its text tells the rows of a file apart)
-            stored = tables.read(QUARANTINE.name).where(F.col("source").startswith(prefix))
-            rows = rows.alias("row").join(stored.alias("stored"), (
-                F.col("row.source") == F.col("stored.source")) & F.col("row.raw").eqNullSafe(
-                F.col("stored.raw")), "left_anti")
+        if attempts is not None:  # a rerun: only the rows no attempt quarantined
+            rows = not_yet_quarantined(rows, tables.read(QUARANTINE.name, ["source", "raw"])
+                                       .where(F.col("source").startswith(prefix)))
         if attempts is None or not rows.isEmpty():  # a rerun's empty write commits nothing
             tables.append_once(QUARANTINE.name, rows, app_id=app_id,
                                version=(attempts or 0) + 1,

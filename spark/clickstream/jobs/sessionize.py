@@ -175,6 +175,12 @@ Known edge cases, cited inline as (Z1)..(Z18):
       watermark and stops there, and the record branch drops it: it moves the watermark and
       is neither stored, counted as a record, nor seen by the session state. The micro-batch
       that reads it says so in its progress line; the next one emits what it closed.
+  Z21. A replayed micro-batch whose quarantine write an earlier attempt committed quarantines
+      the records no attempt did: a validation setting changed since (a stricter
+      ``CLICKSTREAM_MAX_TS_AHEAD``, the gates turned to ``enforce``) refuses records the first
+      attempt passed, and the replay stores them nowhere else. Found by ``source`` (the Kafka
+      position), under a transaction of the batch's own, so a later replay adds only what is
+      new again. Records the first attempt quarantined and the replay passes are stored too.
 """
 
 from __future__ import annotations
@@ -228,6 +234,7 @@ from clickstream.locks import (
     warehouse_sessionizer_lock,
 )
 from clickstream.progress import utc_text
+from clickstream.quality.checks import not_yet_quarantined
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
@@ -833,6 +840,22 @@ class MicroBatchWriter:
             partition_by=spec.partition_by,
             metadata={"run_id": self.run_id, "cause": f"{JOB} batch {batch_id}"})
 
+    def _quarantine_left_out(self, rows: DataFrame, batch_id: int, app_id: str) -> int:
+        """(Z21) Quarantine the replayed batch's error ``rows`` no attempt of it quarantined.
+
+        Reads the source and text of every ``quarantine`` row: on a replay only, once."""
+        left_out = not_yet_quarantined(rows, self.tables.read(QUARANTINE.name,
+                                                              ["source", "raw"]))
+        if left_out.isEmpty():
+            return 0
+        replay_app_id = f"{app_id}-replay-{batch_id}"
+        attempts = self.tables.app_version(QUARANTINE.name, replay_app_id)
+        return self.tables.append_once(
+            QUARANTINE.name, _shape(left_out, QUARANTINE), app_id=replay_app_id,
+            version=(attempts or 0) + 1, partition_by=QUARANTINE.partition_by,
+            metadata={"run_id": self.run_id,
+                      "cause": f"{JOB} batch {batch_id}, replayed (Z21)"}).rows
+
     def _stored_attributions(self, emitted: DataFrame) -> DataFrame:
         """The stored rows of the orders of ``emitted`` (the batch's attributions), read from
         their clients' days only (Z16)."""
@@ -904,11 +927,18 @@ class MicroBatchWriter:
 
         stored: dict[str, Callable[[], int]] = {}  # BatchCounts field -> its write (Z6)
         if present.get("record:error"):
-            stored["quarantined"] = lambda: store(
-                QUARANTINE, records.where(F.col("error").isNotNull()).select(
+            def quarantine() -> int:
+                rows = records.where(F.col("error").isNotNull()).select(
                     "raw", "source", F.col("error").alias("reason"), "client_id",
                     F.current_timestamp().alias("quarantined_at"),
-                    F.current_date().alias("quarantine_date")))
+                    F.current_date().alias("quarantine_date"))
+                result = self._append_once(QUARANTINE, rows, batch_id, app_id)
+                if result.committed:
+                    return result.rows
+                replayed.append(QUARANTINE.name)
+                return self._quarantine_left_out(rows, batch_id, app_id)  # (Z21)
+
+            stored["quarantined"] = quarantine
 
         valid = records.where(F.col("error").isNull()).withColumn(
             "event_date", F.to_date("ts"))
