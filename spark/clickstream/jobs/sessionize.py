@@ -17,7 +17,7 @@ batch replayed after a crash commits nothing twice (a record a backfill queued a
 merge is that backfill's to store: Z11, Z14). Kafka outputs are at least once with
 idempotent keys (session_id at its revision), so a compacted reader sees each session once.
 
-Known edge cases, cited inline as (Z1)..(Z18):
+Known edge cases, cited inline as (Z1)..(Z21):
   Z1. Spark drops rows at or before the *previous* batch's watermark before the stateful
       operator (measured on Spark 4.2). The sink applies the same rule to the record branch, so
       a row is either sessionized by the stream or stored as late and queued, never neither.
@@ -179,8 +179,9 @@ Known edge cases, cited inline as (Z1)..(Z18):
       the records no attempt did: a validation setting changed since (a stricter
       ``CLICKSTREAM_MAX_TS_AHEAD``, the gates turned to ``enforce``) refuses records the first
       attempt passed, and the replay stores them nowhere else. Found by ``source`` (the Kafka
-      position), under a transaction of the batch's own, so a later replay adds only what is
-      new again. Records the first attempt quarantined and the replay passes are stored too.
+      position) and text, under a transaction of the batch's own, so a later replay adds
+      only what is new again. Records the first attempt quarantined and the replay passes
+      are stored too.
 """
 
 from __future__ import annotations
