@@ -52,7 +52,6 @@ from clickstream.jobs.sessionize import check_stream_settings, records_lock, str
 from clickstream.quality.checks import (
     backfill_app_id,
     merged_source,
-    not_yet_quarantined,
     quarantined_source_prefix,
     run_commit_version,
 )
@@ -63,6 +62,7 @@ from clickstream.quality.gates import (
     warm_up,
 )
 from clickstream.quality.gates import enabled as gates_enabled
+from clickstream.quality.quarantine import quarantine_once
 from clickstream.quality.run_summary import failure_line, write_failure_safely, write_run_summary
 from clickstream.spark_session import build_spark, keep, release, releases_cache
 from clickstream.tables import (
@@ -70,7 +70,6 @@ from clickstream.tables import (
     MOVED_AWAY,
     ORDERS,
     PAGEVIEWS,
-    QUARANTINE,
     RECOMPUTE_QUEUE,
 )
 
@@ -289,16 +288,8 @@ def quarantine_or_refuse(tables: DeltaTables, batch: DataFrame, gate: GateResult
             F.col("error").alias("reason"), "client_id",
             F.current_timestamp().alias("quarantined_at"),
             F.current_date().alias("quarantine_date"))
-        app_id = backfill_app_id(run_id)
-        attempts = tables.app_version(QUARANTINE.name, app_id)
-        if attempts is not None:  # a rerun: only the rows no attempt quarantined
-            rows = not_yet_quarantined(rows, tables.read(QUARANTINE.name, ["source", "raw"])
-                                       .where(F.col("source").startswith(prefix)))
-        if attempts is None or not rows.isEmpty():  # a rerun's empty write commits nothing
-            tables.append_once(QUARANTINE.name, rows, app_id=app_id,
-                               version=(attempts or 0) + 1,
-                               partition_by=QUARANTINE.partition_by,
-                               metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
+        quarantine_once(tables, rows, app_id=backfill_app_id(run_id), stored_under=prefix,
+                        metadata={"run_id": run_id, "cause": f"backfill {run_id}"})
     if gate is not None:
         progress(f"  {gate.describe()}")
         main_client = gate.checks.get("main_client_id")

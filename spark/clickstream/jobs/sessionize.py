@@ -235,8 +235,8 @@ from clickstream.locks import (
     warehouse_sessionizer_lock,
 )
 from clickstream.progress import utc_text
-from clickstream.quality.checks import not_yet_quarantined
 from clickstream.quality.gates import gate_raw_events, raw_events_admitted, warm_up
+from clickstream.quality.quarantine import quarantine_once
 from clickstream.sessions.batch_adapter import amount_from_e4, no_amount, user_bucket
 from clickstream.sessions.semantics import AMOUNT_SCALE, ORDER_COPY_ORDER, PAGEVIEW_COPY_ORDER
 from clickstream.sessions.stream_adapter import OUTPUT_SCHEMA
@@ -841,22 +841,6 @@ class MicroBatchWriter:
             partition_by=spec.partition_by,
             metadata={"run_id": self.run_id, "cause": f"{JOB} batch {batch_id}"})
 
-    def _quarantine_left_out(self, rows: DataFrame, batch_id: int, app_id: str) -> int:
-        """(Z21) Quarantine the replayed batch's error ``rows`` no attempt of it quarantined.
-
-        Reads the source and text of every ``quarantine`` row: on a replay only, once."""
-        left_out = not_yet_quarantined(rows, self.tables.read(QUARANTINE.name,
-                                                              ["source", "raw"]))
-        if left_out.isEmpty():
-            return 0
-        replay_app_id = f"{app_id}-replay-{batch_id}"
-        attempts = self.tables.app_version(QUARANTINE.name, replay_app_id)
-        return self.tables.append_once(
-            QUARANTINE.name, _shape(left_out, QUARANTINE), app_id=replay_app_id,
-            version=(attempts or 0) + 1, partition_by=QUARANTINE.partition_by,
-            metadata={"run_id": self.run_id,
-                      "cause": f"{JOB} batch {batch_id}, replayed (Z21)"}).rows
-
     def _stored_attributions(self, emitted: DataFrame) -> DataFrame:
         """The stored rows of the orders of ``emitted`` (the batch's attributions), read from
         their clients' days only (Z16)."""
@@ -937,7 +921,11 @@ class MicroBatchWriter:
                 if result.committed:
                     return result.rows
                 replayed.append(QUARANTINE.name)
-                return self._quarantine_left_out(rows, batch_id, app_id)  # (Z21)
+                return quarantine_once(  # (Z21)
+                    self.tables, _shape(rows, QUARANTINE), app_id=f"{app_id}-replay-{batch_id}",
+                    after_an_attempt=True, metadata={
+                        "run_id": self.run_id,
+                        "cause": f"{JOB} batch {batch_id}, replayed (Z21)"})
 
             stored["quarantined"] = quarantine
 

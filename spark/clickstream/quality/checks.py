@@ -258,15 +258,6 @@ def quarantined_source_prefix(run_id: str) -> str:
     return f"{merged_source(run_id)}:"
 
 
-def not_yet_quarantined(rows: DataFrame, stored: DataFrame) -> DataFrame:
-    """``rows`` to quarantine less those ``stored`` (``quarantine`` rows) holds, found by
-    ``source`` and text: a backfill's source is the row's file, and a Kafka position comes
-    back when its topic is created again. For a rerun whose settings may judge rows anew."""
-    return rows.alias("row").join(stored.select("source", "raw").alias("stored"), (
-        F.col("row.source") == F.col("stored.source")) & F.col("row.raw").eqNullSafe(
-        F.col("stored.raw")), "left_anti")
-
-
 def run_commit_version(tables: DeltaTables, table: str, run_id: str, *,
                        app_id: str | None = None) -> int | None:
     """Version of the newest commit to ``table`` whose metadata names ``run_id`` (K3); None

@@ -30,10 +30,11 @@ Known edge cases, cited inline as (Q1)..(Q5):
       and no row is quarantined twice.
   Q2. Gates that stop a step after its own writes quarantine the offending rows themselves
       under the application transaction ``gate-<gate>-<run id>``, one version per failed
-      attempt, each storing only rows (by ``source``) the run's earlier attempts did not: a
-      rerun that fails the same way quarantines nothing twice, and one that fails on other
-      rows (the tables changed meanwhile) quarantines those. With one fixed version, the
-      second attempt's rows were skipped while its message said they were quarantined.
+      attempt that found rows the run's earlier attempts did not store (``quarantine_once``):
+      a rerun that fails the same way quarantines nothing twice and commits nothing, and one
+      that fails on other rows (the tables changed meanwhile) quarantines those. With one
+      fixed version, the second attempt's rows were skipped while its message said they were
+      quarantined.
   Q3. A check without rows (a count that does not reconcile) quarantines one record: the
       check results themselves, so the quarantine table says why the step stopped.
   Q4. The stream writes a Data Docs page only for micro-batches with a failed expectation,
@@ -63,7 +64,8 @@ from clickstream.config import Config
 from clickstream.errors import QualityGateFailedError
 from clickstream.quality import checks as C
 from clickstream.quality import suites
-from clickstream.tables import ORDERS, PAGEVIEWS, QUARANTINE
+from clickstream.quality.quarantine import quarantine_once
+from clickstream.tables import ORDERS, PAGEVIEWS
 
 if TYPE_CHECKING:
     from clickstream.io.delta_tables import DeltaTables
@@ -320,18 +322,10 @@ def quarantine(tables: DeltaTables, checks: C.Checks, result: GateResult,
                        F.current_date().alias("quarantine_date")).persist()
     try:
         count = rows.count()  # all of them are in quarantine once this returns
-        app_id = f"gate-{result.gate}-{result.run_id}"
-        attempts = tables.app_version(QUARANTINE.name, app_id)
-        if attempts is not None:  # (Q2) an earlier attempt of the run stored some already
-            stored = tables.read(QUARANTINE.name).where(
-                F.col("source").startswith(prefix)).select("source")
-            new = rows.join(stored, "source", "left_anti")
-        else:
-            new = rows
-        tables.append_once(QUARANTINE.name, new, app_id=app_id, version=(attempts or 0) + 1,
-                           partition_by=QUARANTINE.partition_by,
-                           metadata={"run_id": result.run_id,
-                                     "cause": f"quality gate {result.gate} failed"})
+        quarantine_once(tables, rows, app_id=f"gate-{result.gate}-{result.run_id}",  # (Q2)
+                        stored_under=prefix, metadata={
+                            "run_id": result.run_id,
+                            "cause": f"quality gate {result.gate} failed"})
         return count
     finally:
         rows.unpersist()
