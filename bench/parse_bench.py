@@ -24,6 +24,9 @@ def main() -> None:
     parser.add_argument("tree", help="the spark/ folder whose clickstream package to time")
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--without-referrer", action="store_true",
+                        help="records without a referrer key (a direct visit's pageview), "
+                        "which the check of keys in other letter case looks at")
     args = parser.parse_args()
     sys.path.insert(0, args.tree)
     from pyspark.sql import SparkSession
@@ -40,8 +43,9 @@ def main() -> None:
         "cast(concat('client-0', id % 3, '/u', id % 5000) as binary) as key",
         "cast(to_json(named_struct('event_id', concat('3f', hex(id * 7919)), 'client_id', "
         "concat('client-0', id % 3), 'user_id', concat('u', id % 5000), 'event_type', "
-        "'pageview', 'ts', '2026-11-01T09:00:00Z', 'url', concat('/p/', id % 97), "
-        "'referrer', 'https://www.google.com/')) as binary) as value",
+        "'pageview', 'ts', '2026-11-01T09:00:00Z', 'url', concat('/p/', id % 97)"
+        + ("" if args.without_referrer else ", 'referrer', 'https://www.google.com/'")
+        + ")) as binary) as value",
         "'events' as topic", "cast(id % 4 as int) as partition", "id as offset",
         "timestamp'2026-11-01 09:00:00' as timestamp", "0 as timestampType",
         "cast(null as array<struct<key:string,value:binary>>) as headers")
@@ -55,7 +59,8 @@ def main() -> None:
         started = time.perf_counter()
         row = aggregate.first()
         seconds.append(round(time.perf_counter() - started, 2))
-    print(f"{args.tree}: {row.asDict()} seconds {seconds} least {min(seconds)}")
+    shape = " (no referrer key)" if args.without_referrer else ""
+    print(f"{args.tree}{shape}: {row.asDict()} seconds {seconds} least {min(seconds)}")
     spark.stop()
 
 

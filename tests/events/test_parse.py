@@ -167,6 +167,41 @@ def test_a_bad_record_is_marked_with_the_first_rule_it_breaks(
     assert error_of(spark, value) == reason
 
 
+def misspelled(record: dict[str, Any], name: str, key: str) -> str:
+    """``record`` as JSON with its field ``name`` sent under ``key``."""
+    return json.dumps({(key if k == name else k): v for k, v in record.items()})
+
+
+def test_a_contract_key_in_other_letter_case_is_quarantined_naming_it(
+    spark: SparkSession
+) -> None:
+    """Keys are read exactly: a ``Referrer`` (a field that may be missing) was taken as no
+    referrer and its value dropped unseen; a required field's reason said only "missing"."""
+    def reason(name: str, key: str) -> str:
+        return (f"key '{key}' is not the contract's '{name}': keys are matched exactly, so the "
+                f"field reads as missing; send it as '{name}'")
+
+    cases = [(PAGEVIEW, "referrer", "Referrer"), (PAGEVIEW, "user_id", "User_Id"),
+             (PAGEVIEW, "url", "URL"), (PAGEVIEW, "ts", "TS"), (ORDER, "amount", "Amount"),
+             (ORDER, "order_id", "Order_Id")]
+    rows = parse(spark, *((None, misspelled(record, name, key)) for record, name, key in cases))
+    assert [row["error"] for row in rows] == [reason(name, key) for _, name, key in cases]
+
+
+@pytest.mark.parametrize("value", [
+    json.dumps({k: v for k, v in PAGEVIEW.items() if k != "referrer"}),  # no referrer at all
+    json.dumps({**PAGEVIEW, "referrer": None}),
+    json.dumps({**PAGEVIEW, "referrer": None, "Referrer": "x"}),  # the contract's key is read
+    json.dumps({k: v for k, v in PAGEVIEW.items() if k != "referrer"} | {"url": "Referrer"}),
+    json.dumps({**PAGEVIEW, "referrer": None, "data": {"Referrer": "x"}}),  # nested
+])
+def test_a_pageview_without_a_referrer_key_in_other_case_is_valid(
+    spark: SparkSession, value: str
+) -> None:
+    (row,) = parse(spark, (KEY, value))
+    assert (row["error"], row["referrer"]) == (None, None)
+
+
 def test_a_zero_id_is_valid_as_a_string_or_an_integer(spark: SparkSession) -> None:
     """-0 is refused (it reads as 0); a zero, and a text quoting -0, are not."""
     rows = parse(spark, *((KEY, value) for value in (

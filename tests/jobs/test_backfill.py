@@ -1811,7 +1811,35 @@ def test_json_lines_keys_spelled_in_two_cases_are_read_as_the_stream_reads_them(
         {**line, "order_id": "o3", "USER_ID": "other", "user_id": "u3"})))
     assert {key: (r["user_id"], r["error"])
             for key, r in validated(config, spark, "cases").items()} == {
-        "o1": ("u1", None), "o2": (None, "missing user_id"), "o3": ("u3", None)}
+        "o1": ("u1", None), "o2": (None, misspelled("User_Id", "user_id")), "o3": ("u3", None)}
+
+
+def misspelled(key: str, name: str) -> str:
+    return (f"key '{key}' is not the contract's '{name}': keys are matched exactly, so the "
+            f"field reads as missing; send it as '{name}'")
+
+
+def test_a_json_lines_batch_spelling_a_key_one_other_way_throughout_is_quarantined(
+    config: Config, spark: SparkSession
+) -> None:
+    """(B24) Read by the spelling Spark inferred, a batch whose lines all wrote ``Referrer``
+    merged every pageview with a null referrer, its value dropped unseen; one that wrote
+    ``User_Id`` was refused as lacking the column. Each line is now judged as the stream
+    judges a record."""
+    line = {"client_id": "client-00", "user_id": "u1", "ts": ms(START), "url": "/a"}
+    (config.landing / "r").mkdir(parents=True)
+    (config.landing / "r" / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {**line, "event_id": "e1", "Referrer": "https://ref/"},
+        {**line, "event_id": "e2", "Referrer": "https://ref/"})))
+    assert {key: (r["referrer"], r["error"]) for key, r in validated(
+        config, spark, "r", "pageviews").items()} == {
+        key: (None, misspelled("Referrer", "referrer")) for key in ("e1", "e2")}
+    (config.landing / "u").mkdir()
+    (config.landing / "u" / "a.jsonl").write_text(json.dumps(
+        {k: v for k, v in line.items() if k != "user_id"}
+        | {"User_Id": "u3", "event_id": "e3", "referrer": None}) + "\n")
+    assert {key: r["error"] for key, r in validated(config, spark, "u", "pageviews").items()
+            } == {"e3": misspelled("User_Id", "user_id")}
 
 
 def test_a_json_lines_batch_without_one_object_is_read_as_its_lines(

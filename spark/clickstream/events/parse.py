@@ -144,6 +144,26 @@ def not_text_error(value: Column, sent: Column, texts: dict[str, Column]) -> Col
     return F.coalesce(*reasons) if reasons else F.lit(None).cast("string")
 
 
+def misspelled_key_error(sent: Column, name: str, text: Column) -> Column:
+    """Reason a JSON object (``sent``, its text) lacks the contract's key ``name`` and holds
+    it in other letter case (``Referrer``), or null. Shared by the stream and JSON Lines
+    batches. Keys are read exactly, as JSON's are, so such a field reads as missing: a
+    ``referrer``, which may be missing, was stored null and its value dropped unseen, and a
+    required field's reason said only "missing".
+
+    Nested, so a record pays only when ``text`` is null and ``sent`` lacks the exact key;
+    only when the name then appears in another case are its keys listed. A key written with
+    escapes (``"Referr\\u0065r"``) is not recognised."""
+    quoted = f'"{name}"'
+    others = F.filter(F.json_object_keys(sent),
+                      lambda key: (F.lower(key) == F.lit(name)) & (key != F.lit(name)))
+    reason = F.format_string(
+        f"key '%s' is not the contract's '{name}': keys are matched exactly, so the field "
+        f"reads as missing; send it as '{name}'", F.get(others, 0))
+    return F.when(text.isNull(), F.when(~sent.contains(quoted), F.when(
+        sent.rlike(f'(?i)"{name}"'), F.when(F.size(others) > 0, reason))))
+
+
 def _blank(column: Column) -> Column:
     return column.isNull() | (F.trim(column) == "")
 
@@ -463,12 +483,19 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
         "ts", "ts_text"
     )
 
-    missing = None
-    for name in contract.REQUIRED_EVENT_FIELDS[:-1]:
-        check = F.when(_blank(F.col(name)), F.lit(f"missing field {name}"))
-        missing = check if missing is None else F.coalesce(missing, check)
-
     is_pageview = F.col("event_type") == contract.PAGEVIEW
+    raw = F.col("raw")
+    fields = {name: F.col(name) for name in contract.REQUIRED_EVENT_FIELDS[:-1]}
+    missing = F.coalesce(*(F.when(_blank(text), F.coalesce(
+        misspelled_key_error(raw, name, text), F.lit(f"missing field {name}")))
+        for name, text in fields.items()))
+    # Each type's own fields only: a pageview would look for every order field it lacks.
+    misspelled = F.coalesce(
+        misspelled_key_error(raw, "ts", F.col("ts_text")),
+        F.when(is_pageview, F.coalesce(*(misspelled_key_error(raw, name, F.col(name))
+                                         for name in ("url", "referrer")))),
+        F.when(is_order, F.coalesce(*(misspelled_key_error(raw, name, F.col(name))
+                                      for name in contract.ORDER_FIELDS))))
     error = F.when(~F.col("_tick"), F.coalesce(
         F.col("_lost"),
         F.when(F.col("_raw_bytes").isNotNull(), F.lit(not_utf8_reason("value"))),
@@ -478,6 +505,7 @@ def parse_kafka_records(records: DataFrame, *, max_ts_ahead_ms: int) -> DataFram
                F.lit("value is not valid JSON: text follows its first value")),
         F.when(~_starts_an_object(F.col("raw")), F.lit("value is not a JSON object")),
         missing,
+        misspelled,
         not_text_error(v, F.col("raw"), {name: F.col(name) for name in TEXT_FIELDS}),
         client_id_error(F.col("client_id")),
         user_id_error(F.col("user_id")),

@@ -116,8 +116,10 @@ Known edge cases, cited inline as (B1)..(B27):
       (``_not_text_error``). Read as its text, a float id 123 was stored as '123.0', two
       large ids became one ('1.23456789012345677E18', one row dropped as the other's copy).
   B24. A JSON Lines batch whose lines spell a key in two cases (``user_id``, ``User_Id``)
-      reads the contract's spelling; a line with only the other lacks that field
-      (``_one_field_per_name``). The batch failed with an unexpected error.
+      reads the contract's spelling; a line with only the other lacks that field and is
+      quarantined naming the key it has (``_one_field_per_name``, ``misspelled_key_error``).
+      The batch failed with an unexpected error; later, one whose lines all wrote
+      ``Referrer`` stored every referrer null.
   B25. A CSV or JSON Lines file in UTF-16 (a byte-order mark, or NULs between ASCII
       characters) is refused, naming it (``utf16_reason``): a CSV was refused for lacking
       every column, a JSON Lines file quarantined line by line, with a row for no record.
@@ -172,6 +174,7 @@ from clickstream.events.parse import (
     id_error,
     is_one_json_object,
     json_number_not_whole,
+    misspelled_key_error,
     not_text_error,
     not_utf8_reason,
     to_milliseconds,
@@ -730,7 +733,7 @@ def _column(name: str) -> Column:
 def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> DataFrame:
     """Each non-blank line of a JSON Lines batch as a row of the columns Spark infers from the
     batch, with the line itself and, when it is not one JSON object, why (B10)."""
-    fields = _one_field_per_name(_inferred_fields(spark, batch))
+    fields = _one_field_per_name(_inferred_fields(spark, batch), REQUIRED[kind])
     if not fields:  # (B17) no object to infer from
         fields = StructType([StructField(name, StringType()) for name in REQUIRED[kind]])
     # A required field is read as text, as the stream reads it (``parse``): whatever type
@@ -758,7 +761,9 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
             "joined on one line, or an array, are quarantined as they are); split the line "
             "and load it again")),
         not_text_error(F.col("_value"), line, {
-            name: F.col("_record")[name] for name in record.fieldNames() if name in TEXT_FIELDS}))
+            name: F.col("_record")[name] for name in record.fieldNames() if name in TEXT_FIELDS}),
+        *(misspelled_key_error(line, name, F.col("_record")[name] if name in record.fieldNames()
+                               else F.lit(None)) for name in REQUIRED[kind]))
     parsed = lines.select(F.from_json(line, record).alias("_record"),
                           F.try_parse_json(line).alias("_value"), text, "_metadata")
 
@@ -776,18 +781,21 @@ def _json_lines(spark: SparkSession, batch: BatchFiles, kind: BatchKind) -> Data
         ts_not_whole.alias(TS_NOT_WHOLE), "_metadata")
 
 
-def _one_field_per_name(fields: StructType) -> StructType:
+def _one_field_per_name(fields: StructType, contract_names: tuple[str, ...]) -> StructType:
     """(B24) One field of the names Spark takes as one column (``user_id`` and ``User_Id`` in
-    two lines, or one), the contract's own spelling first: with both, naming the column
-    failed the batch (``AMBIGUOUS_REFERENCE_TO_FIELDS``), an unexpected error retried in
-    vain. A line parses its keys exactly, as the stream does: one that spells a required
-    field otherwise lacks it, and is quarantined as missing it."""
+    two lines, or one), named as the contract spells it where it is one of
+    ``contract_names``: with both, naming the column failed the batch
+    (``AMBIGUOUS_REFERENCE_TO_FIELDS``), an unexpected error retried in vain. A line parses
+    its keys exactly, as the stream does: one that spells a contract field otherwise lacks
+    it, and is quarantined saying so (``misspelled_key_error``). Read by the inferred
+    spelling, a batch whose lines all wrote ``Referrer`` stored every referrer null."""
     kept: dict[str, StructField] = {}
     for field in fields:
         name = field.name.lower()
         if name not in kept or field.name == name:
             kept[name] = field
-    return StructType(list(kept.values()))
+    return StructType([StructField(name, field.dataType, field.nullable)
+                       if name in contract_names else field for name, field in kept.items()])
 
 
 def _without_bom(line: Column) -> Column:
