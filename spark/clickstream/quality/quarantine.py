@@ -22,7 +22,7 @@ from clickstream.io.delta_tables import DeltaTables
 from clickstream.tables import QUARANTINE
 
 
-def not_yet_quarantined(rows: DataFrame, stored: DataFrame) -> DataFrame:
+def _not_yet_quarantined(rows: DataFrame, stored: DataFrame) -> DataFrame:
     """``rows`` to quarantine less those ``stored`` (``quarantine`` rows) holds, found by
     ``source`` and text: a backfill's source is the row's file, and a Kafka position comes
     back when its topic is created again."""
@@ -47,7 +47,7 @@ def quarantine_once(tables: DeltaTables, rows: DataFrame, *, app_id: str,
         stored = tables.read(QUARANTINE.name, ["source", "raw"])
         if stored_under is not None:
             stored = stored.where(F.col("source").startswith(stored_under))
-        rows = not_yet_quarantined(rows, stored)
+        rows = _not_yet_quarantined(rows, stored)
         if rows.isEmpty():  # a rerun with nothing new commits nothing
             return 0
     return tables.append_once(QUARANTINE.name, rows, app_id=app_id,
